@@ -1,0 +1,104 @@
+"""Every error xla_ckpt raises on purpose.
+
+Each class subclasses a builtin where one fits, so callers that already catch
+``FileNotFoundError`` or ``ValueError`` keep working.  Messages name the file,
+key or rank involved and say what to do next.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+
+class XlaCkptError(Exception):
+    """Base class of every error raised by xla_ckpt on purpose."""
+
+
+class CheckpointNotFoundError(XlaCkptError, FileNotFoundError):
+    """No committed checkpoint (or object) exists at the given URI."""
+
+
+class IncompleteCheckpointError(CheckpointNotFoundError):
+    """The checkpoint folder exists but has no commit marker (manifest).
+
+    A save was interrupted before it committed; readers must not trust it.
+    """
+
+
+class CheckpointCorruptError(XlaCkptError, ValueError):
+    """The checkpoint's bytes do not match what its manifest promises.
+
+    Raised for truncated files (expected vs actual size), bad headers and
+    manifests, and malformed typed state.
+    """
+
+
+class IntegrityError(CheckpointCorruptError):
+    """crc32c of bytes read differs from the manifest after bounded re-reads.
+
+    Attributes:
+        path: object or file that was read.
+        key: state key (tensor path) whose bytes were wrong, if known.
+    """
+
+    def __init__(self, message: str, *, path: str = "", key: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.key = key
+
+
+class UnsupportedTypeError(XlaCkptError, TypeError):
+    """A value in the state has a type the typed encoding cannot represent."""
+
+
+class MetaTensorError(XlaCkptError, ValueError):
+    """A tensor on the ``meta`` device has no data and cannot be saved."""
+
+
+class UnsafePickleError(XlaCkptError, ValueError):
+    """A legacy pickle references a global outside the allow-list."""
+
+
+class StorageError(XlaCkptError, OSError):
+    """A storage backend failed after its retries (or with a non-retryable error)."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """The backend refused access (HTTP 401/403, EACCES); never retried."""
+
+
+class StateMismatchError(XlaCkptError, RuntimeError):
+    """The checkpoint does not fit the live model/optimizer/criterion.
+
+    Raised by the trainer restore (fairseq ``Trainer.load_checkpoint``
+    semantics) for strict-load key mismatches and for optimizer/criterion class
+    mismatches; the message says which flag (e.g. ``reset_optimizer=True``) to
+    pass if the mismatch is intended.
+    """
+
+
+class ConfigError(XlaCkptError, ValueError):
+    """A configuration value or YAML key is invalid; the message names the key."""
+
+
+class WorldSizeMismatchError(XlaCkptError, ValueError):
+    """Sharded state was saved with a world size that cannot be resharded to the current one."""
+
+
+class DistributedError(XlaCkptError, RuntimeError):
+    """A collective step failed on one or more ranks.
+
+    Every surviving rank raises this with the same ``failures`` mapping
+    (rank -> one-line cause), modelled on PyTorch DCP's ``CheckpointException``.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
+        self.failures = dict(failures or {})
+        if self.failures:
+            detail = "; ".join(f"rank {r}: {c}" for r, c in sorted(self.failures.items()))
+            message = f"{message} [{detail}]"
+        super().__init__(message)
+
+
+class CollectiveTimeoutError(DistributedError, TimeoutError):
+    """A barrier or collective did not complete within its timeout."""

@@ -1,0 +1,81 @@
+"""crc32c (Castagnoli) over any buffer, zero-copy, GIL released.
+
+The checksum is google-crc32c's (the library google-cloud-storage uses).  Its
+Python entry point only accepts ``bytes``, which would force a copy of every
+tensor; so we call the same library's native ``crc32c_extend`` (shipped inside
+the google-crc32c wheel) through ctypes on the buffer's address.  ctypes
+releases the GIL during the call, so the I/O threads of a restore verify
+slices in parallel.  If the native library cannot be located, we fall back to
+``google_crc32c.value(bytes(buf))``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+
+import google_crc32c
+import torch
+
+_extend = None
+
+
+def _load_native():
+    here = os.path.dirname(google_crc32c.__file__)
+    candidates = sorted(glob.glob(os.path.join(here, "..", "google_crc32c.libs", "libcrc32c*.so*")))
+    candidates += sorted(glob.glob(os.path.join(here, "libcrc32c*.so*")))
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path)
+            fn = lib.crc32c_extend
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_uint32
+        return fn
+    return None
+
+
+_extend = _load_native()
+
+
+def _address(buf) -> tuple[int, int, object]:
+    """(address, length, keep-alive) of a C-contiguous byte buffer."""
+    if isinstance(buf, torch.Tensor):
+        if not buf.is_contiguous() or buf.device.type != "cpu":
+            raise ValueError("crc32c needs a contiguous CPU tensor")
+        return buf.data_ptr(), buf.numel() * buf.element_size(), buf
+    mv = memoryview(buf)
+    if not mv.c_contiguous:
+        raise ValueError("crc32c needs a C-contiguous buffer")
+    n = mv.nbytes
+    if n == 0:
+        return 0, 0, mv
+    if mv.readonly:
+        # ctypes cannot take the address of a read-only buffer without a copy of its pointer;
+        # wrap via numpy which exposes the address of any buffer.
+        import numpy as np
+
+        arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+        return arr.ctypes.data, n, arr
+    c = (ctypes.c_char * n).from_buffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+    return ctypes.addressof(c), n, c
+
+
+def crc32c(buf, crc: int = 0) -> int:
+    """crc32c of ``buf`` (bytes-like or contiguous CPU tensor), extending ``crc``."""
+    if _extend is None:
+        data = bytes(buf.numpy().tobytes() if isinstance(buf, torch.Tensor) else buf)
+        return google_crc32c.extend(crc, data) if crc else google_crc32c.value(data)
+    addr, n, keep = _address(buf)
+    if n == 0:
+        return crc
+    value = int(_extend(crc, addr, n))
+    del keep
+    return value
+
+
+def native() -> bool:
+    """True when the zero-copy native path is in use."""
+    return _extend is not None

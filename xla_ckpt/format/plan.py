@@ -1,0 +1,272 @@
+"""State -> (typed tree, tensor records, host blobs) and back.  No I/O here.
+
+Save side (:func:`plan_item`):
+
+* every tensor is brought to host (CPU) memory first: XLA tensors in one
+  batched transfer, CUDA tensors with ``.cpu()``; the recorded data never
+  carries a device tag (CASES C1);
+* a tensor on the ``meta`` device is refused with :class:`MetaTensorError`
+  naming its key (C11);
+* tensors that share one storage are written once, as one blob covering the
+  bytes they use, and come back as views of one buffer (aliasing restored); a
+  lone view of a much larger storage is written compactly (no bloat).
+
+Load side (:func:`materialize_item`): blob buffers (``uint8`` CPU tensors)
+become the recorded strided views, then the typed tree is decoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from xla_ckpt.errors import CheckpointCorruptError, MetaTensorError
+from xla_ckpt.format import typed
+from xla_ckpt.format.crc import crc32c
+from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
+from xla_ckpt.format.manifest import DEFAULT_CHUNK_SIZE_BYTES, BlobRecord, Item, TensorRecord
+
+logger = logging.getLogger(__name__)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor's data."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    flat = t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def chunk_crcs(buf: memoryview, chunk_size: int) -> tuple[int, ...]:
+    if len(buf) <= chunk_size:
+        return ()
+    return tuple(crc32c(buf[i:i + chunk_size]) for i in range(0, len(buf), chunk_size))
+
+
+@dataclass
+class PlannedBlob:
+    """A blob to write: ``data`` is a contiguous uint8 CPU tensor, ``name`` a readable label."""
+
+    name: str
+    data: torch.Tensor
+    dtype_code: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class ItemPlan:
+    """What :func:`plan_item` hands to a writer."""
+
+    state: Any
+    tensors: list[TensorRecord] = field(default_factory=list)
+    blobs: list[PlannedBlob] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.data.numel() for b in self.blobs)
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Bring tensors to CPU, batching XLA transfers; CPU tensors are returned as they are."""
+    out = list(tensors)
+    xla_idx = [i for i, t in enumerate(tensors) if t.device.type == "xla"]
+    if xla_idx:
+        import torch_xla.core.xla_model as xm  # noqa: PLC0415 - optional dependency
+
+        cpu = xm._maybe_convert_to_cpu([tensors[i] for i in xla_idx])
+        for i, t in zip(xla_idx, cpu):
+            out[i] = t
+    for i, t in enumerate(out):
+        if t.device.type != "cpu":
+            out[i] = t.detach().to("cpu")
+    return [t.detach() for t in out]
+
+
+def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -> ItemPlan:
+    """Encode ``state`` and lay out its tensors as blobs in host memory.
+
+    Raises:
+        MetaTensorError: a tensor lives on the meta device (names its key).
+        UnsupportedTypeError: a non-tensor value the typed encoding cannot hold.
+    """
+    found: list[tuple[torch.Tensor, str]] = []
+
+    def hook(t: torch.Tensor, path: tuple) -> int:
+        key = typed.format_path(path)
+        if t.device.type == "meta":
+            raise MetaTensorError(
+                f"tensor at {key} is on the meta device and holds no data; materialise it "
+                "(e.g. model.to_empty(device=...) and load/initialise weights) before saving")
+        if t.is_sparse or t.layout != torch.strided:
+            raise MetaTensorError(f"tensor at {key} has layout {t.layout}; convert it with "
+                                  ".to_dense() before saving")
+        if t.is_quantized:
+            raise MetaTensorError(f"quantized tensor at {key} is not supported; dequantize it")
+        found.append((t, key))
+        return len(found) - 1
+
+    encoded = typed.encode(state, hook)
+    host = _to_host([t for t, _ in found])
+    plan = ItemPlan(state=encoded)
+
+    # Group by storage so aliasing survives and shared bytes are written once.
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(host):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        gkey = ("storage", ptr) if ptr and t.numel() else ("lone", i)
+        groups.setdefault(gkey, []).append(i)
+
+    records: list[TensorRecord | None] = [None] * len(host)
+    for members in groups.values():
+        spans = []
+        for i in members:
+            t = host[i]
+            isz = t.element_size()
+            start = t.storage_offset() * isz
+            last = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) if t.numel() else -1
+            spans.append((start, start + (last + 1) * isz))
+        lo = min(s for s, _ in spans)
+        hi = max(e for _, e in spans)
+        used = sum(host[i].numel() * host[i].element_size() for i in members)
+        compact = len(members) == 1 and (not host[members[0]].is_contiguous() or hi - lo > used)
+        if compact or hi - lo > 2 * used and len(members) > 1 and _disjoint(spans):
+            # A lone strided view, or views spread thinly over a big storage:
+            # write each tensor densely rather than the whole span.
+            for i in members:
+                records[i] = _dense_blob(plan, host[i], found[i][1])
+            continue
+        t0 = host[members[0]]
+        raw = torch.empty(0, dtype=torch.uint8).set_(t0.untyped_storage(), lo, (hi - lo,), (1,)) \
+            if hi > lo else torch.empty(0, dtype=torch.uint8)
+        same = len(members) == 1 and host[members[0]].is_contiguous()
+        dtype_code = _code(t0.dtype) if same else "U8"
+        shape = tuple(t0.shape) if same and dtype_code != "U8" else (hi - lo,)
+        plan.blobs.append(PlannedBlob(found[members[0]][1], raw, dtype_code, shape))
+        bidx = len(plan.blobs) - 1
+        for i, (s, _e) in zip(members, spans):
+            t = host[i]
+            records[i] = TensorRecord(found[i][1], bidx, (s - lo) if t.numel() else 0,
+                                      dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()))
+    plan.tensors = [r for r in records if r is not None]
+    assert len(plan.tensors) == len(host)
+    return plan
+
+
+def _disjoint(spans: list[tuple[int, int]]) -> bool:
+    s = sorted(spans)
+    return all(b[0] >= a[1] for a, b in zip(s, s[1:]))
+
+
+def _code(dtype: torch.dtype) -> str:
+    from xla_ckpt.format.dtypes import safetensors_code
+
+    return safetensors_code(dtype) or "U8"
+
+
+def _dense_blob(plan: ItemPlan, t: torch.Tensor, key: str) -> TensorRecord:
+    dense = t.contiguous()
+    raw = dense.reshape(-1).view(torch.uint8) if dense.numel() else torch.empty(0, dtype=torch.uint8)
+    code = _code(t.dtype)
+    plan.blobs.append(PlannedBlob(key, raw, code, tuple(t.shape) if code != "U8" else (raw.numel(),)))
+    return TensorRecord(key, len(plan.blobs) - 1, 0, dtype_name(t.dtype), tuple(t.shape),
+                        tuple(dense.stride()))
+
+
+def blob_record(planned: PlannedBlob, file: str, offset: int,
+                chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -> BlobRecord:
+    """Checksum a planned blob and record where the writer put it."""
+    buf = tensor_bytes(planned.data)
+    return BlobRecord(file=file, offset=offset, length=len(buf), crc32c=crc32c(buf),
+                      chunk_size=chunk_size_bytes, chunk_crc32c=chunk_crcs(buf, chunk_size_bytes))
+
+
+MapLocation = Any  # None | str | torch.device | dict | callable, like torch.load
+
+
+def resolve_device(map_location: MapLocation, key: str) -> torch.device | None:
+    """Target device for one tensor; ``None`` keeps it on CPU (the default, as torch.load)."""
+    if map_location is None:
+        return None
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    if isinstance(map_location, Mapping):
+        dev = map_location.get("cpu")
+        return torch.device(dev) if dev is not None else None
+    if callable(map_location):
+        dev = map_location(key)
+        return torch.device(dev) if dev is not None else None
+    raise TypeError(f"map_location must be None, a device, a dict or a callable, not "
+                    f"{type(map_location).__name__}")
+
+
+def materialize_item(item: Item, blobs: Mapping[int, torch.Tensor],
+                     map_location: MapLocation = None,
+                     tensor_filter: Callable[[TensorRecord], bool] | None = None) -> Any:
+    """Rebuild an item's state from its blob buffers.
+
+    Args:
+        item: the manifest item.
+        blobs: blob index -> uint8 CPU tensor holding the blob's bytes
+            (already crc32c-checked by the reader).
+        map_location: where tensors go (None = CPU). Tensors that shared a
+            blob are placed together so they still alias on the target.
+        tensor_filter: if given, tensors for which it returns False come back
+            as ``None`` (used by sharded restores that read only some blobs).
+
+    Raises:
+        CheckpointCorruptError: a blob is missing or too short for a view.
+    """
+    moved: dict[tuple[int, str], torch.Tensor] = {}
+    out: list[torch.Tensor | None] = []
+    for rec in item.tensors:
+        if tensor_filter is not None and not tensor_filter(rec):
+            out.append(None)
+            continue
+        dtype = dtype_from_name(rec.dtype, where=rec.key)
+        if rec.numel == 0:
+            t = torch.empty(rec.shape, dtype=dtype)
+        else:
+            buf = blobs.get(rec.blob)
+            if buf is None:
+                raise CheckpointCorruptError(f"bytes of blob {rec.blob} for {rec.key} were not read")
+            isz = itemsize(dtype)
+            if rec.byte_offset % isz:
+                # Unaligned view: copy out (cannot alias a misaligned typed view).
+                span = rec.span_bytes()
+                part = buf[rec.byte_offset:rec.byte_offset + span].clone()
+                t = torch.empty(0, dtype=dtype).set_(part.untyped_storage(), 0, rec.shape, rec.stride)
+            else:
+                t = torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), rec.byte_offset // isz,
+                                                     rec.shape, rec.stride)
+        dev = resolve_device(map_location, rec.key)
+        if dev is not None and dev.type != "cpu" and rec.numel:
+            t = _to_device(t, rec, dev, blobs[rec.blob], moved)
+        elif dev is not None and dev.type != "cpu":
+            t = t.to(dev)
+        out.append(t)
+    return typed.decode(item.state, lambda i: _lookup(out, i))
+
+
+def _to_device(t: torch.Tensor, rec: TensorRecord, dev: torch.device, blob: torch.Tensor,
+               moved: dict) -> torch.Tensor:
+    """Place ``t`` on ``dev``; views of one blob stay views of one device buffer."""
+    isz = t.element_size()
+    if dev.type == "xla" or rec.byte_offset % isz:
+        return t.to(dev)  # XLA tensors have no shared storage to alias
+    k = (rec.blob, str(dev))
+    base = moved.get(k)
+    if base is None:
+        base = moved[k] = blob.to(dev)
+    return torch.empty(0, dtype=t.dtype, device=dev).set_(
+        base.untyped_storage(), rec.byte_offset // isz, rec.shape, rec.stride)
+
+
+def _lookup(out: list, i: int):
+    if not 0 <= i < len(out):
+        raise CheckpointCorruptError(f"typed state refers to tensor {i} but only {len(out)} exist")
+    return out[i]

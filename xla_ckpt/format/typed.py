@@ -1,0 +1,297 @@
+"""Typed, human-readable, pickle-free encoding of non-tensor training state.
+
+The encoding is plain JSON.  JSON natives carry what they carry exactly in
+Python (``None``, ``bool``, ``int`` of any size, finite ``float``, ``str``,
+``list``, ``dict`` with ``str`` keys); everything else is a one-key tagged
+object whose key starts with ``$``:
+
+=====================  ====================================================
+Python value           encoding
+=====================  ====================================================
+``tuple``              ``{"$tuple": [...]}``
+non-finite float       ``{"$float": "nan" | "inf" | "-inf"}``
+dict, non-str keys     ``{"$dict": [[key, value], ...]}`` (also used when a
+                       str key starts with ``$``)
+``OrderedDict``        ``{"$odict": [[key, value], ...], "meta": ...}``
+                       (``meta`` holds a state_dict's ``_metadata``)
+numpy scalar           ``{"$np": "float64", "v": 1.5}``
+numpy dtype            ``{"$np_dtype": "float32"}``
+``argparse.Namespace`` ``{"$namespace": {...}}``
+``torch.dtype``        ``{"$torch_dtype": "bfloat16"}``
+``torch.device``       ``{"$torch_device": "cpu"}``
+``bytes``              ``{"$bytes": "<base64>"}``
+``set``/``frozenset``  ``{"$set": [...]}`` / ``{"$frozenset": [...]}``
+``complex``            ``{"$complex": [re, im]}``
+tensor                 ``{"$tensor": <index into the manifest's tensors>}``
+=====================  ====================================================
+
+Anything else raises :class:`~xla_ckpt.errors.UnsupportedTypeError` naming the
+key path, so a checkpoint never holds something it cannot give back.
+Decoding is bounded: nesting deeper than :data:`MAX_DEPTH` and unknown tags
+raise :class:`~xla_ckpt.errors.CheckpointCorruptError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import math
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from xla_ckpt.errors import CheckpointCorruptError, UnsupportedTypeError
+
+MAX_DEPTH = 128
+
+PathT = Sequence[Any]
+
+
+def format_path(path: PathT) -> str:
+    """Render a key path as ``state['model']['encoder.weight'][0]``."""
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+def _torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of the ``"$torch_dtype"`` encoding; raises CheckpointCorruptError."""
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointCorruptError(f"unknown torch dtype {name!r} in checkpoint")
+    return dtype
+
+
+def encode(obj: Any, tensor_hook: Callable[[torch.Tensor, tuple], int] | None = None) -> Any:
+    """Encode ``obj`` into JSON-able data.
+
+    Args:
+        obj: nested state (dicts, lists, tuples, scalars, tensors, ...).
+        tensor_hook: called as ``tensor_hook(tensor, path)`` for every tensor;
+            returns the integer the ``{"$tensor": i}`` node stores.  Without a
+            hook a tensor raises :class:`UnsupportedTypeError`.
+
+    Raises:
+        UnsupportedTypeError: a value of an unsupported type; the message names
+            its key path and type.
+    """
+    return _encode(obj, (), tensor_hook, set())
+
+
+def _encode(obj: Any, path: tuple, hook, active: set) -> Any:
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        if hook is None:
+            raise UnsupportedTypeError(f"tensor at {format_path(path)} needs a tensor hook")
+        return {"$tensor": hook(obj, path)}
+    if isinstance(obj, np.generic):
+        if isinstance(obj, np.ndarray):  # pragma: no cover - ndarray is not np.generic
+            raise UnsupportedTypeError(f"numpy array at {format_path(path)}")
+        value = obj.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            value = {"$float": repr(value)}
+        elif isinstance(value, complex):
+            value = {"$complex": [value.real, value.imag]}
+        elif isinstance(value, bytes):
+            value = {"$bytes": base64.b64encode(value).decode("ascii")}
+        return {"$np": obj.dtype.str if obj.dtype.kind in "SUV" else obj.dtype.name, "v": value}
+    if isinstance(obj, np.ndarray):
+        return _np_array(obj, path, hook)
+    if isinstance(obj, int):  # bool was handled above
+        return int(obj)
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return float(obj)
+        return {"$float": repr(float(obj))}
+    if isinstance(obj, complex):
+        return {"$complex": [obj.real, obj.imag]}
+    if isinstance(obj, (bytes, bytearray)):
+        return {"$bytes": base64.b64encode(bytes(obj)).decode("ascii")}
+    if isinstance(obj, torch.dtype):
+        return {"$torch_dtype": _torch_dtype_name(obj)}
+    if isinstance(obj, torch.device):
+        return {"$torch_device": str(obj)}
+    if isinstance(obj, np.dtype):
+        return {"$np_dtype": obj.str if obj.kind in "SUVO" else obj.name}
+
+    oid = id(obj)
+    if oid in active:
+        raise UnsupportedTypeError(f"reference cycle at {format_path(path)}")
+    active.add(oid)
+    try:
+        if isinstance(obj, argparse.Namespace):
+            return {"$namespace": _encode(vars(obj), path, hook, active)}
+        if isinstance(obj, OrderedDict):
+            items = [[_encode(k, path, None, active), _encode(v, path + (k,), hook, active)]
+                     for k, v in obj.items()]
+            node: dict = {"$odict": items}
+            meta = getattr(obj, "_metadata", None)
+            if meta is not None:
+                node["meta"] = _encode(meta, path + ("_metadata",), None, active)
+            return node
+        if isinstance(obj, dict):
+            if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+                return {k: _encode(v, path + (k,), hook, active) for k, v in obj.items()}
+            return {"$dict": [[_encode(k, path, None, active), _encode(v, path + (k,), hook, active)]
+                              for k, v in obj.items()]}
+        if isinstance(obj, list):
+            return [_encode(v, path + (i,), hook, active) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            if hasattr(obj, "_fields"):
+                raise UnsupportedTypeError(
+                    f"namedtuple {type(obj).__qualname__} at {format_path(path)}: convert it to a "
+                    "dict or plain tuple before saving")
+            return {"$tuple": [_encode(v, path + (i,), hook, active) for i, v in enumerate(obj)]}
+        if isinstance(obj, (set, frozenset)):
+            tag = "$frozenset" if isinstance(obj, frozenset) else "$set"
+            try:
+                members = sorted(obj)
+            except TypeError:
+                members = list(obj)
+            return {tag: [_encode(v, path, None, active) for v in members]}
+    finally:
+        active.discard(oid)
+    raise UnsupportedTypeError(
+        f"cannot save value of type {type(obj).__module__}.{type(obj).__qualname__} at "
+        f"{format_path(path)}: the typed encoding holds None/bool/int/float/str, tuples, lists, "
+        "dicts, numpy scalars, argparse.Namespace, torch dtypes/devices and tensors; convert it "
+        "(e.g. to a dict) before saving")
+
+
+def _np_array(arr: np.ndarray, path: tuple, hook) -> Any:
+    if hook is None or arr.dtype.kind not in "biufc":
+        raise UnsupportedTypeError(
+            f"numpy array of dtype {arr.dtype} at {format_path(path)}: convert it to a tensor")
+    return {"$ndarray": hook(torch.from_numpy(np.ascontiguousarray(arr)), path)}
+
+
+def decode(node: Any, tensor_lookup: Callable[[int], Any] | None = None) -> Any:
+    """Decode what :func:`encode` produced.
+
+    Args:
+        node: JSON-parsed data.
+        tensor_lookup: maps the index of a ``{"$tensor": i}`` node to the
+            restored tensor.
+
+    Raises:
+        CheckpointCorruptError: unknown tag, malformed node, or nesting deeper
+            than :data:`MAX_DEPTH`.
+    """
+    return _decode(node, tensor_lookup, 0)
+
+
+_FLOAT_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _bad(msg: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"malformed typed state: {msg}")
+
+
+def _pairs(value: Any, lookup, depth: int) -> list:
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        raise _bad("dict items must be a list of [key, value] pairs")
+    out = []
+    for k, v in value:
+        key = _decode(k, None, depth + 1)
+        try:
+            hash(key)
+        except TypeError:
+            raise _bad(f"unhashable dict key {key!r}") from None
+        out.append((key, _decode(v, lookup, depth + 1)))
+    return out
+
+
+def _decode(node: Any, lookup, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise _bad(f"nesting deeper than {MAX_DEPTH}")
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, list):
+        return [_decode(v, lookup, depth + 1) for v in node]
+    if not isinstance(node, dict):
+        raise _bad(f"unexpected JSON value of type {type(node).__name__}")
+    tag = next(iter(node), None)
+    if not (isinstance(tag, str) and tag.startswith("$")):
+        return {k: _decode(v, lookup, depth + 1) for k, v in node.items()}
+    value = node[tag]
+    if tag == "$tuple":
+        if not isinstance(value, list):
+            raise _bad("$tuple needs a list")
+        return tuple(_decode(v, lookup, depth + 1) for v in value)
+    if tag == "$float":
+        if value not in _FLOAT_WORDS:
+            raise _bad(f"$float {value!r}")
+        return _FLOAT_WORDS[value]
+    if tag == "$dict":
+        return dict(_pairs(value, lookup, depth))
+    if tag == "$odict":
+        od = OrderedDict(_pairs(value, lookup, depth))
+        if "meta" in node:
+            od._metadata = _decode(node["meta"], None, depth + 1)  # type: ignore[attr-defined]
+        return od
+    if tag == "$np":
+        try:
+            dtype = np.dtype(value)
+        except TypeError:
+            raise _bad(f"unknown numpy dtype {value!r}") from None
+        if dtype.kind not in "biufcSU":
+            raise _bad(f"numpy dtype {value!r} not allowed")
+        v = _decode(node.get("v"), None, depth + 1)
+        try:
+            return dtype.type(v)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise _bad(f"numpy scalar {value}({v!r}): {e}") from None
+    if tag == "$np_dtype":
+        try:
+            dtype = np.dtype(value)
+        except TypeError:
+            raise _bad(f"unknown numpy dtype {value!r}") from None
+        if dtype.kind == "O":
+            raise _bad("object numpy dtype not allowed")
+        return dtype
+    if tag == "$namespace":
+        d = _decode(value, lookup, depth + 1)
+        if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
+            raise _bad("$namespace needs a dict with str keys")
+        return argparse.Namespace(**d)
+    if tag == "$torch_dtype":
+        try:
+            return torch_dtype_from_name(value)
+        except CheckpointCorruptError as e:
+            raise _bad(str(e)) from None
+    if tag == "$torch_device":
+        try:
+            return torch.device(value)
+        except (RuntimeError, TypeError):
+            raise _bad(f"bad device {value!r}") from None
+    if tag == "$bytes":
+        try:
+            return base64.b64decode(value, validate=True)
+        except (ValueError, TypeError):
+            raise _bad("bad base64 in $bytes") from None
+    if tag in ("$set", "$frozenset"):
+        if not isinstance(value, list):
+            raise _bad(f"{tag} needs a list")
+        members = [_decode(v, None, depth + 1) for v in value]
+        try:
+            return set(members) if tag == "$set" else frozenset(members)
+        except TypeError:
+            raise _bad(f"unhashable member in {tag}") from None
+    if tag == "$complex":
+        if not (isinstance(value, list) and len(value) == 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)):
+            raise _bad("$complex needs [re, im]")
+        return complex(value[0], value[1])
+    if tag in ("$tensor", "$ndarray"):
+        if not isinstance(value, int) or isinstance(value, bool) or lookup is None:
+            raise _bad(f"{tag} needs an integer index")
+        t = lookup(value)
+        if tag == "$ndarray" and isinstance(t, torch.Tensor):
+            return t.cpu().numpy()
+        return t
+    raise _bad(f"unknown tag {tag!r}")

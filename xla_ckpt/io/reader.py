@@ -1,0 +1,256 @@
+"""Read checkpoints: manifest, byte-range reads into preallocated buffers, crc32c on every byte.
+
+:class:`CheckpointReader` is what every restore strategy uses on the rank(s)
+that touch storage.  Reads are split into chunk-aligned slices that run in
+parallel; each slice is checked against the manifest's per-chunk crc32c (or
+the whole-blob crc32c for small blobs) by the thread that read it, right
+after the read, so verification overlaps I/O and every byte handed back has
+been checked.  A mismatch is re-read up to ``crc_retries`` times, then
+:class:`IntegrityError` names the object and the tensor.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError,
+                             IncompleteCheckpointError, IntegrityError)
+from xla_ckpt.format import typed
+from xla_ckpt.format.crc import crc32c
+from xla_ckpt.format.manifest import MANIFEST_NAME, STATE_ITEM, BlobRecord, Item, Manifest
+from xla_ckpt.format.plan import MapLocation, materialize_item, tensor_bytes
+from xla_ckpt.storage import ObjectInfo, Storage, StorageConfig, open_storage
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CRC_RETRIES = 2
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """Read and validate ``manifest.json`` at the storage root.
+
+    Raises:
+        IncompleteCheckpointError: data files exist but no manifest (the save
+            never committed).
+        CheckpointNotFoundError: nothing is there.
+        CheckpointCorruptError: the manifest is malformed.
+    """
+    try:
+        data = storage.read_bytes(MANIFEST_NAME)
+    except CheckpointNotFoundError:
+        if storage.list(""):
+            raise IncompleteCheckpointError(
+                f"{storage.uri}: checkpoint is incomplete (no {MANIFEST_NAME} commit marker); "
+                "the save that wrote it did not finish. Restore an earlier checkpoint.") from None
+        raise CheckpointNotFoundError(f"{storage.uri}: no checkpoint here "
+                                      f"({MANIFEST_NAME} not found)") from None
+    return Manifest.from_json_bytes(data, where=storage.url(MANIFEST_NAME))
+
+
+@dataclass
+class ReadStats:
+    """Bytes read and wall time of the last :meth:`CheckpointReader.read_blobs` call."""
+
+    bytes_read: int = 0
+    seconds: float = 0.0
+    crc_retries: int = 0
+
+    @property
+    def mib_per_s(self) -> float:
+        return self.bytes_read / max(self.seconds, 1e-9) / 2**20
+
+
+class CheckpointReader:
+    """Reads one committed checkpoint folder.  Any rank may use one.
+
+    Args:
+        storage: storage rooted at the checkpoint folder.
+        manifest: an already-read manifest (e.g. received from rank 0); read
+            from storage when None.
+        crc_retries: re-reads of a slice whose crc32c mismatches before
+            :class:`IntegrityError`.
+    """
+
+    def __init__(self, storage: Storage, manifest: Manifest | None = None, *,
+                 crc_retries: int = DEFAULT_CRC_RETRIES) -> None:
+        self.storage = storage
+        self.manifest = manifest if manifest is not None else read_manifest(storage)
+        self.crc_retries = crc_retries
+        self.stats = ReadStats()
+        self._infos: dict[str, ObjectInfo] = {}
+
+    @classmethod
+    def open(cls, uri: str, config: StorageConfig | None = None) -> "CheckpointReader":
+        return cls(open_storage(uri, config))
+
+    @property
+    def metadata(self) -> Any:
+        """The typed-decoded ``metadata`` summary the saver passed."""
+        m = self.manifest.metadata
+        return typed.decode(m) if m is not None else None
+
+    def check_files(self, names: Iterable[str] | None = None) -> dict[str, ObjectInfo]:
+        """Stat data files and compare sizes with the manifest; pins GCS generations.
+
+        Raises:
+            CheckpointCorruptError: a file is missing or has the wrong size
+                (names the path, expected vs actual size).
+        """
+        for name in names if names is not None else self.manifest.files:
+            if name in self._infos:
+                continue
+            expected = self.manifest.files[name]
+            try:
+                info = self.storage.stat(name)
+            except CheckpointNotFoundError:
+                raise CheckpointCorruptError(
+                    f"{self.storage.url(name)}: data file listed in the manifest is missing "
+                    f"(expected {expected} bytes)") from None
+            if info.size != expected:
+                raise CheckpointCorruptError(
+                    f"{self.storage.url(name)}: expected {expected} bytes, found {info.size} "
+                    f"bytes ({'truncated' if info.size < expected else 'extra bytes'})")
+            self._infos[name] = info
+        return self._infos
+
+    def allocate(self, item_name: str = STATE_ITEM,
+                 blob_ids: Sequence[int] | None = None) -> dict[int, torch.Tensor]:
+        """Preallocated uint8 CPU buffers, one per blob (what :meth:`read_into` fills)."""
+        item = self.manifest.item(item_name)
+        ids = range(len(item.blobs)) if blob_ids is None else blob_ids
+        return {i: torch.empty(item.blobs[i].length, dtype=torch.uint8) for i in ids}
+
+    def read_blobs(self, item_name: str = STATE_ITEM,
+                   blob_ids: Sequence[int] | None = None) -> dict[int, torch.Tensor]:
+        """Read blobs (all of the item's when ``blob_ids`` is None) into fresh buffers."""
+        bufs = self.allocate(item_name, blob_ids)
+        self.read_into(item_name, bufs)
+        return bufs
+
+    def read_into(self, item_name: str, buffers: dict[int, torch.Tensor]) -> None:
+        """Fill ``buffers`` (blob index -> uint8 CPU tensor of the blob's length), crc32c-checked."""
+        item = self.manifest.item(item_name)
+        self.check_files({item.blobs[i].file for i in buffers})
+        tasks = []
+        for i, buf in buffers.items():
+            rec = item.blobs[i]
+            if buf.numel() != rec.length or buf.dtype != torch.uint8:
+                raise ValueError(f"buffer for blob {i} must be uint8[{rec.length}]")
+            tasks.extend(self._slices(item, i, rec, tensor_bytes(buf)))
+        t0 = time.perf_counter()
+        self.stats = ReadStats()
+        self._run(tasks)
+        self.stats.seconds = time.perf_counter() - t0
+        self.stats.bytes_read = sum(b.numel() for b in buffers.values())
+
+    def read_blob_range(self, item_name: str, blob_id: int, start: int, length: int) -> torch.Tensor:
+        """Bytes ``[start, start+length)`` of one blob, every byte crc32c-checked.
+
+        Reads the covering chunk-aligned range (the granularity of the
+        manifest's chunk crc32c) and returns a uint8 tensor of ``length`` bytes.
+        """
+        item = self.manifest.item(item_name)
+        rec = item.blobs[blob_id]
+        if start < 0 or length < 0 or start + length > rec.length:
+            raise ValueError(f"range [{start}, {start + length}) outside blob of {rec.length} bytes")
+        if not rec.chunk_crc32c:
+            return self.read_blobs(item_name, [blob_id])[blob_id][start:start + length]
+        c = rec.chunk_size
+        lo, hi = (start // c) * c, min(rec.length, -(-(start + length) // c) * c)
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        self.check_files([rec.file])
+        self._run(self._slices(item, blob_id, rec, tensor_bytes(buf), lo))
+        return buf[start - lo:start - lo + length]
+
+    def load(self, item_name: str = STATE_ITEM, map_location: MapLocation = None) -> Any:
+        """Read and rebuild one item's state (CPU tensors unless ``map_location``)."""
+        item = self.manifest.item(item_name)
+        return materialize_item(item, self.read_blobs(item_name), map_location)
+
+    # ---- internals ------------------------------------------------------------------
+    def _slices(self, item: Item, blob_id: int, rec: BlobRecord, out: memoryview,
+                base: int = 0) -> list[tuple]:
+        """Chunk-aligned slices of blob bytes ``[base, base+len(out))``."""
+        if not len(out):
+            return []
+        if not rec.chunk_crc32c:
+            return [(item, blob_id, rec, 0, out)]
+        step = max(rec.chunk_size, self.storage.config.slice_size_bytes // rec.chunk_size * rec.chunk_size)
+        return [(item, blob_id, rec, base + s, out[s:s + step]) for s in range(0, len(out), step)]
+
+    def _run(self, tasks: list[tuple]) -> None:
+        if not tasks:
+            return
+        if len(tasks) == 1:
+            self._read_slice(*tasks[0])
+            return
+        pool = self.storage._executor()
+        futures = [pool.submit(self._read_slice, *t) for t in tasks]
+        try:
+            for f in cf.as_completed(futures):
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            cf.wait(futures)
+            raise
+
+    def _read_slice(self, item: Item, blob_id: int, rec: BlobRecord, start: int,
+                    out: memoryview) -> None:
+        info = self._infos.get(rec.file)
+        generation = info.generation if info else None
+        for attempt in range(self.crc_retries + 1):
+            self.storage.read_range(rec.file, rec.offset + start, out, generation)
+            bad = _first_bad_chunk(rec, start, out)
+            if bad is None:
+                return
+            self.stats.crc_retries += 1
+            logger.warning("crc32c mismatch in %s bytes [%d, %d) (attempt %d of %d); re-reading",
+                           self.storage.url(rec.file), rec.offset + bad[0], rec.offset + bad[1],
+                           attempt + 1, self.crc_retries + 1)
+        keys = [t.key for t in item.tensors if t.blob == blob_id] or [f"blob {blob_id}"]
+        raise IntegrityError(
+            f"{self.storage.url(rec.file)}: crc32c mismatch in bytes [{rec.offset + bad[0]}, "
+            f"{rec.offset + bad[1]}) of tensor {', '.join(keys[:3])} after "
+            f"{self.crc_retries + 1} reads; the stored object is corrupt (run `xla-ckpt verify`)",
+            path=self.storage.url(rec.file), key=keys[0])
+
+
+def _first_bad_chunk(rec: BlobRecord, start: int, out: memoryview) -> tuple[int, int] | None:
+    """None if ``out`` (blob bytes from ``start``) matches the manifest crc32c values."""
+    if not rec.chunk_crc32c:
+        return None if crc32c(out) == rec.crc32c else (0, rec.length)
+    c = rec.chunk_size
+    for off in range(0, len(out), c):
+        idx = (start + off) // c
+        if crc32c(out[off:off + c]) != rec.chunk_crc32c[idx]:
+            return (start + off, start + off + len(out[off:off + c]))
+    return None
+
+
+def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
+         config: StorageConfig | None = None) -> Any:
+    """Load the state saved by :func:`xla_ckpt.save` from ``uri``.
+
+    Tensors come back on CPU (``map_location=None``, as ``torch.load``) with
+    the saved dtype, shape, strides and aliasing; ``map_location`` may be a
+    device, a ``{"cpu": device}`` dict or a callable ``key -> device``.
+    Pickle-free: nothing in the checkpoint can run code.
+
+    Raises:
+        CheckpointNotFoundError / IncompleteCheckpointError: nothing committed at ``uri``.
+        CheckpointCorruptError: truncated or malformed files (names the path,
+            expected vs actual size).
+        IntegrityError: crc32c mismatch after bounded re-reads (names object and tensor).
+    """
+    storage = open_storage(uri, config)
+    try:
+        return CheckpointReader(storage).load(item, map_location)
+    finally:
+        storage.close()

@@ -1,0 +1,27 @@
+"""Storage backends chosen by URI scheme: a local path / ``file://`` or ``gs://``."""
+
+from __future__ import annotations
+
+from xla_ckpt.storage.base import ObjectInfo, RangeRead, Storage, StorageConfig, join
+
+__all__ = ["ObjectInfo", "RangeRead", "Storage", "StorageConfig", "join", "open_storage",
+           "is_gcs_uri"]
+
+
+def is_gcs_uri(uri: str) -> bool:
+    return uri.startswith("gs://")
+
+
+def open_storage(uri: str, config: StorageConfig | None = None) -> Storage:
+    """Storage rooted at ``uri``: ``gs://bucket/prefix`` -> GCS, anything else -> local folder."""
+    if is_gcs_uri(uri):
+        from xla_ckpt.storage.gcs import GCSStorage  # noqa: PLC0415 - imports google-cloud
+
+        return GCSStorage(uri, config)
+    if "://" in uri and not uri.startswith("file://"):
+        from xla_ckpt.errors import ConfigError
+
+        raise ConfigError(f"unsupported URI scheme in {uri!r}: use a local path, file:// or gs://")
+    from xla_ckpt.storage.local import LocalStorage
+
+    return LocalStorage(uri, config)

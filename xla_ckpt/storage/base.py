@@ -1,0 +1,250 @@
+"""The storage interface: a handful of primitives every backend implements.
+
+Modelled on fsspec's ``cat_file(path, start, end)`` and PyTorch DCP's
+``StorageReader``/``StorageWriter`` split: a backend only moves bytes.  It
+knows nothing about ranks, tensors or manifests.
+
+A :class:`Storage` is rooted at a URI (a local folder or ``gs://bucket/prefix``)
+and addresses objects by *names* relative to that root, ``/``-separated
+(``"checkpoint_100/manifest.json"``).  Primitives:
+
+=====================  ======================================================
+``stat(name)``         size (bytes) and generation; CheckpointNotFoundError
+``read_range(...)``    fill a writable buffer from ``[offset, offset+len)``
+``write_atomic(...)``  all-or-nothing object write (temp+fsync+rename / one
+                       GCS upload or compose); readers never see half an object
+``list(prefix)``       names under a prefix, recursive, sorted
+``delete(name)``       remove; a missing object is not an error
+=====================  ======================================================
+
+Everything else (:meth:`Storage.read_ranges` in parallel slices,
+:meth:`Storage.read_bytes`, :meth:`Storage.child`) is built on them here, so a
+new backend gets parallel byte-range reads for free.  ``tests/storage/`` holds
+the conformance suite every backend must pass.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures as cf
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from xla_ckpt.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What :meth:`Storage.stat` returns.
+
+    Attributes:
+        name: object name relative to the storage root.
+        size: object size in bytes.
+        generation: GCS object generation (pinned across the slices of one
+            read); ``None`` for local files.
+    """
+
+    name: str
+    size: int
+    generation: int | None = None
+
+
+@dataclass(frozen=True)
+class RangeRead:
+    """One byte-range read: ``len(out)`` bytes of ``name`` starting at ``offset`` into ``out``.
+
+    ``out`` is a writable, C-contiguous ``memoryview`` of format ``"B"``
+    (e.g. over a preallocated uint8 tensor); the read writes straight into it.
+    ``generation`` pins the object version (GCS); ``None`` means "current".
+    """
+
+    name: str
+    offset: int
+    out: memoryview
+    generation: int | None = None
+
+
+@dataclass(kw_only=True)
+class StorageConfig:
+    """Knobs shared by all backends.
+
+    Attributes:
+        max_workers: concurrent byte-range requests per process.
+        slice_size_bytes: large reads are split into slices of this many bytes,
+            each fetched by one request.
+        retry_deadline_s: overall time budget for retrying one request
+            (408/429/5xx and connection errors only).
+        initial_backoff_s / max_backoff_s: capped exponential backoff with
+            full jitter between attempts.
+        max_attempts: attempts per request before giving up (within the deadline).
+        parallel_upload_threshold_bytes: objects at least this large are
+            uploaded in parallel parts and composed (GCS).
+        upload_part_size_bytes: size of each such part.
+    """
+
+    max_workers: int = 16
+    slice_size_bytes: int = 16 * MiB
+    retry_deadline_s: float = 120.0
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 8.0
+    max_attempts: int = 8
+    parallel_upload_threshold_bytes: int = 64 * MiB
+    upload_part_size_bytes: int = 32 * MiB
+
+    def __post_init__(self) -> None:
+        for name in ("max_workers", "slice_size_bytes", "max_attempts",
+                     "parallel_upload_threshold_bytes", "upload_part_size_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"storage.{name} must be a positive integer, got {v!r}")
+        for name in ("retry_deadline_s", "initial_backoff_s", "max_backoff_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"storage.{name} must be a number >= 0, got {v!r}")
+
+
+def join(*parts: str) -> str:
+    """Join name parts with ``/``, dropping empty parts and duplicate slashes."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+class Storage(abc.ABC):
+    """A byte store rooted at :attr:`uri`.  Thread-safe; share one per process.
+
+    Subclasses implement the five primitives; callers on any rank may use any
+    method (the backend has no notion of ranks).
+    """
+
+    def __init__(self, uri: str, config: StorageConfig | None = None) -> None:
+        self.uri = uri.rstrip("/") if uri not in ("/",) else uri
+        self.config = config or StorageConfig()
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # ---- primitives -------------------------------------------------------------
+    @abc.abstractmethod
+    def stat(self, name: str) -> ObjectInfo:
+        """Size and generation of ``name``; raises CheckpointNotFoundError if absent."""
+
+    @abc.abstractmethod
+    def read_range(self, name: str, offset: int, out: memoryview,
+                   generation: int | None = None) -> None:
+        """Fill ``out`` with bytes ``[offset, offset + len(out))`` of ``name``.
+
+        Raises:
+            CheckpointNotFoundError: the object (or pinned generation) is gone.
+            CheckpointCorruptError: the object ends before ``offset + len(out)``
+                (names the object, expected vs actual size).
+            StorageError: the backend failed after its retries.
+        """
+
+    @abc.abstractmethod
+    def write_atomic(self, name: str, buffers: Sequence[memoryview | bytes]) -> ObjectInfo:
+        """Write the concatenation of ``buffers`` as ``name``, all or nothing.
+
+        An existing object of that name is replaced atomically; on failure it
+        is left as it was and no partial object is visible.
+        """
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted names of committed objects under ``prefix`` (recursive).
+
+        Temporary/in-flight objects of interrupted writes are never listed.
+        """
+
+    @abc.abstractmethod
+    def delete(self, name: str) -> None:
+        """Delete ``name``; a missing object is not an error."""
+
+    # ---- built on the primitives -----------------------------------------------
+    def child(self, prefix: str) -> "Storage":
+        """A storage of the same kind rooted at ``prefix`` under this one."""
+        return type(self)(self.uri.rstrip("/") + "/" + prefix.strip("/"), self.config)
+
+    def url(self, name: str = "") -> str:
+        """Full URI of ``name`` (for messages)."""
+        return self.uri.rstrip("/") + ("/" + name if name else "")
+
+    def exists(self, name: str) -> bool:
+        from xla_ckpt.errors import CheckpointNotFoundError
+
+        try:
+            self.stat(name)
+        except CheckpointNotFoundError:
+            return False
+        return True
+
+    def read_bytes(self, name: str) -> bytes:
+        """Whole object as bytes (for small objects: manifests, pointers)."""
+        info = self.stat(name)
+        buf = bytearray(info.size)
+        if info.size:
+            self.read_ranges([RangeRead(name, 0, memoryview(buf), info.generation)])
+        return bytes(buf)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix``; returns how many were deleted."""
+        names = self.list(prefix)
+        for n in names:
+            self.delete(n)
+        return len(names)
+
+    def _executor(self) -> cf.ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self.config.max_workers,
+                                                   thread_name_prefix="xla_ckpt-io")
+            return self._pool
+
+    def read_ranges(self, reads: Iterable[RangeRead]) -> None:
+        """Run many byte-range reads concurrently, each split into slices.
+
+        Slices of at most ``config.slice_size_bytes`` run on a pool of
+        ``config.max_workers`` threads and write straight into each read's
+        ``out`` buffer (no intermediate copy).  Raises the first failure after
+        cancelling what has not started.
+        """
+        slices: list[tuple[str, int, memoryview, int | None]] = []
+        step = self.config.slice_size_bytes
+        for r in reads:
+            n = len(r.out)
+            for start in range(0, n, step):
+                slices.append((r.name, r.offset + start, r.out[start:start + step], r.generation))
+        if not slices:
+            return
+        if len(slices) == 1:
+            self.read_range(*slices[0])
+            return
+        pool = self._executor()
+        futures = [pool.submit(self.read_range, *s) for s in slices]
+        try:
+            for f in cf.as_completed(futures):
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            cf.wait(futures)
+            raise
+
+    def close(self) -> None:
+        """Release threads and connections; the object must not be used after."""
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def __enter__(self) -> "Storage":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
