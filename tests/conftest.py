@@ -18,3 +18,6 @@ def local_dir(tmp_path):
     d = tmp_path / "store"
     d.mkdir()
     return str(d)
+
+
+pytest_plugins = ["xla_ckpt.testing.pytest_plugin"]

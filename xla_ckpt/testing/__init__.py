@@ -1,1 +1,4 @@
-"""See DESIGN layers."""
+"""Test helpers: GCS emulator, fault-injecting proxy, multi-process launcher.
+
+Library code never imports this package.
+"""
