@@ -1,1 +1,33 @@
-"""See DESIGN layers."""
+"""Trainer-level save and restore of a whole training state (fairseq ``Trainer`` semantics).
+
+Public surface::
+
+    from xla_ckpt.trainer import Checkpointer, CheckpointerConfig, Metrics
+
+    ckpt = Checkpointer(model=model, criterion=criterion,
+                        build_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+                        build_lr_scheduler=lambda opt: InverseSquareRootSchedule(opt, 1e-3, 4000),
+                        metrics=Metrics(), args=args)
+    extra_state = ckpt.load_checkpoint(uri)          # None when nothing is committed there
+    ...
+    ckpt.save_checkpoint(uri, {"train_iterator": itr.state_dict(), "val_loss": loss})
+"""
+
+from xla_ckpt.trainer.checkpointer import Checkpointer, CheckpointerConfig, has_parameters
+from xla_ckpt.trainer.lr_scheduler import FairseqLRScheduler, InverseSquareRootSchedule
+from xla_ckpt.trainer.meters import (AverageMeter, DerivedMeter, Meter, MetersDict, StopwatchMeter,
+                                     SumMeter, TimeMeter, register_meter)
+from xla_ckpt.trainer.metrics import Metrics
+from xla_ckpt.trainer.module_load import DTYPE_POLICIES, ModuleLoadReport, load_module_state
+from xla_ckpt.trainer.optimizer_state import check_live_params, load_optimizer_state
+from xla_ckpt.trainer.prefixes import best_prefix_strip, strip_state_dict, unwrap_module
+from xla_ckpt.trainer.sources import SingleProcessRestorer, SingleProcessSaver
+
+__all__ = [
+    "AverageMeter", "Checkpointer", "CheckpointerConfig", "DTYPE_POLICIES", "DerivedMeter",
+    "FairseqLRScheduler", "InverseSquareRootSchedule", "Meter", "MetersDict", "Metrics",
+    "ModuleLoadReport", "SingleProcessRestorer", "SingleProcessSaver", "StopwatchMeter",
+    "SumMeter", "TimeMeter", "best_prefix_strip", "check_live_params", "has_parameters",
+    "load_module_state", "load_optimizer_state", "register_meter", "strip_state_dict",
+    "unwrap_module",
+]

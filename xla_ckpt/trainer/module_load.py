@@ -1,0 +1,201 @@
+"""Strict loading of a module's state_dict (model or criterion) with checks fairseq lacks.
+
+:func:`load_module_state` is what the trainer restore calls for the model and
+the criterion.  In order:
+
+1. optional wrapper-prefix normalisation (C3, :mod:`xla_ckpt.trainer.prefixes`);
+2. strict key check: missing and unexpected keys raise one
+   :class:`~xla_ckpt.errors.StateMismatchError` listing both, saying the
+   architectures differ, with a wrapper-prefix hint when one explains it;
+3. shape check (one error listing every key, saved vs live shape);
+4. dtype policy (C10) for tensors whose saved dtype differs from the live one:
+
+   ``"error"`` (default) refuses a narrowing cast (fp32 -> bf16, fp64 -> fp32,
+   int64 -> int32, float -> int ...); ``"warn"`` casts and logs a warning naming
+   every key; ``"cast"`` casts silently (``torch.nn.Module.load_state_dict``
+   behaviour); ``"keep"`` keeps the saved dtype (the live parameter takes it).
+   Widening casts (bf16 -> fp32) are exact and always allowed;
+
+5. a module built on the ``meta`` device is first materialised on
+   ``device`` with ``to_empty`` (C11), so the load writes real values
+   instead of being a silent no-op; buffers that are not in the state_dict
+   (non-persistent) are named in a warning because they hold no values;
+6. ``module.load_state_dict(strict=True)`` copies the CPU tensors onto each
+   parameter's own device (custom ``_load_from_state_dict`` hooks still run).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from xla_ckpt.errors import ConfigError, StateMismatchError
+from xla_ckpt.trainer.prefixes import best_prefix_strip, describe_prefix_hint, strip_state_dict
+
+logger = logging.getLogger(__name__)
+
+DTYPE_POLICIES = ("error", "warn", "cast", "keep")
+MAX_LISTED_KEYS = 10
+
+
+def check_dtype_policy(value: str, key: str = "dtype_policy") -> str:
+    """Validate a dtype policy name; raises ConfigError naming ``key``."""
+    if value not in DTYPE_POLICIES:
+        raise ConfigError(f"{key}: must be one of {', '.join(DTYPE_POLICIES)}; got {value!r}")
+    return value
+
+
+def is_narrowing(src: torch.dtype, dst: torch.dtype) -> bool:
+    """True when casting ``src`` values to ``dst`` can lose information."""
+    return src != dst and torch.promote_types(src, dst) != dst
+
+
+def _listing(keys: list[str]) -> str:
+    shown = ", ".join(keys[:MAX_LISTED_KEYS])
+    more = len(keys) - MAX_LISTED_KEYS
+    return f"{shown}{f' (+{more} more)' if more > 0 else ''}" if keys else "none"
+
+
+@dataclass
+class ModuleLoadReport:
+    """What :func:`load_module_state` did.
+
+    Attributes:
+        stripped_prefixes: wrapper prefixes removed from the saved keys.
+        cast_keys: keys whose values were cast to the live dtype (saved dtype name).
+        kept_dtype_keys: keys whose live tensor took the saved dtype (policy ``"keep"``).
+        materialized_device: device a meta-device module was materialised on, or None.
+        saved_dtypes: saved dtype of every key (after prefix stripping).
+    """
+
+    stripped_prefixes: tuple[str, ...] = ()
+    cast_keys: dict[str, str] = field(default_factory=dict)
+    kept_dtype_keys: list[str] = field(default_factory=list)
+    materialized_device: torch.device | None = None
+    saved_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+
+def _tensors_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict keys -> the live parameter/buffer objects (not detached copies)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out[name] = p
+    for name, b in module.named_buffers(remove_duplicate=False):
+        out[name] = b
+    return out
+
+
+def _has_meta(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in _tensors_of(module).values())
+
+
+def load_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any], *,
+                      what: str = "model", where: str = "", strip_prefixes: bool = False,
+                      dtype_policy: str = "error",
+                      device: torch.device | str | None = None) -> ModuleLoadReport:
+    """Load ``state_dict`` into ``module`` strictly (fairseq ``Trainer.load_checkpoint`` model step).
+
+    Args:
+        module: the live (unwrapped) module; its parameters stay the same
+            Python objects unless it was on the meta device.
+        state_dict: key -> tensor (any device; CPU from a restore).
+        what: ``"model"`` or ``"criterion"``, used in messages.
+        where: checkpoint URI, used in messages.
+        strip_prefixes: remove wrapper prefixes (``module.``, ``_orig_mod.``)
+            carried by every saved key when that makes the keys match.
+        dtype_policy: ``"error"`` | ``"warn"`` | ``"cast"`` | ``"keep"`` (module docstring).
+        device: where to materialise a meta-device module (default CPU).
+
+    Returns:
+        A :class:`ModuleLoadReport`.
+
+    Raises:
+        StateMismatchError: missing/unexpected keys, shape mismatches, or a
+            narrowing cast under ``dtype_policy="error"``; the message names
+            the keys and what to pass if the change is intended.
+        ConfigError: an unknown ``dtype_policy``.
+    """
+    check_dtype_policy(dtype_policy)
+    report = ModuleLoadReport()
+    loc = f"{where}: " if where else ""
+    live = _tensors_of(module)
+    expected = list(module.state_dict().keys())
+    saved_keys = list(state_dict.keys())
+    if strip_prefixes:
+        strip = best_prefix_strip(saved_keys, expected)
+        if strip:
+            state_dict = strip_state_dict(state_dict, strip)
+            saved_keys = list(state_dict.keys())
+            report.stripped_prefixes = strip
+            logger.info("%sstripped wrapper prefix %s from %d %s keys", loc, "+".join(strip),
+                        len(saved_keys), what)
+
+    exp_set, saved_set = set(expected), set(saved_keys)
+    missing = [k for k in expected if k not in saved_set]
+    unexpected = [k for k in saved_keys if k not in exp_set]
+    if missing or unexpected:
+        hint = describe_prefix_hint(saved_keys, expected)
+        raise StateMismatchError(
+            f"{loc}cannot load the {what} state: the architectures differ (strict load). "
+            f"Missing keys ({len(missing)}): {_listing(missing)}. Unexpected keys "
+            f"({len(unexpected)}): {_listing(unexpected)}." + (f" {hint}" if hint else
+                                                                " Build the same architecture "
+                                                                "that saved the checkpoint."))
+
+    bad_shapes, narrowing = [], []
+    for k in expected:
+        v, t = state_dict[k], live.get(k)
+        if not isinstance(v, torch.Tensor):
+            bad_shapes.append(f"{k} (saved a {type(v).__name__}, not a tensor)")
+            continue
+        report.saved_dtypes[k] = v.dtype
+        if t is None:
+            continue
+        if tuple(v.shape) != tuple(t.shape):
+            bad_shapes.append(f"{k} (saved {list(v.shape)}, live {list(t.shape)})")
+            continue
+        if v.dtype != t.dtype:
+            if dtype_policy == "keep":
+                report.kept_dtype_keys.append(k)
+            elif is_narrowing(v.dtype, t.dtype):
+                narrowing.append(k)
+                report.cast_keys[k] = str(v.dtype).removeprefix("torch.")
+            else:
+                report.cast_keys[k] = str(v.dtype).removeprefix("torch.")
+    if bad_shapes:
+        raise StateMismatchError(
+            f"{loc}cannot load the {what} state: the architectures differ; shape mismatch in "
+            f"{_listing(bad_shapes)}")
+    if narrowing:
+        pairs = [f"{k} ({report.cast_keys[k]} -> {str(live[k].dtype).removeprefix('torch.')})"
+                 for k in narrowing]
+        if dtype_policy == "error":
+            raise StateMismatchError(
+                f"{loc}loading the {what} state would narrow the dtype of {len(pairs)} tensor(s): "
+                f"{_listing(pairs)}; values would change. Build the {what} in the saved dtype, or "
+                "pass dtype_policy='keep' (live tensors take the saved dtype), 'warn' or 'cast'.")
+        if dtype_policy == "warn":
+            logger.warning("%snarrowing cast while loading the %s state (values change): %s",
+                           loc, what, _listing(pairs))
+
+    if _has_meta(module):
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        module.to_empty(device=dev)
+        report.materialized_device = dev
+        live = _tensors_of(module)
+        uncovered = [k for k, t in live.items() if k not in saved_set]
+        if uncovered:
+            logger.warning("%s%s was on the meta device; materialised on %s, but %s are not in "
+                           "the checkpoint (non-persistent buffers) and hold uninitialised "
+                           "memory: initialise them after the restore", loc, what, dev,
+                           _listing(uncovered))
+
+    with torch.no_grad():
+        for k in report.kept_dtype_keys:
+            t = live[k]
+            t.data = torch.empty(t.shape, dtype=state_dict[k].dtype, device=t.device)
+    module.load_state_dict(state_dict, strict=True)
+    return report

@@ -1,0 +1,136 @@
+"""Load optimizer state onto the live parameters (CASES C5, C10).
+
+``torch.optim.Optimizer.load_state_dict`` maps the saved state onto the
+optimizer's *current* parameters by position and moves each state tensor to
+its parameter's device, but it also casts every floating state tensor to the
+parameter's dtype, so fp32 Adam moments kept for fp16 parameters silently
+become fp16.  :func:`load_optimizer_state` wraps it:
+
+* the optimizer must hold the module's live parameters (an optimizer built
+  before ``model.to(xla_device)`` holds stale CPU copies; refused);
+* the saved param groups must match in number and size, and per-parameter
+  state must have its parameter's shape (a model whose parameters changed
+  order would otherwise get the wrong moments); otherwise
+  :class:`~xla_ckpt.errors.StateMismatchError` suggesting ``reset_optimizer``;
+* state tensors keep their saved dtype and bits, except for parameters
+  whose own dtype was cast on load (their state follows the parameter,
+  as torch does);
+* every state tensor with its parameter's shape ends on the parameter's
+  device; scalar ``step`` stays where torch keeps it (CPU unless the
+  optimizer is ``capturable``/``fused``), exactly as in an uninterrupted run;
+* ``optimizer_overrides`` replace param-group values (fairseq
+  ``FairseqOptimizer.load_state_dict``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from xla_ckpt.errors import StateMismatchError
+
+logger = logging.getLogger(__name__)
+
+
+def check_live_params(optimizer: torch.optim.Optimizer, live_params: Iterable[torch.Tensor], *,
+                      where: str = "") -> None:
+    """Raise StateMismatchError if ``optimizer`` holds a tensor that is not a live parameter."""
+    live = {id(p) for p in live_params}
+    stale = [(gi, pi) for gi, g in enumerate(optimizer.param_groups)
+             for pi, p in enumerate(g["params"]) if id(p) not in live]
+    if stale:
+        loc = f"{where}: " if where else ""
+        raise StateMismatchError(
+            f"{loc}the optimizer holds {len(stale)} tensor(s) that are not the model's live "
+            f"parameters (first: param group {stale[0][0]}, index {stale[0][1]}); it was probably "
+            "built before the model moved to its device (moving to an XLA device replaces the "
+            "parameter objects). Build the optimizer after model.to(device), or pass "
+            "build_optimizer so the restore rebuilds it.")
+
+
+def _param_list(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], *,
+                         overrides: Mapping[str, Any] | None = None,
+                         saved_param_dtypes: Mapping[int, torch.dtype] | None = None,
+                         where: str = "") -> None:
+    """Load ``state_dict`` (an ``optimizer.state_dict()``) into ``optimizer``.
+
+    Args:
+        optimizer: built over the live parameters, already on their devices.
+        state_dict: ``{"state": {int: {name: tensor | value}}, "param_groups": [...]}``
+            with CPU tensors.
+        overrides: param-group values to replace after loading (e.g. ``{"lr": 1e-4}``).
+        saved_param_dtypes: ``id(live param) -> dtype the parameter was saved
+            with``; state of a parameter whose dtype changed on load follows
+            the parameter's new dtype. Missing entries count as unchanged.
+        where: checkpoint URI for messages.
+
+    Raises:
+        StateMismatchError: group count/size or state shape mismatch; the
+            message suggests ``reset_optimizer=True``.
+    """
+    loc = f"{where}: " if where else ""
+    suggestion = ("pass reset_optimizer=True to start the optimizer afresh (the model weights are "
+                  "still restored)")
+    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    saved_state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    if not isinstance(saved_groups, list) or not isinstance(saved_state, Mapping):
+        raise StateMismatchError(f"{loc}the saved optimizer state is not an optimizer.state_dict() "
+                                 f"(needs 'state' and 'param_groups'); {suggestion}")
+    live_groups = optimizer.param_groups
+    if len(saved_groups) != len(live_groups):
+        raise StateMismatchError(
+            f"{loc}the saved optimizer has {len(saved_groups)} param group(s), the live one "
+            f"{len(live_groups)}; {suggestion}")
+    for i, (sg, lg) in enumerate(zip(saved_groups, live_groups)):
+        if len(sg["params"]) != len(lg["params"]):
+            raise StateMismatchError(
+                f"{loc}param group {i} holds {len(sg['params'])} parameters in the checkpoint and "
+                f"{len(lg['params'])} in the live optimizer; {suggestion}")
+
+    params = _param_list(optimizer)
+    saved_ids = [pid for g in saved_groups for pid in g["params"]]
+    by_id = dict(zip(saved_ids, params))
+    pid_of = {id(p): pid for pid, p in zip(saved_ids, params)}
+    saved_dtypes: dict[tuple[int, str], torch.dtype] = {}
+    for pid, st in saved_state.items():
+        p = by_id.get(pid)
+        if p is None or not isinstance(st, Mapping):
+            continue
+        for name, v in st.items():
+            if not isinstance(v, torch.Tensor) or name == "step":
+                continue
+            if v.dim() == p.dim() and tuple(v.shape) != tuple(p.shape):
+                raise StateMismatchError(
+                    f"{loc}optimizer state {name!r} of parameter {pid} has shape {list(v.shape)} "
+                    f"but the live parameter has shape {list(p.shape)}; the model's parameters "
+                    f"changed or are in another order; {suggestion}")
+            saved_dtypes[(id(p), name)] = v.dtype
+
+    optimizer.load_state_dict(state_dict)  # type: ignore[arg-type]
+
+    changed = saved_param_dtypes or {}
+    for p in params:
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        for name, v in list(st.items()):
+            if not isinstance(v, torch.Tensor):
+                continue
+            want = saved_dtypes.get((id(p), name))
+            param_cast = id(p) in changed and changed[id(p)] != p.dtype
+            if want is not None and v.dtype != want and not param_cast:
+                # torch cast it to the parameter dtype; give back the saved bits.
+                src = saved_state[pid_of[id(p)]][name]
+                st[name] = v = src.to(device=v.device, copy=True)
+            if name != "step" and tuple(v.shape) == tuple(p.shape) and v.device != p.device:
+                st[name] = v.to(p.device)
+
+    if overrides:
+        for group in optimizer.param_groups:
+            group.update(overrides)
