@@ -1,0 +1,221 @@
+"""torch.distributed backend: NCCL or gloo data plane, gloo control plane with a timeout.
+
+Started the way torchrun starts a job (``env://``: ``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``).  If the process group is already initialised (by the
+training script), it is used as it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as tdist
+
+from xla_ckpt.dist.base import Dist
+from xla_ckpt.dist.topology import Topology
+from xla_ckpt.errors import CollectiveTimeoutError, ConfigError, DistributedError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={v!r} must be an integer") from None
+
+
+def init_process_group(backend: str, init_method: str, timeout_s: float) -> None:
+    """Initialise the default process group unless it already is (every rank calls it).
+
+    Raises:
+        CollectiveTimeoutError: the rendezvous did not complete within ``timeout_s``.
+    """
+    if tdist.is_initialized():
+        return
+    t0 = time.monotonic()
+    try:
+        tdist.init_process_group(backend=backend, init_method=init_method,
+                                 timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as e:
+        if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+            raise CollectiveTimeoutError(
+                f"rendezvous ({init_method}, backend {backend}) did not complete within "
+                f"{timeout_s} s ({e}); check MASTER_ADDR/MASTER_PORT and that every rank "
+                "started") from e
+        raise
+    logger.info("rank %d: process group initialised (%s, %s, world %d) in %.2f s",
+                tdist.get_rank(), backend, init_method, tdist.get_world_size(),
+                time.monotonic() - t0)
+
+
+def collective_error(op: str, rank: int, timeout_s: float, seconds: float,
+                     cause: BaseException) -> DistributedError:
+    """Turn a backend failure of ``op`` into our error type (marked as a broken collective)."""
+    text = " ".join(str(cause).split())[:500]
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        err: DistributedError = CollectiveTimeoutError(
+            f"rank {rank}: {op} did not complete within its {timeout_s:g} s timeout ({text}); "
+            "another rank died, hung or never entered it — check the other ranks' logs")
+    else:
+        err = DistributedError(
+            f"rank {rank}: {op} failed after {seconds:.1f} s ({text}); another rank has "
+            "probably died or left — check the other ranks' logs")
+    err.collective_broken = True  # type: ignore[attr-defined]
+    return err
+
+
+class TorchDist(Dist):
+    """:class:`Dist` over ``torch.distributed``.
+
+    Args:
+        backend: data-plane backend used when this object initialises the
+            process group: ``"gloo"``, ``"nccl"`` or None (NCCL when CUDA is
+            available, else gloo).  Ignored if the group already exists.
+        init_method: rendezvous URL (``env://`` as torchrun sets it).
+        timeout_s: seconds every collective waits (process group and control group).
+        group: use this process group instead of the default one (see
+            :meth:`new_subgroup`).
+
+    Every rank of the default group must construct it (creating the gloo
+    control group is itself a collective).
+    """
+
+    kind = "torch"
+
+    def __init__(self, *, backend: str | None = None, init_method: str = "env://",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, group: Any = None,
+                 _ctrl_group: Any = None) -> None:
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend not in ("gloo", "nccl"):
+            raise ConfigError(f"dist.backend for TorchDist must be gloo or nccl, got {backend!r}")
+        init_process_group(backend, init_method, timeout_s)
+        self._group = group if group is not None else tdist.group.WORLD
+        self._backend = str(tdist.get_backend(self._group)).lower()
+        if _ctrl_group is not None:
+            self._ctrl = _ctrl_group
+        else:
+            self._ctrl = tdist.new_group(backend="gloo",
+                                         timeout=datetime.timedelta(seconds=timeout_s))
+        super().__init__(self._make_topology(), timeout_s=timeout_s)
+
+    def _make_topology(self) -> Topology:
+        rank = tdist.get_rank(self._group)
+        world = tdist.get_world_size(self._group)
+        local_world = max(_env_int("LOCAL_WORLD_SIZE", 1), 1)
+        local_rank = _env_int("LOCAL_RANK", 0)
+        if local_rank >= local_world:
+            local_world = local_rank + 1
+        return Topology(rank=rank, world_size=world, local_rank=local_rank,
+                        local_world_size=local_world, host_id=_env_int("GROUP_RANK", 0))
+
+    @classmethod
+    def new_subgroup(cls, ranks: Sequence[int], *, timeout_s: float = DEFAULT_TIMEOUT_S
+                     ) -> "TorchDist | None":
+        """A :class:`TorchDist` over some global ranks (e.g. one data-parallel group).
+
+        Every rank of the default group calls it with the same ``ranks``;
+        members get a ``TorchDist`` whose ranks are numbered 0.. within the
+        subgroup, the others get None.
+        """
+        ranks = sorted(int(r) for r in ranks)
+        td = datetime.timedelta(seconds=timeout_s)
+        data = tdist.new_group(ranks=ranks, timeout=td)
+        ctrl = tdist.new_group(ranks=ranks, backend="gloo", timeout=td)
+        if tdist.get_rank() not in ranks:
+            return None
+        return cls(timeout_s=timeout_s, group=data, _ctrl_group=ctrl)
+
+    # ---- properties -------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        if self._backend == "nccl":
+            return torch.device("cuda", self._topology.local_rank % max(torch.cuda.device_count(), 1))
+        return torch.device("cpu")
+
+    @property
+    def data_device(self) -> torch.device:
+        return self.device if self._backend == "nccl" else torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    # ---- primitives -------------------------------------------------------------------
+    def _global(self, group_rank: int, group: Any) -> int:
+        if group is None or group is tdist.group.WORLD:
+            return group_rank
+        return tdist.get_global_rank(group, group_rank)
+
+    def _guard(self, op: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.monotonic()
+        try:
+            return fn()
+        except (RuntimeError, tdist.DistBackendError) as e:
+            raise collective_error(op, self.rank, self.timeout_s, time.monotonic() - t0, e) from e
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s or self.timeout_s)
+        self._guard("barrier", lambda: tdist.monitored_barrier(
+            group=self._ctrl, timeout=timeout, wait_all_ranks=True))
+
+    def _allgather_bytes(self, data: bytes, op: str) -> list[bytes]:
+        world = self.world_size
+
+        def run() -> list[bytes]:
+            n = torch.tensor([len(data)], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            tdist.all_gather(sizes, n, group=self._ctrl)
+            lens = [int(s.item()) for s in sizes]
+            m = max(max(lens), 1)
+            buf = torch.zeros(m, dtype=torch.uint8)
+            if data:
+                buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            outs = [torch.empty(m, dtype=torch.uint8) for _ in range(world)]
+            tdist.all_gather(outs, buf, group=self._ctrl)
+            return [o[:k].numpy().tobytes() for o, k in zip(outs, lens)]
+
+        return self._guard(f"{op} (control plane all_gather)", run)
+
+    def _broadcast_bytes(self, data: bytes | None, src: int, op: str) -> bytes:
+        gsrc = self._global(src, self._ctrl)
+
+        def run() -> bytes:
+            n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+            tdist.broadcast(n, src=gsrc, group=self._ctrl)
+            k = int(n.item())
+            buf = torch.empty(max(k, 1), dtype=torch.uint8)
+            if self.rank == src and k:
+                buf[:k] = torch.frombuffer(bytearray(data or b""), dtype=torch.uint8)
+            if k:
+                tdist.broadcast(buf, src=gsrc, group=self._ctrl)
+            return buf[:k].numpy().tobytes()
+
+        return self._guard(f"{op} (control plane broadcast from rank {src})", run)
+
+    def _data_broadcast(self, t: torch.Tensor, src: int) -> None:
+        gsrc = self._global(src, self._group)
+        self._guard(f"broadcast of {t.numel()} bytes from rank {src} (data plane)",
+                    lambda: tdist.broadcast(t, src=gsrc, group=self._group))
+
+    def _data_send(self, t: torch.Tensor, dst: int) -> None:
+        g = self._global(dst, self._group)
+        self._guard(f"send of {t.numel()} bytes to rank {dst} (data plane)",
+                    lambda: tdist.send(t, dst=g, group=self._group))
+
+    def _data_recv(self, t: torch.Tensor, src: int) -> None:
+        g = self._global(src, self._group)
+        self._guard(f"recv of {t.numel()} bytes from rank {src} (data plane)",
+                    lambda: tdist.recv(t, src=g, group=self._group))

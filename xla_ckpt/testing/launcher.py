@@ -1,0 +1,407 @@
+"""Run a Python function in N real worker processes, the way torchrun would start them.
+
+Each worker is a fresh ``spawn``-ed interpreter with the environment a
+launcher gives a rank: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port)
+and ``PJRT_DEVICE=CPU`` (so every worker owns its own XLA CPU device).  Code
+under test calls ``torch.distributed.init_process_group("gloo",
+init_method="env://")`` (or :func:`xla_ckpt.dist.get_dist`) as it would under
+torchrun.
+
+Only loopback is used: like torchrun's elastic agent, the launcher itself
+hosts the rendezvous ``TCPStore`` on a socket bound to 127.0.0.1 and tells the
+workers to be its clients (``TORCHELASTIC_USE_AGENT_STORE=True``); gloo is
+pinned to the loopback interface (``GLOO_SOCKET_IFNAME=lo``).
+
+Two ways to use it::
+
+    results = launch(fn, 4, args=(path,), timeout_s=60)       # one-shot
+    with WorkerPool(4) as pool:                                 # start once, run many
+        results = pool.run(fn, path, timeout_s=60)
+
+``fn`` must be importable by module and name (defined at module level).
+Every call returns one :class:`RankResult` per rank: the value, or the
+exception the rank raised (re-created with its type, ``args`` and
+attributes, e.g. :attr:`DistributedError.failures`), or how the process
+died.  A hard timeout kills stragglers, so a hang in the code under test
+shows up as ``timed_out=True`` instead of a stuck test run.
+
+Test helper only: library code never imports this module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import importlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_START_TIMEOUT_S = 120.0
+DEFAULT_RUN_TIMEOUT_S = 120.0
+_KILL_GRACE_S = 3.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RemoteError(Exception):
+    """Stands in for a worker exception whose class could not be re-created in the parent."""
+
+
+@dataclass
+class RankResult:
+    """What one rank produced for one call.
+
+    Attributes:
+        rank: global rank of the worker.
+        value: what the function returned (None if it raised or died).
+        error: the exception it raised, re-created in the parent (same type,
+            ``args`` and attributes), a :class:`TimeoutError` if it was killed
+            by the hard timeout, or a :class:`RemoteError` if it died.
+        traceback: formatted traceback from the worker (chained causes included).
+        exitcode: process exit code if the process ended (negative = signal).
+        timed_out: True when the hard timeout killed it.
+        seconds: wall time of the call on that rank (0 if it never answered).
+    """
+
+    rank: int
+    value: Any = None
+    error: BaseException | None = None
+    traceback: str = ""
+    exitcode: int | None = None
+    timed_out: bool = False
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def unwrap(self) -> Any:
+        """The value, or raise the rank's error (with its worker traceback in the message)."""
+        if self.error is not None:
+            raise RuntimeError(f"rank {self.rank} failed:\n{self.traceback}") from self.error
+        return self.value
+
+
+def _pack_exception(e: BaseException) -> dict:
+    attrs = {}
+    for k, v in vars(e).items():
+        try:
+            pickle.dumps(v)
+        except Exception:  # noqa: BLE001 - drop what cannot travel
+            continue
+        attrs[k] = v
+    try:
+        pickle.dumps(e.args)
+        args = e.args
+    except Exception:  # noqa: BLE001
+        args = tuple(str(a) for a in e.args)
+    return {"module": type(e).__module__, "qualname": type(e).__qualname__, "args": args,
+            "attrs": attrs, "text": f"{type(e).__name__}: {e}",
+            "traceback": "".join(traceback.format_exception(e))}
+
+
+def _unpack_exception(d: dict) -> BaseException:
+    try:
+        cls: Any = importlib.import_module(d["module"])
+        for part in d["qualname"].split("."):
+            cls = getattr(cls, part)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+            raise TypeError(d["qualname"])
+        e = cls.__new__(cls)
+        e.args = d["args"]
+        e.__dict__.update(d["attrs"])
+        return e
+    except Exception:  # noqa: BLE001 - fall back to a readable stand-in
+        return RemoteError(d["text"])
+
+
+# ---------------------------------------------------------------------------- worker side
+def _worker_main(rank: int, world_size: int, env: dict[str, str], conn, preload: tuple) -> None:
+    os.environ.update(env)
+    import torch  # noqa: PLC0415 - after the environment is in place
+
+    torch.set_num_threads(1)
+    for mod in preload:
+        importlib.import_module(mod)
+    conn.send(("ready", rank))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        call_id, fn, args, kwargs, call_env = msg
+        saved = {k: os.environ.get(k) for k in call_env}
+        os.environ.update(call_env)
+        t0 = time.perf_counter()
+        try:
+            value = fn(*args, **kwargs)
+            reply = ("ok", call_id, rank, value, time.perf_counter() - t0)
+            try:
+                conn.send(reply)
+            except Exception as e:  # noqa: BLE001 - e.g. an unpicklable return value
+                conn.send(("err", call_id, rank, _pack_exception(e), time.perf_counter() - t0))
+        except BaseException as e:  # noqa: BLE001 - report everything, SystemExit included
+            conn.send(("err", call_id, rank, _pack_exception(e), time.perf_counter() - t0))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    try:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+# ---------------------------------------------------------------------------- parent side
+@dataclass
+class _Worker:
+    rank: int
+    process: Any
+    conn: Any
+    alive: bool = True
+
+
+@dataclass
+class WorkerPool:
+    """``world_size`` worker processes started once and reused for many calls.
+
+    Args:
+        world_size: number of ranks (one process each).
+        env: extra environment for every worker (e.g. ``STORAGE_EMULATOR_HOST``);
+            per-call additions go to :meth:`run`.
+        xla: preload ``torch_xla`` in every worker (its own XLA CPU device);
+            False starts faster when a test needs no XLA.
+        start_timeout_s: seconds to wait for every worker to import torch and answer.
+
+    After a call in which a rank timed out or died, the pool is ``broken``:
+    its surviving workers are stopped (their process group is no longer
+    usable) and further :meth:`run` calls raise ``RuntimeError``.
+    """
+
+    world_size: int
+    env: Mapping[str, str] | None = None
+    xla: bool = True
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    broken: bool = field(default=False, init=False)
+    _workers: list[_Worker] = field(default_factory=list, init=False, repr=False)
+    _store: Any = field(default=None, init=False, repr=False)
+    _calls: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        self._start()
+
+    def _start(self) -> None:
+        import torch.distributed as dist  # noqa: PLC0415 - the parent hosts the rendezvous store
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        # The store takes ownership of the listening socket (it closes it).
+        self._store = dist.TCPStore("127.0.0.1", port, self.world_size + 1, True,
+                                    timeout=datetime.timedelta(seconds=60),
+                                    master_listen_fd=sock.detach(), wait_for_workers=False)
+        base = {
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.world_size),
+            "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "GLOO_SOCKET_IFNAME": "lo", "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1",
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+        }
+        base.update(self.env or {})
+        ctx = mp.get_context("spawn")
+        preload = ("torch_xla", "torch_xla.runtime") if self.xla else ()
+        for rank in range(self.world_size):
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            parent, child = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_worker_main, args=(rank, self.world_size, env, child, preload),
+                            name=f"xla_ckpt-rank{rank}", daemon=True)
+            p.start()
+            child.close()
+            self._workers.append(_Worker(rank, p, parent))
+        deadline = time.monotonic() + self.start_timeout_s
+        pending = {w.rank for w in self._workers}
+        while pending:
+            left = deadline - time.monotonic()
+            ready = mpc.wait([self._workers[r].conn for r in pending]
+                             + [self._workers[r].process.sentinel for r in pending], max(left, 0))
+            if not ready:
+                self.close()
+                raise RuntimeError(f"workers {sorted(pending)} did not start within "
+                                   f"{self.start_timeout_s} s")
+            for r in list(pending):
+                w = self._workers[r]
+                if w.conn in ready:
+                    try:
+                        w.conn.recv()
+                    except EOFError:
+                        pass
+                    pending.discard(r)
+                elif w.process.sentinel in ready:
+                    self.close()
+                    raise RuntimeError(f"worker {r} exited with code {w.process.exitcode} "
+                                       "while starting")
+
+    def run(self, fn: Callable, *args: Any, timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
+            env: Mapping[str, str] | None = None, **kwargs: Any) -> list[RankResult]:
+        """Call ``fn(*args, **kwargs)`` on every rank at once; one result per rank.
+
+        ``env`` is set in each worker for the duration of the call.  Ranks
+        that have not answered after ``timeout_s`` seconds are killed.
+        """
+        if self.broken:
+            raise RuntimeError("worker pool is broken (a rank died or timed out in an earlier "
+                               "call); start a new one")
+        self._calls += 1
+        call_id = self._calls
+        results = {w.rank: RankResult(w.rank) for w in self._workers}
+        for w in self._workers:
+            w.conn.send((call_id, fn, args, kwargs, dict(env or {})))
+        pending = {w.rank for w in self._workers}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            waitables = {}
+            for r in pending:
+                w = self._workers[r]
+                waitables[w.conn] = r
+                waitables[w.process.sentinel] = r
+            ready = mpc.wait(list(waitables), max(deadline - time.monotonic(), 0))
+            if not ready:
+                break
+            for obj in ready:
+                r = waitables[obj]
+                if r not in pending:
+                    continue
+                w = self._workers[r]
+                if obj is w.conn or w.conn.poll():
+                    try:
+                        msg = w.conn.recv()
+                    except (EOFError, OSError):
+                        msg = None
+                    if msg is not None and msg[1] == call_id:
+                        kind, _cid, _rank, payload, secs = msg
+                        res = results[r]
+                        res.seconds = secs
+                        if kind == "ok":
+                            res.value = payload
+                        else:
+                            res.error = _unpack_exception(payload)
+                            res.traceback = payload["traceback"]
+                        pending.discard(r)
+                        continue
+                    if msg is not None:
+                        continue
+                if not w.process.is_alive():
+                    w.process.join(0.1)
+                    code = w.process.exitcode
+                    results[r].exitcode = code
+                    how = (f"killed by signal {-code}" if code is not None and code < 0
+                           else f"exited with code {code}")
+                    results[r].error = RemoteError(f"rank {r} {how} before answering")
+                    w.alive = False
+                    self.broken = True
+                    pending.discard(r)
+        for r in pending:
+            results[r].timed_out = True
+            results[r].error = TimeoutError(f"rank {r} did not answer within {timeout_s} s "
+                                            "(killed by the launcher)")
+            self.broken = True
+        if self.broken:
+            self.close()
+            for r in pending:
+                results[r].exitcode = self._workers[r].process.exitcode
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Stop every worker (politely, then SIGKILL after a grace period)."""
+        for w in self._workers:
+            if w.process.is_alive():
+                try:
+                    w.conn.send(None)
+                except (OSError, BrokenPipeError):
+                    pass
+        deadline = time.monotonic() + (_KILL_GRACE_S if not self.broken else 0.5)
+        for w in self._workers:
+            w.process.join(max(deadline - time.monotonic(), 0))
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(5)
+            w.conn.close()
+            w.alive = False
+        self._store = None
+        self.broken = True
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def launch(fn: Callable, world_size: int, *, args: tuple = (), kwargs: Mapping | None = None,
+           timeout_s: float = DEFAULT_RUN_TIMEOUT_S, env: Mapping[str, str] | None = None,
+           xla: bool = True) -> list[RankResult]:
+    """Start ``world_size`` workers, run ``fn(*args, **kwargs)`` on each once, stop them.
+
+    See :class:`WorkerPool` for the arguments; returns one :class:`RankResult` per rank.
+    """
+    pool = WorkerPool(world_size, env=env, xla=xla)
+    try:
+        return pool.run(fn, *args, timeout_s=timeout_s, **dict(kwargs or {}))
+    finally:
+        pool.close()
+
+
+_SHARED: dict[tuple, WorkerPool] = {}
+
+
+def shared_pool(world_size: int, *, xla: bool = True) -> WorkerPool:
+    """A process-wide pool of ``world_size`` workers, started on first use, replaced when broken.
+
+    Lets several test modules share one set of workers (starting torch and
+    torch_xla costs seconds per process).  Stopped at interpreter exit.
+    """
+    key = (world_size, xla)
+    pool = _SHARED.get(key)
+    if pool is None or pool.broken:
+        pool = _SHARED[key] = WorkerPool(world_size, xla=xla)
+    return pool
+
+
+@atexit.register
+def _close_shared() -> None:
+    for pool in _SHARED.values():
+        if not pool.broken:
+            pool.close()
+    _SHARED.clear()
+
+
+def kill_self(sig: int = signal.SIGKILL) -> None:
+    """Kill the calling worker process at once (to emulate a rank lost mid-job)."""
+    os.kill(os.getpid(), sig)
