@@ -9,8 +9,8 @@ become fp16.  :func:`load_optimizer_state` wraps it:
 * the optimizer must hold the module's live parameters (an optimizer built
   before ``model.to(xla_device)`` holds stale CPU copies; refused);
 * the saved param groups must match in number and size, and per-parameter
-  state must have its parameter's shape (a model whose parameters changed
-  order would otherwise get the wrong moments); otherwise
+  state must fit its parameter's shape (a model whose parameters changed
+  order would otherwise fail at the first step with a cryptic error); otherwise
   :class:`~xla_ckpt.errors.StateMismatchError` suggesting ``reset_optimizer``;
 * state tensors keep their saved dtype and bits, except for parameters
   whose own dtype was cast on load (their state follows the parameter,
@@ -48,6 +48,19 @@ def check_live_params(optimizer: torch.optim.Optimizer, live_params: Iterable[to
             "built before the model moved to its device (moving to an XLA device replaces the "
             "parameter objects). Build the optimizer after model.to(device), or pass "
             "build_optimizer so the restore rebuilds it.")
+
+
+def _fits(state: torch.Tensor, param: torch.Tensor, builtin: bool) -> bool:
+    """Whether a per-parameter state tensor can belong to ``param``.
+
+    Same number of dimensions: each dimension equals the parameter's or is 1
+    (factored state such as Adafactor's row/column variance).  Another number
+    of dimensions: only 0-d, or any shape for optimizers outside
+    ``torch.optim`` (their state layout is unknown).
+    """
+    if state.dim() == param.dim():
+        return all(s == d or s == 1 for s, d in zip(state.shape, param.shape))
+    return state.dim() == 0 or not builtin
 
 
 def _param_list(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -94,6 +107,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
                 f"{len(lg['params'])} in the live optimizer; {suggestion}")
 
     params = _param_list(optimizer)
+    builtin = type(optimizer).__module__.startswith("torch.optim")
     saved_ids = [pid for g in saved_groups for pid in g["params"]]
     by_id = dict(zip(saved_ids, params))
     pid_of = {id(p): pid for pid, p in zip(saved_ids, params)}
@@ -105,7 +119,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
         for name, v in st.items():
             if not isinstance(v, torch.Tensor) or name == "step":
                 continue
-            if v.dim() == p.dim() and tuple(v.shape) != tuple(p.shape):
+            if not _fits(v, p, builtin):
                 raise StateMismatchError(
                     f"{loc}optimizer state {name!r} of parameter {pid} has shape {list(v.shape)} "
                     f"but the live parameter has shape {list(p.shape)}; the model's parameters "
