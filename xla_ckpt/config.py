@@ -87,7 +87,9 @@ class CheckpointConfig:
         no_epoch_checkpoints: do not save end-of-epoch checkpoints at all.
         keep_interval_updates: keep the newest N update checkpoints (``checkpoint_E_U``).
         keep_last_epochs: keep the newest N epoch checkpoints (``checkpointE``).
-        keep_best_checkpoints: keep the N best checkpoints by ``best_checkpoint_metric``.
+        keep_best_checkpoints: also keep the N best checkpoints by ``best_checkpoint_metric``
+            (0: the metric only moves the ``checkpoint_best`` pointer, whose target is never
+            deleted; -1: keep every checkpoint that has the metric).
         best_checkpoint_metric: metric name (a key of the ``metrics`` passed on save).
         maximize_best_checkpoint_metric: higher metric is better.
         async_save: stage to host memory on the training thread, upload in a
@@ -110,7 +112,7 @@ class CheckpointConfig:
     no_epoch_checkpoints: bool = False
     keep_interval_updates: int = -1
     keep_last_epochs: int = -1
-    keep_best_checkpoints: int = -1
+    keep_best_checkpoints: int = 0
     best_checkpoint_metric: str = "loss"
     maximize_best_checkpoint_metric: bool = False
     async_save: bool = True

@@ -102,3 +102,13 @@ class DistributedError(XlaCkptError, RuntimeError):
 
 class CollectiveTimeoutError(DistributedError, TimeoutError):
     """A barrier or collective did not complete within its timeout."""
+
+
+class CheckpointSaveError(DistributedError):
+    """A checkpoint save failed on one or more ranks; nothing was committed.
+
+    Raised on every rank by :class:`xla_ckpt.manager.CheckpointManager` (for an
+    async save, at the next update boundary or ``wait()``); ``failures`` maps
+    each failing rank to its cause.  The previous committed checkpoint and
+    the pointers are untouched.
+    """
