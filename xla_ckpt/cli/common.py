@@ -1,0 +1,176 @@
+"""Shared pieces of the ``xla-ckpt`` commands: exit codes, target resolution, progress, formatting.
+
+Exit codes (every command): 0 success; 1 the checkpoint is corrupt, incomplete,
+unsafe, or the operation was refused; 2 a usage or access error (bad arguments,
+nothing at the URI, permission denied, storage unreachable).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from xla_ckpt.errors import (CheckpointNotFoundError, ConfigError, IncompleteCheckpointError,
+                             StorageError, XlaCkptError)
+from xla_ckpt.io.catalog import is_checkpoint, list_checkpoints, resolve_latest
+from xla_ckpt.io.reader import read_manifest
+from xla_ckpt.storage import Storage, StorageConfig, open_storage
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad command-line use (exit code 2); the message says what to pass instead."""
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """Exit code of a command that raised ``exc`` (see the module docstring)."""
+    if isinstance(exc, IncompleteCheckpointError):
+        return EXIT_FAILED
+    if isinstance(exc, (UsageError, ConfigError, CheckpointNotFoundError, StorageError)):
+        return EXIT_USAGE
+    if isinstance(exc, XlaCkptError):
+        return EXIT_FAILED
+    if isinstance(exc, OSError):
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (or its type when it has none)."""
+    text = str(exc).strip()
+    if isinstance(exc, KeyError) and text.startswith("'"):
+        text = f"missing key {text}"
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@dataclass
+class Target:
+    """A resolved checkpoint: ``storage`` rooted at it; ``run`` set when chosen as a run's latest."""
+
+    storage: Storage
+    uri: str
+    run_uri: str | None = None
+
+
+def resolve_checkpoint(uri: str, config: StorageConfig | None = None) -> Target:
+    """A checkpoint folder as given, or the latest committed checkpoint of a run folder.
+
+    Raises:
+        IncompleteCheckpointError: only uncommitted checkpoints are there.
+        CheckpointNotFoundError: nothing is there.
+    """
+    st = open_storage(uri, config)
+    try:
+        if is_checkpoint(st):
+            return Target(st, st.uri)
+        name = resolve_latest(st)
+        if name is not None:
+            child = st.child(name)
+            return Target(child, child.uri, run_uri=st.uri)
+        entries = list_checkpoints(st)
+        if entries:
+            names = ", ".join(e.name for e in entries[:5])
+            raise IncompleteCheckpointError(
+                f"{st.uri}: run folder has no committed checkpoint (incomplete: {names}); "
+                "their saves did not finish")
+        read_manifest(st)  # raises IncompleteCheckpointError or CheckpointNotFoundError
+        raise CheckpointNotFoundError(f"{st.uri}: no checkpoint here")  # pragma: no cover
+    except BaseException:
+        st.close()
+        raise
+
+
+class _NullBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total_bytes: int | None, desc: str, *, enabled: bool | None = None):
+    """A tqdm byte counter on stderr when it is a terminal (or ``enabled``), else a no-op."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return _NullBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def human_bytes(n: int | float) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def utc_time(unix_s: float) -> str:
+    if not unix_s or not math.isfinite(unix_s):
+        return "-"
+    try:
+        return _dt.datetime.fromtimestamp(unix_s, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):
+        return "-"
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    """Left-aligned text columns separated by two spaces."""
+    cols = [header] + rows
+    widths = [max(len(r[i]) for r in cols) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cols]
+    return "\n".join(lines)
+
+
+def jsonable(value: Any) -> Any:
+    """Plain-JSON form of a decoded state value, for ``--json`` output.
+
+    Tuples become lists, ``argparse.Namespace`` a dict, numpy scalars Python
+    numbers, non-finite floats the strings ``"nan"``/``"inf"``/``"-inf"``,
+    dict keys strings, bytes ``{"bytes": n}``; objects with a ``to_json()``
+    method (tensor descriptions) use it.
+    """
+    import argparse
+
+    import numpy as np
+
+    if hasattr(value, "to_json") and callable(value.to_json):
+        return value.to_json()
+    if value is None or isinstance(value, (bool, str, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, np.generic):
+        return jsonable(value.item())
+    if isinstance(value, argparse.Namespace):
+        return {str(k): jsonable(v) for k, v in vars(value).items()}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (bytes, bytearray)):
+        return {"bytes": len(value)}
+    if isinstance(value, complex):
+        return [jsonable(value.real), jsonable(value.imag)]
+    return str(value)
+
+
+def plain(doc: str | None) -> str:
+    """A module docstring as ``--help`` text (reST double backquotes removed)."""
+    return (doc or "").replace("``", "")

@@ -1,0 +1,48 @@
+"""``xla-ckpt gc RUN``: apply a retention policy to a run folder.
+
+fairseq semantics: keep the newest ``--keep-last`` committed checkpoints
+(``keep_interval_updates``) and the ``--keep-best`` best by ``--metric`` from
+their metadata (``keep_best_checkpoints``, lower is better unless
+``--maximize``).  Whatever the policy says, checkpoints named by a pointer
+and the newest committed one are kept.  Incomplete folders are deleted only
+with ``--incomplete`` (one may be a save still in flight).  ``--dry-run`` only
+prints what would happen.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from xla_ckpt.cli.common import EXIT_OK, UsageError, plain
+from xla_ckpt.cli.rm import print_result
+from xla_ckpt.io.prune import collect_garbage
+from xla_ckpt.io.retention import RetentionPolicy
+from xla_ckpt.storage import open_storage
+
+
+def register(sub, parents) -> None:
+    p = sub.add_parser("gc", parents=parents, help="apply a retention policy (keep-last/keep-best)",
+                       description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("uri", metavar="RUN", help="run folder: local path or gs://bucket/prefix")
+    p.add_argument("--keep-last", type=int, default=-1, metavar="N",
+                   help="newest committed checkpoints to keep (-1: all)")
+    p.add_argument("--keep-best", type=int, default=-1, metavar="N",
+                   help="best committed checkpoints to keep by --metric (-1: all)")
+    p.add_argument("--metric", default="loss", help="metadata key ranking checkpoints (loss)")
+    p.add_argument("--maximize", action="store_true", help="higher --metric is better")
+    p.add_argument("--incomplete", action="store_true",
+                   help="also delete incomplete folders (no commit marker)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.keep_last == -1 and args.keep_best == -1 and not args.incomplete:
+        raise UsageError("nothing to do: pass --keep-last N, --keep-best N and/or --incomplete")
+    policy = RetentionPolicy(keep_last=args.keep_last, keep_best=args.keep_best,
+                             metric=args.metric, maximize=args.maximize)
+    with open_storage(args.uri) as st:
+        result = collect_garbage(st, policy, delete_incomplete=args.incomplete,
+                                 dry_run=args.dry_run)
+    print_result(result)
+    return EXIT_OK

@@ -1,0 +1,105 @@
+"""``xla-ckpt ls RUN``: committed checkpoints of a run folder, their pointers, and incomplete ones.
+
+Columns: NAME, EPOCH, STEP (the saver's ``step`` metadata, else
+``iterations_in_epoch``: the step within the epoch), UPDATES (``num_updates``),
+LOSS, SIZE (bytes of data files), SAVED (UTC) and POINTERS (``last``/``best``
+when a pointer names it).  Folders without a commit marker are listed apart:
+a restore never uses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from typing import Any
+
+from xla_ckpt.cli.common import EXIT_OK, human_bytes, jsonable, plain, table, utc_time
+from xla_ckpt.errors import CheckpointNotFoundError
+from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, list_checkpoints, read_pointer
+from xla_ckpt.storage import is_gcs_uri, open_storage
+
+
+def register(sub, parents) -> None:
+    p = sub.add_parser("ls", parents=parents, help="list checkpoints of a run folder",
+                       description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("uri", metavar="RUN", help="run folder: local path or gs://bucket/prefix")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    p.set_defaults(func=run)
+
+
+def _meta(entry: CheckpointEntry, key: str) -> Any:
+    md = entry.metadata if isinstance(entry.metadata, dict) else {}
+    v = md.get(key)
+    return None if isinstance(v, bool) else v
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float) and math.isfinite(v):
+        return f"{v:.4g}"
+    return "-"
+
+
+def _step(entry: CheckpointEntry) -> Any:
+    step = _meta(entry, "step")
+    return step if step is not None else _meta(entry, "iterations_in_epoch")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not is_gcs_uri(args.uri):
+        path = args.uri[len("file://"):] if args.uri.startswith("file://") else args.uri
+        if not os.path.isdir(os.path.expanduser(path)):
+            raise CheckpointNotFoundError(f"{path}: no such folder")
+    with open_storage(args.uri) as st:
+        entries = list_checkpoints(st)
+        pointers = {w: read_pointer(st, w) for w in POINTERS}
+        uri = st.uri
+    named: dict[str, list[str]] = {}
+    for which, name in pointers.items():
+        if name is not None:
+            named.setdefault(name, []).append(which)
+    committed = [e for e in entries if e.committed]
+    incomplete = [e for e in entries if not e.committed]
+    if args.json:
+        print(json.dumps(jsonable(_as_json(uri, committed, incomplete, pointers, named)),
+                         indent=2, sort_keys=True))
+        return EXIT_OK
+    print(f"{uri}: {len(committed)} committed, {len(incomplete)} incomplete")
+    if committed:
+        rows = [[e.name, _num(_meta(e, "epoch")), _num(_step(e)), _num(_meta(e, "num_updates")),
+                 _num(_meta(e, "loss")), human_bytes(e.nbytes),
+                 utc_time(e.manifest.created_unix_s if e.manifest else 0.0),
+                 ",".join(named.get(e.name, []))] for e in committed]
+        print(table(rows, ["NAME", "EPOCH", "STEP", "UPDATES", "LOSS", "SIZE", "SAVED (UTC)",
+                           "POINTERS"]))
+    for which, name in pointers.items():
+        if name is not None and name not in {e.name for e in committed}:
+            print(f"warning: pointer checkpoint_{which} names {name!r}, which is not a committed "
+                  "checkpoint (restores ignore it)")
+    if incomplete:
+        print("incomplete (no commit marker; never restored):")
+        for e in incomplete:
+            print(f"  {e.name}" + (f"  ({e.error})" if e.error else ""))
+    return EXIT_OK
+
+
+def _as_json(uri, committed, incomplete, pointers, named) -> dict:
+    def md(e: CheckpointEntry) -> dict:
+        m = e.metadata if isinstance(e.metadata, dict) else {}
+        return {str(k): v for k, v in m.items()
+                if v is None or isinstance(v, (bool, int, float, str))}  # scalars only
+
+    return {
+        "uri": uri,
+        "pointers": {w: n for w, n in pointers.items()},
+        "committed": [{"name": e.name, "epoch": _meta(e, "epoch"), "step": _step(e),
+                       "num_updates": _meta(e, "num_updates"), "loss": _meta(e, "loss"),
+                       "nbytes": e.nbytes, "save_id": e.manifest.save_id if e.manifest else None,
+                       "created_unix_s": e.manifest.created_unix_s if e.manifest else None,
+                       "pointers": named.get(e.name, []), "metadata": md(e)}
+                      for e in committed],
+        "incomplete": [{"name": e.name, "error": e.error} for e in incomplete],
+    }

@@ -1,0 +1,85 @@
+"""``xla-ckpt``: operate checkpoints from a shell (local paths and ``gs://`` URIs).
+
+Each subcommand lives in its own module exposing ``register(subparsers)``,
+which adds its parser and sets ``func(args) -> exit code``; :data:`COMMANDS`
+lists them (add ``demo``/``bench`` there).  Errors print one line on stderr
+(``xla-ckpt <command>: error: <reason>``) and exit non-zero; ``--debug``
+adds the traceback and debug logs.  Exit codes are in
+:mod:`xla_ckpt.cli.common`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from typing import Sequence
+
+from xla_ckpt import __version__
+from xla_ckpt.cli import convert, gc, inspect, ls, rm, verify
+from xla_ckpt.cli.common import EXIT_USAGE, UsageError, exit_code_for, one_line
+from xla_ckpt.errors import XlaCkptError
+
+COMMANDS = (ls, inspect, verify, convert, rm, gc)
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every subcommand accepts after its name too (``xla-ckpt verify URI --debug``)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="print tracebacks and debug logs")
+    p.add_argument("--no-progress", action="store_true", default=argparse.SUPPRESS,
+                   help="never draw progress bars (they appear only on a terminal)")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xla-ckpt",
+        description="List, inspect, verify, convert and prune xla_ckpt checkpoints "
+                    "(local paths or gs:// URIs).")
+    parser.add_argument("--version", action="version", version=f"xla-ckpt {__version__}")
+    parser.add_argument("--debug", action="store_true", help="print tracebacks and debug logs")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="never draw progress bars (they appear only on a terminal)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parents = [common_options()]
+    for module in COMMANDS:
+        module.register(sub, parents)
+    return parser
+
+
+def _setup_logging(debug: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr,
+                        format="xla-ckpt: %(levelname)s %(name)s: %(message)s" if debug
+                        else "xla-ckpt: %(levelname)s: %(message)s", force=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit code (the console script exits with it)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help/--version exit 0, usage errors exit 2
+        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+    _setup_logging(args.debug)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"xla-ckpt {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI boundary: one line unless --debug
+        if args.debug:
+            traceback.print_exc()
+        code = exit_code_for(e)
+        if isinstance(e, (XlaCkptError, UsageError, OSError)):
+            reason = one_line(e)
+        else:
+            reason = f"internal error ({type(e).__name__}: {one_line(e)}); rerun with --debug"
+        print(f"xla-ckpt {args.command}: error: {reason}", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
