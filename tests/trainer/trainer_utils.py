@@ -79,7 +79,8 @@ def make_checkpointer(seed: int, **kwargs) -> Checkpointer:
     model = TinyTransformer()
     criterion = TemperatureMSE()
     return Checkpointer(model=model, criterion=criterion, build_optimizer=build_adamw,
-                        build_lr_scheduler=build_lambda_lr, metrics=kwargs.pop("metrics", Metrics()),
+                        build_lr_scheduler=kwargs.pop("build_lr_scheduler", build_lambda_lr),
+                        metrics=kwargs.pop("metrics", Metrics()),
                         args=make_args(), cfg={"task": "denoise", "update_freq": (1,)},
                         config=kwargs.pop("config", CheckpointerConfig()), **kwargs)
 

@@ -252,9 +252,14 @@ class Checkpointer:
         return self.clock() - self._start_time + self._previous_training_time
 
     # ---- save ---------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The whole training state (layout in :mod:`xla_ckpt.trainer.keys`); tensors stay
-        on their devices (the writer brings them to host)."""
+    def state_dict(self, extra_state: Optional[Mapping] = None) -> dict:
+        """The whole training state (layout in :mod:`xla_ckpt.trainer.keys`).
+
+        ``extra_state`` (``train_iterator``, ``val_loss``, ...) is merged into
+        the saved ``extra_state``.  Tensors stay on their devices (the writer
+        brings them to host).  Pass ``lambda: ckpt.state_dict(extra)`` as the
+        ``state`` of :class:`xla_ckpt.manager.CheckpointManager`.
+        """
         criterion = self.criterion
         state = {
             K.ARGS: self.args,
@@ -274,6 +279,7 @@ class Checkpointer:
                 K.PREVIOUS_TRAINING_TIME: self.cumulative_training_time(),
             },
         }
+        state[K.EXTRA_STATE].update(extra_state or {})
         if not self.config.no_save_optimizer_state:
             state[K.LAST_OPTIMIZER_STATE] = self.optimizer.state_dict()
         return state
@@ -303,8 +309,7 @@ class Checkpointer:
             StorageError: the write failed; nothing was committed.
         """
         t0 = time.perf_counter()
-        state = self.state_dict()
-        state[K.EXTRA_STATE].update(extra_state or {})
+        state = self.state_dict(extra_state)
         md = self._summary(state[K.EXTRA_STATE], metadata)
         result = self.saver(state, uri, metadata=md, rank_state=rank_extra_state)
         if self.rank == 0:
@@ -353,10 +358,27 @@ class Checkpointer:
                 the checkpoint (names both, suggests ``reset_optimizer=True``).
             CheckpointCorruptError / IntegrityError: bad bytes (names the path).
         """
+        return self.load_state(self._restore(uri), where=uri, reset_optimizer=reset_optimizer,
+                               reset_lr_scheduler=reset_lr_scheduler,
+                               optimizer_overrides=optimizer_overrides, reset_meters=reset_meters)
+
+    def load_state(self, restored: Any, *, where: str = "", reset_optimizer: bool = False,
+                   reset_lr_scheduler: bool = False,
+                   optimizer_overrides: Optional[Mapping[str, Any]] = None,
+                   reset_meters: bool = False) -> Optional[dict]:
+        """Apply an already-read checkpoint: :meth:`load_checkpoint` without the read.
+
+        ``restored`` is ``None`` (no checkpoint), ``(state, rank_state)``, or
+        an object with ``.state`` and ``.rank_state`` (what
+        ``CheckpointManager.restore_or_initialize`` or a restore strategy
+        returns).  ``where`` names the checkpoint in messages.  Same flags,
+        return value and errors as :meth:`load_checkpoint`.
+        """
+        uri = where
         t0 = time.perf_counter()
         extra_state, self._optim_history, last_optim_state = None, [], None
         self.rank_state = None
-        result = self._restore(uri)
+        result = restored
         model_report = None
         if result is not None:
             state, rank_state = unpack_restored(result)
