@@ -6,6 +6,7 @@ whole suite in test_conformance.py runs against it.
 """
 
 import contextlib
+import uuid
 
 import pytest
 
@@ -22,7 +23,37 @@ def _local(tmp_path, request):
         yield st
 
 
-BACKENDS = {"local": _local}
+GCS_SMALL = StorageConfig(max_workers=4, slice_size_bytes=1024, retry_deadline_s=10.0,
+                          initial_backoff_s=0.001, max_backoff_s=0.01,
+                          parallel_upload_threshold_bytes=100_000, upload_part_size_bytes=64 * 1024)
+
+
+@contextlib.contextmanager
+def _gcs(tmp_path, request):
+    """GCS on the emulator (objects of >= 100 kB go up as composed parts)."""
+    emu = request.getfixturevalue("gcs_emulator")
+    stem = f"conformance-{uuid.uuid4().hex[:12]}"
+    with emu.storage(stem, GCS_SMALL) as st:
+        yield st
+    emu.delete_prefix(stem + "/")
+
+
+@contextlib.contextmanager
+def _gcs_faulty(tmp_path, request):
+    """GCS through the fault proxy: seeded random 503/429/resets/short bodies on ~20% of requests."""
+    from xla_ckpt.testing.fault_proxy import Fault, FaultProxy
+
+    emu = request.getfixturevalue("gcs_emulator")
+    stem = f"conformance-{uuid.uuid4().hex[:12]}"
+    with FaultProxy(emu.host, seed=len(request.node.name)) as proxy:
+        proxy.random_faults(0.2, [Fault.error(503), Fault.error(429, retry_after=0),
+                                  Fault.reset(rst=True), Fault.reset(rst=False), Fault.short()])
+        with proxy.storage(emu.uri(stem), GCS_SMALL) as st:
+            yield st
+    emu.delete_prefix(stem + "/")
+
+
+BACKENDS = {"local": _local, "gcs": _gcs, "gcs-faulty": _gcs_faulty}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
