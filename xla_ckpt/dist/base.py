@@ -193,6 +193,10 @@ class Dist(abc.ABC):
         payload = encode_object(obj) if self.rank == src else None
         return decode_object(self._broadcast_bytes(payload, src, "broadcast_object"))
 
+    def exchange_bytes(self, data: bytes) -> list[bytes]:
+        """All-gather raw bytes (e.g. JSON a caller encoded itself); element ``r`` is rank ``r``'s."""
+        return self._allgather_bytes(bytes(data), "exchange_bytes")
+
     def broadcast_bytes(self, data: bytes | None = None, src: int = 0) -> bytes:
         """``src``'s raw bytes (e.g. a manifest's JSON) on every rank; receivers pass nothing."""
         if self.rank == src and data is None:

@@ -1,0 +1,57 @@
+"""Restore knobs (one dataclass, validated; fairseq names accepted)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xla_ckpt.dist.buckets import DEFAULT_BUCKET_SIZE_BYTES
+from xla_ckpt.errors import ConfigError
+
+STRATEGIES = ("auto", "all_ranks", "broadcast")
+ZERO_SHARDING = ("none", "os")
+
+
+@dataclass(kw_only=True)
+class RestoreConfig:
+    """How :func:`xla_ckpt.restore.restore` moves a checkpoint onto every rank.
+
+    Attributes:
+        strategy: ``"auto"`` (every rank reads on XLA/TPU; rank 0 reads and
+            broadcasts on CUDA/NCCL and gloo), ``"all_ranks"`` or ``"broadcast"``.
+        load_checkpoint_on_all_dp_ranks: fairseq's flag; True means
+            ``"all_ranks"`` (and conflicts with an explicit ``"broadcast"``).
+        bucket_size_bytes: largest single collective of the broadcast path,
+            in bytes; a receiver needs about one bucket of memory beyond the state.
+        zero_sharding: ``"os"`` — each rank restores only its partition of the
+            flat sharded tensors (ZeRO optimizer-state sharding); ``"none"`` —
+            each rank gets the whole of every sharded tensor.
+        allow_reshard: restore sharded tensors saved with another world size
+            by exact resharding; False raises ``WorldSizeMismatchError`` instead.
+
+    Raises:
+        ConfigError: a value out of range (names the key).
+    """
+
+    strategy: str = "auto"
+    load_checkpoint_on_all_dp_ranks: bool = False
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    zero_sharding: str = "none"
+    allow_reshard: bool = True
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"restore.strategy must be one of {', '.join(STRATEGIES)}; got "
+                              f"{self.strategy!r}")
+        if self.zero_sharding not in ZERO_SHARDING:
+            raise ConfigError(f"restore.zero_sharding must be one of {', '.join(ZERO_SHARDING)}; "
+                              f"got {self.zero_sharding!r}")
+        for name in ("load_checkpoint_on_all_dp_ranks", "allow_reshard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"restore.{name} must be true or false, got "
+                                  f"{getattr(self, name)!r}")
+        b = self.bucket_size_bytes
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise ConfigError(f"restore.bucket_size_bytes must be an integer >= 1, got {b!r}")
+        if self.load_checkpoint_on_all_dp_ranks and self.strategy == "broadcast":
+            raise ConfigError("restore.load_checkpoint_on_all_dp_ranks=true asks every rank to "
+                              "read, but restore.strategy is 'broadcast'; set one of them")

@@ -1,0 +1,78 @@
+"""What a restore hands back on each rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from xla_ckpt.format.manifest import Manifest
+
+
+@dataclass
+class Loaded:
+    """What a strategy produced on one rank (internal; :class:`Restored` is the public face)."""
+
+    state: Any
+    rank_state: Any = None
+    shards: dict[str, torch.Tensor] = field(default_factory=dict)
+    bytes_read: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    read_seconds: float = 0.0
+
+
+@dataclass
+class RestoreStats:
+    """Figures of one restore on this rank.
+
+    Attributes:
+        bytes_read: bytes this rank fetched from storage.
+        bytes_received: tensor bytes this rank received over the data plane.
+        bytes_sent: tensor bytes this rank sent point to point (rank 0, ZeRO scatter).
+        seconds: wall time of the whole restore on this rank.
+        read_seconds: wall time of this rank's storage reads.
+    """
+
+    bytes_read: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+    read_seconds: float = 0.0
+
+
+@dataclass
+class Restored:
+    """The restored training state on this rank.
+
+    Attributes:
+        state: the replicated state (the ``"state"`` item), tensors on CPU or
+            on ``map_location``, with saved dtypes, shapes and aliasing.
+        rank_state: this rank's own ``rank/<rank>`` item (iterator position,
+            RNG state...), never another rank's; None if the checkpoint has none.
+        shards: this rank's part of every flat sharded tensor (ZeRO optimizer
+            state): its partition with ``zero_sharding="os"``, the whole
+            tensor with ``"none"``; 1-D, saved dtype.
+        shard_bounds: key -> element range ``[lo, hi)`` of ``shards[key]`` in
+            the flat tensor.
+        shard_numel: key -> number of elements of the whole flat tensor.
+        checkpoint: URI of the checkpoint restored (the one rank 0 decided on).
+        manifest: its manifest.
+        metadata: the typed-decoded metadata summary the saver passed.
+        strategy: ``"all_ranks"`` or ``"broadcast"``.
+        reason: why that strategy ran.
+        stats: :class:`RestoreStats` of this rank.
+    """
+
+    state: Any
+    rank_state: Any
+    shards: dict[str, torch.Tensor]
+    shard_bounds: dict[str, tuple[int, int]]
+    shard_numel: dict[str, int]
+    checkpoint: str
+    manifest: Manifest
+    metadata: Any
+    strategy: str
+    reason: str
+    stats: RestoreStats
