@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xla_ckpt.errors import CheckpointCorruptError
+from xla_ckpt.format import typed
 from xla_ckpt.format.dtypes import dtype_from_name, itemsize
 
 FORMAT_NAME = "xla_ckpt"
@@ -51,6 +52,7 @@ DEFAULT_CHUNK_SIZE_BYTES = 4 * 1024 * 1024
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_ENTRIES = 10_000_000
 MAX_NDIM = 64
+_INT64_LIMIT = 2**63
 
 
 def rank_item(rank: int) -> str:
@@ -168,7 +170,8 @@ class Manifest:
             raise CheckpointCorruptError(f"{where}: manifest of {len(data)} bytes exceeds the "
                                          f"{MAX_MANIFEST_BYTES}-byte limit")
         try:
-            doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+            doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
+                             object_pairs_hook=_unique_keys)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise CheckpointCorruptError(f"{where}: not a valid JSON manifest ({e})") from None
         return _validate(doc, where)
@@ -176,6 +179,16 @@ class Manifest:
 
 def _reject_constant(name: str):
     raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _unique_keys(pairs: list) -> dict:
+    """JSON object hook: a key given twice is refused (json.loads would keep the last silently)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {dup!r} in one JSON object")
+    return d
 
 
 def _int(v: Any, what: str, where: str, lo: int = 0) -> int:
@@ -238,8 +251,14 @@ def _validate(doc: Any, where: str) -> Manifest:
     if not isinstance(save_id, str):
         raise CheckpointCorruptError(f"{where}: save_id must be a string")
     created = doc.get("created_unix_s", 0.0)
-    if not isinstance(created, (int, float)) or isinstance(created, bool):
-        raise CheckpointCorruptError(f"{where}: created_unix_s must be a number")
+    if not isinstance(created, (int, float)) or isinstance(created, bool) \
+            or not -1e12 < created < 1e12:
+        raise CheckpointCorruptError(f"{where}: created_unix_s must be a number of seconds")
+    if doc.get("metadata") is not None:
+        try:
+            typed.decode(doc["metadata"])
+        except CheckpointCorruptError as e:
+            raise CheckpointCorruptError(f"{where}: metadata: {e}") from None
     return Manifest(save_id=save_id, items=items, files=files, metadata=doc.get("metadata"),
                     world_size=ws, created_unix_s=float(created), version=version)
 
@@ -248,7 +267,7 @@ def _blob(b: Any, files: dict[str, int], where: str) -> BlobRecord:
     if not isinstance(b, dict):
         raise CheckpointCorruptError(f"{where}: must be an object")
     fname = b.get("file")
-    if fname not in files:
+    if not isinstance(fname, str) or fname not in files:
         raise CheckpointCorruptError(f"{where}: file {fname!r} is not listed in 'files'")
     offset = _int(b.get("offset"), "offset", where)
     length = _int(b.get("length"), "length", where)
@@ -303,6 +322,10 @@ def _tensor(t: Any, blobs: list[BlobRecord], where: str) -> TensorRecord:
                                      f"{MAX_NDIM}")
     shape_t = tuple(_int(s, "shape entry", where) for s in shape)
     stride_t = tuple(_int(s, "stride entry", where) for s in stride)
+    if any(v >= _INT64_LIMIT for v in shape_t + stride_t) \
+            or math.prod(d for d in shape_t if d) * itemsize(dtype_from_name(dtype)) >= _INT64_LIMIT:
+        raise CheckpointCorruptError(f"{where}: shape {list(shape_t)} / stride {list(stride_t)} "
+                                     "exceed what a tensor can address (int64)")
     rec = TensorRecord(key, blob, _int(t.get("byte_offset"), "byte_offset", where), dtype,
                        shape_t, stride_t)
     if rec.byte_offset + rec.span_bytes() > blobs[blob].length:

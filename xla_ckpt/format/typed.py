@@ -79,10 +79,19 @@ def encode(obj: Any, tensor_hook: Callable[[torch.Tensor, tuple], int] | None = 
         UnsupportedTypeError: a value of an unsupported type; the message names
             its key path and type.
     """
-    return _encode(obj, (), tensor_hook, set())
+    return _encode(obj, (), tensor_hook, set(), 0)
 
 
-def _encode(obj: Any, path: tuple, hook, active: set) -> Any:
+def _too_deep(path: tuple) -> UnsupportedTypeError:
+    return UnsupportedTypeError(
+        f"state nested deeper than {MAX_DEPTH} levels at {format_path(path[:8])}...: a load "
+        "would refuse it; flatten the structure before saving")
+
+
+def _encode(obj: Any, path: tuple, hook, active: set, depth: int) -> Any:
+    # ``depth`` counts levels exactly as _decode does, so whatever encodes also decodes.
+    if depth > MAX_DEPTH:
+        raise _too_deep(path)
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, torch.Tensor):
@@ -92,6 +101,11 @@ def _encode(obj: Any, path: tuple, hook, active: set) -> Any:
     if isinstance(obj, np.generic):
         if isinstance(obj, np.ndarray):  # pragma: no cover - ndarray is not np.generic
             raise UnsupportedTypeError(f"numpy array at {format_path(path)}")
+        if depth + 1 > MAX_DEPTH:  # its value sits one level down
+            raise _too_deep(path)
+        if obj.dtype.kind not in "biufcSU":  # what decode accepts
+            raise UnsupportedTypeError(f"numpy scalar of dtype {obj.dtype} at {format_path(path)} "
+                                       "cannot be restored; convert it to a Python value")
         value = obj.item()
         if isinstance(value, float) and not math.isfinite(value):
             value = {"$float": repr(value)}
@@ -117,6 +131,9 @@ def _encode(obj: Any, path: tuple, hook, active: set) -> Any:
     if isinstance(obj, torch.device):
         return {"$torch_device": str(obj)}
     if isinstance(obj, np.dtype):
+        if obj.kind == "O":  # what decode refuses
+            raise UnsupportedTypeError(f"object numpy dtype at {format_path(path)} cannot be "
+                                       "restored")
         return {"$np_dtype": obj.str if obj.kind in "SUVO" else obj.name}
 
     oid = id(obj)
@@ -125,35 +142,38 @@ def _encode(obj: Any, path: tuple, hook, active: set) -> Any:
     active.add(oid)
     try:
         if isinstance(obj, argparse.Namespace):
-            return {"$namespace": _encode(vars(obj), path, hook, active)}
+            return {"$namespace": _encode(vars(obj), path, hook, active, depth + 1)}
         if isinstance(obj, OrderedDict):
-            items = [[_encode(k, path, None, active), _encode(v, path + (k,), hook, active)]
+            items = [[_encode(k, path, None, active, depth + 1),
+                      _encode(v, path + (k,), hook, active, depth + 1)]
                      for k, v in obj.items()]
             node: dict = {"$odict": items}
             meta = getattr(obj, "_metadata", None)
             if meta is not None:
-                node["meta"] = _encode(meta, path + ("_metadata",), None, active)
+                node["meta"] = _encode(meta, path + ("_metadata",), None, active, depth + 1)
             return node
         if isinstance(obj, dict):
             if all(isinstance(k, str) and not k.startswith("$") for k in obj):
-                return {k: _encode(v, path + (k,), hook, active) for k, v in obj.items()}
-            return {"$dict": [[_encode(k, path, None, active), _encode(v, path + (k,), hook, active)]
+                return {k: _encode(v, path + (k,), hook, active, depth + 1) for k, v in obj.items()}
+            return {"$dict": [[_encode(k, path, None, active, depth + 1),
+                               _encode(v, path + (k,), hook, active, depth + 1)]
                               for k, v in obj.items()]}
         if isinstance(obj, list):
-            return [_encode(v, path + (i,), hook, active) for i, v in enumerate(obj)]
+            return [_encode(v, path + (i,), hook, active, depth + 1) for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
             if hasattr(obj, "_fields"):
                 raise UnsupportedTypeError(
                     f"namedtuple {type(obj).__qualname__} at {format_path(path)}: convert it to a "
                     "dict or plain tuple before saving")
-            return {"$tuple": [_encode(v, path + (i,), hook, active) for i, v in enumerate(obj)]}
+            return {"$tuple": [_encode(v, path + (i,), hook, active, depth + 1)
+                               for i, v in enumerate(obj)]}
         if isinstance(obj, (set, frozenset)):
             tag = "$frozenset" if isinstance(obj, frozenset) else "$set"
             try:
                 members = sorted(obj)
             except TypeError:
                 members = list(obj)
-            return {tag: [_encode(v, path, None, active) for v in members]}
+            return {tag: [_encode(v, path, None, active, depth + 1) for v in members]}
     finally:
         active.discard(oid)
     raise UnsupportedTypeError(
@@ -192,6 +212,16 @@ def _bad(msg: str) -> CheckpointCorruptError:
     return CheckpointCorruptError(f"malformed typed state: {msg}")
 
 
+def _np_dtype(value: Any) -> np.dtype:
+    """A numpy dtype from its name; only plain names (what encode writes) are accepted."""
+    if not isinstance(value, str) or len(value) > 32:
+        raise _bad(f"numpy dtype must be a dtype name, got {value!r}"[:120])
+    try:
+        return np.dtype(value)
+    except (TypeError, ValueError, OverflowError, MemoryError):
+        raise _bad(f"unknown numpy dtype {value!r}") from None
+
+
 def _pairs(value: Any, lookup, depth: int) -> list:
     if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
         raise _bad("dict items must be a list of [key, value] pairs")
@@ -224,7 +254,7 @@ def _decode(node: Any, lookup, depth: int) -> Any:
             raise _bad("$tuple needs a list")
         return tuple(_decode(v, lookup, depth + 1) for v in value)
     if tag == "$float":
-        if value not in _FLOAT_WORDS:
+        if not isinstance(value, str) or value not in _FLOAT_WORDS:
             raise _bad(f"$float {value!r}")
         return _FLOAT_WORDS[value]
     if tag == "$dict":
@@ -235,10 +265,7 @@ def _decode(node: Any, lookup, depth: int) -> Any:
             od._metadata = _decode(node["meta"], None, depth + 1)  # type: ignore[attr-defined]
         return od
     if tag == "$np":
-        try:
-            dtype = np.dtype(value)
-        except TypeError:
-            raise _bad(f"unknown numpy dtype {value!r}") from None
+        dtype = _np_dtype(value)
         if dtype.kind not in "biufcSU":
             raise _bad(f"numpy dtype {value!r} not allowed")
         v = _decode(node.get("v"), None, depth + 1)
@@ -247,10 +274,7 @@ def _decode(node: Any, lookup, depth: int) -> Any:
         except (TypeError, ValueError, OverflowError) as e:
             raise _bad(f"numpy scalar {value}({v!r}): {e}") from None
     if tag == "$np_dtype":
-        try:
-            dtype = np.dtype(value)
-        except TypeError:
-            raise _bad(f"unknown numpy dtype {value!r}") from None
+        dtype = _np_dtype(value)
         if dtype.kind == "O":
             raise _bad("object numpy dtype not allowed")
         return dtype
@@ -265,9 +289,11 @@ def _decode(node: Any, lookup, depth: int) -> Any:
         except CheckpointCorruptError as e:
             raise _bad(str(e)) from None
     if tag == "$torch_device":
+        if not isinstance(value, str):
+            raise _bad(f"bad device {value!r}")
         try:
             return torch.device(value)
-        except (RuntimeError, TypeError):
+        except (RuntimeError, TypeError, ValueError):
             raise _bad(f"bad device {value!r}") from None
     if tag == "$bytes":
         try:
@@ -286,7 +312,10 @@ def _decode(node: Any, lookup, depth: int) -> Any:
         if not (isinstance(value, list) and len(value) == 2
                 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)):
             raise _bad("$complex needs [re, im]")
-        return complex(value[0], value[1])
+        try:
+            return complex(value[0], value[1])
+        except OverflowError:
+            raise _bad("$complex part out of range") from None
     if tag in ("$tensor", "$ndarray"):
         if not isinstance(value, int) or isinstance(value, bool) or lookup is None:
             raise _bad(f"{tag} needs an integer index")

@@ -124,6 +124,8 @@ class CheckpointReader:
         """Preallocated uint8 CPU buffers, one per blob (what :meth:`read_into` fills)."""
         item = self.manifest.item(item_name)
         ids = range(len(item.blobs)) if blob_ids is None else blob_ids
+        # Stat first: never allocate for bytes a truncated or tampered checkpoint does not hold.
+        self.check_files({item.blobs[i].file for i in ids})
         return {i: torch.empty(item.blobs[i].length, dtype=torch.uint8) for i in ids}
 
     def read_blobs(self, item_name: str = STATE_ITEM,
