@@ -282,7 +282,7 @@ def test_load_legacy_checkpoint_by_local_path(tmp_path):
         load_legacy_checkpoint(str(tmp_path / "missing.pt"))
 
 
-def test_load_legacy_checkpoint_from_gcs(gcs_uri, caplog):
+def test_load_legacy_checkpoint_from_gcs(gcs_uri):
     from xla_ckpt.storage import StorageConfig, open_storage
 
     data = _save(fairseq_state())
