@@ -243,6 +243,7 @@ def _validate(doc: Any, where: str) -> Manifest:
         if len(set(keys)) != len(keys):
             dup = next(k for k in keys if keys.count(k) > 1)
             raise CheckpointCorruptError(f"{where}: item {iname!r} has duplicate tensor key {dup}")
+        _check_state(idoc.get("state"), len(tensors), f"{where} item {iname!r}")
         items[iname] = Item(state=idoc.get("state"), tensors=tensors, blobs=blobs)
     ws = doc.get("world_size")
     if ws is not None:
@@ -261,6 +262,19 @@ def _validate(doc: Any, where: str) -> Manifest:
             raise CheckpointCorruptError(f"{where}: metadata: {e}") from None
     return Manifest(save_id=save_id, items=items, files=files, metadata=doc.get("metadata"),
                     world_size=ws, created_unix_s=float(created), version=version)
+
+
+def _check_state(state: Any, n_tensors: int, where: str) -> None:
+    """Decode the typed state once (tensors as None) so a malformed tree names the manifest."""
+    def lookup(i: int) -> None:
+        if not 0 <= i < n_tensors:
+            raise CheckpointCorruptError(f"typed state refers to tensor {i} but only "
+                                         f"{n_tensors} exist")
+
+    try:
+        typed.decode(state, lookup)
+    except CheckpointCorruptError as e:
+        raise CheckpointCorruptError(f"{where}: {e}") from None
 
 
 def _blob(b: Any, files: dict[str, int], where: str) -> BlobRecord:
