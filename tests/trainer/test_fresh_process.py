@@ -15,6 +15,7 @@ import torch
 
 import xla_ckpt
 from trainer_utils import LR, inverse_sqrt, make_checkpointer, train_step, training_part
+from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.testing.asserts import assert_state_identical
 from xla_ckpt.trainer import SingleProcessSaver
 
@@ -67,9 +68,10 @@ def test_full_training_state_round_trips_bitwise_in_a_fresh_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_c5_optimizer_state_on_the_xla_device_in_a_fresh_process(tmp_path):
+def test_c5_c1_optimizer_state_on_the_xla_device_in_a_fresh_process(tmp_path):
     uri, ref, out = (str(tmp_path / n) for n in ("ckpt", "ref", "out"))
     run_worker("xla-train", uri, ref)
+    assert_c1_host_data(uri)
     run_worker("xla-restore", uri, out)
     expected = xla_ckpt.load(ref)["expected"]
     got = xla_ckpt.load(out)
@@ -90,3 +92,15 @@ def test_c5_optimizer_state_on_the_xla_device_in_a_fresh_process(tmp_path):
     assert got["meta_device"] == "xla:0"
     assert got["meta_placement"] == want_placement
     assert_state_identical(got["after_meta"], expected)
+
+
+def assert_c1_host_data(uri: str) -> None:
+    """C1: the checkpoint saved from xla:0 tensors records no device and loads on CPU."""
+    manifest = open(os.path.join(uri, MANIFEST_NAME), encoding="utf-8").read()
+    assert "xla:" not in manifest and "device" not in manifest
+    state = xla_ckpt.load(uri)
+    tensors = [state["model"]["weight"], state["model"]["bias"],
+               *state["last_optimizer_state"]["state"][0].values()]
+    assert {t.device.type for t in tensors} == {"cpu"}
+    on_meta = xla_ckpt.load(uri, map_location="meta")  # placed only after a CPU read
+    assert on_meta["model"]["weight"].device.type == "meta"
