@@ -112,19 +112,38 @@ def _pack_exception(e: BaseException) -> dict:
         args = e.args
     except Exception:  # noqa: BLE001
         args = tuple(str(a) for a in e.args)
+    try:
+        pickled = pickle.dumps(e)  # BaseException pickles as (cls, args, __dict__)
+        pickle.loads(pickled)
+    except Exception:  # noqa: BLE001 - rebuilt from the parts below instead
+        pickled = None
     return {"module": type(e).__module__, "qualname": type(e).__qualname__, "args": args,
-            "attrs": attrs, "text": f"{type(e).__name__}: {e}",
+            "attrs": attrs, "text": f"{type(e).__name__}: {e}", "pickled": pickled,
             "traceback": "".join(traceback.format_exception(e))}
 
 
 def _unpack_exception(d: dict) -> BaseException:
+    if d.get("pickled") is not None:
+        try:
+            return pickle.loads(d["pickled"])
+        except Exception:  # noqa: BLE001 - e.g. the class is not importable here
+            pass
     try:
         cls: Any = importlib.import_module(d["module"])
         for part in d["qualname"].split("."):
             cls = getattr(cls, part)
         if not (isinstance(cls, type) and issubclass(cls, BaseException)):
             raise TypeError(d["qualname"])
-        e = cls.__new__(cls)
+        e = None
+        for base in cls.__mro__:  # the builtin whose layout the class extends
+            if base.__module__ == "builtins" and issubclass(base, BaseException):
+                try:
+                    e = base.__new__(cls)
+                    break
+                except TypeError:
+                    continue
+        if e is None:
+            raise TypeError(d["qualname"])
         e.args = d["args"]
         e.__dict__.update(d["attrs"])
         return e
