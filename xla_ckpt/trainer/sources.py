@@ -11,7 +11,9 @@ The trainer never talks to storage itself.  It calls
 
 The defaults here serve a single process: :class:`SingleProcessRestorer`
 reads with :class:`xla_ckpt.io.CheckpointReader` (CPU tensors, crc32c
-checked) and :class:`SingleProcessSaver` writes with :func:`xla_ckpt.io.save`,
+checked), or, when ``uri`` names a legacy fairseq/``torch.save`` ``.pt``
+file, imports it through the allow-list of :mod:`xla_ckpt.io.legacy` (CASES
+C4); :class:`SingleProcessSaver` writes with :func:`xla_ckpt.io.save`,
 keeping ``rank_state`` in the item ``rank/<rank>``.  A multi-process job
 passes the strategies from ``xla_ckpt.restore`` instead, e.g.::
 
@@ -24,7 +26,8 @@ from typing import Any, Callable, Optional, Protocol
 
 from xla_ckpt.format.manifest import STATE_ITEM, rank_item
 from xla_ckpt.io import CheckpointReader, save
-from xla_ckpt.storage import StorageConfig, open_storage
+from xla_ckpt.io.legacy import is_legacy_file, load_legacy_checkpoint
+from xla_ckpt.storage import StorageConfig
 
 
 class Saver(Protocol):
@@ -41,11 +44,15 @@ class SingleProcessRestorer:
     Args:
         rank: whose private item to read.
         config: storage knobs.
+        legacy: accept a URI naming a legacy ``.pt`` file (read through the
+            allow-list; never unsafe unpickling).
     """
 
-    def __init__(self, *, rank: int = 0, config: Optional[StorageConfig] = None) -> None:
+    def __init__(self, *, rank: int = 0, config: Optional[StorageConfig] = None,
+                 legacy: bool = True) -> None:
         self.rank = rank
         self.config = config
+        self.legacy = legacy
 
     def __call__(self, uri: str) -> tuple[Any, Any | None]:
         """Returns ``(state, rank_state or None)`` with CPU tensors.
@@ -53,16 +60,18 @@ class SingleProcessRestorer:
         Raises:
             CheckpointNotFoundError / IncompleteCheckpointError: nothing committed at ``uri``.
             CheckpointCorruptError / IntegrityError: bad bytes (names path and tensor).
+            UnsafePickleError: a legacy file names a class outside the allow-list.
         """
-        storage = open_storage(uri, self.config)
+        if self.legacy and is_legacy_file(uri, config=self.config):
+            return load_legacy_checkpoint(uri, config=self.config), None
+        reader = CheckpointReader.open(uri, self.config)
         try:
-            reader = CheckpointReader(storage)
             state = reader.load(STATE_ITEM)
             own = rank_item(self.rank)
             rank_state = reader.load(own) if own in reader.manifest.items else None
             return state, rank_state
         finally:
-            storage.close()
+            reader.storage.close()
 
 
 class SingleProcessSaver:
