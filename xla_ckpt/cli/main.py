@@ -11,17 +11,18 @@ adds the traceback and debug logs.  Exit codes are in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import traceback
 from typing import Sequence
 
 from xla_ckpt import __version__
-from xla_ckpt.cli import convert, gc, inspect, ls, rm, verify
+from xla_ckpt.cli import convert, demo, gc, inspect, ls, rm, verify
 from xla_ckpt.cli.common import EXIT_USAGE, UsageError, exit_code_for, one_line
 from xla_ckpt.errors import XlaCkptError
 
-COMMANDS = (ls, inspect, verify, convert, rm, gc)
+COMMANDS = (ls, inspect, verify, convert, rm, gc, demo)
 
 
 def common_options() -> argparse.ArgumentParser:
@@ -50,10 +51,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(debug: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr,
-                        format="xla-ckpt: %(levelname)s %(name)s: %(message)s" if debug
-                        else "xla-ckpt: %(levelname)s: %(message)s", force=True)
+@contextlib.contextmanager
+def _cli_logging(debug: bool):
+    """Library log lines to stderr while a command runs (WARNING+, DEBUG with --debug).
+
+    Attached to the ``xla_ckpt`` logger and removed afterwards, so calling
+    :func:`main` in-process (tests, notebooks) leaves logging as it found it.
+    """
+    log = logging.getLogger("xla_ckpt")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("xla-ckpt: %(levelname)s %(name)s: %(message)s" if debug
+                                           else "xla-ckpt: %(levelname)s: %(message)s"))
+    handler.setLevel(logging.DEBUG if debug else logging.WARNING)
+    old_level = log.level
+    log.addHandler(handler)
+    if debug:
+        log.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

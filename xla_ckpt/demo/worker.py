@@ -1,0 +1,261 @@
+"""One training process of the demo (``python -m xla_ckpt.demo.worker``), launched like torchrun.
+
+Environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``PJRT_DEVICE=CPU`` (each worker owns an XLA CPU device) and, for the GCS emulator,
+``STORAGE_EMULATOR_HOST``.
+
+The loop is fairseq's ``train.py`` shape: restore (:class:`CheckpointManager` +
+:class:`Checkpointer`), then per update: forward on this rank's shard of the batch, backward,
+gradient average (gloo all-reduce in CPU emulation; ``xm.all_reduce`` when training on an XLA
+device of a real TPU), AdamW + warm-up step, and ``manager.after_update`` (scheduled saves,
+SIGTERM preemption).  Per-rank state (the CPU RNG that drives dropout, this rank's data
+position) is saved in the rank's own item (CASES C12), the replicated state by rank 0.
+
+Each worker writes ``<out>/rank<r>.json``: the global mean loss of every update it ran (as
+float hex, exact), a sha256 digest of the final parameters, and the restore figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+
+import torch
+
+logger = logging.getLogger("xla_ckpt.demo.worker")
+
+PHASES = ("reference", "train", "resume")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m xla_ckpt.demo.worker")
+    p.add_argument("--config", required=True, help="YAML config (configs/cpu-emulation.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   help="dotted.key=value override (repeatable)")
+    p.add_argument("--phase", choices=PHASES, required=True)
+    p.add_argument("--out", required=True, help="folder for rank<r>.json")
+    p.add_argument("--device", choices=("cpu", "xla"), default="cpu",
+                   help="where the model trains (cpu: fast CPU emulation; xla: this worker's "
+                        "XLA device, as on a TPU)")
+    return p.parse_args(argv)
+
+
+def param_digest(modules: list[torch.nn.Module]) -> str:
+    """sha256 over the bytes of every parameter and buffer (CPU copies), in module order."""
+    h = hashlib.sha256()
+    for m in modules:
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                     if t.numel() else b"")
+    return h.hexdigest()
+
+
+class ShardedBatches:
+    """Deterministic per-epoch shuffle of the pair corpus; rank r takes every world-th batch row.
+
+    State (fairseq ``EpochBatchIterator.state_dict`` layout): ``epoch``,
+    ``iterations_in_epoch``, ``version`` (2), plus ``shuffle_seed``.
+    """
+
+    version = 2
+
+    def __init__(self, n_items: int, *, rank: int, world_size: int, batch_size: int, seed: int):
+        self.n_items, self.rank, self.world = n_items, rank, world_size
+        self.batch_size, self.seed = batch_size, seed
+        self.per_update = batch_size * world_size
+        self.updates_per_epoch = n_items // self.per_update
+
+    def batch(self, epoch: int, i: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1000 + epoch)
+        perm = torch.randperm(self.n_items, generator=g)
+        rows = perm[i * self.per_update:(i + 1) * self.per_update]
+        return rows[self.rank::self.world].tolist()
+
+
+def _grad_average(params: list[torch.nn.Parameter], loss: torch.Tensor, world: int,
+                  on_tpu: bool) -> float:
+    """Average gradients (and the loss) over ranks; returns the global mean loss."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if on_tpu:  # pragma: no cover - needs a TPU
+        import torch_xla.core.xla_model as xm  # noqa: PLC0415
+
+        xm.all_reduce(xm.REDUCE_SUM, grads + [loss.detach()], scale=1.0 / world)
+        return float(loss.item())
+    import torch.distributed as tdist  # noqa: PLC0415
+
+    flat = torch.cat([g.detach().reshape(-1).cpu() for g in grads] + [loss.detach().reshape(1).cpu()])
+    if world > 1:
+        tdist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(g).to(p.device)
+        offset += n
+    return float(flat[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    from xla_ckpt.config import load_config  # noqa: PLC0415
+    from xla_ckpt.demo import corpus  # noqa: PLC0415
+    from xla_ckpt.demo.model import ContrastiveLoss, build  # noqa: PLC0415
+    from xla_ckpt.dist import get_dist  # noqa: PLC0415
+    from xla_ckpt.manager import CheckpointManager  # noqa: PLC0415
+    from xla_ckpt.trainer import Checkpointer  # noqa: PLC0415
+
+    cfg = load_config(args.config, args.overrides)
+    tc = cfg.train
+    dist = get_dist(cfg.dist)
+    world = dist.world_size
+    device = torch.device("cpu")
+    on_tpu = False
+    if args.device == "xla":
+        import torch_xla  # noqa: PLC0415
+
+        device = torch_xla.device()
+        on_tpu = os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
+
+    tokenizer, model = build(tc.model, seed=tc.seed)
+    criterion = ContrastiveLoss()
+    model.to(device).train()
+    criterion.to(device)
+    pairs = corpus.pairs()
+    data = ShardedBatches(len(pairs), rank=rank, world_size=world, batch_size=tc.batch_size,
+                          seed=tc.seed)
+    total = tc.max_updates or tc.max_epoch * data.updates_per_epoch
+
+    def build_optimizer(params):
+        return torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.98), eps=1e-6,
+                                 weight_decay=tc.weight_decay)
+
+    def build_lr_scheduler(opt):
+        warm = max(1, tc.warmup_updates)
+        return torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda u: min(1.0, (u + 1) / warm) * max(0.0, 1 - u / max(total, 1)))
+
+    ckpt = Checkpointer(model=model, criterion=criterion, build_optimizer=build_optimizer,
+                        build_lr_scheduler=build_lr_scheduler, cfg={"train": vars(tc)},
+                        rank=rank, device=device)
+    torch.manual_seed(tc.seed * 7919 + rank)  # per-rank dropout stream
+
+    ck = cfg.checkpoint
+    if args.phase == "reference":
+        ck.no_save = True
+        ck.handle_sigterm = False
+    mgr = CheckpointManager(ck, dist=dist, storage_config=cfg.storage, restore_config=cfg.restore)
+    report: dict = {"rank": rank, "phase": args.phase, "losses": {}, "restore": None,
+                    "preempted": False}
+    epoch, start_i = 1, 0
+    if args.phase == "resume":
+        map_location = None
+        try:
+            import torch_xla  # noqa: PLC0415
+
+            map_location = torch_xla.device()  # restore onto this worker's own XLA device (C2)
+        except ImportError:  # pragma: no cover - torch_xla is a core dependency of the demo
+            pass
+        t0 = time.perf_counter()
+        res = mgr.restore_or_initialize(map_location=map_location)
+        seconds = time.perf_counter() - t0
+        if res is None:
+            raise SystemExit(f"rank {rank}: nothing to resume from under {ck.save_dir}")
+        st = res.restored.stats if res.restored is not None else None
+        devices = sorted({str(t.device) for t in _tensors(res.state)})
+        extra = ckpt.load_state(res, where=res.uri)
+        itr = extra["train_iterator"]
+        epoch, start_i = int(itr["epoch"]), int(itr["iterations_in_epoch"])
+        torch.set_rng_state(extra["rng_state"].cpu())
+        report["restore"] = {
+            "checkpoint": res.checkpoint, "strategy": res.restored.strategy if res.restored else "",
+            "reason": res.restored.reason if res.restored else "",
+            "bytes_read": st.bytes_read if st else 0,
+            "bytes_received": st.bytes_received if st else 0,
+            "seconds": seconds, "num_updates": ckpt.get_num_updates(),
+            "state_devices": devices,
+        }
+    params = ckpt.live_parameters()
+    try:
+        while ckpt.get_num_updates() < total:
+            for i in range(start_i, data.updates_per_epoch):
+                if ckpt.get_num_updates() >= total:
+                    break
+                rows = data.batch(epoch, i)
+                a = tokenizer([pairs[r][0] for r in rows], padding="max_length", truncation=True,
+                              max_length=48, return_tensors="pt")
+                b = tokenizer([pairs[r][1] for r in rows], padding="max_length", truncation=True,
+                              max_length=48, return_tensors="pt")
+                ea = model(a["input_ids"].to(device), a["attention_mask"].to(device))
+                eb = model(b["input_ids"].to(device), b["attention_mask"].to(device))
+                loss = criterion(ea, eb)
+                loss.backward()
+                mean_loss = _grad_average(params, loss, world, on_tpu)
+                ckpt.optimizer.step()
+                ckpt.optimizer.zero_grad(set_to_none=True)
+                ckpt.lr_scheduler.step()
+                ckpt.set_num_updates(ckpt.get_num_updates() + 1)
+                if device.type == "xla":
+                    import torch_xla.core.xla_model as xm  # noqa: PLC0415
+
+                    xm.mark_step()
+                u = ckpt.get_num_updates()
+                report["losses"][u] = mean_loss.hex()
+                _progress(args.out, rank, u)
+                last = i == data.updates_per_epoch - 1
+                next_pos = {"epoch": epoch + 1 if last else epoch,
+                            "iterations_in_epoch": 0 if last else i + 1, "version": 2,
+                            "shuffle_seed": tc.seed}
+                mgr.after_update(
+                    epoch=epoch, num_updates=u, end_of_epoch=last,
+                    state=lambda: ckpt.state_dict({"train_iterator": next_pos}),
+                    rank_state=lambda: {"rng_state": torch.get_rng_state()},
+                    metrics={"loss": mean_loss} if last else None)
+            epoch, start_i = epoch + 1, 0
+    except SystemExit as e:
+        # The manager ends a preempted run with SystemExit(0) once the preemption save committed.
+        report["preempted"] = True
+        report["num_updates"] = ckpt.get_num_updates()
+        _write(args.out, rank, report)
+        raise e
+    mgr.close()
+    report["digest"] = param_digest([model, criterion])
+    report["num_updates"] = ckpt.get_num_updates()
+    _write(args.out, rank, report)
+    return 0
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _progress(out: str, rank: int, num_updates: int) -> None:
+    with open(os.path.join(out, f"progress{rank}"), "w") as f:
+        f.write(str(num_updates))
+
+
+def _write(out: str, rank: int, report: dict) -> None:
+    path = os.path.join(out, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
