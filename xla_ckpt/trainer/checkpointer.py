@@ -378,10 +378,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         extra_state, self._optim_history, last_optim_state = None, [], None
         self.rank_state = None
-        result = restored
-        model_report = None
-        if result is not None:
-            state, rank_state = unpack_restored(result)
+        reports: list = []
+        if restored is not None:
+            state, rank_state = unpack_restored(restored)
             if not isinstance(state, Mapping) or K.MODEL not in state:
                 raise StateMismatchError(
                     f"{uri}: not a trainer checkpoint (no {K.MODEL!r} entry; keys: "
@@ -389,15 +388,15 @@ class Checkpointer:
                     "); load it with xla_ckpt.load instead")
             self.rank_state = rank_state
             last_optim_state = state.get(K.LAST_OPTIMIZER_STATE)
-            model_report = load_module_state(
+            reports.append((self.model, load_module_state(
                 unwrap_module(self.model), state[K.MODEL], what="model", where=uri,
                 strip_prefixes=self.config.strip_prefixes, dtype_policy=self.config.dtype_policy,
-                device=self.device)
+                device=self.device)))
             if has_parameters(self.criterion):
-                load_module_state(unwrap_module(self.criterion), state.get(K.CRITERION) or {},
-                                  what="criterion", where=uri,
-                                  strip_prefixes=self.config.strip_prefixes,
-                                  dtype_policy=self.config.dtype_policy, device=self.device)
+                reports.append((self.criterion, load_module_state(
+                    unwrap_module(self.criterion), state.get(K.CRITERION) or {},
+                    what="criterion", where=uri, strip_prefixes=self.config.strip_prefixes,
+                    dtype_policy=self.config.dtype_policy, device=self.device)))
             extra_state = dict(state.get(K.EXTRA_STATE) or {})
             self._optim_history = list(state.get(K.OPTIMIZER_HISTORY) or [])
             if isinstance(rank_state, Mapping):
@@ -405,7 +404,7 @@ class Checkpointer:
 
         if last_optim_state is not None and not reset_optimizer:
             self._restore_optimizer(uri, last_optim_state, reset_lr_scheduler,
-                                    optimizer_overrides, model_report)
+                                    optimizer_overrides, reports)
 
         if extra_state is None:
             logger.info("rank %d: no existing checkpoint found at %s", self.rank, uri)
@@ -441,7 +440,7 @@ class Checkpointer:
             return None
 
     def _restore_optimizer(self, uri: str, last_optim_state: Any, reset_lr_scheduler: bool,
-                           overrides: Optional[Mapping[str, Any]], model_report: Any) -> None:
+                           overrides: Optional[Mapping[str, Any]], reports: list) -> None:
         if self.build_optimizer is not None:
             self._build_optimizer()  # after the model load: params may have changed
         else:
@@ -463,13 +462,14 @@ class Checkpointer:
                 f"{last.get(K.OPTIMIZER_NAME)}, live {opt_name}; pass reset_optimizer=True to "
                 "restore the weights with a fresh optimizer")
         sched = self.lr_scheduler
-        if not reset_lr_scheduler and sched is not None:
+        if not reset_lr_scheduler and sched is not None \
+                and last.get(K.LR_SCHEDULER_STATE) is not None:
             sched.load_state_dict(last[K.LR_SCHEDULER_STATE])
-        saved_dtypes = {}
-        if model_report is not None:
-            named = dict(unwrap_module(self.model).named_parameters(remove_duplicate=False))
-            saved_dtypes = {id(named[k]): dt for k, dt in model_report.saved_dtypes.items()
-                            if k in named}
+        saved_dtypes = {}  # id(live parameter) -> dtype it was saved with
+        for module, report in reports:
+            named = dict(unwrap_module(module).named_parameters(remove_duplicate=False))
+            saved_dtypes.update({id(named[k]): dt for k, dt in report.saved_dtypes.items()
+                                 if k in named})
         load_optimizer_state(self.optimizer, last_optim_state, saved_param_dtypes=saved_dtypes,
                              where=uri)
         if (reset_lr_scheduler and sched is not None and not is_fairseq_style(sched)
