@@ -8,6 +8,7 @@ import pytest
 from xla_ckpt.config import (CheckpointConfig, Config, DistConfig, TrainConfig, apply_overrides,
                              config_from_dict, dump_config, load_config)
 from xla_ckpt.errors import ConfigError
+from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.storage import StorageConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -28,6 +29,7 @@ def test_cpu_emulation_is_the_demo_default():
     assert cfg.checkpoint.keep_interval_updates == 2
     assert cfg.checkpoint.keep_best_checkpoints == 1
     assert cfg.checkpoint.async_save is True and cfg.checkpoint.handle_sigterm is True
+    assert cfg.restore == RestoreConfig(strategy="auto")
     assert (cfg.dist.backend, cfg.dist.init_method) == ("gloo", "env://")
     assert cfg.storage == StorageConfig(max_workers=8, slice_size_bytes=8 * 2**20,
                                         retry_deadline_s=60.0)
@@ -43,10 +45,12 @@ def test_cluster_configs(name, save_dir, backend, init_method, strategy):
     cfg = load_config(CONFIGS / f"{name}.yaml", environ=ENV)
     assert cfg.checkpoint.save_dir == save_dir
     assert (cfg.dist.backend, cfg.dist.init_method) == (backend, init_method)
-    assert cfg.checkpoint.restore_strategy == strategy
+    assert cfg.restore.strategy == strategy
     assert cfg.checkpoint.save_interval_updates == 500
     assert cfg.checkpoint.keep_interval_updates == 3
     assert isinstance(cfg.dist.timeout_s, float) and cfg.dist.timeout_s == 1800.0
+    if name == "cuda-nccl":
+        assert cfg.restore.bucket_size_bytes == 64 * 2**20
 
 
 def test_env_default_and_value():
@@ -94,12 +98,11 @@ def test_overrides_do_not_mutate_input():
      "override 'checkpoint.keep_last=3': unknown key 'checkpoint.keep_last'; valid keys under "
      "checkpoint: async_save, barrier_timeout_s, best_checkpoint_metric, exit_on_preemption, "
      "handle_sigterm, keep_best_checkpoints, keep_interval_updates, keep_last_epochs, "
-     "maximize_best_checkpoint_metric, no_epoch_checkpoints, no_save, restore_file, "
-     "restore_strategy, save_dir, save_interval_epochs, save_interval_updates, "
-     "sync_interval_updates"),
+     "maximize_best_checkpoint_metric, no_epoch_checkpoints, no_save, restore_file, save_dir, "
+     "save_interval_epochs, save_interval_updates, sync_interval_updates"),
     ("chekpoint.save_dir=x",
      "override 'chekpoint.save_dir=x': unknown key 'chekpoint.save_dir'; valid keys under the "
-     "top level: checkpoint, dist, storage, train"),
+     "top level: checkpoint, dist, restore, storage, train"),
     ("checkpoint.save_dir.x=1",
      "override 'checkpoint.save_dir.x=1': unknown key 'checkpoint.save_dir.x': "
      "checkpoint.save_dir is a value, not a section"),
@@ -125,9 +128,10 @@ F = "configs/cpu-emulation.yaml"
      f"{F}: checkpoint.save_interval_updates must be an integer, got True (bool)"),
     ("checkpoint.async_save=yes please",
      f"{F}: checkpoint.async_save must be true or false, got 'yes please' (str)"),
-    ("checkpoint.restore_strategy=fastest",
-     f"{F}: checkpoint.restore_strategy must be one of 'auto', 'all_ranks', 'broadcast', got "
-     "'fastest' (str)"),
+    ("restore.strategy=fastest",
+     f"{F}: restore.strategy must be one of auto, all_ranks, broadcast; got 'fastest'"),
+    ("restore.bucket_size_bytes=0",
+     f"{F}: restore.bucket_size_bytes must be an integer >= 1, got 0"),
     ("checkpoint.save_dir=", f"{F}: checkpoint.save_dir must be a non-empty string, got ''"),
     ("checkpoint.barrier_timeout_s=0",
      f"{F}: checkpoint.barrier_timeout_s must be a number > 0, got 0.0"),
@@ -162,8 +166,8 @@ def test_unknown_key_in_file_names_dotted_key(tmp_path):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("- 1\n- 2\n", "top level must be a mapping of sections (checkpoint, storage, dist, train), "
-                   "got list"),
+    ("- 1\n- 2\n", "top level must be a mapping of sections (checkpoint, restore, storage, dist, "
+                   "train), got list"),
     ("checkpoint: [\n", "not valid YAML: "),
     ("storage:\n  max_workers: 4\n  slice_size: 5\n", "unknown key 'storage.slice_size'; "),
 ])

@@ -8,6 +8,8 @@ dotted key.  A YAML file fills the top-level :class:`Config`::
       save_dir: gs://${XLA_CKPT_BUCKET}/runs/minilm
       save_interval_updates: 50
       keep_interval_updates: 3
+    restore:                         # xla_ckpt.restore.RestoreConfig
+      strategy: all_ranks
     storage:                         # xla_ckpt.storage.StorageConfig
       max_workers: 16
     dist:                            # DistConfig
@@ -38,14 +40,16 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import yaml
 
 from xla_ckpt.errors import ConfigError
 from xla_ckpt.storage import StorageConfig
 
-RESTORE_STRATEGIES = ("auto", "all_ranks", "broadcast")
+if TYPE_CHECKING:
+    from xla_ckpt.restore.config import RestoreConfig
+
 DIST_BACKENDS = ("auto", "single", "gloo", "nccl", "xla")
 
 
@@ -100,8 +104,9 @@ class CheckpointConfig:
         sync_interval_updates: ranks exchange their preemption flag and save status
             every N updates (one small all-gather on the control plane).
         barrier_timeout_s: seconds any rank waits for the others at a save commit.
-        restore_strategy: ``auto`` (every rank reads on TPU, rank 0 broadcasts on
-            CUDA/gloo), ``all_ranks`` or ``broadcast``.
+
+    How a restore moves the bytes (every rank reads, or rank 0 broadcasts) is
+    :class:`xla_ckpt.restore.RestoreConfig` (section ``restore``).
     """
 
     save_dir: str = "checkpoints"
@@ -120,7 +125,6 @@ class CheckpointConfig:
     exit_on_preemption: bool = True
     sync_interval_updates: int = 1
     barrier_timeout_s: float = 1800.0
-    restore_strategy: Literal["auto", "all_ranks", "broadcast"] = "auto"
 
     def __post_init__(self) -> None:
         s = "checkpoint"
@@ -138,7 +142,6 @@ class CheckpointConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{s}.{name} must be true or false, got {getattr(self, name)!r}")
         _check_number(s, "barrier_timeout_s", self.barrier_timeout_s)
-        _check_choice(s, "restore_strategy", self.restore_strategy, RESTORE_STRATEGIES)
 
 
 @dataclass(kw_only=True)
@@ -209,11 +212,28 @@ class TrainConfig:
         _check_number(s, "weight_decay", self.weight_decay, positive=False)
 
 
+def _restore_config_cls() -> type:
+    # Imported when used, not at module import: xla_ckpt.restore imports xla_ckpt.dist, which
+    # imports DistConfig from this module.
+    from xla_ckpt.restore.config import RestoreConfig  # noqa: PLC0415
+
+    return RestoreConfig
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """Resolved field annotations of a config dataclass (``RestoreConfig`` resolved lazily)."""
+    return typing.get_type_hints(cls, localns={"RestoreConfig": _restore_config_cls()})
+
+
 @dataclass(kw_only=True)
 class Config:
-    """The whole configuration a ``configs/*.yaml`` file fills (one section per component)."""
+    """The whole configuration a ``configs/*.yaml`` file fills (one section per component).
+
+    ``restore`` is :class:`xla_ckpt.restore.RestoreConfig` (strategy, bucket size, ZeRO).
+    """
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    restore: RestoreConfig = field(default_factory=lambda: _restore_config_cls()())
     storage: StorageConfig = field(default_factory=StorageConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -309,7 +329,7 @@ def config_from_dict(data: Any, cls: type = Config, *, where: str = "<dict>",
         raise ConfigError(f"{where}: {prefix or 'top level'} must be a mapping, "
                           f"got {type(data).__name__} {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     unknown = [k for k in data if k not in fields]
     if unknown:
         k = unknown[0]
@@ -359,7 +379,7 @@ def _field_type_at(cls: type, parts: Sequence[str]) -> Any:
             under = ".".join(parts[:i]) or "the top level"
             raise ConfigError(f"unknown key {'.'.join(parts)!r}; valid keys under {under}: "
                               f"{', '.join(sorted(names))}")
-        tp = typing.get_type_hints(tp)[p]
+        tp = _hints(tp)[p]
     return tp
 
 

@@ -1,5 +1,5 @@
 """Helpers for the CheckpointManager tests: configs, run-folder views, storages with held or
-failing writes, and a launcher for train_loop.py processes."""
+failing writes, and driving train_loop.py."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.errors import StorageError
 from xla_ckpt.storage.local import LocalStorage
-from xla_ckpt.testing.launcher import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -28,8 +28,14 @@ def make_cfg(save_dir: str, **kw) -> CheckpointConfig:
 
 
 def folders(run_dir: str) -> list[str]:
-    """Checkpoint folders in a local run folder (sorted)."""
-    return sorted(n for n in os.listdir(run_dir) if os.path.isdir(os.path.join(run_dir, n)))
+    """Checkpoint folders holding any object in a local run folder (sorted).
+
+    An emptied folder does not count: it holds no object (and on GCS it does not exist).
+    """
+    if not os.path.isdir(run_dir):
+        return []
+    return sorted(n for n in os.listdir(run_dir)
+                  if os.path.isdir(os.path.join(run_dir, n)) and os.listdir(os.path.join(run_dir, n)))
 
 
 def committed(run_dir: str) -> list[str]:
@@ -71,41 +77,33 @@ class FailingWrites(LocalStorage):
         return super().write_atomic(name, buffers)
 
 
-def launch(world_size: int, args: list[str], log_dir: str) -> list[subprocess.Popen]:
-    """Start ``world_size`` train_loop.py processes sharing a gloo group on 127.0.0.1.
-
-    stdout (JSON events) is piped; stderr goes to ``<log_dir>/rank<r>.log``.
-    """
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PJRT_DEVICE="CPU")
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT"):
-            env.pop(k, None)
-        if world_size > 1:
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                       LOCAL_WORLD_SIZE=str(world_size), GLOO_SOCKET_IFNAME="lo")
-        err = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, TRAIN_LOOP, *args], env=env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                      text=True, cwd=REPO))
-        err.close()
-    return procs
+def start_train_loop(args: list[str], log_path: str) -> subprocess.Popen:
+    """Start train_loop.py as a real single-process job (stderr to ``log_path``)."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PJRT_DEVICE="CPU")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT"):
+        env.pop(k, None)
+    with open(log_path, "w") as err:
+        return subprocess.Popen([sys.executable, TRAIN_LOOP, *args], env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                cwd=REPO)
 
 
-def stderr_of(log_dir: str, rank: int) -> str:
-    with open(os.path.join(log_dir, f"rank{rank}.log")) as f:
-        return f.read()
+def events(events_dir: str, rank: int) -> list[dict]:
+    """The JSON events train_loop wrote for ``rank``."""
+    path = os.path.join(events_dir, f"events-{rank}.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
 
 
-def read_events(proc: subprocess.Popen, until=None) -> list[dict]:
-    """JSON events from a train_loop process's stdout, up to and including ``until(ev)``."""
-    out = []
-    for line in proc.stdout:
-        ev = json.loads(line)
-        out.append(ev)
-        if until is not None and until(ev):
-            break
-    return out
+def wait_for_files(paths: list[str], proc_alive=lambda: True, timeout_s: float = 90.0) -> None:
+    """Wait until every path exists (the training loop paused), or fail."""
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(p) for p in paths):
+        if not proc_alive():
+            raise AssertionError(f"training stopped before pausing (waiting for {paths})")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{paths} did not all appear within {timeout_s} s")
+        time.sleep(0.02)

@@ -1,16 +1,20 @@
-"""A small real training loop driven by CheckpointManager (used in-process and as a subprocess).
+"""A small real training loop driven by CheckpointManager (run as a script, in a worker pool,
+or in-process).
 
 Linear(4, 3) + Adam, deterministic batches per (epoch, step, rank), gradients
-averaged over the gloo group of :func:`xla_ckpt.dist.get_dist` when ``WORLD_SIZE`` > 1.  The state is the model,
-the optimizer and the loop position; each rank also saves a private
-``rank_state``.  Run as a script it prints one JSON line per event on stdout:
+averaged over the gloo group of :func:`xla_ckpt.dist.get_dist` when the world
+has more than one rank.  The replicated state is the model, the optimizer and
+the loop position; each rank also saves its own ``rank_state`` (its losses).
 
-    {"event": "update", "n": 3, "rank": 0, "w": "<hex of weight bytes>"}
+Events go to ``<events_dir>/events-<rank>.jsonl``, one JSON object a line::
+
     {"event": "resumed", "n": 7, "checkpoint": "checkpoint_1_7"}
-    {"event": "done", "n": 12, "params": {...hex...}, "losses": [...]}
+    {"event": "update", "n": 8, "w": "<hex of weight bytes>", "b": "<hex>", "loss": 0.5}
+    {"event": "done", "n": 12, "w": ..., "b": ...}
 
-With ``--pause-at N`` it prints update N, then reads one line from stdin
-before reaching the update boundary (the test sends SIGTERM in between).
+With ``pause_at=N`` every rank writes ``<events_dir>/paused-<rank>`` (holding its
+pid) after update N and waits for ``<events_dir>/go`` before reaching the update
+boundary; the test sends SIGTERM in between.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+import time
 
 import torch
 
@@ -26,6 +30,7 @@ torch.set_num_threads(1)
 
 UPDATES_PER_EPOCH = 6
 MAX_EPOCH = 2
+TOTAL = UPDATES_PER_EPOCH * MAX_EPOCH
 
 
 def hexof(t: torch.Tensor) -> str:
@@ -37,126 +42,131 @@ def batch(epoch: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
 
 
-def train(cfg, *, dist=None, emit=lambda ev: None, pause_at: int = 0,
-          fail_rank_state: bool = False) -> dict:
+def make_cfg(save_dir: str, *, async_save: bool = True):
+    from xla_ckpt.config import CheckpointConfig
+
+    return CheckpointConfig(save_dir=save_dir, save_interval_updates=4, keep_interval_updates=1,
+                            keep_last_epochs=1, keep_best_checkpoints=1, async_save=async_save,
+                            barrier_timeout_s=60)
+
+
+def _wait_for(path: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.01)
+
+
+def train(cfg, events_dir: str, *, dist=None, pause_at: int = 0,
+          fail_rank_state_on: int = -1) -> None:
     """Train MAX_EPOCH epochs of UPDATES_PER_EPOCH updates, resuming from cfg.save_dir if possible."""
     from xla_ckpt.manager import CheckpointManager
 
     rank = dist.rank if dist is not None else 0
     world = dist.world_size if dist is not None else 1
+    out = open(os.path.join(events_dir, f"events-{rank}.jsonl"), "a")
+
+    def emit(ev: dict) -> None:
+        out.write(json.dumps(ev) + "\n")
+        out.flush()
+
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    mgr = CheckpointManager(cfg, dist=dist)
     epoch, step, num_updates, losses = 1, 0, 0, []
-    resumed = mgr.restore_or_initialize()
-    if resumed is not None:
-        model.load_state_dict(resumed.state["model"])
-        opt.load_state_dict(resumed.state["optimizer"])
-        epoch, step = resumed.state["epoch"], resumed.state["step"]
-        num_updates, losses = resumed.state["num_updates"], list(resumed.state["losses"])
-        assert resumed.rank_state == {"rank": rank, "num_updates": num_updates}
-        if step == UPDATES_PER_EPOCH:
-            epoch, step = epoch + 1, 0
-        emit({"event": "resumed", "n": num_updates, "checkpoint": resumed.checkpoint})
+    with out, CheckpointManager(cfg, dist=dist) as mgr:
+        resumed = mgr.restore_or_initialize()
+        if resumed is not None:
+            model.load_state_dict(resumed.state["model"])
+            opt.load_state_dict(resumed.state["optimizer"])
+            epoch, step = resumed.state["epoch"], resumed.state["step"]
+            num_updates = resumed.state["num_updates"]
+            assert resumed.rank_state["rank"] == rank
+            assert resumed.rank_state["num_updates"] == num_updates
+            losses = list(resumed.rank_state["losses"])
+            if step == UPDATES_PER_EPOCH:
+                epoch, step = epoch + 1, 0
+            emit({"event": "resumed", "n": num_updates, "checkpoint": resumed.checkpoint})
 
-    def state():
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
-                "step": step, "num_updates": num_updates, "losses": list(losses)}
+        def state():
+            return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
+                    "step": step, "num_updates": num_updates}
 
-    def rank_state():
-        if fail_rank_state:
-            return {"bad": object()}
-        return {"rank": rank, "num_updates": num_updates}
+        def rank_state():
+            if rank == fail_rank_state_on:
+                return {"bad": object()}
+            return {"rank": rank, "num_updates": num_updates, "losses": list(losses)}
 
-    while epoch <= MAX_EPOCH:
-        while step < UPDATES_PER_EPOCH:
-            x, y = batch(epoch, step, rank)
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            if world > 1:
-                for p in model.parameters():
-                    torch.distributed.all_reduce(p.grad)
-                    p.grad /= world
-            opt.step()
-            step += 1
-            num_updates += 1
-            losses.append(loss.item())
-            emit({"event": "update", "n": num_updates, "rank": rank, "w": hexof(model.weight),
-                  "b": hexof(model.bias)})
-            if num_updates == pause_at:
-                sys.stdin.readline()
-            end = step == UPDATES_PER_EPOCH
-            mgr.after_update(epoch=epoch, num_updates=num_updates, end_of_epoch=end, state=state,
-                             rank_state=rank_state, metrics={"loss": losses[-1]} if end else None)
-        epoch, step = epoch + 1, 0
-    mgr.close()
-    return {"event": "done", "n": num_updates, "losses": losses,
-            "w": hexof(model.weight), "b": hexof(model.bias)}
-
-
-def reference(world_size: int = 1) -> dict:
-    """The uninterrupted run, in one process, simulating ``world_size`` ranks (no manager).
-
-    Returns ``{"updates": {n: (weight_hex, bias_hex)}, "losses": {rank: [...]}}``: bitwise what
-    :func:`train` computes on every rank (gloo's sum of two tensors is ``a + b``).
-    """
-    assert world_size in (1, 2)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    updates, losses, n = {}, {r: [] for r in range(world_size)}, 0
-    for epoch in range(1, MAX_EPOCH + 1):
-        for step in range(UPDATES_PER_EPOCH):
-            grads = []
-            for r in range(world_size):
-                x, y = batch(epoch, step, r)
+        while epoch <= MAX_EPOCH:
+            while step < UPDATES_PER_EPOCH:
+                x, y = batch(epoch, step, rank)
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
-                grads.append([p.grad.clone() for p in model.parameters()])
-                losses[r].append(loss.item())
-            if world_size > 1:
-                for i, p in enumerate(model.parameters()):
-                    p.grad = grads[0][i] + grads[1][i]
-                    p.grad /= world_size
+                if world > 1:
+                    for p in model.parameters():
+                        torch.distributed.all_reduce(p.grad)
+                        p.grad /= world
+                opt.step()
+                step += 1
+                num_updates += 1
+                losses.append(loss.item())
+                emit({"event": "update", "n": num_updates, "w": hexof(model.weight),
+                      "b": hexof(model.bias), "loss": losses[-1]})
+                if num_updates == pause_at:
+                    with open(os.path.join(events_dir, f"paused-{rank}"), "w") as f:
+                        f.write(str(os.getpid()))
+                    _wait_for(os.path.join(events_dir, "go"))
+                end = step == UPDATES_PER_EPOCH
+                mgr.after_update(epoch=epoch, num_updates=num_updates, end_of_epoch=end,
+                                 state=state, rank_state=rank_state,
+                                 metrics={"loss": losses[-1]} if end else None)
+            epoch, step = epoch + 1, 0
+        emit({"event": "done", "n": num_updates, "w": hexof(model.weight),
+              "b": hexof(model.bias)})
+
+
+def run_rank(save_dir: str, events_dir: str, pause_at: int = 0,
+             fail_rank_state_on: int = -1) -> None:
+    """Entry point for a launcher worker (xla_ckpt.testing.launcher): one rank of the job."""
+    from xla_ckpt.config import DistConfig
+    from xla_ckpt.dist import get_dist
+
+    dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
+    train(make_cfg(save_dir), events_dir, dist=dist, pause_at=pause_at,
+          fail_rank_state_on=fail_rank_state_on)
+
+
+def reference() -> dict:
+    """The uninterrupted single-process run, in this process, without a manager.
+
+    Returns ``{"updates": {n: (weight_hex, bias_hex)}, "losses": [...]}``: bitwise what
+    :func:`train` computes in one process.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    updates, losses = {}, []
+    for epoch in range(1, MAX_EPOCH + 1):
+        for step in range(UPDATES_PER_EPOCH):
+            x, y = batch(epoch, step, 0)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
             opt.step()
-            n += 1
-            updates[n] = (hexof(model.weight), hexof(model.bias))
+            losses.append(loss.item())
+            updates[len(losses)] = (hexof(model.weight), hexof(model.bias))
     return {"updates": updates, "losses": losses}
 
 
 def main() -> None:
-    from xla_ckpt.config import CheckpointConfig
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--save-dir", required=True)
+    ap.add_argument("--events-dir", required=True)
     ap.add_argument("--pause-at", type=int, default=0)
-    ap.add_argument("--async-save", type=int, default=1)
-    ap.add_argument("--fail-rank-state", type=int, default=-1)
     a = ap.parse_args()
-    dist = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from xla_ckpt.config import DistConfig
-        from xla_ckpt.dist import get_dist
-
-        dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
-    cfg = CheckpointConfig(save_dir=a.save_dir, save_interval_updates=4, keep_interval_updates=1,
-                           keep_last_epochs=1, keep_best_checkpoints=1,
-                           async_save=bool(a.async_save), barrier_timeout_s=60)
-
-    def emit(ev):
-        print(json.dumps(ev), flush=True)
-
-    rank = dist.rank if dist else 0
-    try:
-        emit(train(cfg, dist=dist, emit=emit, pause_at=a.pause_at,
-                   fail_rank_state=(a.fail_rank_state == rank)))
-    finally:
-        if dist is not None:
-            dist.close()
-            torch.distributed.destroy_process_group()
+    train(make_cfg(a.save_dir), a.events_dir, pause_at=a.pause_at)
 
 
 if __name__ == "__main__":

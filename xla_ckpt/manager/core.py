@@ -42,12 +42,13 @@ from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, Ch
                              StoragePermissionError)
 from xla_ckpt.format.manifest import FORMAT_NAME, FORMAT_VERSION, STATE_ITEM, Manifest, rank_item
 from xla_ckpt.io.catalog import pointer_name, resolve_latest, write_pointer
-from xla_ckpt.io.reader import CheckpointReader
 from xla_ckpt.io.writer import WrittenItem, commit, discard, new_save_id, write_item
 from xla_ckpt.manager.naming import preemption_name, scheduled_name
 from xla_ckpt.manager.preemption import PreemptionNotice
 from xla_ckpt.manager.rotation import rotate
 from xla_ckpt.manager.staging import Staged, stage_to_host
+from xla_ckpt.restore import Restored, RestoreConfig
+from xla_ckpt.restore import restore as restore_checkpoint
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class RestoreResult:
         uri: full checkpoint URI.
         metadata: the manifest's metadata summary (epoch, num_updates, metrics, ...).
         epoch / num_updates: from ``metadata`` (None if the saver did not record them).
+        restored: the restore layer's :class:`xla_ckpt.restore.Restored` (strategy and why,
+            :class:`~xla_ckpt.restore.RestoreStats` with bytes read and seconds, shards).
     """
 
     state: Any
@@ -84,6 +87,7 @@ class RestoreResult:
     metadata: dict
     epoch: int | None = None
     num_updates: int | None = None
+    restored: Restored | None = None
 
 
 @dataclass
@@ -167,14 +171,18 @@ class CheckpointManager:
         dist: the job's :class:`xla_ckpt.dist.Dist` (only ``rank``, ``world_size``
             and ``exchange`` are used); default :func:`xla_ckpt.dist.get_dist`.
         storage_config: storage knobs for ``config.save_dir``.
+        restore_config: how :meth:`restore_or_initialize` moves the bytes (strategy
+            ``auto`` / ``all_ranks`` / ``broadcast``, bucket size, ZeRO sharding).
         storage: an already open storage rooted at the run folder (overrides
             ``config.save_dir``; the caller keeps ownership).
     """
 
     def __init__(self, config: CheckpointConfig, *, dist: Dist | None = None,
                  storage_config: StorageConfig | None = None,
+                 restore_config: RestoreConfig | None = None,
                  storage: Storage | None = None) -> None:
         self.config = config
+        self.restore_config = restore_config or RestoreConfig()
         self.dist = dist if dist is not None else get_dist()
         self.rank = int(self.dist.rank)
         self.world_size = int(self.dist.world_size)
@@ -310,7 +318,7 @@ class CheckpointManager:
         """
         if self._inflight is None:
             return ()
-        return self._sync(block=True)
+        return tuple(self._sync(block=True))
 
     # ---- restore -------------------------------------------------------------------------
     def restore_or_initialize(self, init_fn: Callable[[], Any] | None = None, *,
@@ -320,19 +328,24 @@ class CheckpointManager:
         Rank 0 resolves which checkpoint (``checkpoint_last``: the newest committed one,
         following the pointer unless it lags; ``checkpoint_best``; a folder name in
         ``save_dir``; or a full URI) and sends the decision to every rank (DESIGN
-        decision 2).  Every rank then reads the replicated state and its own
-        ``rank/<rank>`` item.
+        decision 2).  Every rank then gets the replicated state and its own
+        ``rank/<rank>`` item through :func:`xla_ckpt.restore.restore` with
+        ``restore_config`` (every rank reads, or rank 0 reads and broadcasts).
+
+        Args:
+            init_fn: called (on every rank) when there is nothing to restore.
+            map_location: where restored tensors go on this rank (as ``torch.load``;
+                pass ``dist.device`` for this rank's own device).
 
         Returns:
             A :class:`RestoreResult` on every rank, or None when ``restore_file`` is
-            ``checkpoint_last`` and nothing is committed yet (``init_fn`` is then called,
-            if given).
+            ``checkpoint_last`` and nothing is committed yet.
 
         Raises:
-            CheckpointNotFoundError: an explicitly named checkpoint does not exist
-                (every rank raises it).
-            CheckpointCorruptError / IntegrityError: the checkpoint's bytes are bad.
-            DistributedError: another rank failed to read it (names the rank).
+            CheckpointNotFoundError: an explicitly named checkpoint (or ``checkpoint_best``)
+                does not exist (every rank raises it).
+            DistributedError: a read failed on some rank (corrupt bytes, storage error);
+                ``failures`` names the ranks, on every rank.
         """
         self._check_open()
         decision: Any = None
@@ -441,7 +454,9 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks in _sync
             staged = staged_rank = None
             upload = _failed_future(e)
-        save_id = new_save_id()
+        # One save id for every rank's data files (rank 0 picks it), so a failed save's files
+        # can be found and removed, and a commit removes the files of earlier saves.
+        save_id = self._exchange(new_save_id() if self.rank == 0 else None)[0]
         storage = self.run.child(name)
         nbytes = sum(s.nbytes for s in (staged, staged_rank) if s is not None)
         if upload is None:
@@ -593,31 +608,10 @@ class CheckpointManager:
         return None
 
     def _read_checkpoint(self, uri: str, name: str, map_location: Any) -> RestoreResult:
-        """Every rank reads the replicated state and its own rank item, then agrees on success.
-
-        (The every-rank-reads strategy; a failure on any rank raises
-        :class:`DistributedError` naming it on every rank.)
-        """
-        result = err = None
-        try:
-            with open_storage(uri, self.run.config) as st:
-                reader = CheckpointReader(st)
-                state = reader.load(STATE_ITEM, map_location)
-                item = rank_item(self.rank)
-                rank_state = reader.load(item, map_location) \
-                    if item in reader.manifest.items else None
-                md = reader.metadata if isinstance(reader.metadata, dict) else {}
-            result = RestoreResult(state=state, rank_state=rank_state, checkpoint=name, uri=uri,
-                                   metadata=md, epoch=md.get("epoch"),
-                                   num_updates=md.get("num_updates"))
-        except Exception as e:  # noqa: BLE001 - agreed on below
-            err = e
-        if self.world_size == 1:
-            if err is not None:
-                raise err
-        else:
-            self.dist.agree(err, f"restore {uri}")
-        if self.rank == 0:
-            logger.info("[rank %d] restored %s (epoch %s, update %s)", self.rank, uri,
-                        result.epoch, result.num_updates)
-        return result
+        """Every rank restores ``uri`` with the configured strategy (xla_ckpt.restore.restore)."""
+        r = restore_checkpoint(uri, dist=self.dist, map_location=map_location,
+                               config=self.restore_config, storage_config=self.run.config)
+        md = r.metadata if isinstance(r.metadata, dict) else {}
+        return RestoreResult(state=r.state, rank_state=r.rank_state, checkpoint=name,
+                             uri=r.checkpoint, metadata=md, epoch=md.get("epoch"),
+                             num_updates=md.get("num_updates"), restored=r)
