@@ -22,7 +22,8 @@ def tensor_bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().to("cpu").contiguous()
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
-    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t.reshape(-1).to(torch.uint8)
+    flat = t.reshape(-1)
+    return flat.to(torch.uint8) if t.dtype == torch.bool else flat.view(torch.uint8)
 
 
 def tensors_identical(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -49,7 +50,8 @@ def assert_state_identical(actual: Any, expected: Any, path: str = "state", *,
         if list(actual.keys()) != list(expected.keys()):
             raise AssertionError(f"{path}: keys {list(actual)[:8]} != {list(expected)[:8]}")
         for k in expected:
-            assert_state_identical(actual[k], expected[k], f"{path}[{k!r}]", check_device=check_device)
+            assert_state_identical(actual[k], expected[k], f"{path}[{k!r}]",
+                                   check_device=check_device)
         meta_a, meta_e = getattr(actual, "_metadata", None), getattr(expected, "_metadata", None)
         if meta_a != meta_e:
             raise AssertionError(f"{path}._metadata differs")
@@ -61,7 +63,8 @@ def assert_state_identical(actual: Any, expected: Any, path: str = "state", *,
             assert_state_identical(a, e, f"{path}[{i}]", check_device=check_device)
         return
     if isinstance(expected, argparse.Namespace):
-        assert_state_identical(vars(actual), vars(expected), f"{path}.vars", check_device=check_device)
+        assert_state_identical(vars(actual), vars(expected), f"{path}.vars",
+                               check_device=check_device)
         return
     if isinstance(expected, np.generic):
         if actual.dtype != expected.dtype or actual.tobytes() != expected.tobytes():

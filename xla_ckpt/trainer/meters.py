@@ -270,7 +270,8 @@ class MetersDict(OrderedDict):
 
     def __setitem__(self, key: str, value: tuple[int, Meter]) -> None:
         if key in self:
-            raise KeyError(f"meter {key!r} already exists; MetersDict does not support reassignment")
+            raise KeyError(f"meter {key!r} already exists; MetersDict does not support "
+                           "reassignment")
         priority, meter = value
         bisect.insort(self.priorities, (priority, len(self.priorities), key))
         super().__setitem__(key, meter)
@@ -299,7 +300,8 @@ class MetersDict(OrderedDict):
                 pri, key, meter_cls, meter_state = entry
             except (TypeError, ValueError):
                 raise CheckpointCorruptError(
-                    f"malformed meter entry {entry!r}: expected (priority, key, class, state)") from None
+                    f"malformed meter entry {entry!r}: expected (priority, key, class, state)"
+                ) from None
             cls = _METER_CLASSES.get(meter_cls)
             if cls is None:
                 raise CheckpointCorruptError(

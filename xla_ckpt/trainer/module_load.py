@@ -96,7 +96,7 @@ def load_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any], *,
                       what: str = "model", where: str = "", strip_prefixes: bool = False,
                       dtype_policy: str = "error",
                       device: torch.device | str | None = None) -> ModuleLoadReport:
-    """Load ``state_dict`` into ``module`` strictly (fairseq ``Trainer.load_checkpoint`` model step).
+    """Load ``state_dict`` into ``module`` strictly (the model step of fairseq ``load_checkpoint``).
 
     Args:
         module: the live (unwrapped) module; its parameters stay the same

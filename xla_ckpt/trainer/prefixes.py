@@ -60,7 +60,8 @@ def strip_key(key: str, strip: tuple[str, ...]) -> str:
     return key
 
 
-def strip_state_dict(state_dict: Mapping[str, Any], strip: tuple[str, ...]) -> "OrderedDict[str, Any]":
+def strip_state_dict(state_dict: Mapping[str, Any],
+                     strip: tuple[str, ...]) -> "OrderedDict[str, Any]":
     """A copy of ``state_dict`` with the prefixes ``strip`` removed from keys and ``_metadata``."""
     out: "OrderedDict[str, Any]" = OrderedDict((strip_key(k, strip), v)
                                                for k, v in state_dict.items())

@@ -87,7 +87,7 @@ class SingleProcessSaver:
 
 
 def unpack_restored(result: Any) -> tuple[Any, Any | None]:
-    """Accept ``(state, rank_state)``, an object with ``.state``/``.rank_state``, or a bare state."""
+    """Accept ``(state, rank_state)``, an object with ``.state``/``.rank_state`` or a bare state."""
     if hasattr(result, "state") and hasattr(result, "rank_state"):
         return result.state, result.rank_state
     if isinstance(result, tuple) and len(result) == 2:
