@@ -3,7 +3,8 @@
 fairseq semantics: keep the newest ``--keep-last`` committed checkpoints
 (``keep_interval_updates``) and the ``--keep-best`` best by ``--metric`` from
 their metadata (``keep_best_checkpoints``, lower is better unless
-``--maximize``).  Whatever the policy says, checkpoints named by a pointer
+``--maximize``); a checkpoint either rule keeps stays, and a rule not given
+keeps nothing by itself.  Whatever the policy says, checkpoints named by a pointer
 and the newest committed one are kept.  Incomplete folders are deleted only
 with ``--incomplete`` (one may be a save still in flight).  ``--dry-run`` only
 prints what would happen.
@@ -24,10 +25,10 @@ def register(sub, parents) -> None:
     p = sub.add_parser("gc", parents=parents, help="apply a retention policy (keep-last/keep-best)",
                        description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("uri", metavar="RUN", help="run folder: local path or gs://bucket/prefix")
-    p.add_argument("--keep-last", type=int, default=-1, metavar="N",
+    p.add_argument("--keep-last", type=int, default=None, metavar="N",
                    help="newest committed checkpoints to keep (-1: all)")
-    p.add_argument("--keep-best", type=int, default=-1, metavar="N",
-                   help="best committed checkpoints to keep by --metric (-1: all)")
+    p.add_argument("--keep-best", type=int, default=None, metavar="N",
+                   help="best committed checkpoints to keep by --metric (-1: all that have it)")
     p.add_argument("--metric", default="loss", help="metadata key ranking checkpoints (loss)")
     p.add_argument("--maximize", action="store_true", help="higher --metric is better")
     p.add_argument("--incomplete", action="store_true",
@@ -37,10 +38,16 @@ def register(sub, parents) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.keep_last == -1 and args.keep_best == -1 and not args.incomplete:
-        raise UsageError("nothing to do: pass --keep-last N, --keep-best N and/or --incomplete")
-    policy = RetentionPolicy(keep_last=args.keep_last, keep_best=args.keep_best,
-                             metric=args.metric, maximize=args.maximize)
+    if args.keep_last is None and args.keep_best is None:
+        if not args.incomplete:
+            raise UsageError("nothing to do: pass --keep-last N, --keep-best N and/or "
+                             "--incomplete")
+        keep_last, keep_best = -1, -1  # only incomplete folders go
+    else:  # a rule not given keeps nothing by itself: the given rule decides
+        keep_last = 0 if args.keep_last is None else args.keep_last
+        keep_best = 0 if args.keep_best is None else args.keep_best
+    policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=args.metric,
+                             maximize=args.maximize)
     with open_storage(args.uri) as st:
         result = collect_garbage(st, policy, delete_incomplete=args.incomplete,
                                  dry_run=args.dry_run)

