@@ -96,7 +96,7 @@ def test_overrides_do_not_mutate_input():
 @pytest.mark.parametrize("override,message", [
     ("checkpoint.keep_last=3",
      "override 'checkpoint.keep_last=3': unknown key 'checkpoint.keep_last'; valid keys under "
-     "checkpoint: async_save, barrier_timeout_s, best_checkpoint_metric, exit_on_preemption, "
+     "checkpoint: async_save, best_checkpoint_metric, exit_on_preemption, "
      "handle_sigterm, keep_best_checkpoints, keep_interval_updates, keep_last_epochs, "
      "maximize_best_checkpoint_metric, no_epoch_checkpoints, no_save, restore_file, save_dir, "
      "save_interval_epochs, save_interval_updates, sync_interval_updates"),
@@ -133,8 +133,7 @@ F = "configs/cpu-emulation.yaml"
     ("restore.bucket_size_bytes=0",
      f"{F}: restore.bucket_size_bytes must be an integer >= 1, got 0"),
     ("checkpoint.save_dir=", f"{F}: checkpoint.save_dir must be a non-empty string, got ''"),
-    ("checkpoint.barrier_timeout_s=0",
-     f"{F}: checkpoint.barrier_timeout_s must be a number > 0, got 0.0"),
+    ("dist.timeout_s=0", f"{F}: dist.timeout_s must be a number > 0, got 0.0"),
     ("checkpoint.sync_interval_updates=0",
      f"{F}: checkpoint.sync_interval_updates must be an integer >= 1, got 0"),
     ("storage.max_workers=0", f"{F}: storage.max_workers must be a positive integer, got 0"),

@@ -102,8 +102,8 @@ class CheckpointConfig:
             update boundary (preemption on Cloud TPU / GKE spot).
         exit_on_preemption: after the preemption save commits, raise ``SystemExit(0)``.
         sync_interval_updates: ranks exchange their preemption flag and save status
-            every N updates (one small all-gather on the control plane).
-        barrier_timeout_s: seconds any rank waits for the others at a save commit.
+            every N updates (one small all-gather on the control plane; it waits at most
+            ``dist.timeout_s``, like every collective).
 
     How a restore moves the bytes (every rank reads, or rank 0 broadcasts) is
     :class:`xla_ckpt.restore.RestoreConfig` (section ``restore``).
@@ -124,7 +124,6 @@ class CheckpointConfig:
     handle_sigterm: bool = True
     exit_on_preemption: bool = True
     sync_interval_updates: int = 1
-    barrier_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         s = "checkpoint"
@@ -141,7 +140,6 @@ class CheckpointConfig:
                      "async_save", "handle_sigterm", "exit_on_preemption"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{s}.{name} must be true or false, got {getattr(self, name)!r}")
-        _check_number(s, "barrier_timeout_s", self.barrier_timeout_s)
 
 
 @dataclass(kw_only=True)

@@ -46,8 +46,8 @@ def make_cfg(save_dir: str, *, async_save: bool = True):
     from xla_ckpt.config import CheckpointConfig
 
     return CheckpointConfig(save_dir=save_dir, save_interval_updates=4, keep_interval_updates=1,
-                            keep_last_epochs=1, keep_best_checkpoints=1, async_save=async_save,
-                            barrier_timeout_s=60)
+                            keep_last_epochs=1, keep_best_checkpoints=1,
+                            async_save=async_save)
 
 
 def _wait_for(path: str, timeout_s: float = 60.0) -> None:
