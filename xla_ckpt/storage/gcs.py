@@ -361,7 +361,83 @@ class GCSStorage(Storage):
             logger.warning("%s: crc32c mismatch on a whole-object read; re-reading", what)
 
     def read_bytes(self, name: str) -> bytes:
-        """Whole object as bytes, checked against the object's crc32c."""
+        """Whole object as bytes, checked against the object's crc32c.
+
+        Small objects (manifests, pointers: up to ``config.slice_size_bytes``)
+        come in one GET that also carries the crc32c (``X-Goog-Hash``), one
+        round trip instead of stat + read; larger ones as parallel ranged
+        slices pinned to the generation :meth:`stat` returned.
+
+        Raises:
+            CheckpointNotFoundError: no such object.
+            IntegrityError: the bytes mismatched the object's crc32c
+                :data:`WHOLE_OBJECT_CRC_READS` times.
+            StoragePermissionError / StorageError: as :meth:`read_range`.
+        """
+        full = self._full(name)
+        url = self._object_url(full, download=True)
+        what = f"read {self._gs(full)}"
+        backoff = self._backoff(what)
+        bad = 0
+        while True:
+            try:
+                got = self._get_whole(what, url)
+            except _Transient as e:
+                backoff.failed(e, retry_after_s=e.retry_after_s)
+                continue
+            if got is None:
+                return self._read_bytes_sliced(name)
+            data, served_crc = got
+            if served_crc is None or crc32c(data) == served_crc:
+                return bytes(data)
+            bad += 1
+            if bad >= WHOLE_OBJECT_CRC_READS:
+                raise IntegrityError(
+                    f"{self._gs(full)}: crc32c of the {len(data)} bytes read differs from the "
+                    f"object's crc32c after {bad} reads; the object or the network path "
+                    "corrupts data", path=self._gs(full))
+            logger.warning("%s: crc32c mismatch on a whole-object read (attempt %d); re-reading",
+                           what, bad)
+
+    def _get_whole(self, what: str, url: str) -> tuple[bytearray, int | None] | None:
+        """One un-ranged GET of a small object: (bytes, served crc32c), or None if it is large."""
+        try:
+            resp = self._conn.session.get(url, params={"alt": "media"},
+                                          headers={"Accept-Encoding": "identity"}, stream=True,
+                                          timeout=self._timeout)
+        except _TRANSIENT_EXC as e:
+            raise _Transient(f"request failed: {type(e).__name__}: {e}") from None
+        reusable = False
+        try:
+            if resp.status_code != 200:
+                raise self._http_error(what, resp)
+            enc = resp.headers.get("Content-Encoding", "").strip().lower()
+            length = _int_header(resp.headers.get("Content-Length"))
+            if enc not in ("", "identity") or length is None \
+                    or length > self.config.slice_size_bytes:
+                return None
+            buf = bytearray(length)
+            view = memoryview(buf)
+            readinto = _body_reader(resp)
+            got = 0
+            while got < length:
+                try:
+                    k = readinto(view[got:min(length, got + _READ_PIECE_BYTES)])
+                except _TRANSIENT_EXC as e:
+                    raise _Transient(f"connection broke after {got} of {length} bytes: "
+                                     f"{type(e).__name__}: {e}") from None
+                if not k:
+                    raise _Transient(f"body ended after {got} of {length} bytes")
+                got += k
+            reusable = True
+            return buf, _served_crc32c(resp.headers.get("X-Goog-Hash"))
+        finally:
+            if reusable:
+                resp.raw.release_conn()
+            else:
+                resp.close()
+
+    def _read_bytes_sliced(self, name: str) -> bytes:
         info = self.stat(name)
         buf = bytearray(info.size)
         if not info.size:
@@ -370,9 +446,7 @@ class GCSStorage(Storage):
         known = self._conn.recall(full, info.generation)
         for attempt in range(WHOLE_OBJECT_CRC_READS):
             self.read_ranges([RangeRead(name, 0, memoryview(buf), info.generation)])
-            # One-slice reads were already checked in read_range.
-            if known is None or known[1] is None or info.size <= self.config.slice_size_bytes \
-                    or crc32c(buf) == known[1]:
+            if known is None or known[1] is None or crc32c(buf) == known[1]:
                 return bytes(buf)
             logger.warning("%s: crc32c mismatch on a whole-object read (attempt %d); re-reading",
                            self._gs(full), attempt + 1)
@@ -811,6 +885,15 @@ def _body_reader(resp: requests.Response) -> Callable[[memoryview], int]:
     if isinstance(fp, http.client.HTTPResponse):
         return fp.readinto
     return raw.readinto
+
+
+def _served_crc32c(x_goog_hash: str | None) -> int | None:
+    """The crc32c in an ``X-Goog-Hash: crc32c=<b64>,md5=<b64>`` header, if any."""
+    for part in (x_goog_hash or "").split(","):
+        k, _, v = part.strip().partition("=")
+        if k == "crc32c":
+            return crc32c_from_b64(v)
+    return None
 
 
 def _int_header(value: str | None) -> int | None:

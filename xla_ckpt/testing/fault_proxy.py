@@ -88,7 +88,9 @@ class Fault:
     """One injected fault.  Build with the class methods.
 
     Attributes:
-        kind: ``"status"``, ``"reset"``, ``"short"`` or ``"flip"``.
+        kind: ``"status"``, ``"reset"``, ``"short"``, ``"flip"`` (a response
+            body byte) or ``"flip_request"`` (a request body byte, e.g. of an
+            upload, before it is forwarded).
         status: HTTP status sent instead of the real answer (``status``).
         retry_after: ``Retry-After`` header value to send with it, if any.
         after_bytes: ``reset``: body bytes sent before the connection drops
@@ -96,7 +98,8 @@ class Fault:
         rst: ``reset``: drop with a TCP RST (True) or an orderly FIN (False).
         drop_bytes: ``short``: body bytes left out at the end, Content-Length
             cut to match, Content-Range kept (None: random).
-        flip_at: ``flip``: body byte index to invert (None: random).
+        flip_at: ``flip``: body byte index to invert (None: random);
+            ``flip_request``: request body byte index (None: the middle).
     """
 
     kind: str
@@ -123,6 +126,10 @@ class Fault:
     @classmethod
     def flip(cls, at: int | None = None) -> "Fault":
         return cls(kind="flip", flip_at=at)
+
+    @classmethod
+    def flip_request(cls, at: int | None = None) -> "Fault":
+        return cls(kind="flip_request", flip_at=at)
 
     @property
     def needs_body(self) -> bool:
@@ -450,6 +457,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             p.stats.requests += 1
             p._records.append(rec)
         fault = p._choose(info)
+        if fault is not None and fault.kind == "flip_request":
+            if body:
+                at = fault.flip_at if fault.flip_at is not None else len(body) // 2
+                buf = bytearray(body)
+                buf[min(max(at, 0), len(buf) - 1)] ^= 0xFF
+                body = bytes(buf)
+                rec.fault = fault.kind
+                with p._lock:
+                    p.stats.faults[fault.kind] += 1
+            fault = None
         if p.shaping.first_byte_latency_s:
             time.sleep(p.shaping.first_byte_latency_s)
         if fault is not None and fault.kind == "status":

@@ -41,10 +41,16 @@ DEFAULT_PROJECT = "xla-ckpt-test"
 
 # Runs in the emulator process: a deeper listen backlog than socketserver's 5 (many parallel
 # connections would otherwise wait for SYN retransmits), port 0 -> the real port is written
-# to a file once the server listens.
+# to a file once the server listens; exits by itself when its parent process dies.
 _SERVE = r"""
-import logging, socketserver, sys, time
+import logging, os, socketserver, sys, threading, time
 socketserver.TCPServer.request_queue_size = 256
+parent = os.getppid()
+def _orphan_watch():  # exit when the process that started us is gone (even after SIGKILL)
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+threading.Thread(target=_orphan_watch, daemon=True).start()
 logging.disable(logging.CRITICAL)
 from gcp_storage_emulator.server import create_server
 srv = create_server(sys.argv[1], 0, in_memory=True)

@@ -1,0 +1,332 @@
+"""GCS restore benchmark: xla_ckpt against its peers on the shaped emulator.
+
+Restores the same state (``--size-mib`` MiB of fp32 tensors laid out like a
+transformer: per layer four 4 MiB attention matrices, two 16 MiB MLP matrices
+and eight small bias/LayerNorm vectors, plus an embedding) from the GCS
+emulator behind :class:`xla_ckpt.testing.fault_proxy.FaultProxy` with
+first-byte latency and a per-stream throughput cap (how real GCS behaves),
+and prints one JSON line per method:
+
+  a  xla_ckpt.load: parallel ranged GETs into preallocated buffers, crc32c per chunk
+  b  fairseq-style: blob.download_as_bytes() then torch.load(BytesIO)
+  c  transfer_manager.download_chunks_concurrently (threads) to a file, then torch.load(mmap=True)
+  d  PyTorch DCP FsspecReader over gcsfs into preallocated tensors
+  e  ceiling: the same ranged GETs as (a) (same slices, same threads), bytes discarded
+
+Each method runs in a fresh subprocess, so its peak RSS is its own; every
+result is checked bitwise (crc32c per tensor) after the clock stops.  Each
+line carries ``seconds`` (median of ``--repeat`` runs), ``mib_s``,
+``peak_rss_mib``, ``rss_above_baseline_mib`` (peak minus the RSS after
+imports), ``rss_ratio_to_state`` and ``ratio_vs_<m>`` (time of ``m`` / time of
+this method, > 1 means this one is faster; for ``e`` it is the throughput
+fraction of the ceiling reached by the others).
+
+  .venv/bin/python benchmarks/gcs_restore.py                   # 512 MiB, all methods
+  .venv/bin/python benchmarks/gcs_restore.py --size-mib 256 --methods a,e
+  .venv/bin/python benchmarks/gcs_restore.py --sweep           # max_workers x slice size for (a)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+MiB = 1024 * 1024
+METHODS = {
+    "a": "xla_ckpt",
+    "b": "download_as_bytes+torch.load",
+    "c": "transfer_manager+torch.load(mmap)",
+    "d": "dcp.FsspecReader(gcsfs)",
+    "e": "ceiling(ranged GETs, discard)",
+}
+
+
+# ---- the state -----------------------------------------------------------------------------
+def state_layout(size_mib: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, shape) of fp32 tensors adding up to ``size_mib`` MiB (within 1 MiB)."""
+    hidden, ffn = 1024, 4096
+    per_layer = 4 * hidden * hidden + 2 * hidden * ffn + 6 * hidden + 2 * ffn
+    layers = (size_mib * MiB // 4) // per_layer
+    out = []
+    for i in range(layers):
+        p = f"layers.{i}."
+        for n in ("q", "k", "v", "o"):
+            out.append((p + f"attn.{n}.weight", (hidden, hidden)))
+            out.append((p + f"attn.{n}.bias", (hidden,)))
+        out.append((p + "mlp.fc1.weight", (ffn, hidden)))
+        out.append((p + "mlp.fc1.bias", (ffn,)))
+        out.append((p + "mlp.fc2.weight", (hidden, ffn)))
+        out.append((p + "mlp.fc2.bias", (hidden,)))
+        out.append((p + "ln.weight", (ffn,)))
+        out.append((p + "ln.bias", (hidden,)))
+    rest = size_mib * MiB // 4 - layers * per_layer
+    if rest > 0:
+        out.append(("embed.weight", (rest // hidden, hidden)))
+    return out
+
+
+def make_state(size_mib: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    return {k: torch.rand(shape, generator=g) for k, shape in state_layout(size_mib)}
+
+
+def tensor_crcs(state) -> dict[str, int]:
+    from xla_ckpt.format.crc import crc32c
+
+    return {k: crc32c(v.contiguous().view(-1).view(__import__("torch").uint8)) for k, v in state.items()}
+
+
+# ---- rss ----------------------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+# ---- children: one method each -------------------------------------------------------------
+def child(method: str, spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    bucket, prefix = spec["bucket"], spec["prefix"]
+    endpoint = spec["endpoint"]
+    load = None
+    if method == "a":
+        from xla_ckpt.storage import StorageConfig
+        from xla_ckpt.storage.gcs import DEFAULT_CONFIG
+
+        cfg = DEFAULT_CONFIG
+        if spec.get("max_workers") or spec.get("slice_mib"):
+            cfg = StorageConfig(max_workers=spec.get("max_workers") or DEFAULT_CONFIG.max_workers,
+                                slice_size_bytes=(spec.get("slice_mib") or
+                                                  DEFAULT_CONFIG.slice_size_bytes // MiB) * MiB)
+
+        from xla_ckpt.io import CheckpointReader
+        from xla_ckpt.storage.gcs import GCSStorage
+
+        # Like (b)-(d), the client exists before the clock starts; the manifest read,
+        # the stat of the data file and every byte are timed.
+        st = GCSStorage(f"gs://{bucket}/{prefix}/xla", cfg)
+
+        def load():
+            return CheckpointReader(st).load()
+    elif method == "b":
+        from google.cloud import storage as gcs
+
+        blob = gcs.Client().bucket(bucket).blob(f"{prefix}/fairseq/checkpoint.pt")
+
+        def load():
+            data = blob.download_as_bytes()
+            return torch.load(io.BytesIO(data), weights_only=True)
+    elif method == "c":
+        from google.cloud import storage as gcs
+        from google.cloud.storage import transfer_manager
+
+        client = gcs.Client()
+        workers = spec.get("max_workers") or 16
+        tmpdir = tempfile.mkdtemp(prefix="gcs-bench-")
+        path = os.path.join(tmpdir, "checkpoint.pt")
+
+        def load():
+            blob = client.bucket(bucket).get_blob(f"{prefix}/fairseq/checkpoint.pt")
+            transfer_manager.download_chunks_concurrently(
+                blob, path, max_workers=workers, worker_type=transfer_manager.THREAD)
+            return torch.load(path, mmap=True, weights_only=True)
+    elif method == "d":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        layout = state_layout(spec["size_mib"])
+        dest = {k: torch.empty(shape) for k, shape in layout}
+
+        def load():
+            dcp.load(dest, storage_reader=FsspecReader(f"gs://{bucket}/{prefix}/dcp", token="anon",
+                                                       endpoint_url=endpoint))
+            return dest
+    elif method == "e":
+        import threading
+
+        from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
+        from xla_ckpt.storage.gcs import DEFAULT_CONFIG, GCSStorage
+
+        st = GCSStorage(f"gs://{bucket}/{prefix}/xla", DEFAULT_CONFIG)
+        manifest = Manifest.from_json_bytes(st.read_bytes(MANIFEST_NAME), where="bench")
+        item = manifest.item("state")
+        step = DEFAULT_CONFIG.slice_size_bytes
+        slices = []
+        for rec in item.blobs:  # the same slices CheckpointReader issues
+            s = max(rec.chunk_size, step // rec.chunk_size * rec.chunk_size) if rec.chunk_crc32c \
+                else rec.length
+            for off in range(0, rec.length, s):
+                slices.append((rec.file, rec.offset + off, min(s, rec.length - off)))
+        gens = {f: st.stat(f).generation for f in {s[0] for s in slices}}
+        local = threading.local()
+
+        def fetch(name, off, n):
+            buf = getattr(local, "buf", None)
+            if buf is None or len(buf) < n:
+                buf = local.buf = bytearray(max(n, step))
+            st.read_range(name, off, memoryview(buf)[:n], gens[name])
+
+        def load():
+            pool = st._executor()
+            for f in [pool.submit(fetch, *s) for s in slices]:
+                f.result()
+            return None
+    else:
+        raise SystemExit(f"unknown method {method!r}")
+
+    baseline_kib = _status_kib("VmRSS")
+    t0 = time.perf_counter()
+    state = load()
+    seconds = time.perf_counter() - t0
+    peak_kib = _status_kib("VmHWM")
+    ok = None
+    if state is not None:
+        got = tensor_crcs(state)
+        ok = got == spec["crcs"]
+    return {"seconds": seconds, "baseline_rss_mib": baseline_kib / 1024,
+            "peak_rss_mib": peak_kib / 1024, "bitwise_ok": ok}
+
+
+# ---- parent -------------------------------------------------------------------------------
+def prepare(emu, size_mib: int, prefix: str, methods: str) -> dict:
+    import torch
+
+    import xla_ckpt
+    from xla_ckpt.storage import StorageConfig
+
+    t0 = time.perf_counter()
+    state = make_state(size_mib)
+    crcs = tensor_crcs(state)
+    direct = emu.storage(prefix, StorageConfig(max_workers=8))
+    if set(methods) & {"a", "e"}:
+        xla_ckpt.save(state, emu.uri(f"{prefix}/xla"), storage=direct.child("xla"))
+    if set(methods) & {"b", "c"}:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        direct.write_atomic("fairseq/checkpoint.pt", [buf.getbuffer()])
+        del buf
+    if "d" in methods:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        dcp.save(state, storage_writer=FsspecWriter(f"gs://{emu.bucket}/{prefix}/dcp", token="anon",
+                                                    endpoint_url=emu.host))
+    direct.close()
+    print(f"# wrote {size_mib} MiB state as {methods} layouts in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    return crcs
+
+
+def run_child(method: str, spec: dict, env: dict) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+        path = f.name
+    try:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", method,
+                              "--spec", path], env=env, capture_output=True, text=True,
+                             timeout=1800)
+    finally:
+        os.unlink(path)
+    if out.returncode != 0:
+        raise RuntimeError(f"method {method} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mib", type=int, default=512)
+    ap.add_argument("--methods", default="abcde")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per method (median reported)")
+    ap.add_argument("--first-byte-latency-ms", type=float, default=30.0)
+    ap.add_argument("--stream-mib-s", type=float, default=32.0,
+                    help="per-connection cap (real GCS ~200 MiB/s, scaled down to this machine)")
+    ap.add_argument("--total-mib-s", type=float, default=None, help="aggregate cap (VM NIC)")
+    ap.add_argument("--max-workers", type=int, default=None, help="(a) and (c) threads")
+    ap.add_argument("--slice-mib", type=int, default=None, help="(a) slice size")
+    ap.add_argument("--sweep", action="store_true", help="(a) over max_workers x slice size")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a.child:
+        with open(a.spec) as f:
+            spec = json.load(f)
+        print(json.dumps(child(a.child, spec)))
+        return 0
+
+    import torch
+
+    from xla_ckpt.testing.fault_proxy import FaultProxy, Shaping
+    from xla_ckpt.testing.gcs_emulator import GCSEmulator
+
+    torch.set_num_threads(1)
+    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # else gcsfs waits on gRPC timeouts
+    methods = "".join(m for m in a.methods.replace(",", "") if m in METHODS)
+    if a.sweep:
+        methods = "ae"
+    shaping = Shaping(first_byte_latency_s=a.first_byte_latency_ms / 1000,
+                      stream_mib_s=a.stream_mib_s, total_mib_s=a.total_mib_s)
+    with GCSEmulator() as emu, FaultProxy(emu.host, shaping=shaping) as proxy:
+        prefix = "bench"
+        crcs = prepare(emu, a.size_mib, prefix, methods)
+        env = {**os.environ, **emu.env(), **proxy.env(), "OMP_NUM_THREADS": "1"}
+        base_spec = {"bucket": emu.bucket, "prefix": prefix, "endpoint": proxy.url,
+                     "size_mib": a.size_mib, "crcs": crcs, "max_workers": a.max_workers,
+                     "slice_mib": a.slice_mib}
+        common = {"size_mib": a.size_mib, "first_byte_latency_ms": a.first_byte_latency_ms,
+                  "stream_mib_s": a.stream_mib_s, "total_mib_s": a.total_mib_s}
+        if a.sweep:
+            for workers in (8, 16, 32):
+                for slice_mib in (4, 8, 16, 32):
+                    spec = {**base_spec, "max_workers": workers, "slice_mib": slice_mib}
+                    r = [run_child("a", spec, env) for _ in range(a.repeat)]
+                    secs = statistics.median(x["seconds"] for x in r)
+                    print(json.dumps({**common, "method": "a", "max_workers": workers,
+                                      "slice_mib": slice_mib, "seconds": round(secs, 3),
+                                      "mib_s": round(a.size_mib / secs, 1)}), flush=True)
+            return 0
+        results = {}
+        for m in methods:
+            runs = [run_child(m, base_spec, env) for _ in range(a.repeat)]
+            results[m] = {
+                "seconds": statistics.median(r["seconds"] for r in runs),
+                "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+                "rss_above_baseline_mib": max(r["peak_rss_mib"] - r["baseline_rss_mib"]
+                                              for r in runs),
+                "bitwise_ok": all(r["bitwise_ok"] is not False for r in runs)
+                if m != "e" else None,
+            }
+            print(f"# {m} {METHODS[m]}: {results[m]['seconds']:.2f} s", file=sys.stderr, flush=True)
+        for m, r in results.items():
+            line = {"method": m, "name": METHODS[m], **common,
+                    "seconds": round(r["seconds"], 3),
+                    "mib_s": round(a.size_mib / r["seconds"], 1),
+                    "peak_rss_mib": round(r["peak_rss_mib"], 1),
+                    "rss_above_baseline_mib": round(r["rss_above_baseline_mib"], 1),
+                    "rss_ratio_to_state": round(r["rss_above_baseline_mib"] / a.size_mib, 3),
+                    "bitwise_ok": r["bitwise_ok"]}
+            for other, ro in results.items():
+                if other != m:
+                    line[f"ratio_vs_{other}"] = round(ro["seconds"] / r["seconds"], 2)
+            print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
