@@ -367,12 +367,17 @@ def test_saving_a_meta_model_names_the_key(local_dir):
     assert os.listdir(local_dir) == []
 
 
-def test_compiled_model_saves_unprefixed_keys(local_dir):
+def test_wrapped_model_saves_and_restores_unprefixed_keys(local_dir):
     torch.manual_seed(0)
-    inner = torch.nn.Linear(2, 2)
-    ckpt = Checkpointer(model=torch.compile(inner), build_optimizer=build_adamw)
+    ckpt = Checkpointer(model=torch.nn.DataParallel(torch.nn.Linear(2, 2)),
+                        build_optimizer=build_adamw)
     ckpt.save_checkpoint(local_dir)
-    assert list(xla_ckpt.load(local_dir)["model"]) == ["weight", "bias"]
+    saved = xla_ckpt.load(local_dir)["model"]
+    assert list(saved) == ["weight", "bias"]
+    fresh = Checkpointer(model=torch.nn.DataParallel(torch.nn.Linear(2, 2)),
+                         build_optimizer=build_adamw)
+    fresh.load_checkpoint(local_dir)
+    assert_state_identical(dict(fresh.model.module.state_dict()), dict(saved))
 
 
 def test_constructor_checks():
