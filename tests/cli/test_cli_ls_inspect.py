@@ -132,3 +132,26 @@ def test_inspect_errors_exit_codes(cli, root):
     r = cli("inspect", root)
     assert r.code == 1
     assert "run folder has no committed checkpoint (incomplete: checkpoint_5_500)" in r.err
+
+
+def test_inspect_a_legacy_pt_shows_the_import(cli, root):
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(training_state(num_updates=42), buf)
+    with open_storage(root) as st:
+        st.write_atomic("old/checkpoint_last.pt", [buf.getvalue()])
+    r = cli("inspect", f"{root}/old/checkpoint_last.pt")
+    assert r.code == 0 and r.err == ""
+    lines = r.out.splitlines()
+    assert lines[0] == (f"legacy file {root}/old/checkpoint_last.pt  (fairseq torch_zip; shown as "
+                        "`xla-ckpt convert --layout auto` would import it)")
+    assert "      weight  float32[3, 4]  48 B" in lines
+    assert "  num_updates    42" in lines
+    r = cli("inspect", f"{root}/old/checkpoint_last.pt", "--json", "--layout", "raw")
+    doc = json.loads(r.out)
+    assert doc["legacy"] == "torch_zip" and doc["tree"]["cfg"] is None  # raw: not upgraded
+    assert doc["tree"]["model"]["bias"] == {"tensor": {"dtype": "float32", "shape": [3],
+                                                       "nbytes": 12}}

@@ -5,6 +5,7 @@
 import json
 import random
 
+import safetensors.torch
 import torch
 from cli_helpers import flip_byte, make_run
 
@@ -153,3 +154,13 @@ def test_whole_blob_crc_disagreeing_with_chunks_is_reported(tmp_path):
         report = verify_checkpoint(st)
     assert [p.keys for p in report.problems] == [("state['a']", "state['b']")]
     assert "manifest says" in report.problems[0].detail
+
+
+def test_verify_on_a_legacy_file_says_to_convert_it(cli, root):
+    with open_storage(root) as st:
+        st.write_atomic("x.safetensors", [safetensors.torch.save({"w": torch.ones(2)})])
+    r = cli("verify", f"{root}/x.safetensors")
+    assert r.code == 2 and r.out == ""
+    assert r.err == (f"xla-ckpt verify: error: {root}/x.safetensors is a legacy .pt/safetensors "
+                     f"file, not an xla_ckpt checkpoint folder; import it with `xla-ckpt convert "
+                     f"{root}/x.safetensors DST`\n")

@@ -62,9 +62,15 @@ def resolve_checkpoint(uri: str, config: StorageConfig | None = None) -> Target:
     """A checkpoint folder as given, or the latest committed checkpoint of a run folder.
 
     Raises:
+        UsageError: ``uri`` names a legacy ``.pt``/safetensors file.
         IncompleteCheckpointError: only uncommitted checkpoints are there.
         CheckpointNotFoundError: nothing is there.
     """
+    from xla_ckpt.io.legacy import is_legacy_file
+
+    if is_legacy_file(uri, config=config):
+        raise UsageError(f"{uri} is a legacy .pt/safetensors file, not an xla_ckpt checkpoint "
+                         f"folder; import it with `xla-ckpt convert {uri} DST`")
     st = open_storage(uri, config)
     try:
         if is_checkpoint(st):

@@ -2,7 +2,8 @@
 
 URI is a checkpoint folder, or a run folder (its latest committed checkpoint
 is shown, as a restore would choose it).  Only the manifest is read: no
-tensor bytes move.  The summary covers the fairseq layout: model and
+tensor bytes move.  A legacy ``.pt``/safetensors file is shown as
+``xla-ckpt convert`` would import it (read whole, through the allow-list).  The summary covers the fairseq layout: model and
 criterion tensors, optimizer (class from ``optimizer_history``, param groups,
 learning rates, per-parameter state), lr scheduler state, ``num_updates``,
 the train iterator position (also each rank's own, from ``rank/<r>`` items),
@@ -17,12 +18,15 @@ import math
 from collections import OrderedDict
 from typing import Any
 
+import torch
+
 from xla_ckpt.cli.common import (EXIT_OK, human_bytes, jsonable, plain, resolve_checkpoint,
                                  short_repr, utc_time)
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format import typed
 from xla_ckpt.format.dtypes import dtype_from_name, itemsize
 from xla_ckpt.format.manifest import STATE_ITEM, Item, Manifest, TensorRecord
+from xla_ckpt.io.legacy import is_legacy_file, load_legacy_file
 from xla_ckpt.io.reader import read_manifest
 
 
@@ -33,6 +37,8 @@ def register(sub, parents) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.add_argument("--depth", type=int, default=None, metavar="N",
                    help="show the tree only N levels deep")
+    p.add_argument("--layout", choices=("auto", "fairseq", "raw", "model"), default="auto",
+                   help="for a legacy .pt/safetensors file: the import layout to show")
     p.set_defaults(func=run)
 
 
@@ -45,6 +51,12 @@ class TensorInfo:
         self.shape = rec.shape
         self.numel = rec.numel
         self.nbytes = rec.numel * itemsize(dtype_from_name(rec.dtype))
+
+    @classmethod
+    def of(cls, t: torch.Tensor, key: str = "") -> "TensorInfo":
+        """Description of a loaded tensor (legacy files)."""
+        return cls(TensorRecord(key, 0, 0, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                tuple(t.stride())))
 
     def describe(self) -> str:
         return f"{self.dtype}[{', '.join(map(str, self.shape))}]  {human_bytes(self.nbytes)}"
@@ -69,7 +81,45 @@ def decode_item(item: Item) -> Any:
     return typed.decode(item.state, lookup)
 
 
+def _describe_tensors(v: Any) -> Any:
+    """A loaded state with every tensor replaced by its :class:`TensorInfo`."""
+    if isinstance(v, torch.Tensor):
+        return TensorInfo.of(v)
+    if isinstance(v, argparse.Namespace):
+        return argparse.Namespace(**{k: _describe_tensors(x) for k, x in vars(v).items()})
+    if isinstance(v, dict):
+        out = type(v)() if isinstance(v, OrderedDict) else {}
+        out.update((k, _describe_tensors(x)) for k, x in v.items())
+        return out
+    if isinstance(v, (list, tuple)):
+        return type(v)(_describe_tensors(x) for x in v) if type(v) in (list, tuple) \
+            else [_describe_tensors(x) for x in v]
+    return v
+
+
+def run_legacy(args: argparse.Namespace) -> int:
+    """Inspect a legacy .pt/safetensors file as ``convert`` would import it (allow-listed)."""
+    legacy = load_legacy_file(args.uri, layout=args.layout)
+    tree = _describe_tensors(legacy.state)
+    summary = summarize({STATE_ITEM: tree})
+    kind = ("fairseq " if legacy.fairseq else "") + legacy.kind
+    if args.json:
+        print(json.dumps(jsonable({"uri": args.uri, "legacy": kind, "metadata": legacy.metadata,
+                                   "tree": tree, "summary": summary}), indent=2))
+        return EXIT_OK
+    print(f"legacy file {args.uri}  ({kind}; shown as `xla-ckpt convert --layout "
+          f"{args.layout}` would import it)")
+    for line in render(tree, "state", 1, args.depth):
+        print(line)
+    print("\nsummary:")
+    for line in _summary_lines(summary):
+        print("  " + line)
+    return EXIT_OK
+
+
 def run(args: argparse.Namespace) -> int:
+    if is_legacy_file(args.uri):
+        return run_legacy(args)
     target = resolve_checkpoint(args.uri)
     try:
         manifest = read_manifest(target.storage)
