@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 rows = data.batch(epoch, i)
                 a = tokenizer([pairs[r][0] for r in rows], padding="max_length", truncation=True,
-                              max_length=48, return_tensors="pt")
+                              max_length=32, return_tensors="pt")
                 b = tokenizer([pairs[r][1] for r in rows], padding="max_length", truncation=True,
-                              max_length=48, return_tensors="pt")
+                              max_length=32, return_tensors="pt")
                 ea = model(a["input_ids"].to(device), a["attention_mask"].to(device))
                 eb = model(b["input_ids"].to(device), b["attention_mask"].to(device))
                 loss = criterion(ea, eb)
