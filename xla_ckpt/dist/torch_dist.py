@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import time
 from typing import Any, Callable, Sequence
 
@@ -60,14 +61,27 @@ def init_process_group(backend: str, init_method: str, timeout_s: float) -> None
                 time.monotonic() - t0)
 
 
+_MISSING_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
 def collective_error(op: str, rank: int, timeout_s: float, seconds: float,
                      cause: BaseException) -> DistributedError:
-    """Turn a backend failure of ``op`` into our error type (marked as a broken collective)."""
+    """Turn a backend failure of ``op`` into our error type (marked as a broken collective).
+
+    A gloo ``monitored_barrier`` names the ranks that did not arrive; they
+    become the error's ``failures``.
+    """
     text = " ".join(str(cause).split())[:500]
-    if "timed out" in text.lower() or "timeout" in text.lower():
+    missing = _MISSING_RANKS.search(text)
+    if missing or "timed out" in text.lower() or "timeout" in text.lower():
+        failures = {}
+        if missing:
+            failures = {int(r): f"did not reach {op} within {timeout_s:g} s"
+                        for r in re.findall(r"\d+", missing.group(1))}
         err: DistributedError = CollectiveTimeoutError(
             f"rank {rank}: {op} did not complete within its {timeout_s:g} s timeout ({text}); "
-            "another rank died, hung or never entered it — check the other ranks' logs")
+            "another rank died, hung or never entered it — check the other ranks' logs",
+            failures)
     else:
         err = DistributedError(
             f"rank {rank}: {op} failed after {seconds:.1f} s ({text}); another rank has "
