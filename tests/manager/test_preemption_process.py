@@ -168,3 +168,30 @@ def test_save_failing_on_one_rank_fails_on_every_rank(pool, tmp_path):
     # the other ranks' data files of the failed save were removed; nothing is committed
     assert folders(run_dir) == []
     assert not os.path.exists(os.path.join(run_dir, "checkpoint_last.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_every_rank_writes_its_zero_shard_and_restore_reshards_exactly(pool, tmp_path):
+    from manager_workers import FLAT, restore_zero_shards, save_zero_shards
+
+    from xla_ckpt.restore import partition_bounds
+
+    run_dir = str(tmp_path / "run")
+    assert [r.unwrap() for r in pool.run(save_zero_shards, run_dir, timeout_s=120)] == \
+        ["checkpoint_1_2"] * WORLD
+    reader = CheckpointReader.open(os.path.join(run_dir, "checkpoint_1_2"))
+    assert sorted(reader.manifest.items) == sorted(
+        ["state"] + [f"rank/{r:05d}" for r in range(WORLD)]
+        + [f"shard/{r:05d}" for r in range(WORLD)])
+    os_results = [r.unwrap() for r in pool.run(restore_zero_shards, run_dir, "os",
+                                                timeout_s=120)]
+    bounds = partition_bounds(10, WORLD)
+    for rank, got in enumerate(os_results):
+        assert got["checkpoint"] == "checkpoint_1_2"
+        assert got["state"] == {"step": 2} and got["rank_state"] == {"rank": rank}
+        lo, hi = bounds[rank]
+        assert got["bounds"] == [lo, hi] and got["exp_avg"] == FLAT[lo:hi].tolist()
+    for got in (r.unwrap() for r in pool.run(restore_zero_shards, run_dir, "none",
+                                             timeout_s=120)):
+        assert got["exp_avg"] == FLAT.tolist() and got["bounds"] == [0, 10]

@@ -6,7 +6,8 @@ the same update boundary):
 
 * rank 0 writes the replicated state (item ``state``);
 * every rank writes its own private state, if it passes one (item ``rank/<r>``:
-  iterator/RNG state, an optimizer shard);
+  iterator/RNG state), and its pieces of flat sharded tensors (item ``shard/<r>``:
+  ZeRO optimizer state, the layout :func:`xla_ckpt.restore.save_distributed` writes);
 * after every rank's upload is done (one ``exchange`` of the written items acts
   as the barrier) rank 0, the coordinator, writes the manifest (the commit
   marker), then the ``checkpoint_last`` / ``checkpoint_best`` pointers, then
@@ -49,6 +50,8 @@ from xla_ckpt.manager.rotation import rotate
 from xla_ckpt.manager.staging import Staged, stage_to_host
 from xla_ckpt.restore import Restored, RestoreConfig
 from xla_ckpt.restore import restore as restore_checkpoint
+from xla_ckpt.restore.save import _shard_layout as shard_layout
+from xla_ckpt.restore.sharding import shard_item, shard_state
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)
@@ -223,7 +226,8 @@ class CheckpointManager:
 
     # ---- the training-loop hook ----------------------------------------------------------
     def after_update(self, *, epoch: int, num_updates: int, state: StateArg,
-                     rank_state: StateArg = None, end_of_epoch: bool = False,
+                     rank_state: StateArg = None, shards: StateArg = None,
+                     end_of_epoch: bool = False,
                      metrics: dict[str, float] | None = None) -> StepResult:
         """Call on every rank after every optimizer update.  Collective.
 
@@ -238,6 +242,10 @@ class CheckpointManager:
                 e.g. optimizer consolidation).  Only rank 0's is written.
             rank_state: this rank's private state (or callable), written as item
                 ``rank/<rank>``; None for none.
+            shards: this rank's pieces of flat sharded tensors (ZeRO optimizer state,
+                ``{key: tensor}``, or a callable), written as item ``shard/<rank>``
+                exactly as :func:`xla_ckpt.restore.save_distributed` does; rank ``r``'s
+                piece is the ``r``-th contiguous range.  Pass it on every rank or on none.
             end_of_epoch: this update was the last of the epoch.
             metrics: validation metrics for this checkpoint (``best_checkpoint_metric``
                 picks the one ``checkpoint_best`` and ``keep_best_checkpoints`` use).
@@ -265,7 +273,7 @@ class CheckpointManager:
                                    end_of_epoch=end_of_epoch)
         saved = None
         if name is not None and (self._last_saved is None or self._last_saved[0] != name):
-            committed += self._save(state, rank_state, name=name, epoch=epoch,
+            committed += self._save(state, rank_state, shards, name=name, epoch=epoch,
                                     num_updates=num_updates, end_of_epoch=end_of_epoch,
                                     metrics=metrics, preempted=preempted,
                                     block=preempted or not cfg.async_save)
@@ -283,7 +291,7 @@ class CheckpointManager:
         return StepResult(saved=saved, committed=tuple(committed), preempted=preempted)
 
     def save(self, state: StateArg, *, epoch: int, num_updates: int, name: str | None = None,
-             rank_state: StateArg = None, end_of_epoch: bool = False,
+             rank_state: StateArg = None, shards: StateArg = None, end_of_epoch: bool = False,
              metrics: dict[str, float] | None = None, block: bool | None = None) -> str:
         """Save now, outside the schedule.  Collective: every rank calls it.
 
@@ -302,7 +310,7 @@ class CheckpointManager:
         self._check_open()
         name = name or preemption_name(self.config, epoch=epoch, num_updates=num_updates,
                                        end_of_epoch=end_of_epoch)
-        self._save(state, rank_state, name=name, epoch=epoch, num_updates=num_updates,
+        self._save(state, rank_state, shards, name=name, epoch=epoch, num_updates=num_updates,
                    end_of_epoch=end_of_epoch, metrics=metrics, preempted=False,
                    block=(not self.config.async_save) if block is None else block)
         return name
@@ -438,31 +446,40 @@ class CheckpointManager:
                 raise ValueError(f"metric {k!r} must be a number, got {v!r}") from None
         return md
 
-    def _save(self, state: StateArg, rank_state: StateArg, *, name: str, epoch: int,
+    def _save(self, state: StateArg, rank_state: StateArg, shards: StateArg, *, name: str,
+              epoch: int,
               num_updates: int, end_of_epoch: bool, metrics: dict | None, preempted: bool,
               block: bool) -> list[str]:
         committed = list(self._sync(block=True))  # at most one save in flight
         metadata = self._metadata(epoch=epoch, num_updates=num_updates,
                                   end_of_epoch=end_of_epoch, preempted=preempted, metrics=metrics)
         t0 = time.perf_counter()
+        sh = shards() if callable(shards) else shards
+        flat = None
+        if sh is not None:
+            # A collective: every rank learns the others' piece sizes (and they must agree).
+            flat = {k: t.detach().reshape(-1) for k, t in sh.items()}
+            bounds, numels = shard_layout(self.dist, flat)
         try:
             st = state() if callable(state) else state
             rs = rank_state() if callable(rank_state) else rank_state
             staged = stage_to_host(st) if self.rank == 0 else None
             staged_rank = stage_to_host(rs) if rs is not None else None
+            staged_shards = stage_to_host(shard_state(flat, bounds, numels)) \
+                if flat is not None else None
             upload = None
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks in _sync
-            staged = staged_rank = None
+            staged = staged_rank = staged_shards = None
             upload = _failed_future(e)
         # One save id for every rank's data files (rank 0 picks it), so a failed save's files
         # can be found and removed, and a commit removes the files of earlier saves.
         save_id = self._exchange(new_save_id() if self.rank == 0 else None)[0]
         storage = self.run.child(name)
-        nbytes = sum(s.nbytes for s in (staged, staged_rank) if s is not None)
+        nbytes = sum(s.nbytes for s in (staged, staged_rank, staged_shards) if s is not None)
         if upload is None:
             upload = self._executor.submit(self._upload_job, storage, save_id, staged,
-                                           staged_rank)
-        del staged, staged_rank
+                                           staged_rank, staged_shards)
+        del staged, staged_rank, staged_shards
         self._inflight = _InFlight(name=name, save_id=save_id, metadata=metadata,
                                    storage=storage, upload=upload, staged_bytes=nbytes, t0=t0)
         self._last_saved = (name, num_updates)
@@ -473,12 +490,16 @@ class CheckpointManager:
         return committed
 
     def _upload_job(self, storage: Storage, save_id: str, staged: Staged | None,
-                    staged_rank: Staged | None) -> list[WrittenItem]:
+                    staged_rank: Staged | None,
+                    staged_shards: Staged | None) -> list[WrittenItem]:
         parts = []
         if staged is not None:
             parts.append(write_item(storage, save_id, STATE_ITEM, staged.state))
         if staged_rank is not None:
             parts.append(write_item(storage, save_id, rank_item(self.rank), staged_rank.state))
+        if staged_shards is not None:
+            parts.append(write_item(storage, save_id, shard_item(self.rank),
+                                    staged_shards.state))
         return parts
 
     def _commit_job(self, fl: _InFlight, parts: list[WrittenItem]) -> None:
