@@ -101,10 +101,11 @@ def _run_folder(tmp_path) -> str:
     return str(run)
 
 
-@pytest.mark.parametrize("kind,strategy", [("xla", "all_ranks"), ("gloo", "broadcast")])
-def test_latest_committed_decided_once(pool, tmp_path, kind, strategy):
+@pytest.mark.parametrize("kind,expected_strategy", [("xla", "all_ranks"), ("gloo", "broadcast")])
+def test_latest_committed_decided_once(pool, tmp_path, kind, expected_strategy):
     run = _run_folder(tmp_path)
-    got = values(pool.run(W.restore_digest, run, kind, strategy))
+    got = values(pool.run(W.restore_digest, run, kind, "auto"))
+    assert {g["strategy"] for g in got} == {expected_strategy}
     assert {g["checkpoint"] for g in got} == {os.path.join(run, "checkpoint_1_20")}
     assert len({g["save_id"] for g in got}) == 1
     assert all(g["metadata"] == {"num_updates": 20} for g in got)

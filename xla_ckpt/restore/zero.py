@@ -71,8 +71,8 @@ def split_optimizer_state(optim_state: Mapping[str, Any], *, rank: int, world_si
             layout.setdefault(key, []).append([idx, name, list(value.shape), off])
             pieces.setdefault(key, []).append(value.detach().reshape(-1))
             offsets[key] = off + value.numel()
-    replicated = {k: v for k, v in optim_state.items() if k != "state"}
-    replicated["state"] = kept
+    replicated = {k: (kept if k == "state" else v) for k, v in optim_state.items()}
+    replicated.setdefault("state", kept)
     replicated[FLAT_LAYOUT] = layout
     partitions = {}
     for key, ps in pieces.items():
@@ -105,6 +105,5 @@ def join_optimizer_state(replicated: Mapping[str, Any],
                 raise CheckpointCorruptError(f"optimizer flat tensor {key!r} has {t.numel()} "
                                              f"elements, the layout needs {off + n}")
             state.setdefault(idx, {})[name] = t[off:off + n].reshape(shape)
-    out = {k: v for k, v in replicated.items() if k not in ("state", FLAT_LAYOUT)}
-    out["state"] = {idx: state[idx] for idx in sorted(state)}
-    return out
+    rebuilt = {idx: state[idx] for idx in sorted(state)}
+    return {k: (rebuilt if k == "state" else v) for k, v in replicated.items() if k != FLAT_LAYOUT}
