@@ -372,8 +372,10 @@ def test_preemption_right_after_a_save_does_not_save_twice(run_dir):
     mgr.request_preemption()
     res = mgr.after_update(epoch=1, num_updates=2, state={"model": {"w": w}, "num_updates": 2})
     assert (res.saved, res.preempted) == (None, True)
+    # reported once: a caller that goes on trains and saves on schedule again
+    w = run_updates(mgr, 2, start=2, w=w)
     mgr.close()
-    assert folders(run_dir) == ["checkpoint_1_2"]
+    assert folders(run_dir) == ["checkpoint_1_2", "checkpoint_1_4"]
 
 
 def test_metric_names_are_checked(run_dir):

@@ -248,10 +248,12 @@ class CheckpointManager:
                 piece is the ``r``-th contiguous range.  Pass it on every rank or on none.
             end_of_epoch: this update was the last of the epoch.
             metrics: validation metrics for this checkpoint (``best_checkpoint_metric``
-                picks the one ``checkpoint_best`` and ``keep_best_checkpoints`` use).
+                picks the one ``checkpoint_best`` and ``keep_best_checkpoints`` use);
+                rank 0's are recorded in the manifest metadata.
 
         Returns:
-            A :class:`StepResult`.
+            A :class:`StepResult` (``preempted`` is reported once, with
+            ``exit_on_preemption=False``; the caller should then stop).
 
         Raises:
             CheckpointSaveError: a save failed on some rank (every rank raises it).
@@ -288,6 +290,9 @@ class CheckpointManager:
             if cfg.exit_on_preemption:
                 self.close()
                 raise SystemExit(0)
+            # Reported once; the caller stops (or a later SIGTERM asks again).
+            self._preempt_agreed = False
+            self._notice.clear()
         return StepResult(saved=saved, committed=tuple(committed), preempted=preempted)
 
     def save(self, state: StateArg, *, epoch: int, num_updates: int, name: str | None = None,
