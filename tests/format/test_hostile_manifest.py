@@ -15,7 +15,7 @@ import torch
 import xla_ckpt
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format import manifest as manifest_mod
-from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
+from xla_ckpt.format.manifest import CRC_FIELD, MANIFEST_NAME, Manifest, seal
 from xla_ckpt.io.verify import verify_checkpoint
 from xla_ckpt.storage.local import LocalStorage
 
@@ -32,11 +32,13 @@ def ck(tmp_path):
 
 
 def _doc(folder):
-    return json.loads((folder / MANIFEST_NAME).read_text())
+    doc = json.loads((folder / MANIFEST_NAME).read_text())
+    doc.pop(CRC_FIELD)  # _write seals the edited document again
+    return doc
 
 
 def _write(folder, doc=None, raw: bytes | None = None):
-    (folder / MANIFEST_NAME).write_bytes(raw if raw is not None else json.dumps(doc).encode())
+    (folder / MANIFEST_NAME).write_bytes(raw if raw is not None else seal(json.dumps(doc).encode()))
 
 
 def _expect(folder, match):

@@ -35,16 +35,19 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from xla_ckpt.errors import CheckpointCorruptError
+from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format import typed
 from xla_ckpt.format.dtypes import dtype_from_name, itemsize
 
 FORMAT_NAME = "xla_ckpt"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+CRC_FIELD = "manifest_crc32c"
 STATE_ITEM = "state"
 DEFAULT_CHUNK_SIZE_BYTES = 4 * 1024 * 1024
 
@@ -153,12 +156,20 @@ class Manifest:
                "created_unix_s": self.created_unix_s, "world_size": self.world_size,
                "metadata": self.metadata, "files": self.files,
                "items": {k: v.to_json() for k, v in self.items.items()}}
-        return json.dumps(doc, ensure_ascii=False, allow_nan=False,
+        body = json.dumps(doc, ensure_ascii=False, allow_nan=False,
                           separators=(",", ":")).encode("utf-8")
+        return seal(body)
 
     @classmethod
-    def from_json_bytes(cls, data: bytes, *, where: str = "manifest") -> "Manifest":
+    def from_json_bytes(cls, data: bytes, *, where: str = "manifest",
+                        require_crc: bool = False) -> "Manifest":
         """Parse and validate untrusted manifest bytes.
+
+        The manifest's own integrity: :meth:`to_json_bytes` ends the document with
+        ``"manifest_crc32c":"<8 hex digits>"``, the crc32c of the bytes with those digits
+        zeroed.  A present trailer must match; ``require_crc`` (what readers of a stored
+        checkpoint pass) also refuses a manifest without one.  Structure is validated
+        first, so a tampered field is named before the checksum is.
 
         Raises:
             CheckpointCorruptError: naming ``where`` and what is wrong (bad
@@ -174,7 +185,43 @@ class Manifest:
                              object_pairs_hook=_unique_keys)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise CheckpointCorruptError(f"{where}: not a valid JSON manifest ({e})") from None
-        return _validate(doc, where)
+        if isinstance(doc, dict):
+            doc.pop(CRC_FIELD, None)
+        manifest = _validate(doc, where)
+        _check_crc(data, where, require_crc)
+        return manifest
+
+
+_CRC_STUB = b',"manifest_crc32c":"00000000"}'
+_CRC_TRAILER = re.compile(rb',"manifest_crc32c":"([0-9a-f]{8})"\}\s*$')
+
+
+def seal(body: bytes) -> bytes:
+    """Append the ``manifest_crc32c`` trailer to a JSON object's bytes (which end in ``}``).
+
+    The crc32c covers the whole document with the trailer's 8 hex digits zeroed; it guards
+    against damaged bytes (a checksum, not a signature).
+    """
+    body = body.rstrip()
+    if not body.endswith(b"}"):
+        raise ValueError("seal() needs the bytes of a JSON object")
+    stub = body[:-1] + _CRC_STUB
+    return stub[:-len(_CRC_STUB)] + b',"%s":"%08x"}' % (CRC_FIELD.encode(), crc32c(stub))
+
+
+def _check_crc(data: bytes, where: str, required: bool) -> None:
+    m = _CRC_TRAILER.search(data)
+    if m is None:
+        if required:
+            raise CheckpointCorruptError(
+                f"{where}: manifest has no {CRC_FIELD} trailer, so its own bytes cannot be "
+                "checked (damaged, or not written by xla_ckpt); restore another checkpoint")
+        return
+    stub = data[:m.start(1)] + b"00000000" + data[m.end(1):]
+    if crc32c(stub) != int(m.group(1), 16):
+        raise CheckpointCorruptError(
+            f"{where}: manifest crc32c mismatch (stored {m.group(1).decode()}, computed "
+            f"{crc32c(stub):08x}): the manifest is corrupt; restore another checkpoint")
 
 
 def _reject_constant(name: str):

@@ -92,15 +92,7 @@ def _encode(obj: Any, path: tuple, hook, active: set, depth: int) -> Any:
     # ``depth`` counts levels exactly as _decode does, so whatever encodes also decodes.
     if depth > MAX_DEPTH:
         raise _too_deep(path)
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, torch.Tensor):
-        if hook is None:
-            raise UnsupportedTypeError(f"tensor at {format_path(path)} needs a tensor hook")
-        return {"$tensor": hook(obj, path)}
-    if isinstance(obj, np.generic):
-        if isinstance(obj, np.ndarray):  # pragma: no cover - ndarray is not np.generic
-            raise UnsupportedTypeError(f"numpy array at {format_path(path)}")
+    if isinstance(obj, np.generic):  # before str: np.str_ is a str subclass
         if depth + 1 > MAX_DEPTH:  # its value sits one level down
             raise _too_deep(path)
         if obj.dtype.kind not in "biufcSU":  # what decode accepts
@@ -114,6 +106,12 @@ def _encode(obj: Any, path: tuple, hook, active: set, depth: int) -> Any:
         elif isinstance(value, bytes):
             value = {"$bytes": base64.b64encode(value).decode("ascii")}
         return {"$np": obj.dtype.str if obj.dtype.kind in "SUV" else obj.dtype.name, "v": value}
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        if hook is None:
+            raise UnsupportedTypeError(f"tensor at {format_path(path)} needs a tensor hook")
+        return {"$tensor": hook(obj, path)}
     if isinstance(obj, np.ndarray):
         return _np_array(obj, path, hook)
     if isinstance(obj, int):  # bool was handled above

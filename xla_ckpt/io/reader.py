@@ -50,7 +50,7 @@ def read_manifest(storage: Storage) -> Manifest:
                 "the save that wrote it did not finish. Restore an earlier checkpoint.") from None
         raise CheckpointNotFoundError(f"{storage.uri}: no checkpoint here "
                                       f"({MANIFEST_NAME} not found)") from None
-    return Manifest.from_json_bytes(data, where=storage.url(MANIFEST_NAME))
+    return Manifest.from_json_bytes(data, where=storage.url(MANIFEST_NAME), require_crc=True)
 
 
 @dataclass
