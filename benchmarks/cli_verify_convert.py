@@ -1,4 +1,4 @@
-"""``xla-ckpt verify`` and legacy import (``convert``) against their peers, local disk, page cache warm.
+"""``xla-ckpt verify`` and legacy import (``convert``) against their peers (local, warm page cache).
 
 State: ``--size-mib`` MiB of fp32 tensors (8 MiB each) plus a fairseq-style
 optimizer history, iterator state, Namespace ``args`` and numpy scalars.

@@ -1,4 +1,4 @@
-"""Fixtures for the ``xla-ckpt`` command tests: a run folder on each backend and an in-process runner.
+"""Fixtures for the ``xla-ckpt`` command tests: a location on each backend, an in-process runner.
 
 ``root`` is a fresh location on the local disk or on the GCS emulator
 (``gs://``), so every command test runs against both.  ``cli(*argv)`` runs

@@ -129,7 +129,8 @@ def test_fairseq_pt_converts_and_restores_through_the_trainer(cli, root):
     dst = f"{root}/run/checkpoint_2_4"
     r = cli("convert", src, dst)
     assert r.code == 0 and r.err == ""
-    assert r.out.startswith(f"converted {src} (fairseq torch_zip) -> {dst}: 12 tensors, ")  # 2 model, 1 criterion, 3x3 AdamW
+    # 12 tensors: 2 model, 1 criterion, 3 x (step, exp_avg, exp_avg_sq) of AdamW.
+    assert r.out.startswith(f"converted {src} (fairseq torch_zip) -> {dst}: 12 tensors, ")
     state = xla_ckpt.load(dst)
     assert isinstance(state["args"], argparse.Namespace) and state["args"].seed == 0
     assert type(state["args"].seed) is int and state["args"].lr == [1e-2]
@@ -237,7 +238,8 @@ def test_unsafe_trust_pickle_warns(cli, root):
     assert cli("convert", src, f"{root}/ck").code == 1
     r = cli("convert", src, f"{root}/ck", "--unsafe-trust-pickle")
     assert r.code == 0
-    assert "WARNING: --unsafe-trust-pickle: unpickling without the allow-list runs any code" in r.err
+    assert "WARNING: --unsafe-trust-pickle: unpickling without the allow-list runs any " \
+           "code" in r.err
     assert "unpickling WITHOUT the allow-list" in r.err and "collections.defaultdict" in r.err
     assert xla_ckpt.load(f"{root}/ck") == {"d": {"a": 1}}
 

@@ -51,7 +51,7 @@ def one_line(exc: BaseException) -> str:
 
 @dataclass
 class Target:
-    """A resolved checkpoint: ``storage`` rooted at it; ``run`` set when chosen as a run's latest."""
+    """A resolved checkpoint; ``run_uri`` is set when it was chosen as a run folder's latest."""
 
     storage: Storage
     uri: str

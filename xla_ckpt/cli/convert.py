@@ -33,7 +33,8 @@ from xla_ckpt.storage import open_storage
 def register(sub, parents) -> None:
     p = sub.add_parser("convert", parents=parents,
                        help="import a fairseq/torch.save .pt or safetensors file",
-                       description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=plain(__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help=".pt or .safetensors file (local or gs://)")
     p.add_argument("dst", metavar="DST", help="checkpoint folder to write (local or gs://)")
     p.add_argument("--layout", choices=("auto", "fairseq", "raw", "model"), default="auto",

@@ -23,7 +23,8 @@ from xla_ckpt.storage import open_storage
 
 def register(sub, parents) -> None:
     p = sub.add_parser("gc", parents=parents, help="apply a retention policy (keep-last/keep-best)",
-                       description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=plain(__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("uri", metavar="RUN", help="run folder: local path or gs://bucket/prefix")
     p.add_argument("--keep-last", type=int, default=None, metavar="N",
                    help="newest committed checkpoints to keep (-1: all)")

@@ -3,11 +3,13 @@
 URI is a checkpoint folder, or a run folder (its latest committed checkpoint
 is shown, as a restore would choose it).  Only the manifest is read: no
 tensor bytes move.  A legacy ``.pt``/safetensors file is shown as
-``xla-ckpt convert`` would import it (read whole, through the allow-list).  The summary covers the fairseq layout: model and
-criterion tensors, optimizer (class from ``optimizer_history``, param groups,
-learning rates, per-parameter state), lr scheduler state, ``num_updates``,
-the train iterator position (also each rank's own, from ``rank/<r>`` items),
-``previous_training_time`` and the metrics saved.
+``xla-ckpt convert`` would import it (read whole, through the allow-list).
+
+The summary covers the fairseq layout: model and criterion tensors, optimizer
+(class from ``optimizer_history``, param groups, learning rates, per-parameter
+state), lr scheduler state, ``num_updates``, the train iterator position (also
+each rank's own, from ``rank/<r>`` items), ``previous_training_time`` and the
+metrics saved.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from xla_ckpt.io.reader import read_manifest
 
 
 def register(sub, parents) -> None:
-    p = sub.add_parser("inspect", parents=parents, help="show a checkpoint's state tree and summary",
-                       description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("inspect", parents=parents,
+                       help="show a checkpoint's state tree and summary",
+                       description=plain(__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("uri", metavar="URI", help="checkpoint folder or run folder (-> latest)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.add_argument("--depth", type=int, default=None, metavar="N",
@@ -324,7 +328,8 @@ def _summary_lines(s: dict) -> list[str]:
     if opt:
         lrs = opt["lr"]
         lr = ", ".join(_fmt(x) for x in lrs) if isinstance(lrs, list) else "-"
-        lines.append(f"optimizer      {opt['name'] or '-'} (criterion {opt['criterion_name'] or '-'}), "
+        lines.append(f"optimizer      {opt['name'] or '-'} "
+                     f"(criterion {opt['criterion_name'] or '-'}), "
                      f"{opt['param_groups'] if opt['param_groups'] is not None else '-'} param "
                      f"groups, lr {lr}")
         if opt["hyperparameters"]:

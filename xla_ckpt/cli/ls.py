@@ -23,7 +23,8 @@ from xla_ckpt.storage import is_gcs_uri, open_storage
 
 def register(sub, parents) -> None:
     p = sub.add_parser("ls", parents=parents, help="list checkpoints of a run folder",
-                       description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=plain(__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("uri", metavar="RUN", help="run folder: local path or gs://bucket/prefix")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.set_defaults(func=run)

@@ -19,8 +19,10 @@ from xla_ckpt.storage import open_storage
 
 
 def register(sub, parents) -> None:
-    p = sub.add_parser("rm", parents=parents, help="delete named checkpoints (never protected ones)",
-                       description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("rm", parents=parents,
+                       help="delete named checkpoints (never protected ones)",
+                       description=plain(__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("uri", metavar="URI", help="run folder (with NAMEs) or one checkpoint folder")
     p.add_argument("names", metavar="NAME", nargs="*", help="checkpoint folder names in the run")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted")

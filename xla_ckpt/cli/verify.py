@@ -23,7 +23,8 @@ from xla_ckpt.io.verify import verify_checkpoint
 
 def register(sub, parents) -> None:
     p = sub.add_parser("verify", parents=parents, help="recompute every crc32c (exit 0/1/2)",
-                       description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=plain(__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("uri", metavar="URI", help="checkpoint folder or run folder (-> latest)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.set_defaults(func=run)

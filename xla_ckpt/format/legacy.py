@@ -392,7 +392,8 @@ def load_safetensors_file(source: Source, *, where: str = "<bytes>"
     try:
         header = json.loads(f.read(n).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointCorruptError(f"{where}: safetensors header is not valid JSON ({e})") from None
+        raise CheckpointCorruptError(f"{where}: safetensors header is not valid JSON ({e})") \
+            from None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     f.seek(0)
     path = getattr(f, "name", None)

@@ -30,7 +30,10 @@ Progress = Callable[[int], None]
 
 
 def split_uri(uri: str) -> tuple[str, str]:
-    """``(folder URI, object name)`` of a file URI: ``gs://b/run/x.pt`` -> ``("gs://b/run", "x.pt")``."""
+    """``(folder URI, object name)`` of a file URI.
+
+    ``gs://b/run/x.pt`` -> ``("gs://b/run", "x.pt")``; ``/data/x.pt`` -> ``("/data", "x.pt")``.
+    """
     u = uri.rstrip("/")
     if is_gcs_uri(u):
         rest = u[len("gs://"):]
@@ -119,7 +122,7 @@ def open_legacy_source(uri: str, *, config: StorageConfig | None = None,
 
 
 def is_legacy_file(uri: str, *, config: StorageConfig | None = None) -> bool:
-    """True if ``uri`` names a single object that is a torch.save/fairseq ``.pt`` or safetensors file.
+    """True if ``uri`` names one object that is a torch.save/fairseq ``.pt`` or safetensors file.
 
     An xla_ckpt checkpoint is a folder, so a URI naming one object is never one.
     Reads at most 16 bytes.
@@ -159,7 +162,7 @@ def load_legacy_file(uri: str, *, layout: Layout = "auto", keep_numpy_scalars: b
 
 
 def load_legacy_checkpoint(uri: str, *, config: StorageConfig | None = None) -> Any:
-    """The state of a legacy fairseq / ``torch.save`` ``.pt`` at ``uri``, ready for the trainer restore.
+    """The state of the legacy fairseq/``torch.save`` ``.pt`` at ``uri``, for the trainer restore.
 
     A fairseq file comes back upgraded to the current fairseq layout (``model``,
     ``optimizer_history``, ``last_optimizer_state``, ``extra_state`` with

@@ -274,7 +274,8 @@ def _judge(m: Manifest, tasks: list[tuple], results: list, report: VerifyReport)
                 "crc32c", rec.file, iname, _keys(item, b, lo, hi),
                 f"crc32c mismatch in bytes [{rec.offset + lo}, {rec.offset + hi})"))
         if whole != rec.crc32c and not bad_ranges:
-            detail = (f"crc32c of bytes [{rec.offset}, {rec.offset + rec.length}) is {whole:#010x}, "
+            detail = (f"crc32c of bytes [{rec.offset}, {rec.offset + rec.length}) is "
+                      f"{whole:#010x}, "
                       f"manifest says {rec.crc32c:#010x}")
             report.problems.append(Problem("crc32c", rec.file, iname, _keys(item, b), detail))
 
