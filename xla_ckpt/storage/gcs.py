@@ -401,12 +401,8 @@ class GCSStorage(Storage):
 
     def _get_whole(self, what: str, url: str) -> tuple[bytearray, int | None] | None:
         """One un-ranged GET of a small object: (bytes, served crc32c), or None if it is large."""
-        try:
-            resp = self._conn.session.get(url, params={"alt": "media"},
-                                          headers={"Accept-Encoding": "identity"}, stream=True,
-                                          timeout=self._timeout)
-        except _TRANSIENT_EXC as e:
-            raise _Transient(f"request failed: {type(e).__name__}: {e}") from None
+        resp = self._request(what, "GET", url, params={"alt": "media"},
+                             headers={"Accept-Encoding": "identity"}, stream=True)
         reusable = False
         try:
             if resp.status_code != 200:
@@ -541,11 +537,7 @@ class GCSStorage(Storage):
         want = len(out)
         end = start + want
         headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
-        try:
-            resp = self._conn.session.get(url, params=params, headers=headers, stream=True,
-                                          timeout=self._timeout)
-        except _TRANSIENT_EXC as e:
-            raise _Transient(f"request failed: {type(e).__name__}: {e}") from None
+        resp = self._request(what, "GET", url, params=params, headers=headers, stream=True)
         reusable = False
         try:
             status = resp.status_code
@@ -751,14 +743,35 @@ class GCSStorage(Storage):
     def _backoff(self, what: str) -> Backoff:
         return Backoff(self.config, what, log=self._conn.retries)
 
+    def _request(self, what: str, method: str, url: str, **kwargs: Any) -> requests.Response:
+        """One HTTP request on the shared session; transport and credential failures mapped.
+
+        Raises:
+            _Transient: connection errors, timeouts, a credential service unreachable.
+            StoragePermissionError: credentials could not be obtained or refreshed
+                (e.g. after HTTP 401 with credentials that cannot refresh).
+        """
+        from google.auth import exceptions as auth_exc
+
+        try:
+            return self._conn.session.request(method, url, timeout=self._timeout, **kwargs)
+        except _TRANSIENT_EXC as e:
+            raise _Transient(f"request failed: {type(e).__name__}: {e}") from None
+        except auth_exc.TransportError as e:
+            raise _Transient(f"credential refresh failed: {e}") from None
+        except auth_exc.GoogleAuthError as e:
+            raise StoragePermissionError(
+                f"{what}: could not obtain or refresh credentials ({type(e).__name__}: {e}); "
+                "check Application Default Credentials / GOOGLE_APPLICATION_CREDENTIALS") from None
+
     def _send(self, what: str, method: str, url: str, *, params: dict, headers: dict,
               body: Callable[[], Any]) -> dict:
         """A data-plane request with a JSON answer (uploads), retried on transient failures."""
         backoff = self._backoff(what)
         while True:
             try:
-                resp = self._conn.session.request(method, url, params=params, headers=headers,
-                                                  data=body(), timeout=self._timeout)
+                resp = self._request(what, method, url, params=params, headers=headers,
+                                     data=body())
                 try:
                     if resp.status_code < 300:
                         return resp.json()
@@ -798,6 +811,7 @@ class GCSStorage(Storage):
     def _api(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run a control-plane client call with our retry policy and error mapping."""
         from google.api_core import exceptions as gexc
+        from google.auth import exceptions as auth_exc
 
         backoff = self._backoff(what)
         while True:
@@ -807,6 +821,14 @@ class GCSStorage(Storage):
                 raise
             except gexc.NotFound:
                 raise CheckpointNotFoundError(f"{what}: not found (HTTP 404)") from None
+            except auth_exc.TransportError as e:
+                backoff.failed(f"credential refresh failed: {e}")
+                continue
+            except auth_exc.GoogleAuthError as e:
+                raise StoragePermissionError(
+                    f"{what}: could not obtain or refresh credentials ({type(e).__name__}: {e}); "
+                    "check Application Default Credentials / GOOGLE_APPLICATION_CREDENTIALS"
+                ) from None
             except (gexc.Unauthorized, gexc.Forbidden) as e:
                 raise StoragePermissionError(
                     f"{what}: access denied (HTTP {e.code}): {e.message}. Check the credentials "

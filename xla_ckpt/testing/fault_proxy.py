@@ -409,6 +409,10 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.proxy = proxy
         super().__init__(addr, handler)
 
+    def handle_error(self, request, client_address) -> None:
+        # Clients drop connections on purpose (after injected faults, at exit): not worth a traceback.
+        logger.debug("proxy: connection from %s ended with an error", client_address, exc_info=True)
+
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
