@@ -96,10 +96,11 @@ def test_overrides_do_not_mutate_input():
 @pytest.mark.parametrize("override,message", [
     ("checkpoint.keep_last=3",
      "override 'checkpoint.keep_last=3': unknown key 'checkpoint.keep_last'; valid keys under "
-     "checkpoint: async_save, best_checkpoint_metric, exit_on_preemption, "
-     "handle_sigterm, keep_best_checkpoints, keep_interval_updates, keep_last_epochs, "
-     "maximize_best_checkpoint_metric, no_epoch_checkpoints, no_save, restore_file, save_dir, "
-     "save_interval_epochs, save_interval_updates, sync_interval_updates"),
+     "checkpoint: async_save, best_checkpoint_metric, exit_on_preemption, handle_sigterm, "
+     "keep_best_checkpoints, keep_interval_updates, keep_last_epochs, "
+     "maximize_best_checkpoint_metric, no_epoch_checkpoints, no_save, restore_file, "
+     "reuse_staging_buffers, save_dir, save_interval_epochs, save_interval_updates, "
+     "sync_interval_updates"),
     ("chekpoint.save_dir=x",
      "override 'chekpoint.save_dir=x': unknown key 'chekpoint.save_dir'; valid keys under the "
      "top level: checkpoint, dist, restore, storage, train"),

@@ -97,7 +97,11 @@ class CheckpointConfig:
         best_checkpoint_metric: metric name (a key of the ``metrics`` passed on save).
         maximize_best_checkpoint_metric: higher metric is better.
         async_save: stage to host memory on the training thread, upload in a
-            background thread; at most one save in flight.
+            background thread; at most one save in flight.  (Off: the training thread
+            writes the live state itself and waits for the commit.)
+        reuse_staging_buffers: keep the host buffers of the last async save for the next
+            one (one copy of the state stays in host memory; saves the page faults of
+            fresh allocations, several times the copy itself).
         handle_sigterm: install a SIGTERM handler that asks for a save at the next
             update boundary (preemption on Cloud TPU / GKE spot).
         exit_on_preemption: after the preemption save commits, raise ``SystemExit(0)``.
@@ -121,6 +125,7 @@ class CheckpointConfig:
     best_checkpoint_metric: str = "loss"
     maximize_best_checkpoint_metric: bool = False
     async_save: bool = True
+    reuse_staging_buffers: bool = True
     handle_sigterm: bool = True
     exit_on_preemption: bool = True
     sync_interval_updates: int = 1
@@ -137,7 +142,8 @@ class CheckpointConfig:
             _check_int(s, name, getattr(self, name), -1)
         _check_int(s, "sync_interval_updates", self.sync_interval_updates, 1)
         for name in ("no_save", "no_epoch_checkpoints", "maximize_best_checkpoint_metric",
-                     "async_save", "handle_sigterm", "exit_on_preemption"):
+                     "async_save", "reuse_staging_buffers", "handle_sigterm",
+                     "exit_on_preemption"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{s}.{name} must be true or false, got {getattr(self, name)!r}")
 

@@ -130,6 +130,22 @@ def test_async_save_writes_the_staged_snapshot(run_dir):
     mgr.close()
 
 
+def test_async_saves_reusing_staging_buffers_keep_every_checkpoint_exact(run_dir):
+    mgr = CheckpointManager(make_cfg(run_dir, save_interval_updates=2, async_save=True))
+    w = torch.zeros(4)
+    for n in range(1, 9):
+        w.copy_(w_at(n))
+        mgr.after_update(epoch=1, num_updates=n, state=lambda: {"model": {"w": w},
+                                                                "num_updates": n},
+                         rank_state={"seen": n})
+        w.fill_(-1.0)  # the loop keeps changing the live tensor after each boundary
+    mgr.close()
+    assert committed(run_dir) == ["checkpoint_1_2", "checkpoint_1_4", "checkpoint_1_6",
+                                  "checkpoint_1_8"]
+    for n in (2, 4, 6, 8):
+        assert_holds(run_dir, f"checkpoint_1_{n}", n)
+
+
 def test_async_commit_is_reported_at_the_next_boundary(run_dir):
     mgr = CheckpointManager(make_cfg(run_dir, save_interval_updates=2, async_save=True))
     w = torch.zeros(4)

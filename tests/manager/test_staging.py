@@ -29,7 +29,7 @@ def test_snapshot_is_independent_and_exact():
     assert s["hist"] == [1, (2, 3.0)] and s["args"] == argparse.Namespace(lr=0.1)
     assert type(s["best"]) is np.float64 and s["best"] == 1.5
     assert np.array_equal(s["arr"], np.arange(3)) and s["arr"].dtype == np.int64
-    assert staged.nbytes == 6 * 4 + 8 + 3 * 8
+    assert staged.nbytes == 6 * 4 + 8 + 3 * 8 and len(staged.buffers) == 3
 
 
 def test_aliasing_is_kept():
@@ -70,3 +70,26 @@ def test_refusals_name_the_key():
         stage_to_host({"m": {"w": torch.empty(2, device="meta")}})
     with pytest.raises(UnsupportedTypeError, match=r"at state\['x'\]"):
         stage_to_host({"x": object()})
+
+
+def test_pool_reuses_buffers_of_the_last_snapshot():
+    from xla_ckpt.manager.staging import StagingPool
+
+    pool = StagingPool()
+    w = torch.arange(8, dtype=torch.float32)
+    tied = torch.zeros(4)
+    first = stage_to_host({"w": w, "a": tied.view(2, 2), "b": tied.view(4)}, pool)
+    assert pool.nbytes == 0 and first.nbytes == 32 + 16
+    ptrs = sorted(b.data_ptr() for b in first.buffers)
+    pool.release(first.buffers)
+    assert pool.nbytes == 48
+    w.add_(1)
+    second = stage_to_host({"w": w, "a": tied.view(2, 2), "b": tied.view(4)}, pool)
+    assert sorted(b.data_ptr() for b in second.buffers) == ptrs  # same host memory again
+    assert torch.equal(second.state["w"], torch.arange(8.) + 1)
+    assert second.state["a"].data_ptr() == second.state["b"].data_ptr()
+    assert pool.nbytes == 0
+    # a snapshot of other sizes allocates; release keeps only the last snapshot's buffers
+    third = stage_to_host({"x": torch.ones(3)}, pool)
+    pool.release(third.buffers)
+    assert pool.nbytes == 12

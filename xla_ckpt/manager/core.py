@@ -47,7 +47,7 @@ from xla_ckpt.io.writer import WrittenItem, commit, discard, new_save_id, write_
 from xla_ckpt.manager.naming import preemption_name, scheduled_name
 from xla_ckpt.manager.preemption import PreemptionNotice
 from xla_ckpt.manager.rotation import rotate
-from xla_ckpt.manager.staging import Staged, stage_to_host
+from xla_ckpt.manager.staging import StagingPool, stage_to_host
 from xla_ckpt.restore import Restored, RestoreConfig
 from xla_ckpt.restore import restore as restore_checkpoint
 from xla_ckpt.restore.save import _shard_layout as shard_layout
@@ -121,6 +121,7 @@ class _InFlight:
     manifest_written: bool = False
     staged_bytes: int = 0
     t0: float = field(default_factory=time.perf_counter)
+    buffers: list = field(default_factory=list)  # host staging buffers, reusable once uploaded
 
 
 def _status(fut: cf.Future | None) -> str:
@@ -142,6 +143,12 @@ def _parts_from_json(docs: list[dict], save_id: str, rank: int) -> list[WrittenI
                                      where=f"item {d['name']!r} written by rank {rank}")
         out.append(WrittenItem(d["name"], m.items[d["name"]], dict(m.files)))
     return out
+
+
+def _done_future(value: Any) -> cf.Future:
+    f: cf.Future = cf.Future()
+    f.set_result(value)
+    return f
 
 
 def _failed_future(exc: BaseException) -> cf.Future:
@@ -194,6 +201,7 @@ class CheckpointManager:
         self._own_run = storage is None
         self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix=f"xla_ckpt-save-r{self.rank}")
         self._inflight: _InFlight | None = None
+        self._pool = StagingPool() if config.reuse_staging_buffers else None
         self._notice = PreemptionNotice()
         if config.handle_sigterm:
             self._notice.install()
@@ -452,9 +460,8 @@ class CheckpointManager:
         return md
 
     def _save(self, state: StateArg, rank_state: StateArg, shards: StateArg, *, name: str,
-              epoch: int,
-              num_updates: int, end_of_epoch: bool, metrics: dict | None, preempted: bool,
-              block: bool) -> list[str]:
+              epoch: int, num_updates: int, end_of_epoch: bool, metrics: dict | None,
+              preempted: bool, block: bool) -> list[str]:
         committed = list(self._sync(block=True))  # at most one save in flight
         metadata = self._metadata(epoch=epoch, num_updates=num_updates,
                                   end_of_epoch=end_of_epoch, preempted=preempted, metrics=metrics)
@@ -465,46 +472,53 @@ class CheckpointManager:
             # A collective: every rank learns the others' piece sizes (and they must agree).
             flat = {k: t.detach().reshape(-1) for k, t in sh.items()}
             bounds, numels = shard_layout(self.dist, flat)
-        try:
-            st = state() if callable(state) else state
-            rs = rank_state() if callable(rank_state) else rank_state
-            staged = stage_to_host(st) if self.rank == 0 else None
-            staged_rank = stage_to_host(rs) if rs is not None else None
-            staged_shards = stage_to_host(shard_state(flat, bounds, numels)) \
-                if flat is not None else None
-            upload = None
-        except Exception as e:  # noqa: BLE001 - agreed on with the other ranks in _sync
-            staged = staged_rank = staged_shards = None
-            upload = _failed_future(e)
         # One save id for every rank's data files (rank 0 picks it), so a failed save's files
         # can be found and removed, and a commit removes the files of earlier saves.
         save_id = self._exchange(new_save_id() if self.rank == 0 else None)[0]
         storage = self.run.child(name)
-        nbytes = sum(s.nbytes for s in (staged, staged_rank, staged_shards) if s is not None)
-        if upload is None:
-            upload = self._executor.submit(self._upload_job, storage, save_id, staged,
-                                           staged_rank, staged_shards)
-        del staged, staged_rank, staged_shards
+        buffers: list = []
+        nbytes = 0
+        try:
+            st = state() if callable(state) else state
+            rs = rank_state() if callable(rank_state) else rank_state
+            payload = [st if self.rank == 0 else None, rs,
+                       shard_state(flat, bounds, numels) if flat is not None else None]
+            if block:
+                # The caller waits anyway: write the live state from this thread, no copy.
+                upload = _done_future(self._upload_job(storage, save_id, *payload))
+            else:
+                staged = [stage_to_host(p, self._pool) if p is not None else None
+                          for p in payload]
+                for sg in staged:
+                    if sg is not None:
+                        buffers += sg.buffers
+                        nbytes += sg.nbytes
+                upload = self._executor.submit(self._upload_job, storage, save_id,
+                                               *[sg.state if sg else None for sg in staged])
+                del staged
+            del payload
+        except Exception as e:  # noqa: BLE001 - agreed on with the other ranks in _sync
+            upload = _failed_future(e)
         self._inflight = _InFlight(name=name, save_id=save_id, metadata=metadata,
-                                   storage=storage, upload=upload, staged_bytes=nbytes, t0=t0)
+                                   storage=storage, upload=upload, staged_bytes=nbytes, t0=t0,
+                                   buffers=buffers)
         self._last_saved = (name, num_updates)
-        logger.debug("[rank %d] staged %s: %d bytes to host in %.3f s", self.rank, name, nbytes,
-                     time.perf_counter() - t0)
+        logger.debug("[rank %d] %s %s: %d bytes in %.3f s", self.rank,
+                     "wrote" if block else "staged", name, nbytes, time.perf_counter() - t0)
         if block:
             committed += self._sync(block=True)
         return committed
 
-    def _upload_job(self, storage: Storage, save_id: str, staged: Staged | None,
-                    staged_rank: Staged | None,
-                    staged_shards: Staged | None) -> list[WrittenItem]:
+    def _upload_job(self, storage: Storage, save_id: str, state: Any, rank_state: Any,
+                    shards: Any) -> list[WrittenItem]:
+        """Write this rank's items (each a state, or None for none); returns what was written."""
         parts = []
-        if staged is not None:
-            parts.append(write_item(storage, save_id, STATE_ITEM, staged.state))
-        if staged_rank is not None:
-            parts.append(write_item(storage, save_id, rank_item(self.rank), staged_rank.state))
-        if staged_shards is not None:
-            parts.append(write_item(storage, save_id, shard_item(self.rank),
-                                    staged_shards.state))
+        if state is not None:
+            parts.append(write_item(storage, save_id, STATE_ITEM, state))
+        if rank_state is not None:
+            parts.append(write_item(storage, save_id, rank_item(self.rank), rank_state))
+        if shards is not None:
+            parts.append(write_item(storage, save_id, shard_item(self.rank), shards))
         return parts
 
     def _commit_job(self, fl: _InFlight, parts: list[WrittenItem]) -> None:
@@ -567,6 +581,7 @@ class CheckpointManager:
                 elif fl.phase == "commit" and msgs[0][2] == "done":
                     self._inflight = None
                     fl.storage.close()
+                    self._recycle(fl)
                     committed.append(fl.name)
                     if self.rank == 0:
                         dt = time.perf_counter() - fl.t0
@@ -575,6 +590,12 @@ class CheckpointManager:
                                     dt)
             if not block or self._inflight is None:
                 return committed
+
+    def _recycle(self, fl: _InFlight) -> None:
+        """Hand an uploaded snapshot's host buffers to the pool for the next save."""
+        if self._pool is not None and fl.buffers:
+            self._pool.release(fl.buffers)
+        fl.buffers = []
 
     def _fail(self, fl: _InFlight, failures: dict[int, str]) -> None:
         self._inflight = None
@@ -586,6 +607,7 @@ class CheckpointManager:
         for fut in (fl.upload, fl.commit):
             if fut is not None and fut.exception() is not None:
                 own = fut.exception()
+        self._recycle(fl)
         self._exchange(None)
         if self.rank == 0 and not fl.manifest_written:
             discard(fl.storage, fl.save_id)

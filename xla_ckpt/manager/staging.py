@@ -5,21 +5,27 @@ uploads the snapshot in a background thread while training goes on.  The
 snapshot:
 
 * holds a host (CPU) copy of every tensor: XLA tensors in one batched
-  transfer, CUDA tensors with ``.to("cpu")``, CPU tensors copied (the
-  optimizer steps them in place next update);
+  transfer, CUDA and CPU tensors copied into host buffers (the optimizer
+  steps them in place next update);
 * keeps aliasing: tensors that shared storage (tied weights) still share one
   copy, so the saved checkpoint is the same as a synchronous save's;
 * freezes non-tensor values by passing them through the typed encoding, which
   also refuses what could not be saved (meta tensors, unsupported types) here,
   on the caller's thread, naming the key.
 
-Peak extra host memory is one copy of the staged tensors (the manager keeps
-at most one snapshot alive).
+Host buffers can come from a :class:`StagingPool`: the buffers of the previous
+snapshot, handed back once it was uploaded.  Fresh allocations page-fault on
+first touch, which costs several times the copy itself (PyTorch DCP's async
+stager caches its buffers for the same reason); with the pool a save's stall
+is about one memcpy of the state.  Peak extra host memory stays one copy of
+the staged tensors (the manager keeps at most one snapshot alive, and the pool
+only holds the buffers of the last one).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,16 +34,55 @@ from xla_ckpt.errors import MetaTensorError
 from xla_ckpt.format import typed
 
 
+class StagingPool:
+    """Host byte buffers kept between saves, reused by size.  Thread-safe.
+
+    :meth:`release` hands a finished snapshot's buffers back (replacing what
+    the pool held, so it never holds more than one snapshot's worth);
+    :meth:`take` gives a buffer of exactly ``nbytes`` bytes or allocates one.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 CPU tensor of ``nbytes`` bytes (contents undefined)."""
+        with self._lock:
+            bufs = self._free.get(nbytes)
+            if bufs:
+                return bufs.pop()
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def release(self, buffers: list[torch.Tensor]) -> None:
+        """Keep ``buffers`` (and drop whatever was kept before) for the next snapshot."""
+        free: dict[int, list[torch.Tensor]] = {}
+        for b in buffers:
+            free.setdefault(b.numel(), []).append(b)
+        with self._lock:
+            self._free = free
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for bufs in self._free.values() for b in bufs)
+
+
 @dataclass
 class Staged:
-    """A host snapshot of a state: ``state`` (same structure) and its tensor bytes."""
+    """A host snapshot of a state: ``state`` (same structure), host bytes it holds, its buffers."""
 
     state: Any
     nbytes: int
+    buffers: list[torch.Tensor] = field(default_factory=list)
 
 
-def stage_to_host(state: Any) -> Staged:
+def stage_to_host(state: Any, pool: StagingPool | None = None) -> Staged:
     """Deep snapshot of ``state`` with every tensor copied to host memory.
+
+    Args:
+        state: nested containers of tensors (any device) and plain values.
+        pool: reuse host buffers from here (None: allocate fresh ones).
 
     Raises:
         MetaTensorError: a tensor is on the meta device (names its key).
@@ -55,41 +100,56 @@ def stage_to_host(state: Any) -> Staged:
         return len(found) - 1
 
     encoded = typed.encode(state, hook)
-    host = _host_copies(found)
-    nbytes = sum(t.numel() * t.element_size() for t in host)
-    return Staged(typed.decode(encoded, lambda i: host[i]), nbytes)
+    host, buffers, xla_bytes = _host_copies(found, pool or StagingPool())
+    nbytes = sum(b.numel() for b in buffers) + xla_bytes
+    return Staged(typed.decode(encoded, lambda i: host[i]), nbytes, buffers)
 
 
-def _host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _host_copies(tensors: list[torch.Tensor], pool: StagingPool
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Host copies, the pooled buffers they live in, and bytes of XLA transfers (not pooled)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
+    buffers: list[torch.Tensor] = []
+    xla_bytes = 0
     xla_idx = [i for i, t in enumerate(tensors) if t.device.type == "xla"]
     if xla_idx:
         import torch_xla.core.xla_model as xm  # noqa: PLC0415 - optional dependency
 
         for i, t in zip(xla_idx, xm._maybe_convert_to_cpu([tensors[i] for i in xla_idx])):
-            out[i] = t.detach()
+            out[i] = t.detach()  # a fresh host tensor already
+            xla_bytes += t.numel() * t.element_size()
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         if out[i] is not None:
             continue
-        if t.device.type != "cpu":
-            out[i] = t.detach().to("cpu", copy=True)
-            continue
-        ptr = t.untyped_storage().data_ptr()
+        ptr = t.untyped_storage().data_ptr() if t.device.type == "cpu" else 0
         if not ptr or t.numel() == 0:
-            out[i] = t.detach().clone()
+            out[i] = _copy_dense(t, pool, buffers)
             continue
         groups.setdefault(ptr, []).append(i)
     for members in groups.values():
         if len(members) == 1:
-            out[members[0]] = tensors[members[0]].detach().clone()
+            out[members[0]] = _copy_dense(tensors[members[0]], pool, buffers)
             continue
-        for i, t in zip(members, _copy_shared([tensors[i] for i in members])):
+        for i, t in zip(members, _copy_shared([tensors[i] for i in members], pool, buffers)):
             out[i] = t
-    return out  # type: ignore[return-value]
+    return out, buffers, xla_bytes  # type: ignore[return-value]
 
 
-def _copy_shared(views: list[torch.Tensor]) -> list[torch.Tensor]:
+def _copy_dense(t: torch.Tensor, pool: StagingPool, buffers: list) -> torch.Tensor:
+    """A contiguous host copy of ``t`` in a pooled buffer."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    buf = pool.take(nbytes)
+    buffers.append(buf)
+    dst = buf.view(t.dtype).view(t.shape)
+    dst.copy_(t.detach())
+    return dst
+
+
+def _copy_shared(views: list[torch.Tensor], pool: StagingPool,
+                 buffers: list) -> list[torch.Tensor]:
     """Copy tensors that share one storage as views of one new buffer (aliasing kept)."""
     spans = []
     for t in views:
@@ -102,10 +162,13 @@ def _copy_shared(views: list[torch.Tensor]) -> list[torch.Tensor]:
     lo -= lo % align
     hi = max(e for _, e in spans)
     src = torch.empty(0, dtype=torch.uint8).set_(views[0].untyped_storage(), lo, (hi - lo,), (1,))
-    buf = src.clone().untyped_storage()
+    buf = pool.take(hi - lo)
+    buf.copy_(src)
+    buffers.append(buf)
+    storage = buf.untyped_storage()
     out = []
     for t, (start, _end) in zip(views, spans):
         isz = t.element_size()
-        out.append(torch.empty(0, dtype=t.dtype).set_(buf, (start - lo) // isz, t.shape,
+        out.append(torch.empty(0, dtype=t.dtype).set_(storage, (start - lo) // isz, t.shape,
                                                        t.stride()))
     return out
