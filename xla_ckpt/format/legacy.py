@@ -173,10 +173,43 @@ class LegacyFile:
 # ---- input handling -------------------------------------------------------------------
 
 
+class _BufferFile(io.RawIOBase):
+    """A read-only, seekable file over a bytes-like buffer, without copying it."""
+
+    def __init__(self, buf) -> None:
+        super().__init__()
+        self._view = memoryview(buf).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = min(len(b), len(self._view) - self._pos)
+        if n <= 0:
+            return 0
+        memoryview(b).cast("B")[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
 def _as_file(source: Source) -> tuple[BinaryIO, int]:
-    """(seekable binary file, size in bytes) for bytes or a file object."""
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        f: BinaryIO = io.BytesIO(bytes(source) if not isinstance(source, bytes) else source)
+    """(seekable binary file, size in bytes) for bytes or a file object; never copies a buffer."""
+    if isinstance(source, bytes):
+        f: BinaryIO = io.BytesIO(source)  # shares the bytes object
+    elif isinstance(source, (bytearray, memoryview)):
+        f = io.BufferedReader(_BufferFile(source), buffer_size=1 << 20)
     else:
         f = source
     try:

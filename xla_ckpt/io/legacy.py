@@ -51,8 +51,10 @@ def _local_path(uri: str) -> str:
 
 
 def read_object(uri: str, *, config: StorageConfig | None = None,
-                progress: Progress | None = None) -> bytes:
+                progress: Progress | None = None) -> bytearray:
     """The whole object at ``uri`` (local or ``gs://``), read in parallel byte ranges.
+
+    The slices land straight in one preallocated buffer (no second copy).
 
     Args:
         progress: called with the number of bytes of each finished slice.
@@ -69,7 +71,7 @@ def read_object(uri: str, *, config: StorageConfig | None = None,
         storage.close()
 
 
-def _read_all(storage: Storage, name: str, progress: Progress | None) -> bytes:
+def _read_all(storage: Storage, name: str, progress: Progress | None) -> bytearray:
     info = storage.stat(name)
     buf = bytearray(info.size)
     view = memoryview(buf)
@@ -102,7 +104,7 @@ def _read_all(storage: Storage, name: str, progress: Progress | None) -> bytes:
     dt = time.perf_counter() - t0
     logger.debug("read %s (%d bytes) in %.3f s (%.1f MiB/s)", storage.url(name), info.size, dt,
                  info.size / max(dt, 1e-9) / 2**20)
-    return bytes(buf)
+    return buf
 
 
 @contextlib.contextmanager
