@@ -34,8 +34,8 @@ def folders(run_dir: str) -> list[str]:
     """
     if not os.path.isdir(run_dir):
         return []
-    return sorted(n for n in os.listdir(run_dir)
-                  if os.path.isdir(os.path.join(run_dir, n)) and os.listdir(os.path.join(run_dir, n)))
+    paths = {n: os.path.join(run_dir, n) for n in os.listdir(run_dir)}
+    return sorted(n for n, p in paths.items() if os.path.isdir(p) and os.listdir(p))
 
 
 def committed(run_dir: str) -> list[str]:

@@ -34,7 +34,8 @@ def test_snapshot_is_independent_and_exact():
 
 def test_aliasing_is_kept():
     base = torch.arange(10, dtype=torch.float32)
-    tied = {"emb": base.view(2, 5), "out": base.view(2, 5), "tail": base[6:], "other": torch.ones(2)}
+    tied = {"emb": base.view(2, 5), "out": base.view(2, 5), "tail": base[6:],
+            "other": torch.ones(2)}
     s = stage_to_host(tied).state
     base.zero_()
     assert torch.equal(s["emb"], torch.arange(10.).view(2, 5))

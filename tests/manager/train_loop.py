@@ -60,7 +60,7 @@ def _wait_for(path: str, timeout_s: float = 60.0) -> None:
 
 def train(cfg, events_dir: str, *, dist=None, pause_at: int = 0,
           fail_rank_state_on: int = -1) -> None:
-    """Train MAX_EPOCH epochs of UPDATES_PER_EPOCH updates, resuming from cfg.save_dir if possible."""
+    """Train MAX_EPOCH epochs of UPDATES_PER_EPOCH updates; resume from cfg.save_dir if possible."""
     from xla_ckpt.manager import CheckpointManager
 
     rank = dist.rank if dist is not None else 0

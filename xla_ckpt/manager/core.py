@@ -213,7 +213,8 @@ class CheckpointManager:
         """Folder name of the checkpoint this job restored (never rotated away)."""
 
     # ---- schedule ------------------------------------------------------------------------
-    def should_save(self, *, epoch: int, num_updates: int, end_of_epoch: bool = False) -> str | None:
+    def should_save(self, *, epoch: int, num_updates: int,
+                    end_of_epoch: bool = False) -> str | None:
         """Checkpoint name the schedule asks for at this boundary, or None.  Pure, any rank."""
         return scheduled_name(self.config, epoch=epoch, num_updates=num_updates,
                               end_of_epoch=end_of_epoch)
