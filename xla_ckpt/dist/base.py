@@ -267,7 +267,8 @@ class Dist(abc.ABC):
             raise DistributedError(f"{what}: ranks passed tensors of different sizes", bad)
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int = 0,
-                          bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES) -> int:
+                          bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES, *,
+                          wait_on_src: Callable[[int], None] | None = None) -> int:
         """Copy ``src``'s tensors into the preallocated tensors of every other rank.
 
         Every rank passes the same number of contiguous tensors with the same
@@ -277,6 +278,11 @@ class Dist(abc.ABC):
         in place in bucket-sized slices.  Extra memory per rank: one bucket.
         When the tensors are not on :attr:`data_device` (CPU tensors with
         NCCL) every bucket is staged through a device buffer.
+
+        ``wait_on_src`` lets ``src`` fill its tensors while earlier buckets
+        are already travelling: before sending a bucket, ``src`` calls
+        ``wait_on_src(i)`` with the highest tensor index the bucket needs,
+        which returns once tensors ``0..i`` hold their data.
 
         Returns:
             Bytes moved (the sum of the tensors' sizes).
@@ -299,6 +305,8 @@ class Dist(abc.ABC):
         is_src = self.rank == src
         t0 = time.perf_counter()
         for b in plan:
+            if is_src and wait_on_src is not None:
+                wait_on_src(max(p.index for p in b.parts))
             if b.direct and not staged_all:
                 p = b.parts[0]
                 self._data_broadcast(views[p.index][p.start:p.start + p.nbytes], src)

@@ -5,16 +5,21 @@ Order of steps (every rank enters every step, whatever happened locally):
 1. the manifest has already reached every rank (:mod:`xla_ckpt.restore.decide`),
    so receivers know every blob's length: they preallocate exactly the
    destination buffers and pass nothing else;
-2. rank 0 reads the blobs from storage (crc32c-checked) while receivers
-   allocate; one agreement step turns a failure anywhere into the same
-   :class:`~xla_ckpt.errors.DistributedError` on every rank;
-3. the replicated item's blob buffers are broadcast in buckets of at most
-   ``bucket_size_bytes`` straight into the receivers' buffers
-   (:meth:`Dist.broadcast_tensors`);
-4. each rank's own ``rank/<r>`` item and its partition of the sharded
+2. one agreement step on the allocations (a rank out of memory fails all);
+3. rank 0 reads the blobs from storage (crc32c-checked) in a background
+   thread while the replicated item's buffers are already being broadcast
+   in buckets of at most ``bucket_size_bytes`` straight into the receivers'
+   buffers (:meth:`Dist.broadcast_tensors` waits, on rank 0, for just the
+   blobs the next bucket needs);
+4. rank 0 reports how its read went in one agreement step; if it failed,
+   every rank raises the same :class:`~xla_ckpt.errors.DistributedError`
+   naming rank 0 and the cause (rank 0 still completed the broadcast
+   sequence, with whatever bytes it had, so no rank was left waiting; the
+   receivers' bytes are discarded);
+5. each rank's own ``rank/<r>`` item and its partition of the sharded
    tensors go point to point from rank 0 to that rank only
    (:meth:`Dist.scatter_tensors`) — the full sharded state is never broadcast;
-5. every rank rebuilds the same state from the same bytes with
+6. every rank rebuilds the same state from the same bytes with
    :func:`~xla_ckpt.format.plan.materialize_item` (aliasing, dtypes, empty
    tensors survive), placing tensors on its own ``map_location``.
 
@@ -24,8 +29,9 @@ Receiver memory: the state's blobs plus one staging bucket.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -58,6 +64,66 @@ def _assemble(key: str, plan: RankPlan, saved: dict[str, dict[int, torch.Tensor]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+class _BackgroundRead:
+    """Rank 0's reads, in blob order, on a thread; the broadcast waits for what it needs.
+
+    Blobs are read in groups of about one bucket, so the first bucket can
+    travel while later blobs are still being read and crc32c-checked.
+    """
+
+    def __init__(self, open_reader: Callable[[], CheckpointReader], item: str,
+                 bufs: dict[int, torch.Tensor], group_bytes: int,
+                 then: Callable[[CheckpointReader], Any]) -> None:
+        self.error: BaseException | None = None
+        self.result: Any = None
+        self.bytes_read = 0
+        self._ready = -1
+        self._cond = threading.Condition()
+        self._args = (open_reader, item, bufs, group_bytes, then)
+        self._thread = threading.Thread(target=self._run, name="xla_ckpt-rank0-read", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        open_reader, item, bufs, group_bytes, then = self._args
+        reader = None
+        try:
+            reader = open_reader()
+            group: dict[int, torch.Tensor] = {}
+            size = 0
+            for i in sorted(bufs):
+                group[i] = bufs[i]
+                size += bufs[i].numel()
+                if size >= group_bytes:
+                    self._read(reader, item, group)
+                    group, size = {}, 0
+            if group:
+                self._read(reader, item, group)
+            self.result = then(reader)
+        except BaseException as e:  # noqa: BLE001 - reported through the agreement step
+            self.error = e
+        finally:
+            if reader is not None:
+                reader.storage.close()
+            with self._cond:
+                self._ready = 1 << 62
+                self._cond.notify_all()
+
+    def _read(self, reader: CheckpointReader, item: str, group: dict[int, torch.Tensor]) -> None:
+        reader.read_into(item, group)
+        self.bytes_read += sum(b.numel() for b in group.values())
+        with self._cond:
+            self._ready = max(group)
+            self._cond.notify_all()
+
+    def wait_for(self, index: int) -> None:
+        """Block until blobs ``0..index`` are read (or the read failed: then return at once)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready >= index)
+
+    def join(self) -> None:
+        self._thread.join()
+
+
 def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
                       map_location: MapLocation, storage_config: StorageConfig | None,
                       bucket_size_bytes: int, what: str) -> Loaded:
@@ -76,65 +142,74 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
     is_src = dist.rank == 0
     keys = sorted(me.shards)
 
-    def read() -> dict[str, Any]:
-        t0 = time.perf_counter()
-        out: dict[str, Any] = {"state": _alloc(manifest.item(me.item)), "bytes_read": 0}
+    def allocate() -> dict[str, Any]:
+        out: dict[str, Any] = {"state": _alloc(manifest.item(me.item))}
         out["rank"] = _alloc(manifest.item(me.rank_item)) if me.rank_item else {}
-        if not is_src:
-            out["shards"] = [torch.empty(me.shard_nbytes(k), dtype=torch.uint8) for k in keys]
-            return out
-        storage = open_storage(decision.checkpoint, storage_config)
-        try:
-            reader = CheckpointReader(storage, manifest)
-            reader.read_into(me.item, out["state"])
-            nread = sum(b.numel() for b in out["state"].values())
+        out["shards"] = [torch.empty(me.shard_nbytes(k), dtype=torch.uint8) for k in keys]
+        return out
+
+    got = dist.run_collectively(allocate, f"{what}: allocate the destination buffers")
+    state_bufs = got["state"]
+    t0 = time.perf_counter()
+    background: _BackgroundRead | None = None
+    if is_src:
+        def open_reader() -> CheckpointReader:
+            return CheckpointReader(open_storage(decision.checkpoint, storage_config), manifest)
+
+        def then(reader: CheckpointReader) -> dict[str, Any]:  # then private items, shards
+            extra: dict[str, Any] = {"bytes": 0}
             others: dict[int, dict[int, torch.Tensor]] = {}
             for p in plans:
                 if p.rank_item is None:
                     continue
-                bufs = out["rank"] if p.rank == 0 else reader.read_blobs(p.rank_item)
-                if p.rank == 0:
-                    reader.read_into(p.rank_item, bufs)
+                bufs = got["rank"] if p.rank == 0 else _alloc(manifest.item(p.rank_item))
+                reader.read_into(p.rank_item, bufs)
                 others[p.rank] = bufs
-                nread += sum(b.numel() for b in bufs.values())
+                extra["bytes"] += sum(b.numel() for b in bufs.values())
             saved: dict[str, dict[int, torch.Tensor]] = {}
             for lay in me.layout.values():
                 for piece in lay.pieces:
                     if piece.item not in saved:
                         saved[piece.item] = reader.read_blobs(piece.item)
-                        nread += sum(b.numel() for b in saved[piece.item].values())
-            out["rank_inputs"] = {r: [bufs[i] for i in sorted(bufs)] for r, bufs in others.items()}
-            out["shard_inputs"] = {p.rank: [_assemble(k, p, saved) for k in keys] for p in plans}
-            out["shards"] = out["shard_inputs"][0]
-        finally:
-            storage.close()
-        out["bytes_read"] = nread
-        out["read_seconds"] = time.perf_counter() - t0
-        return out
+                        extra["bytes"] += sum(b.numel() for b in saved[piece.item].values())
+            extra["rank_inputs"] = {r: [b[i] for i in sorted(b)] for r, b in others.items()}
+            extra["shard_inputs"] = {p.rank: [_assemble(k, p, saved) for k in keys]
+                                     for p in plans}
+            return extra
 
-    got = dist.run_collectively(read, f"{what}: rank 0 reads, receivers allocate")
+        background = _BackgroundRead(open_reader, me.item, state_bufs, bucket_size_bytes, then)
     received = sent = 0
-    state_bufs = got["state"]
-    n = dist.broadcast_tensors([state_bufs[i] for i in sorted(state_bufs)], src=0,
-                               bucket_size_bytes=bucket_size_bytes)
+    try:
+        n = dist.broadcast_tensors([state_bufs[i] for i in sorted(state_bufs)], src=0,
+                                   bucket_size_bytes=bucket_size_bytes,
+                                   wait_on_src=background.wait_for if background else None)
+    finally:
+        if background is not None:
+            background.join()
     if not is_src:
         received += n
+    read_error = background.error if background is not None else None
+    dist.agree(read_error, f"{what}: rank 0 reads")
+    extra = background.result if background is not None else {}
+    nread = (background.bytes_read + extra["bytes"]) if background is not None else 0
+    read_seconds = time.perf_counter() - t0 if is_src else 0.0
     if any(p.rank_item for p in plans):
         rank_bufs = got["rank"]
         n = dist.scatter_tensors([rank_bufs[i] for i in sorted(rank_bufs)],
-                                 got.get("rank_inputs"), src=0,
+                                 extra.get("rank_inputs"), src=0,
                                  bucket_size_bytes=bucket_size_bytes)
         sent, received = (sent + n, received) if is_src else (sent, received + n)
     if keys:
+        if is_src:
+            got["shards"] = extra["shard_inputs"][0]
         if all(p.shards == me.shards for p in plans):  # zero_sharding="none": one broadcast
             n = dist.broadcast_tensors(got["shards"], src=0, bucket_size_bytes=bucket_size_bytes)
             received += 0 if is_src else n
         else:
-            n = dist.scatter_tensors(got["shards"], got.get("shard_inputs"), src=0,
+            n = dist.scatter_tensors(got["shards"], extra.get("shard_inputs"), src=0,
                                      bucket_size_bytes=bucket_size_bytes)
             sent, received = (sent + n, received) if is_src else (sent, received + n)
-    got.pop("rank_inputs", None)
-    got.pop("shard_inputs", None)
+    extra = {}
 
     def build() -> Loaded:
         state = materialize_item(manifest.item(me.item), state_bufs, map_location)
@@ -145,8 +220,7 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
         for k, raw in zip(keys, got["shards"]):
             t = raw.view(me.shard_dtype(k)) if raw.numel() else torch.empty(0, dtype=me.shard_dtype(k))
             shards[k] = place(t.clone() if is_src else t, map_location, k)
-        return Loaded(state=state, rank_state=rank_state, shards=shards,
-                      bytes_read=got["bytes_read"], bytes_received=received, bytes_sent=sent,
-                      read_seconds=got.get("read_seconds", 0.0))
+        return Loaded(state=state, rank_state=rank_state, shards=shards, bytes_read=nread,
+                      bytes_received=received, bytes_sent=sent, read_seconds=read_seconds)
 
     return dist.run_collectively(build, f"{what}: rebuild the state")
