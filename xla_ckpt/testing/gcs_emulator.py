@@ -41,7 +41,9 @@ DEFAULT_PROJECT = "xla-ckpt-test"
 
 # Runs in the emulator process: a deeper listen backlog than socketserver's 5 (many parallel
 # connections would otherwise wait for SYN retransmits), port 0 -> the real port is written
-# to a file once the server listens; exits by itself when its parent process dies.
+# to a file once the server listens; exits by itself when its parent process dies.  A request
+# whose body ends before its Content-Length (the client died mid-upload) is dropped: the
+# emulator would store the truncated bytes as an object, real GCS never does.
 _SERVE = r"""
 import logging, os, socketserver, sys, threading, time
 socketserver.TCPServer.request_queue_size = 256
@@ -52,7 +54,17 @@ def _orphan_watch():  # exit when the process that started us is gone (even afte
     os._exit(0)
 threading.Thread(target=_orphan_watch, daemon=True).start()
 logging.disable(logging.CRITICAL)
+import gcp_storage_emulator.server as _server
 from gcp_storage_emulator.server import create_server
+_read_raw = _server._read_raw_data
+def _read_whole_body(handler):  # real GCS never stores an upload whose body ended early
+    want = handler.headers.get("Content-Length")
+    data = _read_raw(handler)
+    if want and len(data or b"") < int(want):
+        handler.close_connection = True
+        raise ConnectionAbortedError(f"request body ended after {len(data or b'')} of {want} bytes")
+    return data
+_server._read_raw_data = _read_whole_body
 srv = create_server(sys.argv[1], 0, in_memory=True)
 srv.start()
 port = srv._api._httpd.server_address[1]
