@@ -303,7 +303,9 @@ def main(argv=None) -> int:
             return 0
         results = {}
         for m in methods:
+            proxy.reset_log()
             runs = [run_child(m, base_spec, env) for _ in range(a.repeat)]
+            served = proxy.snapshot()
             results[m] = {
                 "seconds": statistics.median(r["seconds"] for r in runs),
                 "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
@@ -311,6 +313,8 @@ def main(argv=None) -> int:
                                               for r in runs),
                 "bitwise_ok": all(r["bitwise_ok"] is not False for r in runs)
                 if m != "e" else None,
+                "requests": served.requests // a.repeat,
+                "mib_served": served.bytes_served / a.repeat / MiB,
             }
             print(f"# {m} {METHODS[m]}: {results[m]['seconds']:.2f} s", file=sys.stderr, flush=True)
         for m, r in results.items():
@@ -320,7 +324,8 @@ def main(argv=None) -> int:
                     "peak_rss_mib": round(r["peak_rss_mib"], 1),
                     "rss_above_baseline_mib": round(r["rss_above_baseline_mib"], 1),
                     "rss_ratio_to_state": round(r["rss_above_baseline_mib"] / a.size_mib, 3),
-                    "bitwise_ok": r["bitwise_ok"]}
+                    "bitwise_ok": r["bitwise_ok"], "requests": r["requests"],
+                    "mib_served": round(r["mib_served"], 1)}
             for other, ro in results.items():
                 if other != m:
                     line[f"ratio_vs_{other}"] = round(ro["seconds"] / r["seconds"], 2)
