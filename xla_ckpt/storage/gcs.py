@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import dataclasses
 import http.client
 import json
 import logging
@@ -259,7 +260,7 @@ class GCSStorage(Storage):
                  credentials: Any = None, _shared: _Connection | None = None) -> None:
         bucket, prefix = parse_gcs_uri(uri)
         super().__init__(f"gs://{bucket}" + (f"/{prefix}" if prefix else ""),
-                         config or DEFAULT_CONFIG)
+                         config or dataclasses.replace(DEFAULT_CONFIG))
         self.bucket_name = bucket
         self.prefix = prefix
         self._owns_connection = _shared is None
