@@ -1,0 +1,777 @@
+"""Crash consistency: SIGKILL a saving process at chosen points of its write sequence.
+
+How a kill point is chosen (deterministically):
+
+1. A *dry run* saves checkpoint C into a run folder that already holds two
+   committed checkpoints A and B, with a tracer hooked under the storage
+   backend.  The tracer records the saver's sequence of *mutating steps*:
+
+   * local backend: every ``write`` / ``fsync`` / ``replace`` (rename) /
+     ``unlink`` / ``rmdir`` :mod:`xla_ckpt.storage.local` issues (the
+     backend's ``os`` module is swapped for a recording proxy);
+   * GCS backend: every mutating HTTP request the client sends (multipart
+     and media uploads, compose, delete), hooked at
+     ``requests.Session.request`` under the real ``google-cloud-storage``
+     client.
+
+2. A kill point is a position in that sequence: *before* step ``i``, or
+   *inside* the body of write/upload step ``i`` after ``k`` of its bytes
+   went out, or *after* the last step (the save returned).
+
+3. For each point a fresh saver process (forked from a clean zygote) sets up
+   A and B, arms the tracer and saves C.  When it reaches the point it writes
+   its position to a pipe and blocks; the harness SIGKILLs it there.  A byte
+   point writes exactly ``k`` bytes first (``os.write`` of the prefix, or a
+   request body that has sent ``k`` bytes when the process dies).  Each
+   killed saver re-records its steps and checks that they match the dry run
+   (same operation on the same object, save ids masked), so a point always
+   means the same place.
+
+4. Another fresh process (forked from the zygote, never from the saver) then
+   looks at the run folder: what is committed, what ``xla-ckpt ls --json``
+   says, which checkpoint "latest" resolves to, whether the latest and every
+   other committed checkpoint restores bitwise, and whether a resumed job can
+   save again and restore that bitwise.
+
+The zygote is one launcher worker (a fresh spawned interpreter that imported
+torch and xla_ckpt); forking from it costs milliseconds, so hundreds of kill
+points run in minutes.  Used by ``tests/reliability/test_crash_consistency.py``
+and ``benchmarks/reliability.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import threading
+import time
+import traceback
+import types
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+MiB = 1024 * 1024
+RUN_NAMES = ("checkpoint_1_1", "checkpoint_1_2", "checkpoint_1_3", "checkpoint_1_4")
+A, B, C, D = RUN_NAMES
+SAVE_TIMEOUT_S = 60.0
+
+_HEX = re.compile(r"data-[0-9a-f]{12}-")
+_TMP = re.compile(r"\.tmp-[0-9a-f]{12}")
+
+
+# ---- the state that is saved ---------------------------------------------------------------
+
+def state_for(num_updates: int) -> dict:
+    """A small training state (about 330 KiB of tensors) that depends only on ``num_updates``."""
+    g = torch.Generator().manual_seed(1000 + num_updates)
+    w = torch.randn(256, 256, generator=g)
+    return {
+        "model": {"encoder.w": w, "encoder.b": torch.randn(256, generator=g),
+                  "emb": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+                  "tied": w[:4]},  # a view: aliasing must survive
+        "optimizer": {"state": {0: {"exp_avg": torch.randn(4096, generator=g),
+                                    "step": torch.tensor(float(num_updates))}},
+                      "param_groups": [{"lr": 0.1 / num_updates, "betas": (0.9, 0.98),
+                                        "params": [0]}]},
+        "extra_state": {"num_updates": num_updates, "previous_training_time": 1.5 * num_updates,
+                        "train_iterator": {"epoch": 1, "iterations_in_epoch": num_updates,
+                                           "version": 2}},
+        "args": argparse.Namespace(lr=[0.1], arch="tiny"),
+    }
+
+
+def rank_state_for(num_updates: int) -> dict:
+    g = torch.Generator().manual_seed(2000 + num_updates)
+    return {"rng": torch.randint(0, 255, (512,), generator=g, dtype=torch.uint8),
+            "iterations_in_epoch": num_updates}
+
+
+def num_updates_of(name: str) -> int:
+    return int(name.rsplit("_", 1)[1])
+
+
+# ---- kill points -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    """One mutating storage operation of the save, as the tracer saw it.
+
+    Attributes:
+        op: ``write``/``fsync``/``replace``/``unlink``/``rmdir`` (local) or
+            ``upload``/``compose``/``delete`` (GCS).
+        target: the file or object it touches, relative to the run folder,
+            save ids and temp suffixes masked.
+        nbytes: bytes the step writes (writes and uploads; 0 otherwise).
+    """
+
+    op: str
+    target: str
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class KillPoint:
+    """Where to kill: ``before`` step ``step``, at ``byte`` of its body, or ``after`` it.
+
+    A negative ``byte`` counts from the end of the body (-1: all but the last
+    byte went out), so it means the same place when the body's size varies.
+    """
+
+    step: int
+    at: str  # "before" | "byte" | "after"
+    byte: int = 0
+
+    def label(self, steps: list[Step]) -> str:
+        s = steps[self.step]
+        b = f"n{self.byte}" if self.byte < 0 else str(self.byte)
+        where = {"before": "before", "after": "after"}.get(self.at, f"at byte {b} of")
+        return f"{where} step {self.step} ({s.op} {s.target})"
+
+
+def commit_step(steps: list[Step]) -> int:
+    """Index of the step after which C's manifest (the commit marker) is visible."""
+    for i, s in enumerate(steps):
+        if s.target == f"{C}/manifest.json" and s.op in ("replace", "upload"):
+            return i
+    raise AssertionError(f"no manifest write for {C} in the trace: {steps}")
+
+
+def committed_at(point: KillPoint, steps: list[Step]) -> bool:
+    """True if C must be committed when the saver dies at ``point``."""
+    c = commit_step(steps)
+    return point.step > c or (point.step == c and point.at == "after")
+
+
+def same_place(seen: list[Step], steps: list[Step], point: KillPoint) -> bool:
+    """True if a killed saver's steps are the dry run's up to the kill point.
+
+    Operations and targets must match; sizes may differ by a few bytes (the
+    manifest carries a timestamp) but a byte point must fall inside its body.
+    """
+    if len(seen) != point.step + 1:
+        return False
+    if [(s.op, s.target) for s in seen] != [(s.op, s.target) for s in steps[:len(seen)]]:
+        return False
+    return point.at != "byte" or -seen[point.step].nbytes <= point.byte < seen[point.step].nbytes
+
+
+def choose_points(steps: list[Step], count: int) -> list[KillPoint]:
+    """``count`` kill points spread over the whole sequence (deterministic).
+
+    Candidates: before every step, after the last one, and inside every body
+    after its first, middle and last-but-one byte, plus evenly spaced bytes of
+    the largest bodies until there are at least ``count``.  The result always
+    holds the points around the commit marker (before, inside its last byte,
+    after, before the next step), then -- if ``count`` allows -- a ``before``
+    point for every step, then byte points taken evenly from the rest.
+    """
+    pts: list[KillPoint] = []
+    for i, s in enumerate(steps):
+        pts.append(KillPoint(i, "before"))
+        if s.nbytes >= 2:
+            pts += [KillPoint(i, "byte", b) for b in sorted({1, s.nbytes // 2})]
+            pts.append(KillPoint(i, "byte", -1))
+    pts.append(KillPoint(len(steps) - 1, "after"))
+    c = commit_step(steps)
+    pts.append(KillPoint(c, "after"))
+    bodies = sorted((i for i, s in enumerate(steps) if s.nbytes >= 16),
+                    key=lambda i: -steps[i].nbytes)
+    extra = 3
+    while len(set(pts)) < count and bodies:
+        for i in bodies:
+            n = steps[i].nbytes
+            pts += [KillPoint(i, "byte", b) for b in (n * j // (extra + 1)
+                                                       for j in range(1, extra + 1)) if 0 < b < n]
+        extra = extra * 2 + 1
+
+    def order(p: KillPoint) -> tuple:
+        b = p.byte if p.byte >= 0 else steps[p.step].nbytes + p.byte
+        return (p.step, {"before": 0, "byte": 1, "after": 2}[p.at], b)
+
+    uniq = sorted(set(pts), key=order)
+    if len(uniq) <= count:
+        return uniq
+    must = {KillPoint(c, "before"), KillPoint(c, "byte", -1), KillPoint(c, "after"),
+            KillPoint(c + 1, "before")} & set(uniq)
+    base = must | {KillPoint(i, "before") for i in range(len(steps))}
+    if len(base) >= count:
+        return sorted(must | set(_evenly(sorted(base - must, key=order), count - len(must))),
+                      key=order)
+    rest = [p for p in uniq if p not in base]
+    return sorted(base | set(_evenly(rest, count - len(base))), key=order)
+
+
+def _evenly(items: list, k: int) -> list:
+    """``k`` items taken at even intervals (first and last included)."""
+    if k <= 0:
+        return []
+    if k == 1 or len(items) <= k:
+        return items[:max(k, 0)] if len(items) > k else list(items)
+    return [items[round(j * (len(items) - 1) / (k - 1))] for j in range(k)]
+
+
+# ---- the tracer and its hooks ----------------------------------------------------------------
+
+class _Paused(BaseException):
+    """Never raised in practice: the process is killed while paused."""
+
+
+class Tracer:
+    """Records mutating steps; pauses the process at the armed kill point.
+
+    ``notify`` is a pipe fd: when the point is reached one JSON line goes out
+    and the calling thread blocks until the harness kills the process.
+    """
+
+    def __init__(self, root: str, notify: int) -> None:
+        self.root = root.rstrip("/")
+        self.notify = notify
+        self.steps: list[Step] = []
+        self.armed = False
+        self.kill: KillPoint | None = None
+        self._lock = threading.Lock()
+
+    def target(self, path: str) -> str:
+        if path == self.root:
+            return "."
+        rel = path[len(self.root) + 1:] if path.startswith(self.root + "/") else path
+        return _TMP.sub(".tmp-*", _HEX.sub("data-*-", rel))
+
+    def begin(self, op: str, path: str, nbytes: int = 0) -> int:
+        if not self.armed:
+            return -1
+        with self._lock:
+            i = len(self.steps)
+            self.steps.append(Step(op, self.target(path), nbytes))
+        if self.kill is not None and self.kill.step == i and self.kill.at == "before":
+            self.pause(i)
+        return i
+
+    def end(self, i: int) -> None:
+        if i >= 0 and self.kill is not None and self.kill.step == i and self.kill.at == "after":
+            self.pause(i)
+
+    def byte_limit(self, i: int) -> int | None:
+        """Bytes of step ``i``'s body to let through before pausing (None: all)."""
+        if i >= 0 and self.kill is not None and self.kill.step == i and self.kill.at == "byte":
+            b = self.kill.byte
+            return b if b >= 0 else self.steps[i].nbytes + b
+        return None
+
+    def pause(self, i: int) -> None:
+        msg = {"paused": i, "steps": [asdict(s) for s in self.steps]}
+        os.write(self.notify, (json.dumps(msg) + "\n").encode())
+        while True:  # the harness SIGKILLs us here
+            time.sleep(3600)
+
+
+class _LocalOs(types.SimpleNamespace):
+    """Stands in for the ``os`` module inside :mod:`xla_ckpt.storage.local`."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self._t = tracer
+        self._paths: dict[int, str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def open(self, path, flags, mode=0o777, **kw):  # noqa: A003 - mirrors os.open
+        fd = os.open(path, flags, mode, **kw)
+        self._paths[fd] = os.fspath(path)
+        return fd
+
+    def close(self, fd):
+        self._paths.pop(fd, None)
+        return os.close(fd)
+
+    def write(self, fd, data):
+        mv = memoryview(data).cast("B")
+        i = self._t.begin("write", self._paths.get(fd, "?"), len(mv))
+        limit = self._t.byte_limit(i)
+        if limit is not None:
+            done = 0
+            while done < limit:
+                done += os.write(fd, mv[done:limit])
+            self._t.pause(i)
+        n = os.write(fd, mv)
+        self._t.end(i)
+        return n
+
+    def fsync(self, fd):
+        i = self._t.begin("fsync", self._paths.get(fd, "?"))
+        os.fsync(fd)
+        self._t.end(i)
+
+    def replace(self, src, dst):
+        i = self._t.begin("replace", os.fspath(dst))
+        os.replace(src, dst)
+        self._t.end(i)
+
+    def unlink(self, path):
+        i = self._t.begin("unlink", os.fspath(path))
+        os.unlink(path)
+        self._t.end(i)
+
+    def rmdir(self, path):
+        i = self._t.begin("rmdir", os.fspath(path))
+        os.rmdir(path)
+        self._t.end(i)
+
+
+class _PausingBody:
+    """A request body that sends ``stop`` bytes, then pauses the process (mid-upload)."""
+
+    def __init__(self, data: bytes, stop: int, tracer: Tracer, step: int) -> None:
+        self.data, self.stop, self.tracer, self.step = data, stop, tracer, step
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def read(self, n: int = -1) -> bytes:
+        if self.pos >= self.stop:
+            self.tracer.pause(self.step)
+        k = self.stop - self.pos if n is None or n < 0 else min(n, self.stop - self.pos)
+        chunk = self.data[self.pos:self.pos + k]
+        self.pos += k
+        return chunk
+
+
+def _body_bytes(data: Any) -> bytes:
+    if data is None:
+        return b""
+    if isinstance(data, str):
+        return data.encode("utf-8")
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    if hasattr(data, "read"):  # xla_ckpt.storage.gcs._BodyReader over several buffers
+        parts = []
+        while True:
+            chunk = data.read(1 << 20)
+            if not chunk:
+                break
+            parts.append(bytes(chunk))
+        return b"".join(parts)
+    raise TypeError(f"unexpected request body type {type(data).__name__}")
+
+
+_UPLOAD_NAME = re.compile(rb'"name"\s*:\s*"([^"]+)"')
+
+
+def _gcs_target(method: str, url: str, params: dict | None, body: bytes, prefix: str) -> tuple[str, str]:
+    """(op, object name under ``prefix``) of a mutating GCS JSON-API request."""
+    from urllib.parse import unquote, urlsplit
+
+    path = unquote(urlsplit(url).path)
+    if "/upload/" in path:
+        name = (params or {}).get("name")
+        if name is None:
+            m = _UPLOAD_NAME.search(body[:4096])
+            name = m.group(1).decode() if m else "?"
+        return "upload", name
+    m = re.search(r"/o/(.+?)(/compose)?$", path)
+    obj = m.group(1) if m else path
+    if m and m.group(2):
+        return "compose", obj
+    return {"DELETE": "delete"}.get(method, method.lower()), obj
+
+
+def install_gcs_hook(tracer: Tracer, bucket: str, prefix: str) -> None:
+    """Trace (and pause at) every mutating request of this process's GCS clients."""
+    import requests
+
+    real = requests.Session.request
+    root = f"{prefix.strip('/')}"
+
+    def request(self, method, url, *args, **kw):
+        if method.upper() not in ("POST", "PUT", "PATCH", "DELETE") or "/b/" + bucket not in url:
+            return real(self, method, url, *args, **kw)
+        body = _body_bytes(kw.get("data"))
+        op, obj = _gcs_target(method.upper(), url, kw.get("params"), body, root)
+        if "data" in kw:
+            kw["data"] = body
+        i = tracer.begin(op, obj, len(body) if op == "upload" else 0)
+        limit = tracer.byte_limit(i)
+        if limit is not None:
+            kw["data"] = _PausingBody(body, limit, tracer, i)
+        resp = real(self, method, url, *args, **kw)
+        tracer.end(i)
+        return resp
+
+    requests.Session.request = request
+
+
+def install_local_hook(tracer: Tracer) -> None:
+    import xla_ckpt.storage.local as local
+
+    local.os = _LocalOs(tracer)
+
+
+# ---- storage set-up per backend ----------------------------------------------------------------
+
+def storage_config(backend: str, *, traced: bool = True):
+    """Knobs for the crash runs: GCS uploads the ~330 KiB state file as 3 parts + compose.
+
+    ``max_workers=1`` keeps the parts in one order, so every run issues the
+    same sequence of requests.  Set-up and verification (``traced=False``)
+    use plain one-request uploads.
+    """
+    from xla_ckpt.storage import StorageConfig
+
+    if backend == "gcs" and not traced:
+        return StorageConfig(initial_backoff_s=0.01, max_backoff_s=0.1, retry_deadline_s=20.0)
+    if backend == "gcs":
+        return StorageConfig(max_workers=1, parallel_upload_threshold_bytes=192 * 1024,
+                             upload_part_size_bytes=128 * 1024, initial_backoff_s=0.01,
+                             max_backoff_s=0.1, retry_deadline_s=20.0)
+    return StorageConfig(max_workers=2)
+
+
+def manager_for(run_uri: str, backend: str, *, async_save: bool = False, traced: bool = True):
+    from xla_ckpt.config import CheckpointConfig
+    from xla_ckpt.dist import SingleProcess
+    from xla_ckpt.manager import CheckpointManager
+
+    cfg = CheckpointConfig(save_dir=run_uri, save_interval_epochs=0, save_interval_updates=0,
+                           keep_interval_updates=2, async_save=async_save, handle_sigterm=False,
+                           exit_on_preemption=False, reuse_staging_buffers=False)
+    return CheckpointManager(cfg, dist=SingleProcess(),
+                             storage_config=storage_config(backend, traced=traced))
+
+
+def _save(mgr, n: int, *, block: bool = True) -> None:
+    mgr.save(state_for(n), epoch=1, num_updates=n, name=f"checkpoint_1_{n}",
+             rank_state=rank_state_for(n), block=block)
+
+
+# ---- processes ------------------------------------------------------------------------------
+
+def _saver_main(run_uri: str, backend: str, mode: str, kill: KillPoint | None, wfd: int,
+                bucket: str) -> None:
+    """Body of a forked saver: set up A and B, arm, save C (sync or async), report."""
+    torch.set_num_threads(1)
+    root = run_uri if backend == "local" else run_uri.split("/", 3)[3]
+    tracer = Tracer(root, wfd)
+    if backend == "local":
+        install_local_hook(tracer)
+    else:
+        install_gcs_hook(tracer, bucket, root)
+    mgr = manager_for(run_uri, backend, traced=False)
+    _save(mgr, 1)
+    _save(mgr, 2)
+    mgr.close()
+    mgr = manager_for(run_uri, backend, async_save=(mode == "async"))
+    tracer.kill = kill
+    tracer.armed = True
+    if mode == "sync":
+        _save(mgr, 3)
+    else:
+        # Async: stage C, then keep "training" (the live tensors change in place) while the
+        # background thread uploads; each update boundary advances the save towards its commit.
+        live = state_for(3)
+        mgr.save(live, epoch=1, num_updates=3, name=C, rank_state=rank_state_for(3),
+                 block=False)
+        u = 3
+        while mgr.in_flight is not None:
+            u += 1
+            live["model"]["encoder.w"].add_(1.0)  # training goes on: the snapshot must not see it
+            live["optimizer"]["state"][0]["exp_avg"].mul_(0.5)
+            mgr.after_update(epoch=1, num_updates=u, state=live)
+            time.sleep(0.002)
+    mgr.close()
+    tracer.armed = False
+    os.write(wfd, (json.dumps({"done": True, "steps": [asdict(s) for s in tracer.steps]})
+                   + "\n").encode())
+
+
+def _fork(fn: Callable[[int], None]) -> tuple[int, int]:
+    """Fork a child running ``fn(write_fd)``; returns (pid, read_fd)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            os.close(r)
+            fn(w)
+        except BaseException:  # noqa: BLE001 - reported to the harness, then exit
+            try:
+                os.write(w, (json.dumps({"error": traceback.format_exc()[-4000:]}) + "\n").encode())
+            except OSError:
+                pass
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+def _read_line(fd: int, timeout_s: float) -> dict | None:
+    """One JSON line from the pipe, or None on EOF/timeout."""
+    buf = b""
+    deadline = time.monotonic() + timeout_s
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            return None
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            break
+        buf += chunk
+    line = buf.split(b"\n", 1)[0]
+    return json.loads(line) if line else None
+
+
+def _reap(pid: int, timeout_s: float = 30.0) -> int:
+    """Wait for a child; returns its exit status the way subprocess does (-signal when killed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return -signal.SIGKILL
+        time.sleep(0.005)
+
+
+def run_saver(run_uri: str, backend: str, mode: str, kill: KillPoint | None,
+              bucket: str = "") -> dict:
+    """Fork a saver; SIGKILL it at ``kill``.  Returns what happened (exit code, recorded steps)."""
+    pid, r = _fork(lambda w: _saver_main(run_uri, backend, mode, kill, w, bucket))
+    try:
+        msg = _read_line(r, SAVE_TIMEOUT_S)
+        if msg is not None and "paused" in msg:
+            os.kill(pid, signal.SIGKILL)  # the crash
+        code = _reap(pid)
+    finally:
+        os.close(r)
+    out = {"exitcode": code, "paused": None, "steps": None, "error": None}
+    if msg is None:
+        out["error"] = f"saver gave no sign within {SAVE_TIMEOUT_S} s (exit code {code})"
+    elif "error" in msg:
+        out["error"] = msg["error"]
+    else:
+        out["paused"] = msg.get("paused")
+        out["steps"] = [Step(**s) for s in msg["steps"]]
+    return out
+
+
+# ---- the verifier (a fresh process) --------------------------------------------------------------
+
+def _ls_json(run_uri: str) -> dict:
+    from xla_ckpt.cli.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["ls", "--json", run_uri])
+    if code != 0:
+        raise AssertionError(f"xla-ckpt ls exited with {code}: {out.getvalue()[-500:]}")
+    return json.loads(out.getvalue())
+
+
+def _bitwise(restored_state, restored_rank, n: int) -> str:
+    """'' when the restored state equals what was saved at ``n`` bit for bit, else the difference."""
+    from xla_ckpt.testing.asserts import assert_state_identical
+
+    try:
+        assert_state_identical(restored_state, state_for(n))
+        assert_state_identical(restored_rank, rank_state_for(n))
+        aliased = restored_state["model"]["tied"].untyped_storage().data_ptr() == \
+            restored_state["model"]["encoder.w"].untyped_storage().data_ptr()
+        if not aliased:
+            return "model.tied no longer shares storage with model.encoder.w"
+    except AssertionError as e:
+        return str(e)
+    return ""
+
+
+def stray_objects(run_uri: str, backend: str, emulator_host: str = "") -> list[str]:
+    """Temp objects of interrupted writes under the run folder (never listed as checkpoint files)."""
+    if backend == "local":
+        out = []
+        for d, _dirs, files in os.walk(run_uri):
+            out += [os.path.relpath(os.path.join(d, f), run_uri) for f in files if ".tmp-" in f]
+        return sorted(out)
+    from xla_ckpt.storage.gcs import GCSStorage
+
+    st = GCSStorage(run_uri, storage_config(backend, traced=False), endpoint=emulator_host or None)
+    try:
+        return [n for n in st.list("", include_in_flight=True) if ".tmp-" in n]
+    finally:
+        st.close()
+
+
+def _verify_main(run_uri: str, backend: str, recover: bool, wfd: int,
+                 emulator_host: str) -> None:
+    torch.set_num_threads(1)
+    from xla_ckpt.dist import SingleProcess
+    from xla_ckpt.io.catalog import list_checkpoints, resolve_latest
+    from xla_ckpt.restore import restore
+    from xla_ckpt.storage import open_storage
+
+    out: dict[str, Any] = {}
+    with open_storage(run_uri, storage_config(backend, traced=False)) as run:
+        entries = list_checkpoints(run)
+        out["committed"] = [e.name for e in entries if e.committed]
+        out["incomplete"] = [e.name for e in entries if not e.committed]
+        out["latest"] = resolve_latest(run)
+    ls = _ls_json(run_uri)
+    out["ls_committed"] = [e["name"] for e in ls["committed"]]
+    out["ls_incomplete"] = [e["name"] for e in ls["incomplete"]]
+    out["ls_last_pointer"] = ls["pointers"].get("last")
+    # Every committed checkpoint restores bit for bit (nothing lost, nothing half-deleted).
+    out["bitwise"] = {}
+    for name in out["committed"]:
+        r = restore(f"{run_uri}/{name}", dist=SingleProcess(),
+                    storage_config=storage_config(backend, traced=False))
+        out["bitwise"][name] = _bitwise(r.state, r.rank_state, num_updates_of(name))
+    # A job resuming here gets the latest committed checkpoint, bitwise.
+    mgr = manager_for(run_uri, backend, traced=False)
+    res = mgr.restore_or_initialize()
+    out["resumed"] = res.checkpoint if res is not None else None
+    out["resumed_bitwise"] = _bitwise(res.state, res.rank_state, res.num_updates) if res else "none"
+    out["strays_after_kill"] = stray_objects(run_uri, backend, emulator_host)
+    if recover and res is not None:
+        # ... and can go on: it redoes the updates after the resumed checkpoint and saves.
+        n = res.num_updates + 1
+        _save(mgr, n)
+        after = mgr.restore_or_initialize()
+        out["recovered"] = after.checkpoint
+        out["recovered_bitwise"] = _bitwise(after.state, after.rank_state, after.num_updates)
+        with open_storage(run_uri, storage_config(backend, traced=False)) as run:
+            out["committed_after_recovery"] = [e.name for e in list_checkpoints(run) if e.committed]
+    mgr.close()
+    os.write(wfd, (json.dumps(out) + "\n").encode())
+
+
+def run_verifier(run_uri: str, backend: str, recover: bool, emulator_host: str = "") -> dict:
+    pid, r = _fork(lambda w: _verify_main(run_uri, backend, recover, w, emulator_host))
+    try:
+        msg = _read_line(r, SAVE_TIMEOUT_S)
+        code = _reap(pid)
+    finally:
+        os.close(r)
+    if msg is None:
+        return {"error": f"verifier gave no answer (exit code {code})"}
+    msg["exitcode"] = code
+    return msg
+
+
+# ---- one campaign (runs inside the zygote) ---------------------------------------------------------
+
+def _wipe(run_uri: str, backend: str, emulator_host: str) -> None:
+    if backend == "local":
+        shutil.rmtree(run_uri, ignore_errors=True)
+        return
+    from xla_ckpt.storage.gcs import GCSStorage
+
+    st = GCSStorage(run_uri, storage_config(backend, traced=False), endpoint=emulator_host or None)
+    try:
+        for n in st.list("", include_in_flight=True):
+            st.delete(n)
+    finally:
+        st.close()
+
+
+def preload(backend: str) -> None:
+    """Import in the zygote what savers and verifiers use, so each fork starts warm."""
+    import xla_ckpt.cli.main  # noqa: F401
+    import xla_ckpt.manager  # noqa: F401
+    import xla_ckpt.restore  # noqa: F401
+    import xla_ckpt.testing.asserts  # noqa: F401
+
+    if backend == "gcs":
+        import google.cloud.storage  # noqa: F401
+        import requests  # noqa: F401
+
+        import xla_ckpt.storage.gcs  # noqa: F401
+
+
+def campaign(base_uri: str, backend: str, mode: str, count: int, *, recover: bool = True,
+             emulator_host: str = "", bucket: str = "") -> dict:
+    """Dry run, choose ``count`` kill points, kill a saver at each, verify after each.
+
+    Runs in a launcher worker (the zygote): every saver and verifier is a fork
+    of it.  Returns ``{"steps": [...], "points": [...], "results": [...]}``
+    (plain data; the test asserts on it).  Each run folder is removed after
+    its point was verified.
+    """
+    torch.set_num_threads(1)
+    preload(backend)
+    t0 = time.perf_counter()
+    dry_uri = f"{base_uri}/dry"
+    dry = run_saver(dry_uri, backend, mode, None, bucket)
+    if dry["error"] or dry["exitcode"] != 0:
+        raise AssertionError(f"dry run failed (exit {dry['exitcode']}): {dry['error']}")
+    steps: list[Step] = dry["steps"]
+    _wipe(dry_uri, backend, emulator_host)
+    points = choose_points(steps, count)
+    results = []
+    for j, p in enumerate(points):
+        uri = f"{base_uri}/p{j:04d}"
+        killed = run_saver(uri, backend, mode, p, bucket)
+        res: dict[str, Any] = {"point": asdict(p), "label": p.label(steps),
+                               "expect_committed": committed_at(p, steps),
+                               "exitcode": killed["exitcode"], "saver_error": killed["error"],
+                               "paused_at": killed["paused"]}
+        res["trace_matches"] = same_place(killed["steps"] or [], steps, p)
+        res["verify"] = run_verifier(uri, backend, recover, emulator_host)
+        results.append(res)
+        _wipe(uri, backend, emulator_host)
+    return {"steps": [asdict(s) for s in steps], "commit_step": commit_step(steps),
+            "results": results, "seconds": time.perf_counter() - t0}
+
+
+def check(result: dict) -> list[str]:
+    """Every violation of the crash-consistency rules in one point's result ('' list: none)."""
+    bad = []
+    v = result["verify"]
+    label = result["label"]
+    if result["saver_error"]:
+        return [f"{label}: saver failed: {result['saver_error']}"]
+    if result["exitcode"] != -signal.SIGKILL:
+        bad.append(f"{label}: saver exit code {result['exitcode']}, expected SIGKILL")
+    if not result["trace_matches"]:
+        bad.append(f"{label}: the killed saver's steps differ from the dry run")
+    if "error" in v:
+        return bad + [f"{label}: verifier: {v['error']}"]
+    want_c = result["expect_committed"]
+    committed = set(v["committed"])
+    if B not in committed:
+        bad.append(f"{label}: the previous checkpoint {B} is no longer committed")
+    if (C in committed) != want_c:
+        bad.append(f"{label}: {C} committed={C in committed}, expected {want_c}")
+    if not want_c and A not in committed:
+        bad.append(f"{label}: {A} was deleted before {C} committed")
+    if v["ls_committed"] != v["committed"]:
+        bad.append(f"{label}: ls lists {v['ls_committed']} as committed, catalog {v['committed']}")
+    if not want_c and C in v["ls_committed"]:
+        bad.append(f"{label}: ls lists the torn {C} as committed")
+    expect_latest = C if want_c else B
+    if v["latest"] != expect_latest or v["resumed"] != expect_latest:
+        bad.append(f"{label}: latest={v['latest']} resumed={v['resumed']}, expected {expect_latest}")
+    for name, diff in v["bitwise"].items():
+        if diff:
+            bad.append(f"{label}: {name} does not restore bitwise: {diff}")
+    if v["resumed_bitwise"]:
+        bad.append(f"{label}: resumed state differs: {v['resumed_bitwise']}")
+    if "recovered" in v:
+        nxt = f"checkpoint_1_{num_updates_of(expect_latest) + 1}"
+        if v["recovered"] != nxt or v["recovered_bitwise"]:
+            bad.append(f"{label}: after resuming, saving {nxt} gave {v['recovered']} "
+                       f"({v['recovered_bitwise'] or 'bitwise'})")
+    return bad
