@@ -142,7 +142,7 @@ def test_gke_jobset_runs_the_image_on_a_tpu_slice():
     (c,) = pod["containers"]
     assert c["image"] == "IMAGE"
     # the config it runs is in the repo and where the Dockerfile copies configs/
-    assert c["args"][:2] == ["demo", "--config"]
+    assert c["args"][:2] == ["train", "--config"]
     path = c["args"][2]
     assert path.startswith("/opt/xla-ckpt/configs/")
     assert (ROOT / "configs" / path.removeprefix("/opt/xla-ckpt/configs/")).is_file()

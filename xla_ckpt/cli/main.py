@@ -18,11 +18,11 @@ import traceback
 from typing import Sequence
 
 from xla_ckpt import __version__
-from xla_ckpt.cli import convert, demo, gc, inspect, ls, rm, verify
+from xla_ckpt.cli import convert, demo, gc, inspect, ls, rm, train, verify
 from xla_ckpt.cli.common import EXIT_USAGE, UsageError, exit_code_for, one_line
 from xla_ckpt.errors import XlaCkptError
 
-COMMANDS = (ls, inspect, verify, convert, rm, gc, demo)
+COMMANDS = (ls, inspect, verify, convert, rm, gc, demo, train)
 
 
 def common_options() -> argparse.ArgumentParser:

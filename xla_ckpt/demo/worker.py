@@ -24,12 +24,16 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 logger = logging.getLogger("xla_ckpt.demo.worker")
 
 PHASES = ("reference", "train", "resume")
+"""reference: train without checkpoints; train: restore the latest checkpoint if there is one,
+train, checkpoint (the phase a real job runs); resume: train, but a checkpoint must exist."""
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -39,9 +43,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="dotted.key=value override (repeatable)")
     p.add_argument("--phase", choices=PHASES, required=True)
     p.add_argument("--out", required=True, help="folder for rank<r>.json")
-    p.add_argument("--device", choices=("cpu", "xla"), default="cpu",
+    p.add_argument("--device", choices=("cpu", "xla", "cuda"), default="cpu",
                    help="where the model trains (cpu: fast CPU emulation; xla: this worker's "
-                        "XLA device, as on a TPU)")
+                        "XLA device, as on a TPU; cuda: cuda:<LOCAL_RANK>)")
     return p.parse_args(argv)
 
 
@@ -89,7 +93,11 @@ def _grad_average(params: list[torch.nn.Parameter], loss: torch.Tensor, world: i
         return float(loss.item())
     import torch.distributed as tdist  # noqa: PLC0415
 
-    flat = torch.cat([g.detach().reshape(-1).cpu() for g in grads] + [loss.detach().reshape(1).cpu()])
+    # gloo takes CPU tensors (XLA tensors under CPU emulation go through host); NCCL takes CUDA.
+    host = params[0].device.type == "xla"
+    flat = torch.cat([g.detach().reshape(-1) for g in grads] + [loss.detach().reshape(1)])
+    if host:
+        flat = flat.cpu()
     if world > 1:
         tdist.all_reduce(flat)
     flat /= world
@@ -125,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
 
         device = torch_xla.device()
         on_tpu = os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
+    elif args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
 
     tokenizer, model = build(tc.model, seed=tc.seed)
     criterion = ContrastiveLoss()
@@ -157,33 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"rank": rank, "phase": args.phase, "losses": {}, "restore": None,
                     "preempted": False}
     epoch, start_i = 1, 0
-    if args.phase == "resume":
-        map_location = None
-        try:
-            import torch_xla  # noqa: PLC0415
-
-            map_location = torch_xla.device()  # restore onto this worker's own XLA device (C2)
-        except ImportError:  # pragma: no cover - torch_xla is a core dependency of the demo
-            pass
-        t0 = time.perf_counter()
-        res = mgr.restore_or_initialize(map_location=map_location)
-        seconds = time.perf_counter() - t0
-        if res is None:
+    if args.phase != "reference":
+        res = _restore(mgr, rank, args.device)
+        if res is None and args.phase == "resume":
             raise SystemExit(f"rank {rank}: nothing to resume from under {ck.save_dir}")
-        st = res.restored.stats if res.restored is not None else None
-        devices = sorted({str(t.device) for t in _tensors(res.state)})
-        extra = ckpt.load_state(res, where=res.uri)
-        itr = extra["train_iterator"]
-        epoch, start_i = int(itr["epoch"]), int(itr["iterations_in_epoch"])
-        torch.set_rng_state(extra["rng_state"].cpu())
-        report["restore"] = {
-            "checkpoint": res.checkpoint, "strategy": res.restored.strategy if res.restored else "",
-            "reason": res.restored.reason if res.restored else "",
-            "bytes_read": st.bytes_read if st else 0,
-            "bytes_received": st.bytes_received if st else 0,
-            "seconds": seconds, "num_updates": ckpt.get_num_updates(),
-            "state_devices": devices,
-        }
+        if res is not None:
+            extra = ckpt.load_state(res.result, where=res.result.uri)
+            itr = extra["train_iterator"]
+            epoch, start_i = int(itr["epoch"]), int(itr["iterations_in_epoch"])
+            torch.set_rng_state(extra["rng_state"].cpu())
+            report["restore"] = dict(res.figures, num_updates=ckpt.get_num_updates())
     params = ckpt.live_parameters()
     try:
         while ckpt.get_num_updates() < total:
@@ -232,6 +226,39 @@ def main(argv: list[str] | None = None) -> int:
     report["num_updates"] = ckpt.get_num_updates()
     _write(args.out, rank, report)
     return 0
+
+
+@dataclass
+class _Restore:
+    result: Any
+    figures: dict
+
+
+def _restore(mgr, rank: int, device: str) -> "_Restore | None":
+    """``restore_or_initialize`` onto this worker's own XLA device (C2), with its figures."""
+    map_location: Any = None
+    if device == "cuda":
+        map_location = torch.device("cuda", torch.cuda.current_device())  # this rank's own GPU
+    elif device == "xla" or os.environ.get("PJRT_DEVICE"):
+        try:
+            import torch_xla  # noqa: PLC0415
+
+            map_location = torch_xla.device()
+        except ImportError:  # pragma: no cover - torch_xla is pinned with the demo
+            map_location = None
+    t0 = time.perf_counter()
+    res = mgr.restore_or_initialize(map_location=map_location)
+    seconds = time.perf_counter() - t0
+    if res is None:
+        return None
+    r = res.restored
+    st = r.stats if r is not None else None
+    return _Restore(res, {
+        "checkpoint": res.checkpoint, "strategy": r.strategy if r else "",
+        "reason": r.reason if r else "", "bytes_read": st.bytes_read if st else 0,
+        "bytes_received": st.bytes_received if st else 0, "seconds": seconds,
+        "state_devices": sorted({str(t.device) for t in _tensors(res.state)}),
+    })
 
 
 def _tensors(obj):
