@@ -1,0 +1,210 @@
+"""Faults under load: 8 ranks restore (every rank reads) through the fault-injecting proxy.
+
+Each *round*, every rank of an 8-process gloo job restores the same
+checkpoint with the ``all_ranks`` strategy (the TPU path: every rank fetches
+its bytes from GCS by byte range) through one
+:class:`~xla_ckpt.testing.fault_proxy.FaultProxy`, which answers a seeded
+random share of the requests with HTTP 503 or 429, a connection reset after
+a random number of body bytes, a short body, or a flipped body byte.  Every
+rank then compares what it got with what was saved, bit for bit.
+
+Per rank and round the outcome is one of:
+
+* ``correct``: the restore returned and every tensor and value is identical;
+* ``clean_error``: the restore raised a library error (an ``XlaCkptError``);
+  then every rank must raise the same class naming the same failed ranks;
+* ``silent_corruption``: the restore returned but something differs -- the
+  failure this suite exists to catch;
+* ``other_error`` / ``hang``: anything else, or a rank the launcher had to kill.
+
+Status faults go to object requests only: the google client also GETs the
+bucket's metadata in a background thread (span attributes for tracing) and
+swallows its failures, so a fault there would test nothing of ours.
+
+Retries are counted on the reader side from the library's own log records
+(``xla_ckpt.storage.retry`` "attempt N failed", crc32c re-reads of
+``xla_ckpt.io.reader`` and ``xla_ckpt.storage.gcs``) and the faults on the
+proxy side.  Used by ``test_faults_under_load.py`` and ``benchmarks/reliability.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+WORLD = 8
+CHUNK_SIZE_BYTES = 256 * 1024
+FAULT_KINDS = ("status_503", "status_429", "reset", "short", "flip")
+
+
+def OBJECT_REQUESTS(r) -> bool:  # noqa: N802 - a matcher, used like the proxy's own
+    """Object requests (stat, list, media GET): not the google client's background GET of
+    bucket metadata (for tracing span attributes), whose failures it swallows."""
+    import re
+
+    return re.search(r"/b/[^/]+/o(/|$)", r.path) is not None
+
+
+def fault_state() -> dict:
+    """About 3.5 MiB: 12 tensors of 128 KiB (one crc32c each) and one of 2 MiB (8 chunk crc32c)."""
+    g = torch.Generator().manual_seed(77)
+    layers = {f"layer{i}.w": torch.randn(128, 256, generator=g) for i in range(12)}
+    return {"model": layers, "emb": torch.randn(512, 1024, generator=g),
+            "extra_state": {"num_updates": 77, "lr": 0.000123, "betas": (0.9, 0.98)}}
+
+
+def save_fault_checkpoint(uri: str) -> int:
+    """Write :func:`fault_state` at ``uri`` with 256 KiB crc32c chunks; returns its data bytes."""
+    from xla_ckpt.format.manifest import STATE_ITEM
+    from xla_ckpt.io import commit, new_save_id, write_item
+    from xla_ckpt.storage import open_storage
+
+    with open_storage(uri) as st:
+        sid = new_save_id()
+        part = write_item(st, sid, STATE_ITEM, fault_state(), chunk_size_bytes=CHUNK_SIZE_BYTES)
+        m = commit(st, sid, [part], metadata={"num_updates": 77})
+    return m.nbytes
+
+
+class _Counts(logging.Handler):
+    """Counts the library's retry and crc32c re-read log records, by cause."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.counts: Counter = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if record.name == "xla_ckpt.storage.retry" and "failed" in msg and "retrying" in msg:
+            self.counts["retries"] += 1
+            self.counts["retry:" + _cause(msg)] += 1
+        elif "crc32c mismatch" in msg:
+            self.counts["crc_rereads"] += 1
+
+
+def _cause(msg: str) -> str:
+    for key in ("HTTP 503", "HTTP 429", "HTTP 5", "connection broke", "body ended",
+                "empty body", "request failed", "crc32c"):
+        if key in msg:
+            return key.lower().replace(" ", "_")
+    return "other"
+
+
+_HANDLER: _Counts | None = None
+
+
+def _counter() -> _Counts:
+    global _HANDLER
+    if _HANDLER is None:
+        _HANDLER = _Counts()
+        log = logging.getLogger("xla_ckpt")
+        log.setLevel(logging.INFO)
+        log.addHandler(_HANDLER)
+        log.propagate = False  # counted, not printed
+    _HANDLER.counts.clear()
+    return _HANDLER
+
+
+def restore_round(uri: str, storage_kwargs: dict, timeout_s: float) -> dict:
+    """On every rank: restore ``uri`` (all_ranks), compare bitwise; never raises."""
+    from xla_ckpt.config import DistConfig
+    from xla_ckpt.dist import get_dist
+    from xla_ckpt.errors import XlaCkptError
+    from xla_ckpt.restore import restore
+    from xla_ckpt.storage import StorageConfig
+    from xla_ckpt.testing.asserts import assert_state_identical
+
+    counter = _counter()
+    d = get_dist(DistConfig(backend="gloo", timeout_s=timeout_s))
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"rank": d.rank}
+    try:
+        r = restore(uri, dist=d, strategy="all_ranks",
+                    storage_config=StorageConfig(**storage_kwargs))
+    except XlaCkptError as e:
+        out.update(outcome="clean_error", error=type(e).__name__, message=str(e)[:400],
+                   failed_ranks=sorted(getattr(e, "failures", {}) or {}))
+    except Exception as e:  # noqa: BLE001 - what must never happen is recorded, not raised
+        out.update(outcome="other_error", error=type(e).__name__, message=str(e)[:400])
+    else:
+        try:
+            assert_state_identical(r.state, fault_state())
+            out["outcome"] = "correct"
+        except AssertionError as e:
+            out.update(outcome="silent_corruption", message=str(e)[:400])
+        out["bytes_read"] = r.stats.bytes_read
+    out["seconds"] = time.monotonic() - t0
+    out["counts"] = dict(counter.counts)
+    return out
+
+
+def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
+               storage_kwargs: dict, max_rounds: int = 1000, seed_note: str = "",
+               round_timeout_s: float = 180.0, collective_timeout_s: float = 120.0) -> dict:
+    """Restore rounds until the proxy injected ``min_faults`` faults; returns the tally.
+
+    ``pool`` is a :class:`~xla_ckpt.testing.launcher.WorkerPool` of :data:`WORLD`
+    ranks; ``proxy`` a started :class:`FaultProxy` in front of the emulator
+    holding ``uri``.
+    """
+    from xla_ckpt.testing.fault_proxy import Fault, downloads, requests_to
+
+    proxy.reset_log()
+    proxy.random_faults(probability, [Fault.error(503), Fault.error(429, retry_after="0"),
+                                      Fault.reset(), Fault.reset(rst=False), Fault.short(),
+                                      Fault.flip()],
+                        match=downloads(), status_match=OBJECT_REQUESTS)
+    outcomes: Counter = Counter()
+    errors: Counter = Counter()
+    counts: Counter = Counter()
+    problems: list[str] = []
+    rounds = hangs = named = 0
+    t0 = time.perf_counter()
+    try:
+        while sum(proxy.snapshot().faults.values()) < min_faults and rounds < max_rounds:
+            rounds += 1
+            results = pool.run(restore_round, uri, storage_kwargs, collective_timeout_s,
+                               timeout_s=round_timeout_s, env=proxy.env())
+            for res in results:
+                if res.timed_out:
+                    hangs += 1
+                    outcomes["hang"] += 1
+                    problems.append(f"round {rounds}: rank {res.rank} hung")
+                    continue
+                if res.error is not None:
+                    outcomes["other_error"] += 1
+                    problems.append(f"round {rounds}: rank {res.rank} died: {res.error}")
+                    continue
+                v = res.value
+                outcomes[v["outcome"]] += 1
+                counts.update(v["counts"])
+                if v["outcome"] == "clean_error":
+                    errors[v["error"]] += 1
+                    named += bool(v.get("failed_ranks"))
+                elif v["outcome"] != "correct":
+                    problems.append(f"round {rounds}: rank {v['rank']}: {v['outcome']}: "
+                                    f"{v.get('error', '')} {v['message']}")
+            verdicts = {(r.value["outcome"], r.value.get("error"),
+                         tuple(r.value.get("failed_ranks", ())))
+                        for r in results if r.error is None}
+            if any(v[0] == "clean_error" for v in verdicts) and len(verdicts) > 1:
+                problems.append(f"round {rounds}: ranks disagree on the outcome: {verdicts}")
+            if pool.broken:
+                problems.append(f"round {rounds}: the worker pool broke")
+                break
+    finally:
+        proxy.clear_faults()
+    snap = proxy.snapshot()
+    faults = {k: snap.faults.get(k, 0) for k in FAULT_KINDS}
+    return {"rounds": rounds, "restores": rounds * WORLD, "outcomes": dict(outcomes),
+            "clean_errors": dict(errors), "errors_naming_ranks": named, "faults": faults,
+            "faults_total": sum(snap.faults.values()), "requests": snap.requests,
+            "retries": counts.get("retries", 0), "crc_rereads": counts.get("crc_rereads", 0),
+            "retry_causes": {k[6:]: v for k, v in counts.items() if k.startswith("retry:")},
+            "hangs": hangs, "silent_corruptions": outcomes.get("silent_corruption", 0),
+            "problems": problems[:20], "probability": probability,
+            "seconds": time.perf_counter() - t0, "note": seed_note}
