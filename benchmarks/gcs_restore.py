@@ -204,16 +204,19 @@ def child(method: str, spec: dict) -> dict:
 
 
 # ---- parent -------------------------------------------------------------------------------
-def prepare(emu, size_mib: int, prefix: str, methods: str) -> dict:
+def prepare(emu, proxy, size_mib: int, prefix: str, methods: str) -> dict:
+    """Write the state in each method's layout (through the proxy, so the objects' media links,
+    which some clients follow, point at the shaped endpoint too)."""
     import torch
 
     import xla_ckpt
     from xla_ckpt.storage import StorageConfig
+    from xla_ckpt.storage.gcs import GCSStorage
 
     t0 = time.perf_counter()
     state = make_state(size_mib)
     crcs = tensor_crcs(state)
-    direct = emu.storage(prefix, StorageConfig(max_workers=8))
+    direct = GCSStorage(emu.uri(prefix), StorageConfig(max_workers=8), endpoint=proxy.url)
     if set(methods) & {"a", "e"}:
         xla_ckpt.save(state, emu.uri(f"{prefix}/xla"), storage=direct.child("xla"))
     if set(methods) & {"b", "c"}:
@@ -226,7 +229,7 @@ def prepare(emu, size_mib: int, prefix: str, methods: str) -> dict:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         dcp.save(state, storage_writer=FsspecWriter(f"gs://{emu.bucket}/{prefix}/dcp", token="anon",
-                                                    endpoint_url=emu.host))
+                                                    endpoint_url=proxy.url))
     direct.close()
     print(f"# wrote {size_mib} MiB state as {methods} layouts in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
@@ -260,6 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-workers", type=int, default=None, help="(a) and (c) threads")
     ap.add_argument("--slice-mib", type=int, default=None, help="(a) slice size")
     ap.add_argument("--sweep", action="store_true", help="(a) over max_workers x slice size")
+    ap.add_argument("--sweep-workers", default="8,16,32")
+    ap.add_argument("--sweep-slices-mib", default="4,8,16,32")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -284,7 +289,7 @@ def main(argv=None) -> int:
                       stream_mib_s=a.stream_mib_s, total_mib_s=a.total_mib_s)
     with GCSEmulator() as emu, FaultProxy(emu.host, shaping=shaping) as proxy:
         prefix = "bench"
-        crcs = prepare(emu, a.size_mib, prefix, methods)
+        crcs = prepare(emu, proxy, a.size_mib, prefix, methods)
         env = {**os.environ, **emu.env(), **proxy.env(), "OMP_NUM_THREADS": "1"}
         base_spec = {"bucket": emu.bucket, "prefix": prefix, "endpoint": proxy.url,
                      "size_mib": a.size_mib, "crcs": crcs, "max_workers": a.max_workers,
@@ -292,8 +297,8 @@ def main(argv=None) -> int:
         common = {"size_mib": a.size_mib, "first_byte_latency_ms": a.first_byte_latency_ms,
                   "stream_mib_s": a.stream_mib_s, "total_mib_s": a.total_mib_s}
         if a.sweep:
-            for workers in (8, 16, 32):
-                for slice_mib in (4, 8, 16, 32):
+            for workers in map(int, a.sweep_workers.split(",")):
+                for slice_mib in map(int, a.sweep_slices_mib.split(",")):
                     spec = {**base_spec, "max_workers": workers, "slice_mib": slice_mib}
                     r = [run_child("a", spec, env) for _ in range(a.repeat)]
                     secs = statistics.median(x["seconds"] for x in r)

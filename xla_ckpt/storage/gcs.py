@@ -82,7 +82,7 @@ _READ_PIECE_BYTES = 256 * 1024  # bytes per readinto call: the granularity of re
 
 DEFAULT_PROJECT = "xla-ckpt"
 
-DEFAULT_CONFIG = StorageConfig(max_workers=16, slice_size_bytes=16 * MiB)
+DEFAULT_CONFIG = StorageConfig(max_workers=32, slice_size_bytes=8 * MiB)
 """Defaults measured against the shaped emulator (see benchmarks/README.md, ``--sweep``)."""
 
 _RETRYABLE_STATUS = frozenset({408, 429})
@@ -786,7 +786,7 @@ class GCSStorage(Storage):
                 backoff.failed(e, retry_after_s=e.retry_after_s)
             except XlaCkptError:
                 raise
-            except (requests.exceptions.JSONDecodeError, *_TRANSIENT_EXC) as e:
+            except (json.JSONDecodeError, *_TRANSIENT_EXC) as e:
                 backoff.failed(e)
 
     def _http_error(self, what: str, resp: requests.Response, *,
@@ -843,8 +843,8 @@ class GCSStorage(Storage):
                     backoff.failed(f"HTTP {code} {e.message}", retry_after_s=ra)
                     continue
                 raise StorageError(f"{what}: HTTP {code}: {e.message} (not retried)") from None
-            except (ValueError, *_TRANSIENT_EXC) as e:
-                # ValueError: a JSON answer cut short by a broken connection.
+            except (json.JSONDecodeError, *_TRANSIENT_EXC) as e:
+                # JSONDecodeError: a JSON answer cut short by a broken connection.
                 backoff.failed(e)
 
 
