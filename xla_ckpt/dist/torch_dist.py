@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as tdist
 
+from xla_ckpt.dist import liveness
 from xla_ckpt.dist.base import Dist
 from xla_ckpt.dist.topology import Topology
 from xla_ckpt.errors import CollectiveTimeoutError, ConfigError, DistributedError
@@ -65,19 +66,22 @@ _MISSING_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
 def collective_error(op: str, rank: int, timeout_s: float, seconds: float,
-                     cause: BaseException) -> DistributedError:
+                     cause: BaseException, blamed: dict[int, str] | None = None
+                     ) -> DistributedError:
     """Turn a backend failure of ``op`` into our error type (marked as a broken collective).
 
     A gloo ``monitored_barrier`` names the ranks that did not arrive; they
-    become the error's ``failures``.
+    become the error's ``failures``, with ``blamed`` (rank -> cause, from
+    :meth:`xla_ckpt.dist.liveness.Liveness.diagnose`).
     """
     text = " ".join(str(cause).split())[:500]
     missing = _MISSING_RANKS.search(text)
-    if missing or "timed out" in text.lower() or "timeout" in text.lower():
-        failures = {}
+    failures = dict(blamed or {})
+    low = text.lower()
+    if missing or "timed out" in low or "timeout" in low:
         if missing:
-            failures = {int(r): f"did not reach {op} within {timeout_s:g} s"
-                        for r in re.findall(r"\d+", missing.group(1))}
+            failures.update({int(r): f"did not reach {op} within {timeout_s:g} s"
+                             for r in re.findall(r"\d+", missing.group(1))})
         err: DistributedError = CollectiveTimeoutError(
             f"rank {rank}: {op} did not complete within its {timeout_s:g} s timeout ({text}); "
             "another rank died, hung or never entered it — check the other ranks' logs",
@@ -85,7 +89,7 @@ def collective_error(op: str, rank: int, timeout_s: float, seconds: float,
     else:
         err = DistributedError(
             f"rank {rank}: {op} failed after {seconds:.1f} s ({text}); another rank has "
-            "probably died or left — check the other ranks' logs")
+            "probably died or left — check the other ranks' logs", failures)
     err.collective_broken = True  # type: ignore[attr-defined]
     return err
 
@@ -124,6 +128,7 @@ class TorchDist(Dist):
             self._ctrl = tdist.new_group(backend="gloo",
                                          timeout=datetime.timedelta(seconds=timeout_s))
         super().__init__(self._make_topology(), timeout_s=timeout_s)
+        self._liveness = liveness.for_group(self._ctrl)
 
     def _make_topology(self) -> Topology:
         rank = tdist.get_rank(self._group)
@@ -173,12 +178,17 @@ class TorchDist(Dist):
             return group_rank
         return tdist.get_global_rank(group, group_rank)
 
-    def _guard(self, op: str, fn: Callable[[], Any]) -> Any:
+    def _guard(self, op: str, fn: Callable[[], Any], *, collective: bool = True) -> Any:
         t0 = time.monotonic()
+        if collective and self._liveness is not None:
+            self._liveness.entering(op)  # every rank of the group enters it: a progress mark
         try:
             return fn()
         except (RuntimeError, tdist.DistBackendError) as e:
-            raise collective_error(op, self.rank, self.timeout_s, time.monotonic() - t0, e) from e
+            # Name the rank(s) to blame (dead: heartbeat stopped; hung: never entered `op`).
+            blamed = self._liveness.diagnose() if self._liveness is not None else {}
+            raise collective_error(op, self.rank, self.timeout_s, time.monotonic() - t0, e,
+                                   blamed) from e
 
     def barrier(self, timeout_s: float | None = None) -> None:
         timeout = datetime.timedelta(seconds=timeout_s or self.timeout_s)
@@ -227,9 +237,9 @@ class TorchDist(Dist):
     def _data_send(self, t: torch.Tensor, dst: int) -> None:
         g = self._global(dst, self._group)
         self._guard(f"send of {t.numel()} bytes to rank {dst} (data plane)",
-                    lambda: tdist.send(t, dst=g, group=self._group))
+                    lambda: tdist.send(t, dst=g, group=self._group), collective=False)
 
     def _data_recv(self, t: torch.Tensor, src: int) -> None:
         g = self._global(src, self._group)
         self._guard(f"recv of {t.numel()} bytes from rank {src} (data plane)",
-                    lambda: tdist.recv(t, src=g, group=self._group))
+                    lambda: tdist.recv(t, src=g, group=self._group), collective=False)

@@ -1,0 +1,106 @@
+"""What each rank runs in the rank-failure tests (module level: the launcher imports it).
+
+One rank (the victim) fails during a restore of 4 gloo ranks, in one of four
+ways; every rank reports how its restore ended and how long it took:
+
+* ``raise``: the victim's storage reads fail for real: the fault proxy answers
+  them with HTTP 403, so its read raises :class:`StoragePermissionError`;
+* ``kill``: the victim SIGKILLs itself at a fault hook: its first storage read
+  (``all_ranks``), or its second data-plane bucket (``broadcast``);
+* ``stall``: the victim sleeps at that hook for ``timeout_s + STALL_EXTRA_S``;
+* ``coordinator``: the victim is rank 0 -- the rank that decides what to
+  restore and (broadcast) sends the bytes -- and it is killed at the hook
+  (``all_ranks``: while reading the manifest to decide, the others waiting
+  for the decision; ``broadcast``: while sending the second bucket).
+
+The hooks replace a method of the real storage backend or of the rank's own
+:class:`~xla_ckpt.dist.TorchDist` (a fault a real part cannot produce on demand
+at that point); the rest is the real library.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from xla_ckpt.testing.launcher import kill_self
+
+STALL_EXTRA_S = 6.0
+BUCKET_BYTES = 64 * 1024
+
+
+def checkpoint_state() -> tuple[dict, dict[int, dict]]:
+    """The replicated state (4 tensors of 256 KiB) and every rank's private state."""
+    g = torch.Generator().manual_seed(4)
+    state = {"t": [torch.randn(64 * 1024, generator=g) for _ in range(4)], "step": 9}
+    ranks = {r: {"rng": torch.full((64,), r, dtype=torch.int64)} for r in range(4)}
+    return state, ranks
+
+
+def _hook_storage_reads(action) -> None:
+    """Run ``action()`` at this rank's first ranged read (local or GCS backend)."""
+    from xla_ckpt.storage.gcs import GCSStorage
+    from xla_ckpt.storage.local import LocalStorage
+
+    fired = threading.Lock()  # reads run in parallel threads: act once
+
+    for cls in (LocalStorage, GCSStorage):
+        real = cls.read_range
+
+        def hooked(self, *a, _real=real, **kw):
+            if fired.acquire(blocking=False):
+                action()
+            return _real(self, *a, **kw)
+
+        cls.read_range = hooked
+
+
+def _hook_second_bucket(d, action) -> None:
+    """Run ``action()`` when this rank enters its second data-plane broadcast."""
+    real = d._data_broadcast
+    calls = []
+
+    def hooked(t, src):
+        calls.append(1)
+        if len(calls) == 2:
+            action()
+        real(t, src)
+
+    d._data_broadcast = hooked
+
+
+def restore_with_victim(uri: str, strategy: str, scenario: str, victim: int,
+                        timeout_s: float) -> dict:
+    """Every rank: restore ``uri``; the victim fails as ``scenario`` says.  Never raises."""
+    from xla_ckpt.config import DistConfig
+    from xla_ckpt.dist import TorchDist, get_dist
+    from xla_ckpt.errors import XlaCkptError
+    from xla_ckpt.restore import RestoreConfig, restore
+    from xla_ckpt.storage import StorageConfig
+
+    get_dist(DistConfig(backend="gloo", timeout_s=120.0))  # the job's process group
+    d = TorchDist.new_subgroup(range(4), timeout_s=timeout_s)  # fresh groups for this case
+    if d.rank == victim and scenario != "raise":
+        action = kill_self if scenario in ("kill", "coordinator") else \
+            (lambda: time.sleep(timeout_s + STALL_EXTRA_S))
+        if strategy == "broadcast":
+            _hook_second_bucket(d, action)  # receiving (rank 2) or sending (rank 0) bytes
+        else:
+            _hook_storage_reads(action)  # rank 0: its manifest read while deciding
+    t0 = time.monotonic()
+    out: dict = {"rank": d.rank}
+    try:
+        restore(uri, dist=d, strategy=strategy,
+                config=RestoreConfig(bucket_size_bytes=BUCKET_BYTES),
+                storage_config=StorageConfig(max_attempts=2, initial_backoff_s=0.01,
+                                             max_backoff_s=0.05))
+        out.update(outcome="restored")
+    except XlaCkptError as e:
+        out.update(outcome="error", error=type(e).__name__, message=str(e),
+                   failures={int(k): v for k, v in getattr(e, "failures", {}).items()})
+    except Exception as e:  # noqa: BLE001 - recorded: the test fails on it
+        out.update(outcome="foreign_error", error=type(e).__name__, message=str(e))
+    out["seconds"] = time.monotonic() - t0
+    return out

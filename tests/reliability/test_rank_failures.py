@@ -1,0 +1,128 @@
+"""Rank failures during a restore of 4 gloo ranks, both strategies: nobody hangs, the culprit is named.
+
+For each case (``rank_workers.py``): one rank raises during its read, is
+SIGKILLed, stalls past the collective timeout, or is the coordinator (rank 0)
+and dies.  Every surviving rank must end with a library error whose
+``failures`` names the failed rank, within the collective timeout plus a
+margin (the time :mod:`xla_ckpt.dist.liveness` takes to tell a dead rank from
+a live one); the launcher's hard timeout turns any hang into a failure here.
+``tests/restore/test_restore_multiprocess.py`` covers a corrupt read on local
+files and a rank killed mid-broadcast with 8 ranks; this file adds the
+naming, the timing, and the other cases.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import rank_workers as W
+from xla_ckpt.dist.liveness import DEAD_AFTER_S
+from xla_ckpt.io import save
+from xla_ckpt.testing.fault_proxy import Fault, FaultProxy, downloads
+from xla_ckpt.testing.launcher import WorkerPool
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+TIMEOUT_S = 3.0
+MARGIN_S = DEAD_AFTER_S + 4.0   # diagnosing who failed, plus scheduling slack on 2 cores
+HARD_TIMEOUT_S = 60.0           # the launcher kills any rank still running after this
+STRATEGIES = ["all_ranks", "broadcast"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """4 ranks for the cases that leave every process alive."""
+    p = WorkerPool(4, xla=False)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def local_ckpt(tmp_path_factory):
+    uri = str(tmp_path_factory.mktemp("ranks") / "ckpt")
+    state, ranks = W.checkpoint_state()
+    save(state, uri, rank_states=ranks)
+    return uri
+
+
+@pytest.fixture(scope="module")
+def gcs_ckpt(gcs_emulator):
+    uri = gcs_emulator.unique_uri("ranks")
+    state, ranks = W.checkpoint_state()
+    saved = dict(os.environ)
+    os.environ.update(gcs_emulator.env())
+    try:
+        save(state, uri, rank_states=ranks)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    yield uri
+    gcs_emulator.delete_prefix(uri.split("/", 3)[3] + "/")
+
+
+def _survivors_name(results, victim: int, what: str) -> float:
+    """Assert every rank but ``victim`` raised a DistributedError naming it in time; returns the
+    slowest survivor's seconds."""
+    assert not any(r.timed_out for r in results), f"{what}: a rank hung"
+    slowest = 0.0
+    for r in results:
+        if r.rank == victim:
+            continue
+        v = r.unwrap()
+        assert v["outcome"] == "error", (what, r.rank, v)
+        assert v["error"] in ("DistributedError", "CollectiveTimeoutError"), (what, v)
+        assert set(v["failures"]) == {victim}, (what, r.rank, v["failures"])
+        assert f"rank {victim}: " in v["message"]
+        assert v["seconds"] <= TIMEOUT_S + MARGIN_S, (what, r.rank, v["seconds"])
+        slowest = max(slowest, v["seconds"])
+    print(f"{what}: survivors named rank {victim} within {slowest:.2f} s "
+          f"(timeout {TIMEOUT_S:g} s + margin {MARGIN_S:g} s)")
+    return slowest
+
+
+@pytest.mark.parametrize("strategy,victim", [("all_ranks", 2), ("broadcast", 0)])
+def test_rank_raises_during_read(pool, gcs_emulator, gcs_ckpt, strategy, victim):
+    # all_ranks: only rank 2 reads its own rank item; broadcast: only rank 0 reads at all.
+    target = "rank-00002" if strategy == "all_ranks" else "-state.safetensors"
+    with FaultProxy(gcs_emulator.host) as proxy:
+        proxy.inject(Fault.error(403), match=downloads(target), times=1000)
+        results = pool.run(W.restore_with_victim, gcs_ckpt, strategy, "raise", victim, TIMEOUT_S,
+                           timeout_s=HARD_TIMEOUT_S, env=proxy.env())
+    _survivors_name(results, victim, f"{strategy}: rank {victim} raises")
+    for r in results:  # one agreement step: the same error, naming the cause, on every rank
+        v = r.value
+        assert v["error"] == "DistributedError"
+        assert v["failures"][victim].startswith("StoragePermissionError: ")
+        assert "HTTP 403" in v["failures"][victim] and target in v["failures"][victim]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_rank_stalls_past_the_timeout(pool, local_ckpt, strategy):
+    results = pool.run(W.restore_with_victim, local_ckpt, strategy, "stall", 2, TIMEOUT_S,
+                       timeout_s=HARD_TIMEOUT_S)
+    _survivors_name(results, 2, f"{strategy}: rank 2 stalls")
+    for r in results:  # alive, but never entered the collective the others waited in
+        if r.rank != 2:
+            assert "did not enter" in r.value["failures"][2] and "hangs" in r.value["failures"][2]
+    # The stalled rank itself does not hang either: its next collective fails at once.
+    late = results[2].unwrap()
+    assert late["outcome"] == "error" and late["error"] in ("DistributedError",
+                                                            "CollectiveTimeoutError")
+    assert late["seconds"] <= TIMEOUT_S + W.STALL_EXTRA_S + MARGIN_S
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("scenario,victim", [("kill", 2), ("coordinator", 0)])
+def test_rank_dies(local_ckpt, strategy, scenario, victim):
+    with WorkerPool(4, xla=False) as p:  # a death retires the pool
+        results = p.run(W.restore_with_victim, local_ckpt, strategy, scenario, victim, TIMEOUT_S,
+                        timeout_s=HARD_TIMEOUT_S)
+    assert results[victim].exitcode == -9
+    _survivors_name(results, victim, f"{strategy}: rank {victim} ({scenario}) SIGKILLed")
+    for r in results:
+        if r.rank != victim:
+            assert r.value["failures"][victim].startswith(
+                f"died: no heartbeat for {DEAD_AFTER_S:g} s"), r.value["failures"]
+
