@@ -9,7 +9,7 @@ from xla_ckpt.dist.buckets import Bucket, Part, byte_view, max_staging_bytes, pl
 
 
 def test_small_tensors_are_packed_and_large_ones_move_in_place():
-    plan = plan_buckets([3, 0, 5, 10, 2, 2], bucket_size_bytes=8)
+    plan = plan_buckets([3, 0, 5, 10, 2, 2], bucket_size_bytes=8, direct_min_bytes=6)
     assert plan == [  # a large tensor goes out at once; the open packed bucket when full
         Bucket(direct=True, nbytes=8, parts=[Part(3, 0, 8, 0)]),
         Bucket(direct=True, nbytes=2, parts=[Part(3, 8, 2, 0)]),
@@ -17,11 +17,13 @@ def test_small_tensors_are_packed_and_large_ones_move_in_place():
         Bucket(direct=False, nbytes=4, parts=[Part(4, 0, 2, 0), Part(5, 0, 2, 2)]),
     ]
     assert max_staging_bytes(plan) == 8
+    # with the default threshold (4 MiB) everything here is small enough to pack
+    assert [b.direct for b in plan_buckets([3, 5, 10], 8)] == [True, True, False]
 
 
 def test_every_byte_is_planned_exactly_once():
-    sizes = [7, 64, 1, 0, 65, 128, 3, 3, 200]
-    plan = plan_buckets(sizes, bucket_size_bytes=64)
+    sizes = [7, 64, 1, 0, 65, 128, 3, 3, 200, 40]
+    plan = plan_buckets(sizes, bucket_size_bytes=64, direct_min_bytes=32)
     covered = {i: [] for i in range(len(sizes))}
     for b in plan:
         assert b.nbytes <= 64

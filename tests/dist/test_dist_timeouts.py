@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 def test_late_rank_times_out_the_barrier_naming_it():
     with WorkerPool(3, xla=False) as pool:
-        results = pool.run(W.late_barrier, 2, 6.0, 2.0, timeout_s=60)
+        results = pool.run(W.late_barrier, 2, 3.5, 2.0, timeout_s=60)
     assert not any(r.timed_out for r in results)
     e0 = results[0].error
     assert type(e0) is CollectiveTimeoutError

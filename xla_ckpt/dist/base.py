@@ -268,7 +268,8 @@ class Dist(abc.ABC):
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int = 0,
                           bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES, *,
-                          wait_on_src: Callable[[int], None] | None = None) -> int:
+                          wait_on_src: Callable[[int], None] | None = None,
+                          check_layout: bool = True) -> int:
         """Copy ``src``'s tensors into the preallocated tensors of every other rank.
 
         Every rank passes the same number of contiguous tensors with the same
@@ -278,6 +279,9 @@ class Dist(abc.ABC):
         in place in bucket-sized slices.  Extra memory per rank: one bucket.
         When the tensors are not on :attr:`data_device` (CPU tensors with
         NCCL) every bucket is staged through a device buffer.
+
+        ``check_layout=False`` skips the size check (one control-plane round)
+        when every rank derived its sizes from the same bytes, e.g. a manifest.
 
         ``wait_on_src`` lets ``src`` fill its tensors while earlier buckets
         are already travelling: before sending a bucket, ``src`` calls
@@ -296,7 +300,8 @@ class Dist(abc.ABC):
         sizes = [v.numel() for v in views]
         if self.world_size == 1:
             return sum(sizes)
-        self._check_layout(sizes, src, "broadcast_tensors")
+        if check_layout:
+            self._check_layout(sizes, src, "broadcast_tensors")
         dev = self.data_device
         plan = plan_buckets(sizes, bucket_size_bytes)
         staged_all = any(v.device != dev for v in views)

@@ -27,6 +27,23 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 
+# Control-plane messages up to these sizes take one collective instead of two.
+SMALL_ALLGATHER_BYTES = 1024
+SMALL_BROADCAST_BYTES = 64 * 1024
+_HEADER = 8
+
+
+def _length(n: int) -> torch.Tensor:
+    return torch.tensor(list(n.to_bytes(_HEADER, "little")), dtype=torch.uint8)
+
+
+def _read_length(slot: torch.Tensor) -> int:
+    return int.from_bytes(slot[:_HEADER].numpy().tobytes(), "little")
+
+
+def _tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
 
 def _env_int(name: str, default: int) -> int:
     v = os.environ.get(name)
@@ -103,8 +120,8 @@ class TorchDist(Dist):
             available, else gloo).  Ignored if the group already exists.
         init_method: rendezvous URL (``env://`` as torchrun sets it).
         timeout_s: seconds every collective waits (process group and control group).
-        group: use this process group instead of the default one (see
-            :meth:`new_subgroup`).
+        group: the data-plane group (see :meth:`new_subgroup`); by default a new
+            group over every rank with ``timeout_s``, on the default backend.
 
     Every rank of the default group must construct it (creating the gloo
     control group is itself a collective).
@@ -120,13 +137,17 @@ class TorchDist(Dist):
         if backend not in ("gloo", "nccl"):
             raise ConfigError(f"dist.backend for TorchDist must be gloo or nccl, got {backend!r}")
         init_process_group(backend, init_method, timeout_s)
-        self._group = group if group is not None else tdist.group.WORLD
+        td = datetime.timedelta(seconds=timeout_s)
+        if group is None:
+            # Our own data group over every rank, so its collectives time out after
+            # *this* timeout_s, whatever the default group (maybe the user's) was given.
+            group = tdist.new_group(timeout=td)
+        self._group = group
         self._backend = str(tdist.get_backend(self._group)).lower()
         if _ctrl_group is not None:
             self._ctrl = _ctrl_group
         else:
-            self._ctrl = tdist.new_group(backend="gloo",
-                                         timeout=datetime.timedelta(seconds=timeout_s))
+            self._ctrl = tdist.new_group(backend="gloo", timeout=td)
         super().__init__(self._make_topology(), timeout_s=timeout_s)
         self._liveness = liveness.for_group(self._ctrl)
 
@@ -199,14 +220,21 @@ class TorchDist(Dist):
         world = self.world_size
 
         def run() -> list[bytes]:
-            n = torch.tensor([len(data)], dtype=torch.int64)
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-            tdist.all_gather(sizes, n, group=self._ctrl)
-            lens = [int(s.item()) for s in sizes]
-            m = max(max(lens), 1)
+            # One collective when every payload fits a small slot (decisions, errors);
+            # a second one, sized to the largest payload, only when some does not.
+            slot = torch.zeros(_HEADER + SMALL_ALLGATHER_BYTES, dtype=torch.uint8)
+            slot[:_HEADER] = _length(len(data))
+            if len(data) <= SMALL_ALLGATHER_BYTES and data:
+                slot[_HEADER:_HEADER + len(data)] = _tensor(data)
+            slots = [torch.empty_like(slot) for _ in range(world)]
+            tdist.all_gather(slots, slot, group=self._ctrl)
+            lens = [_read_length(sl) for sl in slots]
+            if max(lens) <= SMALL_ALLGATHER_BYTES:
+                return [sl[_HEADER:_HEADER + k].numpy().tobytes() for sl, k in zip(slots, lens)]
+            m = max(lens)
             buf = torch.zeros(m, dtype=torch.uint8)
             if data:
-                buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                buf[:len(data)] = _tensor(data)
             outs = [torch.empty(m, dtype=torch.uint8) for _ in range(world)]
             tdist.all_gather(outs, buf, group=self._ctrl)
             return [o[:k].numpy().tobytes() for o, k in zip(outs, lens)]
@@ -215,17 +243,26 @@ class TorchDist(Dist):
 
     def _broadcast_bytes(self, data: bytes | None, src: int, op: str) -> bytes:
         gsrc = self._global(src, self._ctrl)
+        is_src = self.rank == src
 
         def run() -> bytes:
-            n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-            tdist.broadcast(n, src=gsrc, group=self._ctrl)
-            k = int(n.item())
-            buf = torch.empty(max(k, 1), dtype=torch.uint8)
-            if self.rank == src and k:
-                buf[:k] = torch.frombuffer(bytearray(data or b""), dtype=torch.uint8)
-            if k:
-                tdist.broadcast(buf, src=gsrc, group=self._ctrl)
-            return buf[:k].numpy().tobytes()
+            # The first SMALL_BROADCAST_BYTES travel with the length; the rest, if any, after.
+            first = torch.zeros(_HEADER + SMALL_BROADCAST_BYTES, dtype=torch.uint8)
+            if is_src:
+                payload = data or b""
+                first[:_HEADER] = _length(len(payload))
+                head = payload[:SMALL_BROADCAST_BYTES]
+                if head:
+                    first[_HEADER:_HEADER + len(head)] = _tensor(head)
+            tdist.broadcast(first, src=gsrc, group=self._ctrl)
+            k = _read_length(first)
+            if k <= SMALL_BROADCAST_BYTES:
+                return first[_HEADER:_HEADER + k].numpy().tobytes()
+            rest = torch.empty(k - SMALL_BROADCAST_BYTES, dtype=torch.uint8)
+            if is_src:
+                rest[:] = _tensor((data or b"")[SMALL_BROADCAST_BYTES:])
+            tdist.broadcast(rest, src=gsrc, group=self._ctrl)
+            return first[_HEADER:].numpy().tobytes() + rest.numpy().tobytes()
 
         return self._guard(f"{op} (control plane broadcast from rank {src})", run)
 

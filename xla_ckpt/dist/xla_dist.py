@@ -63,11 +63,10 @@ class XlaDist(TorchDist):
             init_process_group("gloo", init_method, timeout_s)
         self._xr = xr
         self._xla_device = torch_xla.device()
-        group = None
         ctrl = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        if str(tdist.get_backend()).lower() != "gloo":
-            group = ctrl  # never move bytes through an XLA process group
-        super().__init__(timeout_s=timeout_s, group=group, _ctrl_group=ctrl)
+        # bytes move on a gloo group of our own (never through an XLA process group)
+        data = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        super().__init__(timeout_s=timeout_s, group=data, _ctrl_group=ctrl)
 
     def _make_topology(self) -> Topology:
         pg = super()._make_topology()

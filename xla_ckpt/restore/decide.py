@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from xla_ckpt.dist.base import Dist, describe_error
+from xla_ckpt.dist.base import Dist, decode_object, describe_error, encode_object
 from xla_ckpt.errors import (CheckpointNotFoundError, DistributedError,
                              IncompleteCheckpointError)
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
@@ -97,7 +97,14 @@ def decide(uri: str, dist: Dist, *, config: StorageConfig | None = None,
             status, local_error = {"status": "not_found", "message": str(e)}, e
         except Exception as e:  # noqa: BLE001 - sent to every rank, then raised everywhere
             status, local_error = {"status": "error", "message": describe_error(e)}, e
-    status = dist.broadcast_object(status if dist.rank == 0 else None, src=0)
+    # One message: the typed status, then the manifest bytes (one control-plane round).
+    message = None
+    if dist.rank == 0:
+        head = encode_object(status)
+        message = len(head).to_bytes(8, "little") + head + payload
+    message = dist.broadcast_bytes(message, src=0)
+    n = int.from_bytes(message[:8], "little")
+    status, data = decode_object(message[8:8 + n]), message[8 + n:]
     kind = status.get("status")
     suffix = f" [{context}]" if context else ""
     if kind == "incomplete":
@@ -108,7 +115,6 @@ def decide(uri: str, dist: Dist, *, config: StorageConfig | None = None,
         raise DistributedError(f"restore: rank 0 could not decide which checkpoint to restore "
                                f"from {uri}{suffix}", {0: status.get("message", "?")}) \
             from local_error
-    data = dist.broadcast_bytes(payload if dist.rank == 0 else None, src=0)
     ckpt = status["checkpoint"]
     manifest = Manifest.from_json_bytes(data, where=f"{ckpt}/{MANIFEST_NAME}")
     if dist.rank == 0:
