@@ -233,6 +233,7 @@ def test_killed_rank_makes_the_others_raise(pool8, tmp_path):
         assert not r.timed_out, "a rank hung instead of raising"
         assert isinstance(r.error, DistributedError), r.traceback
         assert isinstance(r.error, CollectiveTimeoutError) or "died" in str(r.error)
+        assert "(strategy broadcast: strategy='broadcast' was requested)" in str(r.error)
 
 
 def test_c9_world_size_mismatch_without_resharding(pool, c9_checkpoint):

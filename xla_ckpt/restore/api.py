@@ -9,6 +9,7 @@ from typing import Any
 
 from xla_ckpt.dist.base import Dist
 from xla_ckpt.dist.select import get_dist
+from xla_ckpt.errors import DistributedError
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.format.plan import MapLocation
@@ -95,13 +96,19 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
     what = f"restore of {decision.checkpoint} (strategy {name}: {reason})"
     if dist.rank == 0:
         logger.info("rank 0: restoring %s with strategy %s (%s)", decision.checkpoint, name, reason)
-    if name == ALL_RANKS:
-        loaded = restore_all_ranks(decision, dist, plans[dist.rank], map_location=map_location,
-                                   storage_config=storage_config, what=what)
-    else:
-        loaded = restore_broadcast(decision, dist, plans, map_location=map_location,
-                                   storage_config=storage_config,
-                                   bucket_size_bytes=cfg.bucket_size_bytes, what=what)
+    try:
+        if name == ALL_RANKS:
+            loaded = restore_all_ranks(decision, dist, plans[dist.rank],
+                                       map_location=map_location,
+                                       storage_config=storage_config, what=what)
+        else:
+            loaded = restore_broadcast(decision, dist, plans, map_location=map_location,
+                                       storage_config=storage_config,
+                                       bucket_size_bytes=cfg.bucket_size_bytes, what=what)
+    except DistributedError as e:
+        if e.args and isinstance(e.args[0], str) and f"strategy {name}" not in e.args[0]:
+            e.args = (f"{what}: {e.args[0]}",) + e.args[1:]  # a broken collective: say where
+        raise
     me = plans[dist.rank]
     stats = RestoreStats(bytes_read=loaded.bytes_read, bytes_received=loaded.bytes_received,
                          bytes_sent=loaded.bytes_sent, seconds=time.perf_counter() - t0,

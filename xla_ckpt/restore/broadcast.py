@@ -145,7 +145,9 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
     def allocate() -> dict[str, Any]:
         out: dict[str, Any] = {"state": _alloc(manifest.item(me.item))}
         out["rank"] = _alloc(manifest.item(me.rank_item)) if me.rank_item else {}
-        out["shards"] = [torch.empty(me.shard_nbytes(k), dtype=torch.uint8) for k in keys]
+        # rank 0's partitions are cut from what it reads
+        out["shards"] = [] if is_src else [torch.empty(me.shard_nbytes(k), dtype=torch.uint8)
+                                           for k in keys]
         return out
 
     got = dist.run_collectively(allocate, f"{what}: allocate the destination buffers")
@@ -212,7 +214,7 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
             n = dist.scatter_tensors(got["shards"], extra.get("shard_inputs"), src=0,
                                      bucket_size_bytes=bucket_size_bytes)
             sent, received = (sent + n, received) if is_src else (sent, received + n)
-    extra = {}
+    extra = {}  # drop rank 0's references to the other ranks' buffers before rebuilding
 
     def build() -> Loaded:
         state = materialize_item(manifest.item(me.item), state_bufs, map_location)
