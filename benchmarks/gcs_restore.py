@@ -85,7 +85,9 @@ def make_state(size_mib: int):
 def tensor_crcs(state) -> dict[str, int]:
     from xla_ckpt.format.crc import crc32c
 
-    return {k: crc32c(v.contiguous().view(-1).view(__import__("torch").uint8)) for k, v in state.items()}
+    import torch
+
+    return {k: crc32c(v.contiguous().view(-1).view(torch.uint8)) for k, v in state.items()}
 
 
 # ---- rss ----------------------------------------------------------------------------------
@@ -103,6 +105,7 @@ def child(method: str, spec: dict) -> dict:
 
     torch.set_num_threads(1)
     bucket, prefix = spec["bucket"], spec["prefix"]
+    phases: dict[str, float] = {}
     endpoint = spec["endpoint"]
     load = None
     if method == "a":
@@ -123,7 +126,11 @@ def child(method: str, spec: dict) -> dict:
         st = GCSStorage(f"gs://{bucket}/{prefix}/xla", cfg)
 
         def load():
-            return CheckpointReader(st).load()
+            t = time.perf_counter()
+            reader = CheckpointReader(st)      # GET manifest.json
+            reader.check_files()                # stat the data file: size, generation
+            phases["metadata_seconds"] = time.perf_counter() - t
+            return reader.load()
     elif method == "b":
         from google.cloud import storage as gcs
 
@@ -200,7 +207,7 @@ def child(method: str, spec: dict) -> dict:
         got = tensor_crcs(state)
         ok = got == spec["crcs"]
     return {"seconds": seconds, "baseline_rss_mib": baseline_kib / 1024,
-            "peak_rss_mib": peak_kib / 1024, "bitwise_ok": ok}
+            "peak_rss_mib": peak_kib / 1024, "bitwise_ok": ok, **phases}
 
 
 # ---- parent -------------------------------------------------------------------------------
@@ -318,6 +325,8 @@ def main(argv=None) -> int:
                                               for r in runs),
                 "bitwise_ok": all(r["bitwise_ok"] is not False for r in runs)
                 if m != "e" else None,
+                **({"metadata_seconds": statistics.median(r["metadata_seconds"] for r in runs)}
+                   if "metadata_seconds" in runs[0] else {}),
                 "requests": served.requests // a.repeat,
                 "mib_served": served.bytes_served / a.repeat / MiB,
             }
@@ -330,6 +339,8 @@ def main(argv=None) -> int:
                     "rss_above_baseline_mib": round(r["rss_above_baseline_mib"], 1),
                     "rss_ratio_to_state": round(r["rss_above_baseline_mib"] / a.size_mib, 3),
                     "bitwise_ok": r["bitwise_ok"], "requests": r["requests"],
+                    **({"metadata_seconds": round(r["metadata_seconds"], 3)}
+                       if "metadata_seconds" in r else {}),
                     "mib_served": round(r["mib_served"], 1)}
             for other, ro in results.items():
                 if other != m:

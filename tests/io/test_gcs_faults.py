@@ -298,7 +298,8 @@ def test_at_least_200_random_faults_cause_no_silent_corruption(ck, fault_proxy):
         ok += 1
     faults = fault_proxy.snapshot().faults
     assert sum(faults.values()) >= 200 and faults["flip"] > 0 and faults["reset"] > 0
-    print(f"{restores} restores: {ok} bitwise right, {failed_closed} failed closed; faults {dict(faults)}")
+    print(f"{restores} restores: {ok} bitwise right, {failed_closed} failed closed; "
+          f"faults {dict(faults)}")
     assert ok + failed_closed == restores and ok >= 0.8 * restores   # retries do their job
 
 

@@ -40,7 +40,7 @@ def _gcs(tmp_path, request):
 
 @contextlib.contextmanager
 def _gcs_faulty(tmp_path, request):
-    """GCS through the fault proxy: seeded random 503/429/resets/short bodies on ~20% of requests."""
+    """GCS through the fault proxy: seeded random 503/429/resets/short bodies, ~20% of requests."""
     from xla_ckpt.testing.fault_proxy import Fault, FaultProxy
 
     emu = request.getfixturevalue("gcs_emulator")

@@ -1,4 +1,4 @@
-"""Google Cloud Storage backend (``gs://bucket/prefix``) on the official ``google-cloud-storage`` client.
+"""GCS backend (``gs://bucket/prefix``) on the official google-cloud-storage client.
 
 Control plane (stat, list, delete, compose) goes through
 :class:`google.cloud.storage.Client`; the data plane (ranged GETs and uploads)
@@ -53,6 +53,7 @@ from urllib.parse import quote
 
 import requests
 import urllib3
+from google.auth import exceptions as auth_exc
 
 from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
                              IntegrityError, StorageError, StoragePermissionError, XlaCkptError)
@@ -73,7 +74,7 @@ MAX_COMPOSE_SOURCES = 32
 
 CONNECT_TIMEOUT_S = 20.0
 READ_TIMEOUT_S = 60.0
-"""Socket timeouts: connecting, and waiting for the next bytes of a response (not the whole transfer)."""
+"""Socket timeouts, seconds: connecting, and waiting for the next bytes of a response."""
 
 WHOLE_OBJECT_CRC_READS = 3
 """Reads of a whole object whose crc32c mismatches before :class:`IntegrityError`."""
@@ -133,7 +134,7 @@ def crc32c_from_b64(text: str | None) -> int | None:
 
 
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32c of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)`` in bytes (zlib's method)."""
+    """crc32c of ``A + B`` from ``crc32c(A)``, ``crc32c(B)``, ``len(B)`` in bytes (zlib's way)."""
     if len2 <= 0:
         return crc1
     odd = [0x82F63B78] + [1 << n for n in range(31)]  # operator for one zero bit (reflected poly)
@@ -187,7 +188,7 @@ class _Part:
 
 
 class _Connection:
-    """The client, its HTTP session (connection pool) and caches, shared by a storage and its children."""
+    """Client, HTTP session (connection pool) and caches, shared by a storage and its children."""
 
     def __init__(self, config: StorageConfig, endpoint: str | None, project: str | None,
                  credentials: Any) -> None:
@@ -195,7 +196,8 @@ class _Connection:
         from google.cloud import storage as gcs
 
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-        project = project or os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("GCLOUD_PROJECT")
+        project = (project or os.environ.get("GOOGLE_CLOUD_PROJECT")
+                   or os.environ.get("GCLOUD_PROJECT"))
         if endpoint:
             self.client = gcs.Client(project=project or DEFAULT_PROJECT,
                                      credentials=credentials or AnonymousCredentials(),
@@ -609,7 +611,7 @@ class GCSStorage(Storage):
     # ---- writes ----------------------------------------------------------------------------
     def _upload_multipart(self, full: str, pieces: Sequence[memoryview], size: int,
                           crc: int) -> dict:
-        """One multipart upload carrying the crc32c: verified by the service before it is visible."""
+        """One multipart upload carrying the crc32c: the service checks it before it is visible."""
         boundary = f"==xla_ckpt_{uuid.uuid4().hex}=="
         meta = json.dumps({"name": full, "contentType": "application/octet-stream",
                            "crc32c": crc32c_b64(crc)}).encode()
@@ -688,7 +690,7 @@ class GCSStorage(Storage):
 
     def _compose(self, dest: str, sources: list[tuple[str, int, int]]
                  ) -> tuple[int, int, int | None]:
-        """Compose ``sources`` (name, size, crc32c) into ``dest``; returns its size, crc32c, generation."""
+        """Compose ``sources`` (name, size, crc32c) into ``dest``: (size, crc32c, generation)."""
         size, crc = 0, 0
         for _name, n, c in sources:
             crc = crc32c_combine(crc, c, n)
@@ -752,8 +754,6 @@ class GCSStorage(Storage):
             StoragePermissionError: credentials could not be obtained or refreshed
                 (e.g. after HTTP 401 with credentials that cannot refresh).
         """
-        from google.auth import exceptions as auth_exc
-
         try:
             return self._conn.session.request(method, url, timeout=self._timeout, **kwargs)
         except _TRANSIENT_EXC as e:
@@ -812,7 +812,6 @@ class GCSStorage(Storage):
     def _api(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run a control-plane client call with our retry policy and error mapping."""
         from google.api_core import exceptions as gexc
-        from google.auth import exceptions as auth_exc
 
         backoff = self._backoff(what)
         while True:

@@ -77,7 +77,7 @@ class RetryLog:
 
 
 def parse_retry_after(value: str | None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP-date); None if absent/bad.
+    """Seconds to wait from a ``Retry-After`` (delta-seconds or HTTP-date); None if absent/bad.
 
     Fractional seconds (``"0.5"``) are accepted although HTTP only defines
     integers; negative values count as 0.
@@ -149,7 +149,8 @@ class Backoff:
                 f"({self.attempt} in a row without progress, storage.max_attempts="
                 f"{self.config.max_attempts}); last error: {text}. The storage service is "
                 "unavailable or overloaded: retry later or raise storage.max_attempts")
-        cap = min(self.config.max_backoff_s, self.config.initial_backoff_s * 2 ** (self.attempt - 1))
+        cfg = self.config
+        cap = min(cfg.max_backoff_s, cfg.initial_backoff_s * 2 ** (self.attempt - 1))
         delay = self._rng.uniform(0.0, cap)
         if retry_after_s is not None:
             delay = max(delay, retry_after_s)

@@ -199,7 +199,7 @@ def uploads(object_contains: str = "") -> Matcher:
 
 def requests_to(object_contains: str = "", method: str | None = None,
                 path_regex: str | None = None) -> Matcher:
-    """Match any request on an object whose name contains ``object_contains`` (optionally by method/path)."""
+    """Match requests on objects whose name contains ``object_contains`` (and method/path)."""
     rx = re.compile(path_regex) if path_regex else None
     return lambda r: (object_contains in r.object_name
                       and (method is None or r.method == method)
@@ -290,7 +290,8 @@ class FaultProxy:
         if self._server is not None:
             return self
         self._server = _Server((self._bind, 0), _Handler, self)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        kwargs={"poll_interval": 0.1},
                                         name=f"fault-proxy-{self.port}", daemon=True)
         self._thread.start()
         return self
@@ -323,7 +324,7 @@ class FaultProxy:
         return {"STORAGE_EMULATOR_HOST": self.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
     def storage(self, uri: str, config: "StorageConfig | None" = None) -> "GCSStorage":
-        """A :class:`~xla_ckpt.storage.gcs.GCSStorage` for ``uri`` whose requests go through this proxy."""
+        """A :class:`~xla_ckpt.storage.gcs.GCSStorage` for ``uri`` that goes through this proxy."""
         from xla_ckpt.storage.gcs import GCSStorage
 
         return GCSStorage(uri, config, endpoint=self.url)
@@ -392,7 +393,8 @@ class FaultProxy:
             status_ok = rr.status_match is not None and rr.status_match(info)
             if not (body_ok or status_ok) or self._rng.random() >= rr.probability:
                 return None
-            choices = [f for f in rr.faults if (body_ok if f.needs_body else (status_ok or body_ok))]
+            choices = [f for f in rr.faults
+                       if (body_ok if f.needs_body else (status_ok or body_ok))]
             return self._rng.choice(choices) if choices else None
 
     def _randint(self, lo: int, hi: int) -> int:
@@ -410,7 +412,7 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         super().__init__(addr, handler)
 
     def handle_error(self, request, client_address) -> None:
-        # Clients drop connections on purpose (after injected faults, at exit): not worth a traceback.
+        # Clients drop connections on purpose (injected faults, exit): not worth a traceback.
         logger.debug("proxy: connection from %s ended with an error", client_address, exc_info=True)
 
 
@@ -449,7 +451,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         split = urlsplit(self.path)
         path = unquote(split.path)
         info = RequestInfo(self.command, path, split.query, self.headers.get("Range"),
-                           _object_name(path, split.query), _is_download(self.command, path, split.query),
+                           _object_name(path, split.query),
+                           _is_download(self.command, path, split.query),
                            _is_upload(self.command, path))
         rec = RequestRecord(self.command, path, split.query, info.range, info.object_name, info)
         if body and (self.headers.get("Content-Type") or "").startswith("application/json"):
@@ -615,7 +618,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(msg)
 
 
-_OBJECT_PATH = re.compile(r"^(?:/download|/upload)?/storage/v1/b/[^/]+/o/(.+?)(?:/compose|/copyTo/.*|/rewriteTo/.*)?$")
+_OBJECT_PATH = re.compile(r"^(?:/download|/upload)?/storage/v1/b/[^/]+/o/(.+?)"
+                          r"(?:/compose|/copyTo/.*|/rewriteTo/.*)?$")
 
 
 def _object_name(path: str, query: str) -> str:
@@ -638,7 +642,7 @@ def _is_upload(method: str, path: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m xla_ckpt.testing.fault_proxy --upstream URL [--stream-mib-s N ...]``: serve until Ctrl-C."""
+    """``python -m xla_ckpt.testing.fault_proxy --upstream URL [...]``: serve until Ctrl-C."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--upstream", required=True, help="emulator URL, e.g. http://127.0.0.1:9023")
     ap.add_argument("--first-byte-latency-ms", type=float, default=0.0)

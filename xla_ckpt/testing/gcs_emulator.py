@@ -1,4 +1,4 @@
-"""A local GCS for tests and demos: ``gcp-storage-emulator`` as a subprocess on a free loopback port.
+"""A local GCS for tests and demos: gcp-storage-emulator as a subprocess on a free loopback port.
 
 ::
 
@@ -196,7 +196,7 @@ class GCSEmulator:
                       {"softDeletePolicy": {"retentionDurationSeconds": "0"}})
 
     def delete_prefix(self, prefix: str) -> int:
-        """Delete every object whose name starts with ``prefix`` (in-flight parts too); returns count."""
+        """Delete every object whose name starts with ``prefix`` (in-flight parts too); count."""
         from urllib.parse import quote
 
         names: list[str] = []
@@ -219,7 +219,8 @@ class GCSEmulator:
         """Every object name under ``prefix``, in-flight parts included (for assertions)."""
         from urllib.parse import quote
 
-        _, doc = self._request("GET", f"/storage/v1/b/{self.bucket}/o?prefix={quote(prefix, safe='')}")
+        q = quote(prefix, safe="")
+        _, doc = self._request("GET", f"/storage/v1/b/{self.bucket}/o?prefix={q}")
         return sorted(o["name"] for o in (doc or {}).get("items", []))
 
     def _request(self, method: str, path: str, body: dict | None = None,
