@@ -221,10 +221,6 @@ def _evenly(items: list, k: int) -> list:
 
 # ---- the tracer and its hooks ----------------------------------------------------------------
 
-class _Paused(BaseException):
-    """Never raised in practice: the process is killed while paused."""
-
-
 class Tracer:
     """Records mutating steps; pauses the process at the armed kill point.
 
@@ -368,8 +364,8 @@ def _body_bytes(data: Any) -> bytes:
 _UPLOAD_NAME = re.compile(rb'"name"\s*:\s*"([^"]+)"')
 
 
-def _gcs_target(method: str, url: str, params: dict | None, body: bytes, prefix: str) -> tuple[str, str]:
-    """(op, object name under ``prefix``) of a mutating GCS JSON-API request."""
+def _gcs_target(method: str, url: str, params: dict | None, body: bytes) -> tuple[str, str]:
+    """(op, full object name) of a mutating GCS JSON-API request."""
     from urllib.parse import unquote, urlsplit
 
     path = unquote(urlsplit(url).path)
@@ -386,18 +382,17 @@ def _gcs_target(method: str, url: str, params: dict | None, body: bytes, prefix:
     return {"DELETE": "delete"}.get(method, method.lower()), obj
 
 
-def install_gcs_hook(tracer: Tracer, bucket: str, prefix: str) -> None:
-    """Trace (and pause at) every mutating request of this process's GCS clients."""
+def install_gcs_hook(tracer: Tracer, bucket: str) -> None:
+    """Trace (and pause at) every mutating request of this process's GCS clients to ``bucket``."""
     import requests
 
     real = requests.Session.request
-    root = f"{prefix.strip('/')}"
 
     def request(self, method, url, *args, **kw):
         if method.upper() not in ("POST", "PUT", "PATCH", "DELETE") or "/b/" + bucket not in url:
             return real(self, method, url, *args, **kw)
         body = _body_bytes(kw.get("data"))
-        op, obj = _gcs_target(method.upper(), url, kw.get("params"), body, root)
+        op, obj = _gcs_target(method.upper(), url, kw.get("params"), body)
         if "data" in kw:
             kw["data"] = body
         i = tracer.begin(op, obj, len(body) if op == "upload" else 0)
@@ -465,7 +460,7 @@ def _saver_main(run_uri: str, backend: str, mode: str, kill: KillPoint | None, w
     if backend == "local":
         install_local_hook(tracer)
     else:
-        install_gcs_hook(tracer, bucket, root)
+        install_gcs_hook(tracer, bucket)
     mgr = manager_for(run_uri, backend, traced=False)
     _save(mgr, 1)
     _save(mgr, 2)

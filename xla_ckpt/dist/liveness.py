@@ -43,7 +43,7 @@ _PREFIX = "xla_ckpt/"
 
 
 class _Heartbeat:
-    """The daemon thread that beats for this process (one per process and store)."""
+    """The daemon thread that beats for this process (one per process)."""
 
     def __init__(self, store: Any, global_rank: int, interval_s: float) -> None:
         import torch.distributed as tdist
@@ -69,15 +69,15 @@ class _Heartbeat:
         self._stop.set()
 
 
-_beats: dict[tuple[int, int], _Heartbeat] = {}
+_beats: dict[int, _Heartbeat] = {}
 _beats_lock = threading.Lock()
 
 
 def _start_heartbeat(store: Any, global_rank: int) -> None:
-    key = (id(store), global_rank)
+    """Start this process's heartbeat once (every group of the process shares it)."""
     with _beats_lock:
-        if key not in _beats:
-            _beats[key] = _Heartbeat(store, global_rank, HEARTBEAT_INTERVAL_S)
+        if global_rank not in _beats:
+            _beats[global_rank] = _Heartbeat(store, global_rank, HEARTBEAT_INTERVAL_S)
 
 
 class Liveness:
