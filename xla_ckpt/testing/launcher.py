@@ -159,6 +159,13 @@ def _worker_main(rank: int, world_size: int, env: dict[str, str], conn, preload:
     torch.set_num_threads(1)
     for mod in preload:
         importlib.import_module(mod)
+    if "torch_xla" in preload:
+        # Bring the XLA device up before any backward pass: torch's autograd engine sizes its
+        # per-device queues when it first runs, and a pooled worker that ran a CPU backward
+        # before ever touching xla:0 later fails an internal assert on an XLA backward.
+        import torch_xla  # noqa: PLC0415
+
+        torch_xla.device()
     conn.send(("ready", rank))
     while True:
         try:
