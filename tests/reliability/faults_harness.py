@@ -126,7 +126,7 @@ def restore_round(uri: str, storage_kwargs: dict, timeout_s: float) -> dict:
         r = restore(uri, dist=d, strategy="all_ranks",
                     storage_config=StorageConfig(**storage_kwargs))
     except XlaCkptError as e:
-        out.update(outcome="clean_error", error=type(e).__name__, message=str(e)[:400],
+        out.update(outcome="clean_error", error=type(e).__name__, message=str(e)[:2000],
                    failed_ranks=sorted(getattr(e, "failures", {}) or {}))
     except Exception as e:  # noqa: BLE001 - what must never happen is recorded, not raised
         out.update(outcome="other_error", error=type(e).__name__, message=str(e)[:400])
@@ -162,6 +162,7 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
     errors: Counter = Counter()
     counts: Counter = Counter()
     problems: list[str] = []
+    samples: list[str] = []
     rounds = hangs = named = 0
     t0 = time.perf_counter()
     try:
@@ -185,6 +186,8 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
                 if v["outcome"] == "clean_error":
                     errors[v["error"]] += 1
                     named += bool(v.get("failed_ranks"))
+                    if v["rank"] == 0 and len(samples) < 10:
+                        samples.append(f"round {rounds}: {v['error']}: {v['message']}")
                 elif v["outcome"] != "correct":
                     problems.append(f"round {rounds}: rank {v['rank']}: {v['outcome']}: "
                                     f"{v.get('error', '')} {v['message']}")
@@ -206,5 +209,5 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
             "retries": counts.get("retries", 0), "crc_rereads": counts.get("crc_rereads", 0),
             "retry_causes": {k[6:]: v for k, v in counts.items() if k.startswith("retry:")},
             "hangs": hangs, "silent_corruptions": outcomes.get("silent_corruption", 0),
-            "problems": problems[:20], "probability": probability,
+            "problems": problems[:20], "error_samples": samples, "probability": probability,
             "seconds": time.perf_counter() - t0, "note": seed_note}
