@@ -22,9 +22,9 @@ bucket's metadata in a background thread (span attributes for tracing) and
 swallows its failures, so a fault there would test nothing of ours.
 
 Retries are counted on the reader side from the library's own log records
-(``xla_ckpt.storage.retry`` "attempt N failed", crc32c re-reads of
-``xla_ckpt.io.reader`` and ``xla_ckpt.storage.gcs``) and the faults on the
-proxy side.  Used by ``test_faults_under_load.py`` and ``benchmarks/reliability.py``.
+(``xla_ckpt.storage.retry`` "attempt N failed"; crc32c re-reads of
+``xla_ckpt.io.reader`` and ``xla_ckpt.storage.gcs``; fallbacks of a small
+object's one-request read to ranged reads) and the faults on the proxy side.  Used by ``test_faults_under_load.py`` and ``benchmarks/reliability.py``.
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ class _Counts(logging.Handler):
         if record.name == "xla_ckpt.storage.retry" and "failed" in msg and "retrying" in msg:
             self.counts["retries"] += 1
             self.counts["retry:" + _cause(msg)] += 1
+        elif "mismatch on a one-request read" in msg:
+            self.counts["fallbacks"] += 1  # a small object's GET mismatched: read by range
         elif "crc32c mismatch" in msg:
             self.counts["crc_rereads"] += 1
 
@@ -203,10 +205,14 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
         proxy.clear_faults()
     snap = proxy.snapshot()
     faults = {k: snap.faults.get(k, 0) for k in FAULT_KINDS}
+    # Body faults on one-request reads of small objects (no Range header: manifests).
+    one_request = {k: sum(1 for r in proxy.records() if r.fault == k and r.range is None)
+                   for k in ("flip", "short")}
     return {"rounds": rounds, "restores": rounds * WORLD, "outcomes": dict(outcomes),
             "clean_errors": dict(errors), "errors_naming_ranks": named, "faults": faults,
             "faults_total": sum(snap.faults.values()), "requests": snap.requests,
             "retries": counts.get("retries", 0), "crc_rereads": counts.get("crc_rereads", 0),
+            "fallbacks": counts.get("fallbacks", 0), "one_request_faults": one_request,
             "retry_causes": {k[6:]: v for k, v in counts.items() if k.startswith("retry:")},
             "hangs": hangs, "silent_corruptions": outcomes.get("silent_corruption", 0),
             "problems": problems[:20], "error_samples": samples, "probability": probability,

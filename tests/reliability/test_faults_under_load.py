@@ -52,7 +52,8 @@ def _report(t: dict, what: str) -> str:
     return (f"{what}: {t['faults_total']} faults injected ({t['faults']}) over {t['requests']} "
             f"requests, {t['rounds']} rounds x {F.WORLD} readers = {t['restores']} restores: "
             f"{t['outcomes']}; clean errors {t['clean_errors']}; retries {t['retries']} "
-            f"({t['retry_causes']}), crc32c re-reads {t['crc_rereads']}; hangs {t['hangs']}; "
+            f"({t['retry_causes']}), crc32c re-reads {t['crc_rereads']}, one-request "
+            f"fallbacks {t['fallbacks']}; hangs {t['hangs']}; "
             f"{t['seconds']:.1f} s")
 
 
@@ -71,13 +72,18 @@ def test_eight_readers_recover_from_every_fault(pool8, gcs_emulator, checkpoint)
     _nothing_silent(t)
     assert t["faults_total"] >= CI_FAULTS
     assert all(t["faults"][k] > 0 for k in F.FAULT_KINDS), t["faults"]
-    # At this rate the retry budget absorbs every fault: every restore is correct ...
-    assert t["outcomes"] == {"correct": t["restores"]}
-    # ... each 503/429/reset cost exactly one retry, each flipped byte one crc32c re-read, and
-    # each short body was resumed from its last byte (a valid, shorter answer: no retry).
-    f = t["faults"]
+    # At this rate the retry budget absorbs nearly every fault.  A restore may still fail --
+    # cleanly -- when one slice came back flipped on all 3 of its reads (p ~ 1e-3 per round):
+    # then the same IntegrityError reaches every rank.
+    assert t["outcomes"].get("correct", 0) >= 0.9 * t["restores"]
+    assert all("IntegrityError" in e and "after 3 reads" in e for e in t["error_samples"])
+    # ... each 503/429/reset cost exactly one retry; each flipped byte of a ranged read one
+    # crc32c re-read; a flipped or short answer to a small object's one-request read one
+    # fallback to ranged reads; other short bodies were resumed from their last byte.
+    f, whole = t["faults"], t["one_request_faults"]
     assert t["retries"] == f["status_503"] + f["status_429"] + f["reset"]
-    assert t["crc_rereads"] == f["flip"]
+    assert t["crc_rereads"] == f["flip"] - whole["flip"]
+    assert t["fallbacks"] == whole["flip"] + whole["short"]
 
 
 def test_fault_storm_gives_clean_errors_never_wrong_bytes(pool8, gcs_emulator, checkpoint):
