@@ -11,7 +11,9 @@ Parts (``--parts``, default all):
           requests), then a storm (60 %, 3 attempts) of ``--storm-faults``; also clean rounds,
           so the time cost of faults is a ratio measured in the same run.
   ranks   4 gloo ranks, both strategies: a rank raises during its read (403), stalls past the
-          timeout, is SIGKILLed, or is the coordinator and dies; ``--rank-repeats`` each.
+          timeout, is SIGKILLed, or is the coordinator and dies; ``--rank-repeats`` each.  Also
+          the cost of the liveness progress marks: ``--exchanges`` control-plane exchanges
+          timed with and without them in the same processes (a ratio).
   soak    ``--soak-cycles`` async save + restore cycles with rotation, on local disk and on
           the emulator's bucket: usage, RSS slope, threads, fds, bitwise.
 
@@ -170,12 +172,19 @@ def part_ranks(emu, args, sink) -> None:
                          "survivors": len(survivors), "survivors_naming_victim": named,
                          "slowest_survivor_s": round(max((r.value or {}).get("seconds", 1e9)
                                                          for r in survivors), 2)})
+    with WorkerPool(4, xla=False) as pool:  # the cost of the progress marks, same processes
+        cost = [r.unwrap() for r in pool.run(W.exchange_cost, args.exchanges, timeout_s=600)]
+    with_marks = statistics.median(min(c["with_marks"], c["with_marks_again"]) for c in cost)
+    without = statistics.median(c["without_marks"] for c in cost)
     emit("rank_failures", {
+        "exchange_us_with_progress_marks": round(with_marks / args.exchanges * 1e6, 1),
+        "exchange_us_without": round(without / args.exchanges * 1e6, 1),
+        "ratio_with_vs_without_marks": round(with_marks / without, 2),
         "cases": len(rows), "collective_timeout_s": timeout_s, "diagnosis_s": DEAD_AFTER_S,
         "hangs": sum(r["hangs"] for r in rows),
         "survivor_errors_naming_the_failed_rank": sum(r["survivors_naming_victim"] for r in rows),
         "survivors": sum(r["survivors"] for r in rows),
-        "slowest_survivor_s": max(r["slowest_survivor_s"] for r in rows),
+        "slowest_survivor_s": max((r["slowest_survivor_s"] for r in rows), default=None),
         "rows": rows}, sink)
 
 
@@ -207,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--storm-faults", type=int, default=300, help="faults to inject (storm)")
     ap.add_argument("--clean-rounds", type=int, default=5, help="fault-free rounds (the peer)")
     ap.add_argument("--rank-repeats", type=int, default=2, help="runs of each rank-failure case")
+    ap.add_argument("--exchanges", type=int, default=500,
+                    help="control-plane exchanges timed with and without progress marks")
     ap.add_argument("--soak-cycles", type=int, default=100, help="save/restore cycles per backend")
     ap.add_argument("--seed", type=int, default=20261130, help="fault schedule seed")
     ap.add_argument("--out", help="also write every part's figures to this JSON file")

@@ -104,3 +104,29 @@ def restore_with_victim(uri: str, strategy: str, scenario: str, victim: int,
         out.update(outcome="foreign_error", error=type(e).__name__, message=str(e))
     out["seconds"] = time.monotonic() - t0
     return out
+
+
+def exchange_cost(n: int) -> dict:
+    """Seconds for ``n`` small control-plane exchanges with and without progress marks.
+
+    The marks (:mod:`xla_ckpt.dist.liveness`) cost one store write per
+    collective; this measures that against the same exchanges without them,
+    in the same processes.
+    """
+    from xla_ckpt.config import DistConfig
+    from xla_ckpt.dist import TorchDist, get_dist
+
+    get_dist(DistConfig(backend="gloo", timeout_s=120.0))
+    d = TorchDist.new_subgroup(range(4), timeout_s=60.0)
+    marks = d._liveness
+    out = {}
+    for label, lv in (("warm_up", marks), ("with_marks", marks), ("without_marks", None),
+                      ("with_marks_again", marks)):
+        d._liveness = lv
+        d.barrier()
+        t0 = time.perf_counter()
+        for i in range(n):
+            d.exchange({"i": i, "rank": d.rank})
+        out[label] = time.perf_counter() - t0
+    d._liveness = marks
+    return out

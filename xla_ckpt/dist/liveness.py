@@ -7,17 +7,20 @@ surviving rank to name the failing rank(s).  Two marks on the c10d store the
 rendezvous created (the torchrun agent's store, or rank 0's ``TCPStore``)
 make that possible without another collective:
 
-* **progress**: before each collective a rank writes ``"<seq> <op>"`` under
-  ``xla_ckpt/<group>/at/<rank>`` (one store write per collective);
-* **heartbeat**: one daemon thread per process adds 1 to
-  ``xla_ckpt/hb/<global rank>`` every :data:`HEARTBEAT_INTERVAL_S` seconds.
+* **progress**: before each collective a rank notes ``(seq, op)`` in memory
+  (:meth:`Liveness.entering`: no I/O on the collective's path);
+* **heartbeat**: one daemon thread per process, every
+  :data:`HEARTBEAT_INTERVAL_S` seconds, writes each group's latest progress
+  under ``xla_ckpt/<group>/at/<rank>`` when it changed, then adds 1 to
+  ``xla_ckpt/hb/<global rank>``.
 
 When a collective breaks on a rank, :meth:`Liveness.diagnose` watches every
-peer's heartbeat for up to :data:`DEAD_AFTER_S` (a count that does not move:
-the process died or froze) and reads every peer's progress (a live peer whose
-last collective comes before this one never entered it: it hangs or is too
-slow).  The collective's error then names those ranks, on every surviving
-rank, at most ``DEAD_AFTER_S`` after the collective gave up (sooner when every
+peer's heartbeat for up to :data:`DEAD_AFTER_S`: a count that does not move
+means the process died or froze; a count that moved twice means the peer's
+progress on the store is current, and a live peer whose last collective
+comes before this one never entered it (it hangs or is too slow).  The
+collective's error then names those ranks on every surviving rank, at most
+``DEAD_AFTER_S`` after the collective gave up (about two beats when every
 peer is alive).
 
 Every rank of a group creates its :class:`Liveness` (see
@@ -29,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
@@ -43,7 +47,7 @@ _PREFIX = "xla_ckpt/"
 
 
 class _Heartbeat:
-    """The daemon thread that beats for this process (one per process)."""
+    """The daemon thread that beats (and publishes progress) for this process; one per process."""
 
     def __init__(self, store: Any, global_rank: int, interval_s: float) -> None:
         import torch.distributed as tdist
@@ -51,33 +55,41 @@ class _Heartbeat:
         self._store = tdist.PrefixStore(_PREFIX + "hb/", store)
         self._key = str(global_rank)
         self._interval_s = interval_s
-        self._stop = threading.Event()
+        self._groups: weakref.WeakSet[Liveness] = weakref.WeakSet()
+        self._lock = threading.Lock()
         self._store.add(self._key, 1)
         self._thread = threading.Thread(target=self._run, name=f"xla_ckpt-heartbeat-r{global_rank}",
                                         daemon=True)
         self._thread.start()
 
+    def watch(self, group: "Liveness") -> None:
+        with self._lock:
+            self._groups.add(group)
+
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while True:
+            time.sleep(self._interval_s)
             try:
+                with self._lock:
+                    groups = list(self._groups)
+                for g in groups:
+                    g._publish()
                 self._store.add(self._key, 1)
             except Exception as e:  # noqa: BLE001 - the store is gone: the job is over
                 logger.debug("heartbeat stopped: %s", e)
                 return
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 _beats: dict[int, _Heartbeat] = {}
 _beats_lock = threading.Lock()
 
 
-def _start_heartbeat(store: Any, global_rank: int) -> None:
-    """Start this process's heartbeat once (every group of the process shares it)."""
+def _heartbeat(store: Any, global_rank: int) -> _Heartbeat:
+    """This process's heartbeat, started on first use (every group of the process shares it)."""
     with _beats_lock:
         if global_rank not in _beats:
             _beats[global_rank] = _Heartbeat(store, global_rank, HEARTBEAT_INTERVAL_S)
+        return _beats[global_rank]
 
 
 class Liveness:
@@ -91,8 +103,8 @@ class Liveness:
         global_ranks: global rank of each group rank (index = group rank).
         dead_after_s: how long a heartbeat must stand still to call a rank dead.
 
-    Failures of the store itself never raise: marks are then skipped and
-    :meth:`diagnose` says it could not tell.
+    Failures of the store itself never raise: :meth:`diagnose` then says it
+    could not tell.
     """
 
     def __init__(self, store: Any, *, namespace: str, rank: int, global_ranks: Sequence[int],
@@ -104,27 +116,27 @@ class Liveness:
         self.dead_after_s = dead_after_s
         self._store = tdist.PrefixStore(f"{_PREFIX}{namespace}/", store)
         self._beats = tdist.PrefixStore(_PREFIX + "hb/", store)
-        self._seq = 0
-        self._op = ""
+        self._mark = (0, "")  # (seq, op), replaced as one object: read by the heartbeat thread
+        self._published = -1
         self._diagnosed = False
         self._ok = True
         try:
-            _start_heartbeat(store, self.global_ranks[rank])
+            self._publish()
+            _heartbeat(store, self.global_ranks[rank]).watch(self)
         except Exception as e:  # noqa: BLE001 - naming failed ranks is best effort
             self._ok = False
             logger.debug("rank %d: no heartbeat (%s); failed ranks will not be named", rank, e)
 
     def entering(self, op: str) -> None:
-        """Mark that this rank enters collective ``op`` (call before every collective)."""
-        self._seq += 1
-        self._op = op
-        if not self._ok:
-            return
-        try:
-            self._store.set(f"at/{self.rank}", f"{self._seq} {op}")
-        except Exception as e:  # noqa: BLE001 - best effort
-            self._ok = False
-            logger.debug("rank %d: progress marks off (%s)", self.rank, e)
+        """Note that this rank enters collective ``op`` (before every collective; no I/O)."""
+        self._mark = (self._mark[0] + 1, op)
+
+    def _publish(self) -> None:
+        """Heartbeat thread: write this rank's progress if it changed since the last beat."""
+        seq, op = self._mark
+        if seq != self._published:
+            self._store.set(f"at/{self.rank}", f"{seq} {op}")
+            self._published = seq
 
     def diagnose(self) -> dict[int, str]:
         """After the current collective broke: ``{peer rank: why it is to blame}``.
@@ -133,10 +145,10 @@ class Liveness:
         (it died or froze), and of the peers that never entered the current
         collective, those furthest behind (a rank stuck waiting for a hung peer
         is behind too, but less).  Takes up to :attr:`dead_after_s` seconds:
-        the wait ends early once every peer's heartbeat has moved.  Only the
-        first broken collective is diagnosed (later ones fail because the
-        group is already broken); then, and when the store is unreachable, the
-        answer is empty.
+        the wait ends once every peer's heartbeat moved twice (its published
+        progress is then current).  Only the first broken collective is
+        diagnosed (later ones fail because the group is already broken);
+        then, and when the store is unreachable, the answer is empty.
         """
         if self._diagnosed or not self._ok:
             return {}
@@ -144,28 +156,29 @@ class Liveness:
         peers = [r for r in range(len(self.global_ranks)) if r != self.rank]
         try:
             first = {r: self._beat(r) for r in peers}
-            still = set(peers)
+            waiting = set(peers)
             deadline = time.monotonic() + self.dead_after_s
-            while still and time.monotonic() < deadline:
-                time.sleep(min(0.1, self.dead_after_s))
-                still = {r for r in still if self._beat(r) == first[r]}
+            while waiting and time.monotonic() < deadline:
+                time.sleep(0.05)
+                waiting = {r for r in waiting if self._beat(r) < first[r] + 2}
+            dead = {r for r in waiting if self._beat(r) == first[r]}
             progress = {r: self._progress(r) for r in peers}
         except Exception as e:  # noqa: BLE001 - the store is gone too
             logger.warning("rank %d: cannot tell which rank failed: the rendezvous store is "
                            "unreachable (%s)", self.rank, e)
             return {}
-        behind = {r: progress[r][0] for r in peers if progress[r][0] < self._seq}
+        my_seq, my_op = self._mark
+        behind = {r: progress[r][0] for r in peers if progress[r][0] < my_seq}
         furthest = min(behind.values(), default=None)
         out: dict[int, str] = {}
         for r in peers:
             seq, op = progress[r]
             last = f"its last collective was {op!r}" if seq else "it never entered a collective"
-            if r in still:
+            if r in dead:
                 out[r] = (f"died: no heartbeat for {self.dead_after_s:g} s while rank {self.rank} "
-                          f"was in {self._op!r} ({last})")
+                          f"was in {my_op!r} ({last})")
             elif r in behind and behind[r] == furthest:
-                out[r] = (f"did not enter {self._op!r}: alive but {last}; it hangs or is too "
-                          "slow")
+                out[r] = f"did not enter {my_op!r}: alive but {last}; it hangs or is too slow"
         return out
 
     def _beat(self, r: int) -> int:
