@@ -14,12 +14,13 @@ and prints one JSON line per method:
   e  ceiling: the same ranged GETs as (a) (same slices, same threads), bytes discarded
 
 Each method runs in a fresh subprocess, so its peak RSS is its own; every
-result is checked bitwise (crc32c per tensor) after the clock stops.  Each
-line carries ``seconds`` (median of ``--repeat`` runs), ``mib_s``,
+result is checked bitwise (crc32c per tensor) after the clock stops.  With
+``--repeat N`` the methods run round-robin N times.  Each line carries
+``seconds`` (median of the runs) and ``runs_seconds``, ``mib_s``,
 ``peak_rss_mib``, ``rss_above_baseline_mib`` (peak minus the RSS after
 imports), ``rss_ratio_to_state`` and ``ratio_vs_<m>`` (time of ``m`` / time of
-this method, > 1 means this one is faster; for ``e`` it is the throughput
-fraction of the ceiling reached by the others).
+this method, > 1 means this one is faster; ``ratio_vs_e`` is the fraction of
+the ceiling's throughput a method reaches).
 
   .venv/bin/python benchmarks/gcs_restore.py                   # 512 MiB, all methods
   .venv/bin/python benchmarks/gcs_restore.py --size-mib 256 --methods a,e
@@ -313,13 +314,22 @@ def main(argv=None) -> int:
                                       "slice_mib": slice_mib, "seconds": round(secs, 3),
                                       "mib_s": round(a.size_mib / secs, 1)}), flush=True)
             return 0
+        # Round-robin (a b c d e, a b c d e, ...): load from elsewhere on the machine and
+        # after-effects of the set-up spread over every method instead of hitting one.
+        all_runs: dict[str, list[dict]] = {m: [] for m in methods}
+        for _ in range(a.repeat):
+            for m in methods:
+                proxy.reset_log()
+                r = run_child(m, base_spec, env)
+                served = proxy.snapshot()
+                r["requests"], r["mib_served"] = served.requests, served.bytes_served / MiB
+                all_runs[m].append(r)
+                print(f"# {m} {METHODS[m]}: {r['seconds']:.2f} s", file=sys.stderr, flush=True)
         results = {}
-        for m in methods:
-            proxy.reset_log()
-            runs = [run_child(m, base_spec, env) for _ in range(a.repeat)]
-            served = proxy.snapshot()
+        for m, runs in all_runs.items():
             results[m] = {
                 "seconds": statistics.median(r["seconds"] for r in runs),
+                "runs_seconds": [round(r["seconds"], 3) for r in runs],
                 "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
                 "rss_above_baseline_mib": max(r["peak_rss_mib"] - r["baseline_rss_mib"]
                                               for r in runs),
@@ -327,13 +337,12 @@ def main(argv=None) -> int:
                 if m != "e" else None,
                 **({"metadata_seconds": statistics.median(r["metadata_seconds"] for r in runs)}
                    if "metadata_seconds" in runs[0] else {}),
-                "requests": served.requests // a.repeat,
-                "mib_served": served.bytes_served / a.repeat / MiB,
+                "requests": statistics.median(r["requests"] for r in runs),
+                "mib_served": statistics.median(r["mib_served"] for r in runs),
             }
-            print(f"# {m} {METHODS[m]}: {results[m]['seconds']:.2f} s", file=sys.stderr, flush=True)
         for m, r in results.items():
             line = {"method": m, "name": METHODS[m], **common,
-                    "seconds": round(r["seconds"], 3),
+                    "seconds": round(r["seconds"], 3), "runs_seconds": r["runs_seconds"],
                     "mib_s": round(a.size_mib / r["seconds"], 1),
                     "peak_rss_mib": round(r["peak_rss_mib"], 1),
                     "rss_above_baseline_mib": round(r["rss_above_baseline_mib"], 1),
