@@ -579,7 +579,7 @@ def _ls_json(run_uri: str) -> dict:
 
 
 def _bitwise(restored_state, restored_rank, n: int) -> str:
-    """'' when the restored state equals what was saved at ``n`` bit for bit, else the difference."""
+    """'' when the restored state is bit for bit what was saved at ``n``, else the difference."""
     from xla_ckpt.testing.asserts import assert_state_identical
 
     try:
@@ -595,7 +595,7 @@ def _bitwise(restored_state, restored_rank, n: int) -> str:
 
 
 def stray_objects(run_uri: str, backend: str, emulator_host: str = "") -> list[str]:
-    """Temp objects of interrupted writes under the run folder (never listed as checkpoint files)."""
+    """Temp objects of interrupted writes under the run folder (never listed as checkpoints)."""
     if backend == "local":
         out = []
         for d, _dirs, files in os.walk(run_uri):
@@ -666,7 +666,7 @@ def run_verifier(run_uri: str, backend: str, recover: bool, emulator_host: str =
     return msg
 
 
-# ---- one campaign (runs inside the zygote) ---------------------------------------------------------
+# ---- one campaign (runs inside the zygote) ----------------------------------------------------
 
 def _wipe(run_uri: str, backend: str, emulator_host: str) -> None:
     if backend == "local":
@@ -758,7 +758,8 @@ def check(result: dict) -> list[str]:
         bad.append(f"{label}: ls lists the torn {C} as committed")
     expect_latest = C if want_c else B
     if v["latest"] != expect_latest or v["resumed"] != expect_latest:
-        bad.append(f"{label}: latest={v['latest']} resumed={v['resumed']}, expected {expect_latest}")
+        bad.append(f"{label}: latest={v['latest']} resumed={v['resumed']}, "
+                   f"expected {expect_latest}")
     for name, diff in v["bitwise"].items():
         if diff:
             bad.append(f"{label}: {name} does not restore bitwise: {diff}")

@@ -24,12 +24,14 @@ swallows its failures, so a fault there would test nothing of ours.
 Retries are counted on the reader side from the library's own log records
 (``xla_ckpt.storage.retry`` "attempt N failed"; crc32c re-reads of
 ``xla_ckpt.io.reader`` and ``xla_ckpt.storage.gcs``; fallbacks of a small
-object's one-request read to ranged reads) and the faults on the proxy side.  Used by ``test_faults_under_load.py`` and ``benchmarks/reliability.py``.
+object's one-request read to ranged reads) and the faults on the proxy side.
+Used by ``test_faults_under_load.py`` and ``benchmarks/reliability.py``.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 from typing import Any
@@ -41,11 +43,9 @@ CHUNK_SIZE_BYTES = 256 * 1024
 FAULT_KINDS = ("status_503", "status_429", "reset", "short", "flip")
 
 
-def OBJECT_REQUESTS(r) -> bool:  # noqa: N802 - a matcher, used like the proxy's own
+def object_requests(r) -> bool:
     """Object requests (stat, list, media GET): not the google client's background GET of
     bucket metadata (for tracing span attributes), whose failures it swallows."""
-    import re
-
     return re.search(r"/b/[^/]+/o(/|$)", r.path) is not None
 
 
@@ -159,7 +159,7 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
     proxy.random_faults(probability, [Fault.error(503), Fault.error(429, retry_after="0"),
                                       Fault.reset(), Fault.reset(rst=False), Fault.short(),
                                       Fault.flip()],
-                        match=downloads(), status_match=OBJECT_REQUESTS)
+                        match=downloads(), status_match=object_requests)
     outcomes: Counter = Counter()
     errors: Counter = Counter()
     counts: Counter = Counter()

@@ -84,7 +84,7 @@ def run_usage(run_uri: str) -> dict:
 
 
 def soak(run_uri: str, cycles: int, *, keep: int = KEEP) -> dict:
-    """Run ``cycles`` save/restore cycles at ``run_uri``; returns per-cycle records and a summary."""
+    """Run ``cycles`` save/restore cycles at ``run_uri``; returns per-cycle records, a summary."""
     from xla_ckpt.config import CheckpointConfig
     from xla_ckpt.dist import SingleProcess
     from xla_ckpt.io.catalog import list_checkpoints

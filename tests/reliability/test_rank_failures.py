@@ -1,4 +1,4 @@
-"""Rank failures during a restore of 4 gloo ranks, both strategies: nobody hangs, the culprit is named.
+"""Rank failures while 4 gloo ranks restore, both strategies: nobody hangs, the culprit is named.
 
 For each case (``rank_workers.py``): one rank raises during its read, is
 SIGKILLed, stalls past the collective timeout, or is the coordinator (rank 0)
