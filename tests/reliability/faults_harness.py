@@ -153,7 +153,7 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
     ranks; ``proxy`` a started :class:`FaultProxy` in front of the emulator
     holding ``uri``.
     """
-    from xla_ckpt.testing.fault_proxy import Fault, downloads, requests_to
+    from xla_ckpt.testing.fault_proxy import Fault, downloads
 
     proxy.reset_log()
     proxy.random_faults(probability, [Fault.error(503), Fault.error(429, retry_after="0"),
