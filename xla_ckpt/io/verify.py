@@ -30,7 +30,7 @@ from typing import Callable
 
 from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 from xla_ckpt.format import typed
-from xla_ckpt.format.crc import crc32c
+from xla_ckpt.format.crc import crc32c, crc32c_combine
 from xla_ckpt.format.manifest import BlobRecord, Item, Manifest
 from xla_ckpt.format.safetensors_layout import parse_header_length
 from xla_ckpt.io.reader import read_manifest
@@ -288,46 +288,3 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((lo, hi))
     return out
-
-
-# ---- crc32c combine (zlib's crc32_combine, Castagnoli polynomial) -------------------------
-
-_CRC32C_POLY_REFLECTED = 0x82F63B78
-
-
-def _gf2_times(mat: list[int], vec: int) -> int:
-    s = 0
-    i = 0
-    while vec:
-        if vec & 1:
-            s ^= mat[i]
-        vec >>= 1
-        i += 1
-    return s
-
-
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32c of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)`` in bytes."""
-    if len2 <= 0:
-        return crc1
-    odd = [_CRC32C_POLY_REFLECTED] + [1 << n for n in range(31)]  # one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:
-        even = _gf2_square(odd)
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2

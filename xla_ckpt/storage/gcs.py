@@ -57,7 +57,7 @@ from google.auth import exceptions as auth_exc
 
 from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
                              IntegrityError, StorageError, StoragePermissionError, XlaCkptError)
-from xla_ckpt.format.crc import crc32c
+from xla_ckpt.format.crc import crc32c, crc32c_combine
 from xla_ckpt.storage.base import MiB, ObjectInfo, RangeRead, Storage, StorageConfig, join
 from xla_ckpt.storage.retry import Backoff, RetryLog, parse_retry_after
 
@@ -133,41 +133,6 @@ def crc32c_from_b64(text: str | None) -> int | None:
     return int.from_bytes(raw, "big") if len(raw) == 4 else None
 
 
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32c of ``A + B`` from ``crc32c(A)``, ``crc32c(B)``, ``len(B)`` in bytes (zlib's way)."""
-    if len2 <= 0:
-        return crc1
-    odd = [0x82F63B78] + [1 << n for n in range(31)]  # operator for one zero bit (reflected poly)
-    even = _gf2_square(odd)   # two zero bits
-    odd = _gf2_square(even)   # four zero bits
-    while True:
-        even = _gf2_square(odd)
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
-
-
-def _gf2_times(mat: list[int], vec: int) -> int:
-    total, i = 0, 0
-    while vec:
-        if vec & 1:
-            total ^= mat[i]
-        vec >>= 1
-        i += 1
-    return total
-
-
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
 
 
 class _Transient(Exception):
