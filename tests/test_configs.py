@@ -133,6 +133,8 @@ F = "configs/cpu-emulation.yaml"
      f"{F}: restore.strategy must be one of auto, all_ranks, broadcast; got 'fastest'"),
     ("restore.bucket_size_bytes=0",
      f"{F}: restore.bucket_size_bytes must be an integer >= 1, got 0"),
+    ("restore.host_shared_memory=sometimes",
+     f"{F}: restore.host_shared_memory must be true or false, got 'sometimes' (str)"),
     ("checkpoint.save_dir=", f"{F}: checkpoint.save_dir must be a non-empty string, got ''"),
     ("dist.timeout_s=0", f"{F}: dist.timeout_s must be a number > 0, got 0.0"),
     ("checkpoint.sync_interval_updates=0",

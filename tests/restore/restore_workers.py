@@ -11,7 +11,8 @@ import torch
 from xla_ckpt.config import DistConfig
 from xla_ckpt.dist import TorchDist, get_dist
 from xla_ckpt.format.crc import crc32c
-from xla_ckpt.restore import RestoreConfig, make_restorer, make_saver, restore, save_distributed
+from xla_ckpt.restore import (RestoreConfig, make_restorer, make_saver, partition_bounds, restore,
+                              save_distributed)
 from xla_ckpt.testing.asserts import assert_state_identical, tensor_bits
 from xla_ckpt.testing.launcher import kill_self
 
@@ -164,16 +165,91 @@ def c2_devices(uri: str) -> dict:
 
 # ---- C6: broadcast without receiver input, bounded extra memory ----------------------------
 
-def c6_broadcast(uri: str, bucket_size_bytes: int) -> dict:
+def c6_broadcast(uri: str, bucket_size_bytes: int, host_shared_memory: bool) -> dict:
     d = dist_for("gloo")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak-RSS mark to the current RSS
     base = _status("VmRSS")
     r = restore(uri, dist=d, strategy="broadcast",
-                config=RestoreConfig(bucket_size_bytes=bucket_size_bytes))
+                config=RestoreConfig(bucket_size_bytes=bucket_size_bytes,
+                                     host_shared_memory=host_shared_memory))
+    for t in r.state["t"]:  # fault in every page (a mapped one is resident once read)
+        tensor_bits(t)[::4096].sum()
     peak = _status("VmHWM")
+    crcs = [crc32c(tensor_bits(t)) for t in r.state["t"]]
     return {"peak_over_base": peak - base, "received": r.stats.bytes_received,
-            "read": r.stats.bytes_read, "crcs": [crc32c(tensor_bits(t)) for t in r.state["t"]]}
+            "mapped": r.stats.bytes_mapped, "read": r.stats.bytes_read, "crcs": crcs,
+            "data_path": r.stats.data_path}
+
+
+# ---- host shared memory: one copy per host -----------------------------------------------
+
+def hs_save(uri: str) -> None:
+    """Replicated tensors (aliasing, dtypes, empty), each rank's own item and flat ZeRO shards."""
+    d = dist_for("gloo")
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(300_000, generator=g)
+    state = {"t": [base, base[10:20], torch.randint(0, 9, (1000,), dtype=torch.int8),
+                   torch.randn(33, generator=g).to(torch.bfloat16), torch.empty(0, 3),
+                   torch.randn(70_000, generator=g).double()],
+             "step": 7}
+    flat = torch.arange(1000, dtype=torch.float32)
+    lo, hi = partition_bounds(1000, d.world_size)[d.rank]
+    save_distributed(state, uri, dist=d, rank_state={"pos": 100 + d.rank},
+                     shards={"exp_avg": flat[lo:hi]})
+
+
+def host_share_restore(uri: str, enabled: bool = True, hosts: int = 1, *, poke: bool = False,
+                       cannot_open_rank: int | None = None, off_rank: int | None = None,
+                       zero_sharding: str = "none") -> dict:
+    """Broadcast restore; ``hosts`` > 1 emulates that many hosts (torchrun GROUP_RANK)."""
+    from xla_ckpt.dist.host_memory import HostMemoryError
+    from xla_ckpt.restore import host_share
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    launcher_value = os.environ["GROUP_RANK"]
+    os.environ["GROUP_RANK"] = str(rank * hosts // world)
+    try:  # its own Dist (another timeout is another cache key): topology from GROUP_RANK
+        d = get_dist(DistConfig(backend="gloo", timeout_s=60.0 + hosts))
+    finally:
+        os.environ["GROUP_RANK"] = launcher_value
+    real_open = host_share.open_segment
+    if cannot_open_rank == d.rank:
+        def refuse(handle):  # a fault no same-host process produces: another PID namespace
+            raise HostMemoryError(f"cannot open /proc/{handle['pid']}/fd/{handle['fd']}: "
+                                  "[Errno 13] Permission denied")
+
+        host_share.open_segment = refuse
+    try:
+        r = restore(uri, dist=d, strategy="broadcast", zero_sharding=zero_sharding,
+                    config=RestoreConfig(host_shared_memory=enabled and off_rank != d.rank,
+                                         bucket_size_bytes=1 << 20))
+    finally:
+        host_share.open_segment = real_open
+    out = {"digest": digest(r.state), "shards": {k: crc32c(tensor_bits(v))
+                                                 for k, v in r.shards.items()},
+           "rank_state": digest(r.rank_state) if r.rank_state is not None else None,
+           "received": r.stats.bytes_received, "mapped": r.stats.bytes_mapped,
+           "read": r.stats.bytes_read, "data_path": r.stats.data_path,
+           "host_id": d.topology.host_id}
+    if poke:  # copy-on-write: rank 1 changes its tensors in place, the others must not see it
+        if d.rank == 1:
+            for t in r.state["t"]:
+                t.add_(1)
+        d.barrier()
+        out["after"] = digest(r.state)
+    return out
+
+
+def leader_dies_before_sealing(uri: str, timeout_s: float) -> str:
+    """Rank 0 (the host's leader) dies after reading, before sealing its segment."""
+    from xla_ckpt.dist.host_memory import Segment
+
+    d = get_dist(DistConfig(backend="gloo", timeout_s=timeout_s))
+    if d.rank == 0:
+        Segment.seal = lambda self: kill_self()  # a fault through the same interface
+    restore(uri, dist=d, strategy="broadcast")
+    return "restored"
 
 
 # ---- C9: flat shards saved by 4 ranks, restored by another world size ---------------------
@@ -293,7 +369,8 @@ def killed_mid_broadcast(uri: str, timeout_s: float) -> str:
             real(t, src)
 
         d._data_broadcast = dying  # a fault through the same interface
-    restore(uri, dist=d, strategy="broadcast", config=RestoreConfig(bucket_size_bytes=64 * 1024))
+    restore(uri, dist=d, strategy="broadcast",  # every byte through the collective
+            config=RestoreConfig(bucket_size_bytes=64 * 1024, host_shared_memory=False))
     return "restored"
 
 

@@ -143,22 +143,126 @@ def test_c2_tensors_land_on_cpu_or_the_ranks_own_device(pool, tmp_path):
 
 # ---- C6 ------------------------------------------------------------------------------------
 
-def test_c6_broadcast_50_tensors_receivers_pass_nothing_memory_bounded(pool, tmp_path):
+@pytest.mark.parametrize("host_shared_memory", [False, True])
+def test_c6_broadcast_50_tensors_receivers_pass_nothing_memory_bounded(pool, tmp_path,
+                                                                       host_shared_memory):
     g = torch.Generator().manual_seed(6)
     tensors = [torch.randn(256 * 1024, generator=g) for _ in range(50)]  # 50 x 1 MiB
     uri = str(tmp_path / "c6")
     save({"t": tensors}, uri)
     bucket = 4 * 1024 * 1024
     state_bytes = 50 * 1024 * 1024
-    got = values(pool.run(W.c6_broadcast, uri, bucket))
+    warm = str(tmp_path / "warm")  # first use of gloo and the restore path costs ~10 MiB once
+    save({"t": [torch.ones(1000)]}, warm)
+    values(pool.run(W.c6_broadcast, warm, bucket, host_shared_memory))
+    got = values(pool.run(W.c6_broadcast, uri, bucket, host_shared_memory))
     expected = [crc32c(tensor_bits(t)) for t in tensors]
     for rank, v in enumerate(got):
         assert v["crcs"] == expected
         if rank:
-            assert v["received"] == state_bytes and v["read"] == 0
+            assert v["read"] == 0
+            if not host_shared_memory:
+                assert v["received"] == state_bytes and v["mapped"] == 0
+                assert v["data_path"].startswith("collective broadcast over gloo")
+            else:  # one host: rank 0's sealed copy, mapped; nothing crosses the collective
+                assert v["received"] == 0 and v["mapped"] == state_bytes
+                assert v["data_path"].startswith("host shared memory (1 host(s) x 4 rank(s)")
             # issue target: receiver peak RSS <= state + 2 buckets above its baseline
             assert v["peak_over_base"] <= state_bytes + 2 * bucket, v["peak_over_base"]
-    assert got[0]["read"] == state_bytes
+
+
+# ---- host shared memory -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hs_checkpoint(pool, tmp_path_factory):
+    """Replicated tensors (aliasing, dtypes, empty), per-rank items and flat ZeRO shards."""
+    uri = str(tmp_path_factory.mktemp("hs") / "ckpt")
+    values(pool.run(W.hs_save, uri))
+    return uri
+
+
+def _same_everywhere(got):
+    ref = got[0]
+    for v in got:
+        assert v["digest"] == ref["digest"]
+    return ref
+
+
+def test_host_shared_memory_one_host_bitwise_same_as_collective(pool, hs_checkpoint):
+    off = values(pool.run(W.host_share_restore, hs_checkpoint, False))
+    on = values(pool.run(W.host_share_restore, hs_checkpoint, True))
+    assert _same_everywhere(on)["digest"] == _same_everywhere(off)["digest"]
+    state_bytes = on[1]["mapped"]
+    assert state_bytes > 300_000 * 4
+    for rank in range(WORLD):
+        assert on[rank]["rank_state"] == off[rank]["rank_state"]
+        assert on[rank]["shards"] == off[rank]["shards"]
+        assert on[rank]["data_path"].startswith("host shared memory (1 host(s) x 4 rank(s)")
+        if rank:
+            assert on[rank]["mapped"] == state_bytes and on[rank]["read"] == 0
+            # only each rank's own item (and the replicated shards) cross the collective
+            assert on[rank]["received"] == off[rank]["received"] - state_bytes
+    assert on[0]["mapped"] == 0 and on[0]["read"] == off[0]["read"]
+
+
+def test_host_shared_memory_is_copy_on_write_per_rank(pool, hs_checkpoint):
+    got = values(pool.run(W.host_share_restore, hs_checkpoint, True, poke=True))
+    before = got[0]["digest"]
+    for rank, v in enumerate(got):
+        if rank == 1:  # its own writes, on its own pages
+            assert v["after"] != before
+            changed = {k for k in before if v["after"][k] != before[k]}
+            assert changed and all("['t']" in k for k in changed)
+        else:  # the host's copy and every other rank's tensors are untouched
+            assert v["after"] == before, rank
+
+
+def test_host_shared_memory_two_hosts_leaders_receive_members_map(pool, hs_checkpoint):
+    off = values(pool.run(W.host_share_restore, hs_checkpoint, False))
+    got = values(pool.run(W.host_share_restore, hs_checkpoint, True, 2, zero_sharding="os"))
+    _same_everywhere(got)
+    assert got[0]["digest"] == off[0]["digest"]
+    assert [v["host_id"] for v in got] == [0, 0, 1, 1]
+    state_bytes = got[1]["mapped"]
+    for v in got:
+        assert v["data_path"].startswith("host shared memory (2 host(s) x 2 rank(s)")
+    assert got[0]["mapped"] == 0  # rank 0 read it
+    assert got[1]["mapped"] == state_bytes and got[3]["mapped"] == state_bytes  # members
+    assert got[2]["mapped"] == 0 and got[2]["received"] >= state_bytes  # host 1's leader
+    assert got[1]["received"] < state_bytes and got[3]["received"] < state_bytes
+    shard = [v["shards"]["exp_avg"] for v in got]
+    assert len(set(shard)) == WORLD  # each rank its own ZeRO partition
+
+
+def test_host_shared_memory_falls_back_when_a_rank_cannot_open(pool, hs_checkpoint):
+    off = values(pool.run(W.host_share_restore, hs_checkpoint, False))
+    got = values(pool.run(W.host_share_restore, hs_checkpoint, True, cannot_open_rank=2))
+    assert _same_everywhere(got)["digest"] == off[0]["digest"]
+    for rank, v in enumerate(got):
+        assert v["data_path"].startswith("collective broadcast over gloo (host shared memory "
+                                         "unavailable (rank 2: HostMemoryError: cannot open")
+        assert v["mapped"] == 0 and v["received"] == off[rank]["received"]
+
+
+def test_host_shared_memory_false_on_one_rank_means_off_for_all(pool, hs_checkpoint):
+    got = values(pool.run(W.host_share_restore, hs_checkpoint, True, off_rank=3))
+    for v in got:
+        assert v["data_path"] == ("collective broadcast over gloo (restore.host_shared_memory "
+                                  "is false on rank(s) 3)")
+        assert v["mapped"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_leader_dies_before_sealing_the_others_raise(tmp_path):
+    uri = str(tmp_path / "k")
+    save({"t": [torch.randn(64 * 1024) for _ in range(4)]}, uri)
+    with WorkerPool(WORLD, xla=False) as p:
+        results = p.run(W.leader_dies_before_sealing, uri, 3.0, timeout_s=90)
+    assert results[0].exitcode == -9
+    for r in results[1:]:
+        assert not r.timed_out, "a rank hung instead of raising"
+        assert isinstance(r.error, DistributedError), r.traceback
+        assert "rank 0" in str(r.error) or "0" in getattr(r.error, "failures", {}), str(r.error)
 
 
 # ---- C9 ------------------------------------------------------------------------------------

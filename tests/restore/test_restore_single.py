@@ -107,6 +107,8 @@ def test_strategy_choice_and_config():
         RestoreConfig(bucket_size_bytes=0)
     with pytest.raises(ConfigError, match="restore.zero_sharding must be one of none, os"):
         RestoreConfig(zero_sharding="full")
+    with pytest.raises(ConfigError, match="restore.host_shared_memory must be true or false"):
+        RestoreConfig(host_shared_memory="auto")
 
 
 @pytest.mark.parametrize("strategy", ["all_ranks", "broadcast"])

@@ -406,6 +406,25 @@ class Dist(abc.ABC):
                     views[p.index][p.start:p.start + p.nbytes].copy_(buf[p.offset:p.offset + p.nbytes])
         return sum(sizes)
 
+    def subgroup(self, ranks: Sequence[int]) -> "Dist | None":
+        """A :class:`Dist` over some of this one's ranks (e.g. one leader per host).
+
+        Every rank of this Dist calls it with the same ``ranks`` (it is a
+        collective); members get a Dist whose ranks are numbered ``0..``
+        in the order of ``sorted(ranks)``, the others get None.  The
+        subgroup is made once and reused.
+
+        Raises:
+            NotImplementedError: this backend cannot make subgroups
+                (:attr:`supports_subgroups` is False).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot make subgroups")
+
+    @property
+    def supports_subgroups(self) -> bool:
+        """Whether :meth:`subgroup` works on this backend."""
+        return False
+
     def close(self) -> None:
         """Release groups this object created (the default process group is left alone)."""
 

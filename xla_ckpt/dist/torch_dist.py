@@ -150,6 +150,7 @@ class TorchDist(Dist):
             self._ctrl = tdist.new_group(backend="gloo", timeout=td)
         super().__init__(self._make_topology(), timeout_s=timeout_s)
         self._liveness = liveness.for_group(self._ctrl)
+        self._subgroups: dict[tuple[int, ...], TorchDist | None] = {}
 
     def _make_topology(self) -> Topology:
         rank = tdist.get_rank(self._group)
@@ -177,6 +178,27 @@ class TorchDist(Dist):
         if tdist.get_rank() not in ranks:
             return None
         return cls(timeout_s=timeout_s, group=data, _ctrl_group=ctrl)
+
+    @property
+    def supports_subgroups(self) -> bool:
+        # tdist.new_group is a collective of the *default* group: only a Dist
+        # spanning every process of the job can make one without a hang
+        return tdist.get_world_size(self._group) == tdist.get_world_size()
+
+    def subgroup(self, ranks: Sequence[int]) -> "TorchDist | None":
+        key = tuple(sorted(int(r) for r in ranks))
+        if key not in self._subgroups:
+            if not self.supports_subgroups:
+                raise NotImplementedError("subgroups need a TorchDist over every process of "
+                                          "the job")
+            td = datetime.timedelta(seconds=self.timeout_s)
+            global_ranks = [self._global(r, self._group) for r in key]
+            data = tdist.new_group(ranks=global_ranks, timeout=td, backend=self._backend)
+            ctrl = tdist.new_group(ranks=global_ranks, backend="gloo", timeout=td)
+            member = self.rank in key
+            self._subgroups[key] = (TorchDist(backend=self._backend, timeout_s=self.timeout_s,
+                                              group=data, _ctrl_group=ctrl) if member else None)
+        return self._subgroups[key]
 
     # ---- properties -------------------------------------------------------------------
     @property

@@ -212,7 +212,8 @@ def materialize_item(item: Item, blobs: Mapping[int, torch.Tensor],
     Args:
         item: the manifest item.
         blobs: blob index -> uint8 CPU tensor holding the blob's bytes
-            (already crc32c-checked by the reader).
+            (already crc32c-checked by the reader); it may be a view into a
+            larger storage (tensors then alias that storage).
         map_location: where tensors go (None = CPU). Tensors that shared a
             blob are placed together so they still alias on the target.
         tensor_filter: if given, tensors for which it returns False come back
@@ -235,13 +236,19 @@ def materialize_item(item: Item, blobs: Mapping[int, torch.Tensor],
             if buf is None:
                 raise CheckpointCorruptError(f"bytes of blob {rec.blob} for {rec.key} were not read")
             isz = itemsize(dtype)
-            if rec.byte_offset % isz:
+            span = rec.span_bytes()
+            if rec.byte_offset + span > buf.numel():
+                raise CheckpointCorruptError(f"{rec.key} needs bytes [{rec.byte_offset}, "
+                                             f"{rec.byte_offset + span}) of blob {rec.blob}, "
+                                             f"which holds {buf.numel()}")
+            # the blob may itself be a view into a larger storage (host shared memory)
+            start = buf.storage_offset() + rec.byte_offset
+            if start % isz:
                 # Unaligned view: copy out (cannot alias a misaligned typed view).
-                span = rec.span_bytes()
                 part = buf[rec.byte_offset:rec.byte_offset + span].clone()
                 t = torch.empty(0, dtype=dtype).set_(part.untyped_storage(), 0, rec.shape, rec.stride)
             else:
-                t = torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), rec.byte_offset // isz,
+                t = torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), start // isz,
                                                      rec.shape, rec.stride)
         dev = resolve_device(map_location, rec.key)
         if dev is not None and dev.type != "cpu" and rec.numel:

@@ -39,7 +39,8 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
 
     * ``all_ranks`` — every rank reads from storage in parallel (XLA/TPU default);
     * ``broadcast`` — rank 0 reads, the data plane broadcasts in buckets
-      (CUDA/NCCL and gloo default).
+      (CUDA/NCCL and gloo default); ranks on one host share one sealed
+      copy in host memory when they can (``host_shared_memory``).
 
     Both give every rank bitwise the same ``state``.  Log lines and errors
     name the strategy and why it was chosen.
@@ -104,15 +105,17 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
         else:
             loaded = restore_broadcast(decision, dist, plans, map_location=map_location,
                                        storage_config=storage_config,
-                                       bucket_size_bytes=cfg.bucket_size_bytes, what=what)
+                                       bucket_size_bytes=cfg.bucket_size_bytes, what=what,
+                                       host_shared_memory=cfg.host_shared_memory)
     except DistributedError as e:
         if e.args and isinstance(e.args[0], str) and f"strategy {name}" not in e.args[0]:
             e.args = (f"{what}: {e.args[0]}",) + e.args[1:]  # a broken collective: say where
         raise
     me = plans[dist.rank]
     stats = RestoreStats(bytes_read=loaded.bytes_read, bytes_received=loaded.bytes_received,
-                         bytes_sent=loaded.bytes_sent, seconds=time.perf_counter() - t0,
-                         read_seconds=loaded.read_seconds)
+                         bytes_sent=loaded.bytes_sent, bytes_mapped=loaded.bytes_mapped,
+                         seconds=time.perf_counter() - t0, read_seconds=loaded.read_seconds,
+                         data_path=loaded.data_path)
     md = decision.manifest.metadata
     result = Restored(
         state=loaded.state, rank_state=loaded.rank_state, shards=loaded.shards,
@@ -121,9 +124,10 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
         metadata=typed.decode(md) if md is not None else None, strategy=name, reason=reason,
         stats=stats)
     if dist.rank == 0:
-        logger.info("rank 0: restored %s with strategy %s in %.2f s (read %d bytes, %.1f MiB/s)",
+        logger.info("rank 0: restored %s with strategy %s in %.2f s (read %d bytes, %.1f MiB/s)%s",
                     decision.checkpoint, name, stats.seconds, stats.bytes_read,
-                    stats.bytes_read / max(stats.seconds, 1e-9) / 2**20)
+                    stats.bytes_read / max(stats.seconds, 1e-9) / 2**20,
+                    f"; data plane: {stats.data_path}" if stats.data_path else "")
     return result
 
 

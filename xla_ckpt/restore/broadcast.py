@@ -36,11 +36,13 @@ from typing import Any, Callable
 import torch
 
 from xla_ckpt.dist.base import Dist
+from xla_ckpt.dist.host_memory import map_private
 from xla_ckpt.format.manifest import Item
 from xla_ckpt.format.plan import MapLocation, materialize_item
 from xla_ckpt.io import CheckpointReader
 from xla_ckpt.restore.all_ranks import place
 from xla_ckpt.restore.decide import Decision
+from xla_ckpt.restore.host_share import HostShare, negotiate
 from xla_ckpt.restore.plan import RankPlan
 from xla_ckpt.restore.result import Loaded
 from xla_ckpt.storage import StorageConfig, open_storage
@@ -123,14 +125,24 @@ class _BackgroundRead:
     def join(self) -> None:
         self._thread.join()
 
+    def release(self) -> None:
+        """Drop the references to the destination buffers (after :meth:`join`)."""
+        self._args = None
+
 
 def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
                       map_location: MapLocation, storage_config: StorageConfig | None,
-                      bucket_size_bytes: int, what: str) -> Loaded:
+                      bucket_size_bytes: int, what: str,
+                      host_shared_memory: bool = True) -> Loaded:
     """Every rank calls this; rank 0 reads, every rank ends with its own state.
 
     Args:
         plans: every rank's :class:`RankPlan` (identical lists on every rank).
+        host_shared_memory: True — ranks on rank 0's host (and on every
+            other host, behind that host's leader) map one sealed copy of the
+            replicated state instead of receiving it, when every rank can
+            (:mod:`xla_ckpt.restore.host_share`); False — the collective
+            carries every byte.
 
     Raises:
         DistributedError: on every rank when rank 0's read (or any rank's
@@ -141,9 +153,35 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
     me = plans[dist.rank]
     is_src = dist.rank == 0
     keys = sorted(me.shards)
+    state_item = manifest.item(me.item)
+    sizes = [b.length for b in state_item.blobs]
+    share, data_path = negotiate(dist, host_shared_memory, sum(sizes), what)
+    if share is None:
+        data_path = f"collective broadcast over {dist.backend} ({data_path})"
+    try:
+        return _restore(decision, dist, plans, me, is_src, keys, sizes, share, data_path,
+                        map_location=map_location, storage_config=storage_config,
+                        bucket_size_bytes=bucket_size_bytes, what=what)
+    finally:
+        if share is not None:
+            share.close()
+
+
+def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan, is_src: bool,
+             keys: list[str], sizes: list[int], share: HostShare | None, data_path: str, *,
+             map_location: MapLocation, storage_config: StorageConfig | None,
+             bucket_size_bytes: int, what: str) -> Loaded:
+    manifest = decision.manifest
+    state_item = manifest.item(me.item)
+    leader = share is not None and share.segment is not None
 
     def allocate() -> dict[str, Any]:
-        out: dict[str, Any] = {"state": _alloc(manifest.item(me.item))}
+        if share is None:
+            out: dict[str, Any] = {"state": _alloc(state_item)}
+        elif leader:  # the host's one copy; the other ranks of the host allocate nothing
+            out = {"state": dict(enumerate(share.segment.writable_views(sizes)))}
+        else:
+            out = {"state": {}}
         out["rank"] = _alloc(manifest.item(me.rank_item)) if me.rank_item else {}
         # rank 0's partitions are cut from what it reads
         out["shards"] = [] if is_src else [torch.empty(me.shard_nbytes(k), dtype=torch.uint8)
@@ -151,7 +189,7 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
         return out
 
     got = dist.run_collectively(allocate, f"{what}: allocate the destination buffers")
-    state_bufs = got["state"]
+    state_bufs = got.pop("state")
     t0 = time.perf_counter()
     background: _BackgroundRead | None = None
     if is_src:
@@ -182,22 +220,45 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
         # read groups of a quarter bucket: the first bucket can leave early
         group = max(bucket_size_bytes // 4, 1 << 20)
         background = _BackgroundRead(open_reader, me.item, state_bufs, group, then)
-    received = sent = 0
+    received = sent = mapped = 0
+    data_error: BaseException | None = None
     try:
-        n = dist.broadcast_tensors([state_bufs[i] for i in sorted(state_bufs)], src=0,
-                                   bucket_size_bytes=bucket_size_bytes,
-                                   wait_on_src=background.wait_for if background else None,
-                                   check_layout=False)  # sizes come from one manifest
+        if share is None:
+            n = dist.broadcast_tensors([state_bufs[i] for i in sorted(state_bufs)], src=0,
+                                       bucket_size_bytes=bucket_size_bytes,
+                                       wait_on_src=background.wait_for if background else None,
+                                       check_layout=False)  # sizes come from one manifest
+            received += 0 if is_src else n
+        elif share.leaders_dist is not None:  # several hosts: rank 0 -> the other leaders
+            try:
+                n = share.leaders_dist.broadcast_tensors(
+                    [state_bufs[i] for i in sorted(state_bufs)], src=0,
+                    bucket_size_bytes=bucket_size_bytes,
+                    wait_on_src=background.wait_for if background else None, check_layout=False)
+                received += 0 if is_src else n
+            except Exception as e:  # noqa: BLE001 - the whole group agrees on it below
+                data_error = e
     finally:
         if background is not None:
             background.join()
-    if not is_src:
-        received += n
+            background.release()
     read_error = background.error if background is not None else None
-    dist.agree(read_error, f"{what}: rank 0 reads")
+    dist.agree(read_error or data_error,
+               f"{what}: rank 0 reads" + ("" if share is None else " into host shared memory"))
     extra = background.result if background is not None else {}
     nread = (background.bytes_read + extra["bytes"]) if background is not None else 0
     read_seconds = time.perf_counter() - t0 if is_src else 0.0
+    if share is not None:
+        state_bufs = {}  # the writable views: the segment can be sealed once they are gone
+
+        # two steps: no rank maps before every leader has sealed
+        dist.run_collectively(share.segment.seal if leader else lambda: None,
+                              f"{what}: seal host shared memory")
+        fd = share.segment.fd if leader else share.fd
+        state_bufs = dist.run_collectively(lambda: dict(enumerate(map_private(fd, sizes))),
+                                           f"{what}: map host shared memory")
+        mapped = 0 if leader else sum(sizes)
+        share.close()
     if any(p.rank_item for p in plans):
         rank_bufs = got["rank"]
         n = dist.scatter_tensors([rank_bufs[i] for i in sorted(rank_bufs)],
@@ -217,7 +278,7 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
     extra = {}  # drop rank 0's references to the other ranks' buffers before rebuilding
 
     def build() -> Loaded:
-        state = materialize_item(manifest.item(me.item), state_bufs, map_location)
+        state = materialize_item(state_item, state_bufs, map_location)
         rank_state = None
         if me.rank_item is not None:
             rank_state = materialize_item(manifest.item(me.rank_item), got["rank"], map_location)
@@ -226,6 +287,7 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
             t = raw.view(me.shard_dtype(k)) if raw.numel() else torch.empty(0, dtype=me.shard_dtype(k))
             shards[k] = place(t.clone() if is_src else t, map_location, k)
         return Loaded(state=state, rank_state=rank_state, shards=shards, bytes_read=nread,
-                      bytes_received=received, bytes_sent=sent, read_seconds=read_seconds)
+                      bytes_received=received, bytes_sent=sent, bytes_mapped=mapped,
+                      read_seconds=read_seconds, data_path=data_path)
 
     return dist.run_collectively(build, f"{what}: rebuild the state")

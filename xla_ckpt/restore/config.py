@@ -27,6 +27,13 @@ class RestoreConfig:
             each rank gets the whole of every sharded tensor.
         allow_reshard: restore sharded tensors saved with another world size
             by exact resharding; False raises ``WorldSizeMismatchError`` instead.
+        host_shared_memory: broadcast strategy only.  True: ranks on the
+            same host share one sealed, copy-on-write copy of the replicated
+            state that their host's leader holds (rank 0 reads into its copy,
+            other hosts' leaders receive one over the data plane), falling
+            back to the collective, with the reason logged, when some rank
+            cannot share; False: every rank receives every byte over the
+            collective.
 
     Raises:
         ConfigError: a value out of range (names the key).
@@ -37,6 +44,7 @@ class RestoreConfig:
     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
     zero_sharding: str = "none"
     allow_reshard: bool = True
+    host_shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -45,7 +53,7 @@ class RestoreConfig:
         if self.zero_sharding not in ZERO_SHARDING:
             raise ConfigError(f"restore.zero_sharding must be one of {', '.join(ZERO_SHARDING)}; "
                               f"got {self.zero_sharding!r}")
-        for name in ("load_checkpoint_on_all_dp_ranks", "allow_reshard"):
+        for name in ("load_checkpoint_on_all_dp_ranks", "allow_reshard", "host_shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"restore.{name} must be true or false, got "
                                   f"{getattr(self, name)!r}")

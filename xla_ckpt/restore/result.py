@@ -20,7 +20,9 @@ class Loaded:
     bytes_read: int = 0
     bytes_received: int = 0
     bytes_sent: int = 0
+    bytes_mapped: int = 0
     read_seconds: float = 0.0
+    data_path: str = ""
 
 
 @dataclass
@@ -31,15 +33,21 @@ class RestoreStats:
         bytes_read: bytes this rank fetched from storage.
         bytes_received: tensor bytes this rank received over the data plane.
         bytes_sent: tensor bytes this rank sent point to point (rank 0, ZeRO scatter).
+        bytes_mapped: tensor bytes this rank mapped from its host leader's
+            shared memory instead of receiving them (broadcast strategy).
         seconds: wall time of the whole restore on this rank.
         read_seconds: wall time of this rank's storage reads.
+        data_path: how the tensor bytes reached the ranks (broadcast strategy:
+            host shared memory or the collective, and why); ``""`` for all_ranks.
     """
 
     bytes_read: int = 0
     bytes_received: int = 0
     bytes_sent: int = 0
+    bytes_mapped: int = 0
     seconds: float = 0.0
     read_seconds: float = 0.0
+    data_path: str = ""
 
 
 @dataclass

@@ -1,0 +1,144 @@
+"""Whether the broadcast strategy shares one copy per host, agreed by every rank.
+
+:func:`negotiate` is a collective: every rank enters it, the outcome is the
+same on every rank, and whatever goes wrong on any rank (no ``memfd``, a
+segment that cannot be opened from a rank) turns into "use the collective
+broadcast" with the reason, never into an error or a hang.  The mechanism is
+:mod:`xla_ckpt.dist.host_memory`.
+
+Hosts are the groups of ranks with the same topology ``host_id`` *and* the
+same :func:`~xla_ckpt.dist.host_memory.host_identity`; each host's leader is
+its lowest rank (so rank 0 leads its host).  With one host, nothing crosses
+the collective: rank 0 reads into its segment and the other ranks map it.
+With several, the leaders form a subgroup and rank 0 broadcasts to the other
+leaders over the data plane, one copy per host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from xla_ckpt.dist.base import Dist, describe_error
+from xla_ckpt.dist.host_memory import HostMemoryError, Segment, host_identity, open_segment
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class HostShare:
+    """This rank's part in a host-shared restore (the same ``hosts`` on every rank).
+
+    Attributes:
+        hosts: ranks of each host, each sorted, hosts ordered by their leader.
+        leaders: each host's lowest rank (``leaders[0] == 0``).
+        leader: this rank's host leader.
+        segment: the host's segment, on a leader.
+        fd: the leader's segment opened read-only, on a non-leader.
+        leaders_dist: the leaders' subgroup (several hosts, on leaders only).
+    """
+
+    hosts: list[list[int]]
+    leaders: list[int]
+    leader: int
+    segment: Segment | None = None
+    fd: int | None = None
+    leaders_dist: Dist | None = None
+    closed: bool = field(default=False, repr=False)
+
+    @property
+    def describe(self) -> str:
+        sizes = sorted({len(h) for h in self.hosts})
+        per = "/".join(str(n) for n in sizes)
+        how = ("rank 0 reads, the other ranks map its memory" if len(self.hosts) == 1 else
+               "rank 0 reads, host leaders receive over the data plane, the other ranks "
+               "map their leader's memory")
+        return (f"host shared memory ({len(self.hosts)} host(s) x {per} rank(s): {how}; "
+                "one copy per host)")
+
+    def close(self) -> None:
+        """Close this rank's descriptor (mappings made from it stay valid)."""
+        if self.segment is not None:
+            self.segment.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.closed = True
+
+
+def negotiate(dist: Dist, enabled: bool, nbytes: int, what: str) -> tuple[HostShare | None, str]:
+    """Every rank calls it; returns this rank's :class:`HostShare` (or None) and why.
+
+    Args:
+        enabled: ``restore.host_shared_memory`` on this rank.
+        nbytes: bytes of the replicated state to be shared.
+        what: the restore, for log lines.
+
+    Returns:
+        ``(share, reason)``: ``share`` is None on every rank when the
+        collective broadcast must carry the bytes; ``reason`` says why (same
+        on every rank).
+    """
+    if dist.world_size == 1:
+        return None, "one rank: nothing to share"
+    ident = host_identity() if enabled else None
+    infos = dist.exchange({"on": bool(enabled), "host": dist.topology.host_id, "id": ident})
+    off = [r for r, i in enumerate(infos) if not i["on"]]
+    if off:
+        return None, f"restore.host_shared_memory is false on rank(s) {_ranks(off)}"
+    if nbytes == 0:
+        return None, "the state has no tensor bytes"
+    missing = [r for r, i in enumerate(infos) if i["id"] is None]
+    if missing:
+        return None, (f"rank(s) {_ranks(missing)} cannot share host memory "
+                      "(no memfd_create, file sealing or /proc)")
+    by_host: dict[tuple, list[int]] = {}
+    for r, i in enumerate(infos):
+        by_host.setdefault((i["host"], i["id"]), []).append(r)
+    hosts = sorted(by_host.values(), key=lambda h: h[0])
+    if all(len(h) == 1 for h in hosts):
+        return None, "one rank per host: nothing to share"
+    if len(hosts) > 1 and not dist.supports_subgroups:
+        return None, (f"{len(hosts)} hosts, and {type(dist).__name__} cannot make the host "
+                      "leaders' subgroup")
+    leaders = [h[0] for h in hosts]
+    mine = next(h for h in hosts if dist.rank in h)
+    share = HostShare(hosts=hosts, leaders=leaders, leader=mine[0])
+    try:
+        return _open(dist, share, what)
+    except BaseException:
+        share.close()
+        raise
+
+
+def _open(dist: Dist, share: HostShare, what: str) -> tuple[HostShare | None, str]:
+    report: dict = {"handle": None, "error": None}
+    if dist.rank == share.leader:
+        try:
+            share.segment = Segment(f"xla_ckpt-restore-rank{dist.rank}")
+            report["handle"] = share.segment.handle
+        except HostMemoryError as e:
+            report["error"] = describe_error(e)
+    reports = dist.exchange(report)
+    failed = {r: rep["error"] for r, rep in enumerate(reports) if rep["error"]}
+    error = None
+    if not failed and dist.rank != share.leader:
+        try:
+            share.fd = open_segment(reports[share.leader]["handle"])
+        except HostMemoryError as e:
+            error = describe_error(e)
+    opened = dist.exchange(error)
+    failed.update({r: e for r, e in enumerate(opened) if e})
+    if failed:
+        share.close()
+        causes = "; ".join(f"rank {r}: {c}" for r, c in sorted(failed.items()))
+        return None, f"host shared memory unavailable ({causes})"
+    if len(share.hosts) > 1:
+        share.leaders_dist = dist.subgroup(share.leaders)  # every rank calls it
+    if dist.rank == 0:
+        logger.info("rank 0: %s: data plane is %s", what, share.describe)
+    return share, share.describe
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
