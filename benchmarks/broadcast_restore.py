@@ -5,9 +5,14 @@ only) restore the same ``--size-mib`` MiB state (fp32 tensors shaped like a
 transformer: one embedding, per layer 4 MiB attention and 16 MiB MLP
 matrices and small bias/LayerNorm vectors).  One JSON line per method:
 
-  xla_ckpt_broadcast        restore(strategy="broadcast"): rank 0 reads the checkpoint (crc32c
-                            checked), the manifest goes first, blob bytes follow in buckets of
-                            ``--bucket-mib`` straight into receivers' preallocated buffers
+  xla_ckpt_broadcast        restore(strategy="broadcast") as it runs by default: rank 0 reads the
+                            checkpoint (crc32c checked) into one sealed host shared-memory
+                            segment, the other ranks of the host map it copy-on-write (nothing
+                            crosses the collective; RestoreConfig.host_shared_memory=True)
+  xla_ckpt_broadcast_collective
+                            the same with host_shared_memory=False: the manifest goes first,
+                            blob bytes follow over gloo in buckets of ``--bucket-mib`` straight
+                            into receivers' preallocated buffers (what ranks on other hosts get)
   broadcast_object_list     rank 0 torch.load()s the .pt file, dist.broadcast_object_list([state])
   per_tensor_broadcast      fairseq style: rank 0 torch.load()s, broadcasts the structure as an
                             object, then one dist.broadcast per tensor into receiver-allocated
@@ -21,8 +26,9 @@ matrices and small bias/LayerNorm vectors).  One JSON line per method:
                             no checks, no rebuild
 
 The clock runs on every rank from a barrier until that rank holds the whole
-state (rank 0's read from the page-cache-warm local file included for every
-method); ``seconds`` is the slowest rank, median of ``--repeat`` runs.  Each
+state with every page resident (one read per 4 KiB page, so lazily mapped
+pages are paid for too; rank 0's read from the page-cache-warm local file is
+included for every method); ``seconds`` is the slowest rank, median of ``--repeat`` runs.  Each
 rank's peak RSS above its own baseline (the peak mark reset just before the
 method, ``MALLOC_MMAP_THRESHOLD_`` fixed so freed buffers leave the process)
 is reported per rank.  Every rank checks its state bitwise (crc32c of every
@@ -58,7 +64,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 MiB = 1024 * 1024
 WORLD = 4
-METHODS = ("xla_ckpt_broadcast", "broadcast_object_list", "per_tensor_broadcast",
+METHODS = ("xla_ckpt_broadcast", "xla_ckpt_broadcast_collective", "broadcast_object_list",
+           "per_tensor_broadcast",
            "xla_ckpt_all_ranks_local", "xla_ckpt_all_ranks_gcs", "floor_gloo_broadcast")
 
 
@@ -130,8 +137,8 @@ def _crc(state) -> int:
 
 def warm_up(ckpt: str, pt: str) -> None:
     """First use of gloo, torch and the restore path costs ~10 MiB once per process: pay it here."""
-    for m in ("xla_ckpt_broadcast", "per_tensor_broadcast", "broadcast_object_list",
-              "xla_ckpt_all_ranks_local"):
+    for m in ("xla_ckpt_broadcast", "xla_ckpt_broadcast_collective", "per_tensor_broadcast",
+              "broadcast_object_list", "xla_ckpt_all_ranks_local"):
         run_method(m, ckpt, pt, "", MiB)
 
 
@@ -163,9 +170,11 @@ def run_method(method: str, ckpt: str, pt: str, gcs_uri: str, bucket_size_bytes:
     base = _reset_peak()
     d.barrier()
     t0 = time.perf_counter()
-    if method == "xla_ckpt_broadcast":
+    if method in ("xla_ckpt_broadcast", "xla_ckpt_broadcast_collective"):
         state = restore(ckpt, dist=d, strategy="broadcast",
-                        config=RestoreConfig(bucket_size_bytes=bucket_size_bytes)).state
+                        config=RestoreConfig(bucket_size_bytes=bucket_size_bytes,
+                                             host_shared_memory=method == "xla_ckpt_broadcast")
+                        ).state
     elif method == "xla_ckpt_all_ranks_local":
         state = restore(ckpt, dist=d, strategy="all_ranks").state
     elif method == "xla_ckpt_all_ranks_gcs":
@@ -196,6 +205,8 @@ def run_method(method: str, ckpt: str, pt: str, gcs_uri: str, bucket_size_bytes:
         state = {"model": model, "num_updates": num_updates}
     else:
         raise ValueError(method)
+    for t in state["model"].values():  # every page resident (a mapped page is, once read)
+        t.view(-1)[::1024].sum()
     seconds = time.perf_counter() - t0
     peak = _status("VmHWM")
     crc = _crc(state)
@@ -287,7 +298,7 @@ def main() -> None:
             emu.__exit__(None, None, None)
     for m, line in results.items():
         for peer in ("broadcast_object_list", "per_tensor_broadcast", "xla_ckpt_broadcast",
-                     "floor_gloo_broadcast"):
+                     "xla_ckpt_broadcast_collective", "floor_gloo_broadcast"):
             if peer != m and peer in results:
                 line[f"ratio_vs_{peer}"] = round(results[peer]["seconds"] / line["seconds"], 3)
         print(json.dumps(line), flush=True)

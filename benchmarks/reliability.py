@@ -146,7 +146,7 @@ def part_ranks(emu, args, sink) -> None:
         os.environ.clear()
         os.environ.update(saved)
     cases = []
-    for strategy in ("all_ranks", "broadcast"):
+    for strategy in ("all_ranks", "broadcast", "broadcast_host_memory"):
         cases += [(strategy, "raise", 2 if strategy == "all_ranks" else 0),
                   (strategy, "stall", 2), (strategy, "kill", 2), (strategy, "coordinator", 0)]
     rows = []

@@ -6,12 +6,16 @@ ways; every rank reports how its restore ended and how long it took:
 * ``raise``: the victim's storage reads fail for real: the fault proxy answers
   them with HTTP 403, so its read raises :class:`StoragePermissionError`;
 * ``kill``: the victim SIGKILLs itself at a fault hook: its first storage read
-  (``all_ranks``), or its second data-plane bucket (``broadcast``);
+  (``all_ranks``), its second data-plane bucket (``broadcast``, every byte
+  over the collective), or its mapping of rank 0's host shared memory
+  (``broadcast_host_memory``, the broadcast strategy's default on one host);
 * ``stall``: the victim sleeps at that hook for ``timeout_s + STALL_EXTRA_S``;
 * ``coordinator``: the victim is rank 0 -- the rank that decides what to
   restore and (broadcast) sends the bytes -- and it is killed at the hook
   (``all_ranks``: while reading the manifest to decide, the others waiting
-  for the decision; ``broadcast``: while sending the second bucket).
+  for the decision; ``broadcast``: while sending the second bucket;
+  ``broadcast_host_memory``: while reading into its shared segment, the
+  others waiting to hear how the read went).
 
 The hooks replace a method of the real storage backend or of the rank's own
 :class:`~xla_ckpt.dist.TorchDist` (a fault a real part cannot produce on demand
@@ -57,6 +61,19 @@ def _hook_storage_reads(action) -> None:
         cls.read_range = hooked
 
 
+def _hook_host_memory_map(action) -> None:
+    """Run ``action()`` when this rank maps its host leader's shared segment."""
+    from xla_ckpt.restore import broadcast
+
+    real = broadcast.map_private
+
+    def hooked(*a, **kw):
+        action()
+        return real(*a, **kw)
+
+    broadcast.map_private = hooked
+
+
 def _hook_second_bucket(d, action) -> None:
     """Run ``action()`` when this rank enters its second data-plane broadcast."""
     real = d._data_broadcast
@@ -82,18 +99,23 @@ def restore_with_victim(uri: str, strategy: str, scenario: str, victim: int,
 
     get_dist(DistConfig(backend="gloo", timeout_s=120.0))  # the job's process group
     d = TorchDist.new_subgroup(range(4), timeout_s=timeout_s)  # fresh groups for this case
+    host_memory = strategy == "broadcast_host_memory"
+    strategy = "broadcast" if host_memory else strategy
     if d.rank == victim and scenario != "raise":
         action = kill_self if scenario in ("kill", "coordinator") else \
             (lambda: time.sleep(timeout_s + STALL_EXTRA_S))
-        if strategy == "broadcast":
+        if host_memory and victim != 0:
+            _hook_host_memory_map(action)  # a rank mapping rank 0's segment
+        elif strategy == "broadcast" and not host_memory:
             _hook_second_bucket(d, action)  # receiving (rank 2) or sending (rank 0) bytes
         else:
-            _hook_storage_reads(action)  # rank 0: its manifest read while deciding
+            _hook_storage_reads(action)  # rank 0: its manifest read, or its read into memory
     t0 = time.monotonic()
     out: dict = {"rank": d.rank}
     try:
         restore(uri, dist=d, strategy=strategy,
-                config=RestoreConfig(bucket_size_bytes=BUCKET_BYTES),
+                config=RestoreConfig(bucket_size_bytes=BUCKET_BYTES,
+                                     host_shared_memory=host_memory),
                 storage_config=StorageConfig(max_attempts=2, initial_backoff_s=0.01,
                                              max_backoff_s=0.05))
         out.update(outcome="restored")

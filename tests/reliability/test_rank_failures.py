@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 TIMEOUT_S = 3.0
 MARGIN_S = DEAD_AFTER_S + 12.0  # diagnosing who failed, plus generous scheduling slack on 2 cores
 HARD_TIMEOUT_S = 60.0           # the launcher kills any rank still running after this
-STRATEGIES = ["all_ranks", "broadcast"]
+STRATEGIES = ["all_ranks", "broadcast", "broadcast_host_memory"]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,8 @@ def _survivors_name(results, victim: int, what: str) -> float:
     return slowest
 
 
-@pytest.mark.parametrize("strategy,victim", [("all_ranks", 2), ("broadcast", 0)])
+@pytest.mark.parametrize("strategy,victim", [("all_ranks", 2), ("broadcast", 0),
+                                             ("broadcast_host_memory", 0)])
 def test_rank_raises_during_read(pool, gcs_emulator, gcs_ckpt, strategy, victim):
     # all_ranks: only rank 2 reads its own rank item; broadcast: only rank 0 reads at all.
     target = "rank-00002" if strategy == "all_ranks" else "-state.safetensors"

@@ -9,11 +9,12 @@ decides when to use it (and falls back to the collective when it cannot).
 
 The segment is a Linux ``memfd`` (``memfd_create(2)``):
 
-* **no file system involved** — it is not in ``/dev/shm``, so the 64 MiB
-  ``/dev/shm`` of a default Docker container or GKE pod is no limit; its
-  pages count against the leader's memory cgroup like any other memory,
-  and are allocated up front (``posix_fallocate``) so running out of memory
-  is an error at allocation, never a ``SIGBUS`` mid-copy;
+* **no file system involved** — it lives on the kernel's internal tmpfs
+  mount, not in ``/dev/shm``, so the 64 MiB ``/dev/shm`` of a default
+  Docker container or GKE pod is no limit, and that mount has no size
+  limit of its own (no ``SIGBUS`` on a full file system); its pages count
+  against the leader's memory cgroup like any other memory, so running
+  out is what it would be for the buffers it replaces;
 * **nothing to clean up after a crash** — it has no name on disk; its pages
   are freed when the last process holding its descriptor or a mapping of
   it exits;
@@ -54,6 +55,7 @@ import torch
 MAGIC = b"XLA_CKPT-HOSTMEM1"
 HEADER_BYTES = mmap.ALLOCATIONGRANULARITY  # the data starts page-aligned (mmap offsets must)
 ALIGN_BYTES = 64  # every tensor's first byte: a cache line, enough for every dtype's view
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 SEALS = (getattr(fcntl, "F_SEAL_WRITE", 0) | getattr(fcntl, "F_SEAL_SHRINK", 0)
          | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0))
 
@@ -118,21 +120,39 @@ class Segment:
         """What a reader needs to open the segment: ``{"pid", "fd", "nonce"}`` (JSON-safe)."""
         return {"pid": os.getpid(), "fd": self.fd, "nonce": self.nonce.hex()}
 
+    def size_for(self, sizes: Sequence[int]) -> list[int]:
+        """Size the segment for tensors of ``sizes`` bytes; their byte offsets in :attr:`fd`.
+
+        For a caller that fills the segment with ``os.pwrite`` (no mapping:
+        the kernel allocates each page as it is written, without zeroing it
+        first).
+
+        Raises:
+            HostMemoryError: the segment could not be sized.
+        """
+        offsets, data = segment_layout(sizes)
+        self._data_bytes = data
+        try:
+            os.ftruncate(self.fd, HEADER_BYTES + data)
+        except OSError as e:
+            raise HostMemoryError(f"could not size host shared memory to {HEADER_BYTES + data} "
+                                  f"bytes: {e}; set restore.host_shared_memory: false") from None
+        return [HEADER_BYTES + o for o in offsets]
+
     def writable_views(self, sizes: Sequence[int]) -> list[torch.Tensor]:
         """Size the segment for tensors of ``sizes`` bytes; uint8 views to fill, one per size.
 
-        The memory is allocated here, all of it (``posix_fallocate``).  The
-        views must all be dropped before :meth:`seal`.
+        Pages are allocated as they are first written, as for ``torch.empty``.
+        The views must all be dropped before :meth:`seal`.
 
         Raises:
-            HostMemoryError: the memory could not be allocated (names the size).
+            HostMemoryError: the segment could not be sized (names the size).
         """
         _, data = segment_layout(sizes)
         self._data_bytes = data
         total = HEADER_BYTES + data
         try:
             os.ftruncate(self.fd, total)
-            os.posix_fallocate(self.fd, 0, total)
         except OSError as e:
             raise HostMemoryError(f"could not allocate {total} bytes of host shared memory: "
                                   f"{e}; set restore.host_shared_memory: false") from None
@@ -150,9 +170,10 @@ class Segment:
                 (a bug: the caller must drop them first), or sealing failed.
         """
         if self._map is not None:
-            gc.collect()
             # torch.frombuffer holds a reference, not a buffer export: closing the map
             # under a live tensor would leave it dangling, so count the references
+            if sys.getrefcount(self._map) > 2:
+                gc.collect()  # a view kept alive only by a reference cycle
             if sys.getrefcount(self._map) > 2:
                 raise HostMemoryError("a view of the host shared-memory segment is still alive; "
                                       "cannot seal it")
@@ -212,4 +233,8 @@ def map_private(fd: int, sizes: Sequence[int]) -> list[torch.Tensor]:
         return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
     m = mmap.mmap(fd, data, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
                   offset=HEADER_BYTES)
+    try:  # map every page now, read-only (copy-on-write stays intact), in one call
+        m.madvise(MADV_POPULATE_READ)
+    except (OSError, ValueError):
+        pass  # Linux < 5.14: pages are mapped as they are first touched instead
     return _views(torch.frombuffer(m, dtype=torch.uint8), sizes)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
+import queue
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -151,6 +153,52 @@ class CheckpointReader:
         self.stats.seconds = time.perf_counter() - t0
         self.stats.bytes_read = sum(b.numel() for b in buffers.values())
 
+    def read_into_file(self, item_name: str, fd: int, offsets: dict[int, int], *,
+                       staging_buffers: int = 2) -> None:
+        """Read blobs into a file at ``offsets`` (blob index -> byte offset in ``fd``), checked.
+
+        Each chunk-aligned slice is read into one of ``staging_buffers``
+        reusable buffers of the slice size, crc32c-checked there, and only
+        then written with ``os.pwrite``: the file receives checked bytes
+        only, and a file the kernel fills on ``write`` (a memfd, tmpfs) gets
+        its pages without zeroing them first or taking a page fault each,
+        which is what reading into a fresh mapping of it would cost.  At most
+        ``staging_buffers`` slices are in flight.
+
+        Raises:
+            IntegrityError / CheckpointCorruptError: as :meth:`read_into`.
+            OSError: the write to ``fd`` failed (out of memory or space).
+        """
+        item = self.manifest.item(item_name)
+        self.check_files({item.blobs[i].file for i in offsets})
+        tasks = []
+        for i in offsets:
+            rec = item.blobs[i]
+            tasks.extend((item, i, rec, s, n) for s, n in _slice_ranges(rec, rec.length,
+                                                                        self.storage.config))
+        t0 = time.perf_counter()
+        self.stats = ReadStats()
+        if tasks:
+            free: queue.SimpleQueue = queue.SimpleQueue()
+            size = max(n for *_, n in tasks)
+            for _ in range(max(1, staging_buffers)):
+                free.put(memoryview(bytearray(size)))
+
+            def one(item: Item, blob_id: int, rec: BlobRecord, start: int, n: int) -> None:
+                buf = free.get()
+                try:
+                    self._read_slice(item, blob_id, rec, start, buf[:n])
+                    view, at = buf[:n], offsets[blob_id] + start
+                    while view:
+                        k = os.pwrite(fd, view, at)
+                        view, at = view[k:], at + k
+                finally:
+                    free.put(buf)
+
+            self._run(tasks, fn=one)
+        self.stats.seconds = time.perf_counter() - t0
+        self.stats.bytes_read = sum(item.blobs[i].length for i in offsets)
+
     def read_blob_range(self, item_name: str, blob_id: int, start: int, length: int) -> torch.Tensor:
         """Bytes ``[start, start+length)`` of one blob, every byte crc32c-checked.
 
@@ -181,19 +229,18 @@ class CheckpointReader:
         """Chunk-aligned slices of blob bytes ``[base, base+len(out))``."""
         if not len(out):
             return []
-        if not rec.chunk_crc32c:
-            return [(item, blob_id, rec, 0, out)]
-        step = max(rec.chunk_size, self.storage.config.slice_size_bytes // rec.chunk_size * rec.chunk_size)
-        return [(item, blob_id, rec, base + s, out[s:s + step]) for s in range(0, len(out), step)]
+        return [(item, blob_id, rec, base + s, out[s:s + n])
+                for s, n in _slice_ranges(rec, len(out), self.storage.config)]
 
-    def _run(self, tasks: list[tuple]) -> None:
+    def _run(self, tasks: list[tuple], fn: Callable[..., None] | None = None) -> None:
+        fn = fn or self._read_slice
         if not tasks:
             return
         if len(tasks) == 1:
-            self._read_slice(*tasks[0])
+            fn(*tasks[0])
             return
         pool = self.storage._executor()
-        futures = [pool.submit(self._read_slice, *t) for t in tasks]
+        futures = [pool.submit(fn, *t) for t in tasks]
         try:
             for f in cf.as_completed(futures):
                 f.result()
@@ -222,6 +269,14 @@ class CheckpointReader:
             f"{rec.offset + bad[1]}) of tensor {', '.join(keys[:3])} after "
             f"{self.crc_retries + 1} reads; the stored object is corrupt (run `xla-ckpt verify`)",
             path=self.storage.url(rec.file), key=keys[0])
+
+
+def _slice_ranges(rec: BlobRecord, length: int, config: StorageConfig) -> list[tuple[int, int]]:
+    """``(start, length)`` of the chunk-aligned slices of ``length`` bytes of blob ``rec``."""
+    if not rec.chunk_crc32c:
+        return [(0, length)]
+    step = max(rec.chunk_size, config.slice_size_bytes // rec.chunk_size * rec.chunk_size)
+    return [(s, min(step, length - s)) for s in range(0, length, step)]
 
 
 def _first_bad_chunk(rec: BlobRecord, start: int, out: memoryview) -> tuple[int, int] | None:

@@ -49,6 +49,8 @@ from xla_ckpt.storage import StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)
 
+FILE_STAGING_BUFFERS = 2  # slices in flight when rank 0 writes a local checkpoint into a memfd
+
 
 def _alloc(item: Item) -> dict[int, torch.Tensor]:
     return {i: torch.empty(b.length, dtype=torch.uint8) for i, b in enumerate(item.blobs)}
@@ -75,13 +77,15 @@ class _BackgroundRead:
 
     def __init__(self, open_reader: Callable[[], CheckpointReader], item: str,
                  bufs: dict[int, torch.Tensor], group_bytes: int,
-                 then: Callable[[CheckpointReader], Any]) -> None:
+                 then: Callable[[CheckpointReader], Any],
+                 into_file: tuple[int, dict[int, int]] | None = None) -> None:
         self.error: BaseException | None = None
         self.result: Any = None
         self.bytes_read = 0
         self._ready = -1
         self._cond = threading.Condition()
         self._args = (open_reader, item, bufs, group_bytes, then)
+        self._into_file = into_file
         self._thread = threading.Thread(target=self._run, name="xla_ckpt-rank0-read", daemon=True)
         self._thread.start()
 
@@ -90,6 +94,11 @@ class _BackgroundRead:
         reader = None
         try:
             reader = open_reader()
+            if self._into_file is not None:  # no buffers: checked bytes go into the file
+                fd, offsets = self._into_file
+                reader.read_into_file(item, fd, offsets,
+                                      staging_buffers=FILE_STAGING_BUFFERS)
+                self.bytes_read += reader.stats.bytes_read
             group: dict[int, torch.Tensor] = {}
             size = 0
             for i in sorted(bufs):
@@ -174,10 +183,17 @@ def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan
     manifest = decision.manifest
     state_item = manifest.item(me.item)
     leader = share is not None and share.segment is not None
+    # Rank 0 of a one-host job reading local files writes checked slices into its segment
+    # (os.pwrite: no zeroing, no page faults); remote reads are network-bound and go
+    # straight into a mapping of it, with full read parallelism and no staging.
+    into_file = (is_src and share is not None and share.leaders_dist is None
+                 and "://" not in decision.checkpoint.replace("file://", ""))
 
     def allocate() -> dict[str, Any]:
         if share is None:
             out: dict[str, Any] = {"state": _alloc(state_item)}
+        elif into_file:
+            out = {"state": {}, "offsets": dict(enumerate(share.segment.size_for(sizes)))}
         elif leader:  # the host's one copy; the other ranks of the host allocate nothing
             out = {"state": dict(enumerate(share.segment.writable_views(sizes)))}
         else:
@@ -217,9 +233,13 @@ def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan
                                      for p in plans}
             return extra
 
-        # read groups of a quarter bucket: the first bucket can leave early
-        group = max(bucket_size_bytes // 4, 1 << 20)
-        background = _BackgroundRead(open_reader, me.item, state_bufs, group, then)
+        # read groups of a quarter bucket: the first bucket can leave early; with one
+        # host nothing leaves, so one group: every slice of the item read in parallel
+        group = (1 << 62) if share is not None and share.leaders_dist is None else \
+            max(bucket_size_bytes // 4, 1 << 20)
+        background = _BackgroundRead(
+            open_reader, me.item, state_bufs, group, then,
+            into_file=(share.segment.fd, got.pop("offsets")) if into_file else None)
     received = sent = mapped = 0
     data_error: BaseException | None = None
     try:
