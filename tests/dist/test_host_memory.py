@@ -6,12 +6,15 @@ import errno
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
-from xla_ckpt.dist.host_memory import (ALIGN_BYTES, HEADER_BYTES, HostMemoryError, Segment,
-                                       host_identity, map_private, open_segment, segment_layout)
+from xla_ckpt.dist.host_memory import (ALIGN_BYTES, FAILED, HEADER_BYTES, HostMemoryError,
+                                       PrivateMapping, Segment, host_identity, map_private,
+                                       open_segment, segment_layout)
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.format.plan import materialize_item
@@ -133,3 +136,57 @@ def test_materialize_from_blobs_that_are_views_of_one_segment(tmp_path):
     short = {i: b[:max(b.numel() - 8, 0)] for i, b in blobs.items()}
     with pytest.raises(CheckpointCorruptError, match="needs bytes"):
         materialize_item(item, short)
+
+
+# ---- following a fill -------------------------------------------------------------------------
+
+def _sized(sizes):
+    seg = Segment("test")
+    offsets = seg.size_for(sizes)
+    return seg, offsets
+
+
+def test_follow_maps_published_ranges_while_the_leader_fills():
+    sizes = [3 * 4096 + 7, 5000, 0, 40000]
+    seg, offsets = _sized(sizes)
+    mapping = PrivateMapping(seg.fd, sizes)  # before a single byte is written
+    data = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    published = []
+
+    def leader():
+        for off, d in zip(offsets, data):
+            os.pwrite(seg.fd, d, off)
+            published.append(off - HEADER_BYTES + len(d))
+            seg.publish(published[-1])
+            time.sleep(0.01)
+        seg.seal()
+
+    t = threading.Thread(target=leader)
+    t.start()
+    assert mapping.follow(os.getpid(), timeout_s=30) == "sealed"
+    t.join()
+    assert [bytes(v.numpy()) for v in mapping.views] == data
+    assert published == sorted(published)
+    seg.close()
+
+
+def test_follow_stops_when_the_leader_fails_dies_or_times_out():
+    sizes = [10000]
+    seg, _ = _sized(sizes)
+    mapping = PrivateMapping(seg.fd, sizes)
+    assert mapping.follow(os.getpid(), timeout_s=0.05) == "timeout"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert mapping.follow(gone.pid, timeout_s=30) == "dead"
+    seg.publish(FAILED)
+    assert mapping.follow(os.getpid(), timeout_s=30) == "failed"
+    with pytest.raises(HostMemoryError, match="not sealed"):
+        mapping.check_sealed()
+    seg.close()
+
+
+def test_a_mapping_of_another_size_is_refused():
+    seg, _ = _sized([100])
+    with pytest.raises(HostMemoryError, match="the manifest needs"):
+        PrivateMapping(seg.fd, [100, 64])
+    seg.close()

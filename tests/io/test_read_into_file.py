@@ -37,11 +37,15 @@ def test_file_holds_exactly_the_blobs_at_their_offsets(checkpoint, tmp_path):
         at += b.length + 3
     path = tmp_path / "out.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    ends = []
     try:
-        reader.read_into_file("state", fd, offsets, staging_buffers=2)
+        reader.read_into_file("state", fd, offsets, staging_buffers=2, on_written=ends.append)
     finally:
         os.close(fd)
     data = path.read_bytes()
+    # progress: increasing, and the last one is the end of the last blob with bytes
+    assert ends == sorted(set(ends)) and len(ends) > 1
+    assert ends[-1] == max(offsets[i] + b.length for i, b in enumerate(item.blobs) if b.length)
     for i, b in enumerate(item.blobs):
         assert data[offsets[i]:offsets[i] + b.length] == want[i].numpy().tobytes()
     assert reader.stats.bytes_read == sum(b.length for b in item.blobs)

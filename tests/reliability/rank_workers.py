@@ -62,16 +62,16 @@ def _hook_storage_reads(action) -> None:
 
 
 def _hook_host_memory_map(action) -> None:
-    """Run ``action()`` when this rank maps its host leader's shared segment."""
-    from xla_ckpt.restore import broadcast
+    """Run ``action()`` when this rank starts mapping in its host leader's shared segment."""
+    from xla_ckpt.dist.host_memory import PrivateMapping
 
-    real = broadcast.map_private
+    real = PrivateMapping.follow
 
-    def hooked(*a, **kw):
+    def hooked(self, *a, **kw):
         action()
-        return real(*a, **kw)
+        return real(self, *a, **kw)
 
-    broadcast.map_private = hooked
+    PrivateMapping.follow = hooked
 
 
 def _hook_second_bucket(d, action) -> None:

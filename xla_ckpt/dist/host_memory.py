@@ -35,19 +35,32 @@ whether two ranks can share, and the first ``HEADER_BYTES`` of a segment
 carry a random nonce each reader checks, so a rank never maps the wrong
 segment after a PID was reused.
 
-Layout of a segment: ``HEADER_BYTES`` of header (magic, nonce), then the
-tensors' bytes at offsets aligned to :data:`ALIGN_BYTES`
+**Following a fill.**  A leader that fills the segment with ``os.pwrite``
+publishes how many leading data bytes are written and checked
+(:meth:`Segment.publish`); the other ranks map the segment before it is
+complete and map in each published range as it grows
+(:meth:`PrivateMapping.follow`), so their page-table work overlaps the
+leader's fill instead of following it.  Only published bytes are ever mapped;
+the segment is sealed before any rank returns a tensor of it.  A leader that
+fails publishes :data:`FAILED`; a leader that dies is noticed through its
+PID.
+
+Layout of a segment: ``HEADER_BYTES`` of header (magic, nonce, progress),
+then the tensors' bytes at offsets aligned to :data:`ALIGN_BYTES`
 (:func:`segment_layout`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import gc
 import mmap
 import os
 import socket
+import struct
 import sys
+import time
 from typing import Sequence
 
 import torch
@@ -56,6 +69,9 @@ MAGIC = b"XLA_CKPT-HOSTMEM1"
 HEADER_BYTES = mmap.ALLOCATIONGRANULARITY  # the data starts page-aligned (mmap offsets must)
 ALIGN_BYTES = 64  # every tensor's first byte: a cache line, enough for every dtype's view
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+PROGRESS_OFFSET = 64  # u64 little-endian in the header: data bytes written and checked
+FAILED = (1 << 64) - 1  # progress value of a leader whose fill failed
+PAGE_BYTES = mmap.PAGESIZE
 SEALS = (getattr(fcntl, "F_SEAL_WRITE", 0) | getattr(fcntl, "F_SEAL_SHRINK", 0)
          | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0))
 
@@ -114,6 +130,10 @@ class Segment:
         self._map: mmap.mmap | None = None
         self._data_bytes = 0
         os.pwrite(self.fd, MAGIC + self.nonce, 0)
+
+    def publish(self, nbytes: int) -> None:
+        """Tell followers that the first ``nbytes`` data bytes are written and checked (or :data:`FAILED`)."""
+        os.pwrite(self.fd, struct.pack("<Q", nbytes), PROGRESS_OFFSET)
 
     @property
     def handle(self) -> dict:
@@ -211,30 +231,129 @@ def open_segment(handle: dict) -> int:
     return fd
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _sealed(fd: int) -> bool:
+    return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+
+
+def _alive(pid: int) -> bool:
+    """False once ``pid`` has exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+class PrivateMapping:
+    """A rank's copy-on-write mapping of a segment (sealed, or being filled by its leader).
+
+    Attributes:
+        views: uint8 tensors of ``sizes`` bytes, views of the mapping (they
+            keep it alive; ``fd`` may be closed).  Use them only after
+            :meth:`follow` returned ``"sealed"`` or :meth:`check_sealed` passed.
+    """
+
+    def __init__(self, fd: int, sizes: Sequence[int]) -> None:
+        _, self.data_bytes = segment_layout(sizes)
+        self.fd = fd
+        self._done = 0  # data bytes mapped in so far
+        self._populate_ok = True
+        size = os.fstat(fd).st_size
+        if size != HEADER_BYTES + self.data_bytes:
+            raise HostMemoryError(f"host shared-memory segment holds {size} bytes, the manifest "
+                                  f"needs {HEADER_BYTES + self.data_bytes}")
+        if self.data_bytes == 0:
+            self.views = [torch.empty(0, dtype=torch.uint8) for _ in sizes]
+            self._addr = 0
+            return
+        m = mmap.mmap(fd, self.data_bytes, flags=mmap.MAP_PRIVATE,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=HEADER_BYTES)
+        base = torch.frombuffer(m, dtype=torch.uint8)
+        self._addr = base.data_ptr()
+        self.views = _views(base, sizes)
+
+    def populate(self, upto: int) -> None:
+        """Map in data bytes ``[done, upto)`` now, read-only (copy-on-write intact), in one call.
+
+        Best effort (``MADV_POPULATE_READ``, Linux >= 5.14; elsewhere pages
+        map in on first touch).  Whole pages only, unless ``upto`` is the end.
+        """
+        upto = min(upto, self.data_bytes)
+        if upto < self.data_bytes:
+            upto -= upto % PAGE_BYTES
+        if upto <= self._done or not self._populate_ok:
+            return
+        # ctypes releases the GIL: the leader's fill threads keep running meanwhile
+        if _libc.madvise(self._addr + self._done, upto - self._done, MADV_POPULATE_READ) != 0:
+            self._populate_ok = False
+        self._done = upto
+
+    def check_sealed(self) -> None:
+        """Raise unless the segment is sealed and has the size the manifest says.
+
+        Raises:
+            HostMemoryError: not sealed against writes, or another size.
+        """
+        if not _sealed(self.fd):
+            seals = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
+            raise HostMemoryError(f"host shared-memory segment is not sealed (seals {seals:#x}); "
+                                  "refusing to map bytes that could still change")
+        size = os.fstat(self.fd).st_size
+        if size != HEADER_BYTES + self.data_bytes:
+            raise HostMemoryError(f"host shared-memory segment holds {size} bytes, the manifest "
+                                  f"needs {HEADER_BYTES + self.data_bytes}")
+
+    def follow(self, leader_pid: int, timeout_s: float) -> str:
+        """Map in the leader's published bytes as they grow, until it seals the segment.
+
+        Returns:
+            ``"sealed"`` (complete: every page mapped, seals and size
+            checked), ``"failed"`` (the leader published :data:`FAILED`),
+            ``"dead"`` (the leader's process exited) or ``"timeout"``
+            (nothing sealed after ``timeout_s`` seconds).  Only ``"sealed"``
+            makes :attr:`views` usable; on the others the caller goes on to
+            the collective step that reports the leader's error.
+
+        Raises:
+            HostMemoryError: sealed, but with another size than the manifest's.
+        """
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0005
+        while True:
+            if _sealed(self.fd):
+                self.check_sealed()
+                self.populate(self.data_bytes)
+                return "sealed"
+            (progress,) = struct.unpack("<Q", os.pread(self.fd, 8, PROGRESS_OFFSET))
+            if progress == FAILED:
+                return "failed"
+            if progress > self._done + PAGE_BYTES:
+                self.populate(progress)
+                pause = 0.0005
+                continue
+            if not _alive(leader_pid):
+                return "dead"
+            if time.monotonic() > deadline:
+                return "timeout"
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
+
 def map_private(fd: int, sizes: Sequence[int]) -> list[torch.Tensor]:
     """Map a sealed segment copy-on-write: uint8 views of tensors of ``sizes`` bytes.
 
-    The views keep the mapping alive; ``fd`` may be closed afterwards.
+    Every page is mapped in before returning; the views keep the mapping
+    alive, and ``fd`` may be closed afterwards.
 
     Raises:
         HostMemoryError: the segment is not sealed against writes, or its
             size does not match ``sizes``.
     """
-    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    if seals & SEALS != SEALS:
-        raise HostMemoryError(f"host shared-memory segment is not sealed (seals {seals:#x}); "
-                              "refusing to map bytes that could still change")
-    _, data = segment_layout(sizes)
-    size = os.fstat(fd).st_size
-    if size != HEADER_BYTES + data:
-        raise HostMemoryError(f"host shared-memory segment holds {size} bytes, the manifest "
-                              f"needs {HEADER_BYTES + data}")
-    if data == 0:
-        return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
-    m = mmap.mmap(fd, data, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                  offset=HEADER_BYTES)
-    try:  # map every page now, read-only (copy-on-write stays intact), in one call
-        m.madvise(MADV_POPULATE_READ)
-    except (OSError, ValueError):
-        pass  # Linux < 5.14: pages are mapped as they are first touched instead
-    return _views(torch.frombuffer(m, dtype=torch.uint8), sizes)
+    mapping = PrivateMapping(fd, sizes)
+    mapping.check_sealed()
+    mapping.populate(mapping.data_bytes)
+    return mapping.views

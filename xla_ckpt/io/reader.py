@@ -15,6 +15,7 @@ import concurrent.futures as cf
 import logging
 import os
 import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -154,7 +155,8 @@ class CheckpointReader:
         self.stats.bytes_read = sum(b.numel() for b in buffers.values())
 
     def read_into_file(self, item_name: str, fd: int, offsets: dict[int, int], *,
-                       staging_buffers: int = 2) -> None:
+                       staging_buffers: int = 2,
+                       on_written: Callable[[int], None] | None = None) -> None:
         """Read blobs into a file at ``offsets`` (blob index -> byte offset in ``fd``), checked.
 
         Each chunk-aligned slice is read into one of ``staging_buffers``
@@ -163,7 +165,11 @@ class CheckpointReader:
         only, and a file the kernel fills on ``write`` (a memfd, tmpfs) gets
         its pages without zeroing them first or taking a page fault each,
         which is what reading into a fresh mapping of it would cost.  At most
-        ``staging_buffers`` slices are in flight.
+        ``staging_buffers`` slices are in flight, taken in file-offset order.
+
+        ``on_written(end)``, if given, is called (from a worker thread, in
+        increasing order) each time every requested byte below file offset
+        ``end`` has been written and checked.
 
         Raises:
             IntegrityError / CheckpointCorruptError: as :meth:`read_into`.
@@ -176,6 +182,23 @@ class CheckpointReader:
             rec = item.blobs[i]
             tasks.extend((item, i, rec, s, n) for s, n in _slice_ranges(rec, rec.length,
                                                                         self.storage.config))
+        tasks.sort(key=lambda t: offsets[t[1]] + t[3])
+        done = [False] * len(tasks)
+        lock = threading.Lock()
+        front = [0]  # tasks[:front] are all written
+
+        def written(index: int) -> None:
+            with lock:
+                done[index] = True
+                k = front[0]
+                while k < len(tasks) and done[k]:
+                    k += 1
+                if k > front[0]:
+                    front[0] = k
+                    _, blob_id, _, start, n = tasks[k - 1]
+                    if on_written is not None:
+                        on_written(offsets[blob_id] + start + n)
+
         t0 = time.perf_counter()
         self.stats = ReadStats()
         if tasks:
@@ -184,7 +207,8 @@ class CheckpointReader:
             for _ in range(max(1, staging_buffers)):
                 free.put(memoryview(bytearray(size)))
 
-            def one(item: Item, blob_id: int, rec: BlobRecord, start: int, n: int) -> None:
+            def one(index: int, item: Item, blob_id: int, rec: BlobRecord, start: int,
+                    n: int) -> None:
                 buf = free.get()
                 try:
                     self._read_slice(item, blob_id, rec, start, buf[:n])
@@ -194,8 +218,9 @@ class CheckpointReader:
                         view, at = view[k:], at + k
                 finally:
                     free.put(buf)
+                written(index)
 
-            self._run(tasks, fn=one)
+            self._run([(i,) + t for i, t in enumerate(tasks)], fn=one)
         self.stats.seconds = time.perf_counter() - t0
         self.stats.bytes_read = sum(item.blobs[i].length for i in offsets)
 
@@ -273,6 +298,8 @@ class CheckpointReader:
 
 def _slice_ranges(rec: BlobRecord, length: int, config: StorageConfig) -> list[tuple[int, int]]:
     """``(start, length)`` of the chunk-aligned slices of ``length`` bytes of blob ``rec``."""
+    if length == 0:
+        return []
     if not rec.chunk_crc32c:
         return [(0, length)]
     step = max(rec.chunk_size, config.slice_size_bytes // rec.chunk_size * rec.chunk_size)

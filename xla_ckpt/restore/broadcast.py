@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from xla_ckpt.dist.base import Dist
-from xla_ckpt.dist.host_memory import map_private
+from xla_ckpt.dist.host_memory import FAILED, HEADER_BYTES, PrivateMapping, map_private
 from xla_ckpt.format.manifest import Item
 from xla_ckpt.format.plan import MapLocation, materialize_item
 from xla_ckpt.io import CheckpointReader
@@ -78,14 +78,14 @@ class _BackgroundRead:
     def __init__(self, open_reader: Callable[[], CheckpointReader], item: str,
                  bufs: dict[int, torch.Tensor], group_bytes: int,
                  then: Callable[[CheckpointReader], Any],
-                 into_file: tuple[int, dict[int, int]] | None = None) -> None:
+                 fill: Callable[[CheckpointReader], int] | None = None) -> None:
         self.error: BaseException | None = None
         self.result: Any = None
         self.bytes_read = 0
         self._ready = -1
         self._cond = threading.Condition()
         self._args = (open_reader, item, bufs, group_bytes, then)
-        self._into_file = into_file
+        self._fill = fill
         self._thread = threading.Thread(target=self._run, name="xla_ckpt-rank0-read", daemon=True)
         self._thread.start()
 
@@ -94,11 +94,8 @@ class _BackgroundRead:
         reader = None
         try:
             reader = open_reader()
-            if self._into_file is not None:  # no buffers: checked bytes go into the file
-                fd, offsets = self._into_file
-                reader.read_into_file(item, fd, offsets,
-                                      staging_buffers=FILE_STAGING_BUFFERS)
-                self.bytes_read += reader.stats.bytes_read
+            if self._fill is not None:  # no buffers: checked bytes go into host memory
+                self.bytes_read += self._fill(reader)
             group: dict[int, torch.Tensor] = {}
             size = 0
             for i in sorted(bufs):
@@ -183,17 +180,20 @@ def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan
     manifest = decision.manifest
     state_item = manifest.item(me.item)
     leader = share is not None and share.segment is not None
-    # Rank 0 of a one-host job reading local files writes checked slices into its segment
-    # (os.pwrite: no zeroing, no page faults); remote reads are network-bound and go
-    # straight into a mapping of it, with full read parallelism and no staging.
-    into_file = (is_src and share is not None and share.leaders_dist is None
-                 and "://" not in decision.checkpoint.replace("file://", ""))
+    # One host: rank 0 writes checked slices into its segment (os.pwrite: no page zeroing,
+    # no page faults) and publishes its progress; every rank maps the segment up front and
+    # maps in each published range while the fill goes on.  Several hosts: the leaders
+    # fill writable mappings, rank 0 by reading, the others by receiving.
+    one_host = share is not None and share.leaders_dist is None
+    local = "://" not in decision.checkpoint.replace("file://", "")
 
     def allocate() -> dict[str, Any]:
         if share is None:
             out: dict[str, Any] = {"state": _alloc(state_item)}
-        elif into_file:
-            out = {"state": {}, "offsets": dict(enumerate(share.segment.size_for(sizes)))}
+        elif one_host:
+            out = {"state": {}}
+            if is_src:
+                out["offsets"] = dict(enumerate(share.segment.size_for(sizes)))
         elif leader:  # the host's one copy; the other ranks of the host allocate nothing
             out = {"state": dict(enumerate(share.segment.writable_views(sizes)))}
         else:
@@ -206,6 +206,11 @@ def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan
 
     got = dist.run_collectively(allocate, f"{what}: allocate the destination buffers")
     state_bufs = got.pop("state")
+    mapping: PrivateMapping | None = None
+    if one_host:  # the segment has its final size: map it now, fill or no fill
+        mapping = dist.run_collectively(
+            lambda: PrivateMapping(share.segment.fd if leader else share.fd, sizes),
+            f"{what}: map host shared memory")
     t0 = time.perf_counter()
     background: _BackgroundRead | None = None
     if is_src:
@@ -233,17 +238,34 @@ def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan
                                      for p in plans}
             return extra
 
-        # read groups of a quarter bucket: the first bucket can leave early; with one
-        # host nothing leaves, so one group: every slice of the item read in parallel
-        group = (1 << 62) if share is not None and share.leaders_dist is None else \
-            max(bucket_size_bytes // 4, 1 << 20)
-        background = _BackgroundRead(
-            open_reader, me.item, state_bufs, group, then,
-            into_file=(share.segment.fd, got.pop("offsets")) if into_file else None)
+        fill = None
+        if one_host:
+            segment, offsets = share.segment, got.pop("offsets")
+            staging = FILE_STAGING_BUFFERS if local else \
+                (storage_config or StorageConfig()).max_workers  # network reads need streams
+
+            def fill(reader: CheckpointReader) -> int:
+                try:
+                    reader.read_into_file(me.item, segment.fd, offsets, staging_buffers=staging,
+                                          on_written=lambda end: segment.publish(
+                                              end - HEADER_BYTES))
+                    segment.publish(mapping.data_bytes)
+                    segment.seal()
+                except BaseException:
+                    segment.publish(FAILED)  # followers stop waiting
+                    raise
+                return reader.stats.bytes_read
+
+        # read groups of a quarter bucket: the first bucket can leave early
+        group = max(bucket_size_bytes // 4, 1 << 20)
+        background = _BackgroundRead(open_reader, me.item, state_bufs, group, then, fill=fill)
     received = sent = mapped = 0
     data_error: BaseException | None = None
     try:
-        if share is None:
+        if mapping is not None:  # every rank, rank 0 too: map in what rank 0 has published
+            outcome = mapping.follow(share.leader_pid, dist.timeout_s)
+            logger.debug("rank %d: host shared memory: %s", dist.rank, outcome)
+        elif share is None:
             n = dist.broadcast_tensors([state_bufs[i] for i in sorted(state_bufs)], src=0,
                                        bucket_size_bytes=bucket_size_bytes,
                                        wait_on_src=background.wait_for if background else None,
@@ -268,7 +290,16 @@ def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan
     extra = background.result if background is not None else {}
     nread = (background.bytes_read + extra["bytes"]) if background is not None else 0
     read_seconds = time.perf_counter() - t0 if is_src else 0.0
-    if share is not None:
+    if mapping is not None:
+        def finish() -> dict[int, torch.Tensor]:
+            mapping.check_sealed()  # rank 0 said its fill succeeded: sealed, every byte final
+            mapping.populate(mapping.data_bytes)
+            return dict(enumerate(mapping.views))
+
+        state_bufs = dist.run_collectively(finish, f"{what}: map host shared memory")
+        mapped = 0 if is_src else sum(sizes)
+        share.close()
+    elif share is not None:
         state_bufs = {}  # the writable views: the segment can be sealed once they are gone
 
         # two steps: no rank maps before every leader has sealed

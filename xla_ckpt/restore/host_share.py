@@ -36,6 +36,7 @@ class HostShare:
         segment: the host's segment, on a leader.
         fd: the leader's segment opened read-only, on a non-leader.
         leaders_dist: the leaders' subgroup (several hosts, on leaders only).
+        leader_pid: the process ID of this rank's leader (its own on a leader).
     """
 
     hosts: list[list[int]]
@@ -44,6 +45,7 @@ class HostShare:
     segment: Segment | None = None
     fd: int | None = None
     leaders_dist: Dist | None = None
+    leader_pid: int = 0
     closed: bool = field(default=False, repr=False)
 
     @property
@@ -122,6 +124,8 @@ def _open(dist: Dist, share: HostShare, what: str) -> tuple[HostShare | None, st
     reports = dist.exchange(report)
     failed = {r: rep["error"] for r, rep in enumerate(reports) if rep["error"]}
     error = None
+    if not failed:
+        share.leader_pid = int(reports[share.leader]["handle"]["pid"])
     if not failed and dist.rank != share.leader:
         try:
             share.fd = open_segment(reports[share.leader]["handle"])
