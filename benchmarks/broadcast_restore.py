@@ -35,6 +35,10 @@ is reported per rank.  Every rank checks its state bitwise (crc32c of every
 tensor) after the clock stops.  Ratios:
 
   ratio_vs_<peer>                 peer seconds / this method's seconds (> 1: this one is faster)
+  host_memory_mib                 what the host holds for the restored state: the sum over ranks
+                                  of each rank's proportional set size (PSS) above its baseline,
+                                  right after the clock stops (a page 4 ranks map counts 1/4
+                                  in each; RSS counts it whole in each)
   receiver_rss_over_state_plus_2_buckets   max receiver peak above baseline / (state + 2 buckets)
                                   (target <= 1.0 for xla_ckpt_broadcast)
 
@@ -114,6 +118,12 @@ def _status(key: str) -> int:
         return int(re.search(key + r":\s+(\d+)", f.read()).group(1)) * 1024
 
 
+def _pss() -> int:
+    """Proportional set size (bytes): a page mapped by k processes counts 1/k in each."""
+    with open("/proc/self/smaps_rollup") as f:
+        return int(re.search(r"^Pss:\s+(\d+)", f.read(), re.M).group(1)) * 1024
+
+
 def _reset_peak() -> int:
     gc.collect()
     try:
@@ -168,6 +178,7 @@ def run_method(method: str, ckpt: str, pt: str, gcs_uri: str, bucket_size_bytes:
         flat = torch.empty(nbytes, dtype=torch.uint8)
         flat.fill_(7 if d.rank == 0 else 0)  # touched before the clock, on every rank
     base = _reset_peak()
+    pss_base = _pss()
     d.barrier()
     t0 = time.perf_counter()
     if method in ("xla_ckpt_broadcast", "xla_ckpt_broadcast_collective"):
@@ -185,7 +196,7 @@ def run_method(method: str, ckpt: str, pt: str, gcs_uri: str, bucket_size_bytes:
         seconds = time.perf_counter() - t0
         ok = bool((flat == 7).all())
         return {"seconds": seconds, "peak_over_base": _status("VmHWM") - base,
-                "crc": "floor" if ok else "bad"}
+                "pss_over_base": _pss() - pss_base, "crc": "floor" if ok else "bad"}
     elif method == "broadcast_object_list":
         obj = [torch.load(pt, weights_only=True) if d.rank == 0 else None]
         tdist.broadcast_object_list(obj, src=0)
@@ -209,10 +220,11 @@ def run_method(method: str, ckpt: str, pt: str, gcs_uri: str, bucket_size_bytes:
         t.reshape(-1).view(torch.uint8).numpy()[::4096].sum()  # numpy: no OpenMP pool wake-up
     seconds = time.perf_counter() - t0
     peak = _status("VmHWM")
+    pss = _pss() - pss_base
     crc = _crc(state)
     del state
     gc.collect()
-    return {"seconds": seconds, "peak_over_base": peak - base, "crc": crc}
+    return {"seconds": seconds, "peak_over_base": peak - base, "pss_over_base": pss, "crc": crc}
 
 
 # ---- parent -------------------------------------------------------------------------------------
@@ -289,6 +301,8 @@ def main() -> None:
                           "seconds_per_rank": [round(v["seconds"], 3) for v in med],
                           "mib_s": round(state_bytes / MiB / statistics.median(secs), 1),
                           "peak_rss_over_baseline_mib_per_rank": [round(x, 1) for x in rss],
+                          "host_memory_mib": round(sum(v["pss_over_base"] for v in med) / MiB,
+                                                   1),
                           "receiver_rss_over_state_plus_2_buckets": round(
                               max(rss[1:]) * MiB / (state_bytes + 2 * bucket), 3),
                           "bucket_mib": args.bucket_mib, "repeat": args.repeat}

@@ -24,6 +24,24 @@ Order of steps (every rank enters every step, whatever happened locally):
    tensors survive), placing tensors on its own ``map_location``.
 
 Receiver memory: the state's blobs plus one staging bucket.
+
+**Host shared memory** (``host_shared_memory=True``, the default; negotiated
+by :mod:`xla_ckpt.restore.host_share`, which falls back to the steps above
+when any rank cannot share).  Steps 2-3 change for the replicated item:
+
+* one host: rank 0 writes the crc32c-checked bytes into one memfd segment
+  (:mod:`xla_ckpt.dist.host_memory`) and publishes how far it got; every
+  rank, rank 0 included, has mapped the segment copy-on-write beforehand
+  and maps in each published range while the fill goes on; rank 0 seals
+  the segment when it is complete.  Nothing crosses the collective and the
+  host holds one copy of the state, not one per rank;
+* several hosts: each host's leader (lowest rank) fills its own segment
+  through a writable mapping — rank 0 by reading, the others by receiving
+  rank 0's buckets over a leaders' subgroup — seals it, and the ranks of
+  each host map it.
+
+Steps 4-6 are unchanged; the per-rank items and ZeRO partitions always go
+point to point.
 """
 
 from __future__ import annotations
@@ -291,14 +309,7 @@ def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan
     nread = (background.bytes_read + extra["bytes"]) if background is not None else 0
     read_seconds = time.perf_counter() - t0 if is_src else 0.0
     if mapping is not None:
-        def finish() -> dict[int, torch.Tensor]:
-            mapping.check_sealed()  # rank 0 said its fill succeeded: sealed, every byte final
-            mapping.populate(mapping.data_bytes)
-            return dict(enumerate(mapping.views))
-
-        state_bufs = dist.run_collectively(finish, f"{what}: map host shared memory")
-        mapped = 0 if is_src else sum(sizes)
-        share.close()
+        mapped = 0 if is_src else sum(sizes)  # the views are taken in build(), once checked
     elif share is not None:
         state_bufs = {}  # the writable views: the segment can be sealed once they are gone
 
@@ -329,7 +340,12 @@ def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan
     extra = {}  # drop rank 0's references to the other ranks' buffers before rebuilding
 
     def build() -> Loaded:
-        state = materialize_item(state_item, state_bufs, map_location)
+        bufs = state_bufs
+        if mapping is not None:
+            mapping.check_sealed()  # rank 0 said its fill succeeded: sealed, every byte final
+            mapping.populate(mapping.data_bytes)
+            bufs = dict(enumerate(mapping.views))
+        state = materialize_item(state_item, bufs, map_location)
         rank_state = None
         if me.rank_item is not None:
             rank_state = materialize_item(manifest.item(me.rank_item), got["rank"], map_location)
