@@ -202,7 +202,7 @@ def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan
     # no page faults) and publishes its progress; every rank maps the segment up front and
     # maps in each published range while the fill goes on.  Several hosts: the leaders
     # fill writable mappings, rank 0 by reading, the others by receiving.
-    one_host = share is not None and share.leaders_dist is None
+    one_host = share is not None and len(share.hosts) == 1
     local = "://" not in decision.checkpoint.replace("file://", "")
 
     def allocate() -> dict[str, Any]:
