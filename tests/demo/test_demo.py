@@ -31,12 +31,15 @@ def test_demo_tiny_resumes_bitwise_with_both_strategies():
     ar = by["all_ranks"]
     assert all(b > 0 for b in ar["bytes_read_per_rank"]) and ar["bytes_received_per_rank"] == [0, 0]
     assert ar["bytes_read_per_rank"][0] == ar["bytes_read_per_rank"][1]
-    # Broadcast path: rank 0 reads, rank 1 receives the same bytes and reads nothing.
+    # Broadcast path: rank 0 reads, rank 1 reads nothing: on one host it maps rank 0's sealed
+    # copy of the replicated state and receives only its own rank item.
     bc = by["broadcast"]
     assert bc["bytes_read_per_rank"][1] == 0 and bc["bytes_read_per_rank"][0] > 0
-    # ... the tensor bytes rank 0 read (rank 0 also read the manifest and file headers).
-    assert 0.99 * bc["bytes_read_per_rank"][0] < bc["bytes_received_per_rank"][1] \
-        <= bc["bytes_read_per_rank"][0]
+    assert bc["data_path"].startswith("host shared memory (1 host(s) x 2 rank(s)")
+    assert bc["bytes_mapped_per_rank"][0] == 0
+    got = bc["bytes_received_per_rank"][1] + bc["bytes_mapped_per_rank"][1]
+    assert 0.99 * bc["bytes_read_per_rank"][0] < got <= bc["bytes_read_per_rank"][0]
+    assert bc["bytes_received_per_rank"][1] < 0.01 * bc["bytes_mapped_per_rank"][1]
     for r in report["restores"]:
         assert r["resumed_at_update"] == report["preempted_at_update"]
         assert r["losses_identical"] and r["params_identical"]
@@ -51,19 +54,23 @@ def test_demo_table_lists_both_strategies_and_verdicts():
               "restores": [
                   {"strategy": "all_ranks", "checkpoint": "gs://b/run/checkpoint_1_4",
                    "bytes_read_per_rank": [2**20, 2**20], "bytes_received_per_rank": [0, 0],
+                   "bytes_mapped_per_rank": [0, 0],
                    "seconds": 0.5, "mib_per_s": 2.0, "state_devices": ["xla:0"],
                    "verdict": "bitwise identical"},
                   {"strategy": "broadcast", "checkpoint": "gs://b/run/checkpoint_1_4",
-                   "bytes_read_per_rank": [2**20, 0], "bytes_received_per_rank": [0, 2**20],
+                   "bytes_read_per_rank": [2**20, 0], "bytes_received_per_rank": [0, 0],
+                   "bytes_mapped_per_rank": [0, 2**20],
                    "seconds": 0.25, "mib_per_s": 4.0, "state_devices": ["xla:0"],
                    "verdict": "MISMATCH"}]}
     table = format_table(report).splitlines()
     assert table[0] == "xla_ckpt demo: 2 workers, model tiny, 8 updates, storage local path"
     assert table[1] == "preempted (SIGTERM) after update 4; restoring checkpoint_1_4"
     assert table[2].split() == ["strategy", "checkpoint", "MiB", "read/rank", "MiB",
-                                "bcast/rank", "seconds", "MiB/s", "on", "device", "verdict"]
-    assert table[4].split() == ["all_ranks", "checkpoint_1_4", "1/1", "0/0", "0.50", "2",
+                                "bcast/rank", "MiB", "mapped/rank", "seconds", "MiB/s", "on",
+                                "device", "verdict"]
+    assert table[4].split() == ["all_ranks", "checkpoint_1_4", "1/1", "0/0", "0/0", "0.50", "2",
                                 "xla:0", "bitwise", "identical"]
+    assert table[5].split()[:5] == ["broadcast", "checkpoint_1_4", "1/0", "0/0", "0/1"]
     assert table[5].split()[-1] == "MISMATCH"
 
 

@@ -252,6 +252,15 @@ def test_host_shared_memory_false_on_one_rank_means_off_for_all(pool, hs_checkpo
         assert v["mapped"] == 0
 
 
+def test_host_shared_memory_rank0_fails_before_filling_nobody_waits(pool, hs_checkpoint):
+    # the followers learn it from the segment (FAILED), not from the 120 s collective timeout:
+    # the launcher would kill them at 60 s
+    results = pool.run(W.rank0_cannot_open_storage, hs_checkpoint, timeout_s=60)
+    for e in errors(results):
+        assert isinstance(e, DistributedError) and set(e.failures) == {0}, e
+        assert "StorageError" in e.failures[0] and "connection refused" in e.failures[0]
+
+
 @pytest.mark.timeout(120)
 def test_leader_dies_before_sealing_the_others_raise(tmp_path):
     uri = str(tmp_path / "k")

@@ -300,11 +300,13 @@ def _verdict(strategy: str, res: PhaseResult, pre_losses: dict, ref_losses: dict
     seconds = max(r["seconds"] for r in restores)
     read = [r["bytes_read"] for r in restores]
     received = [r["bytes_received"] for r in restores]
-    moved = max(a + b for a, b in zip(read, received))
+    mapped = [r.get("bytes_mapped", 0) for r in restores]
+    moved = max(a + b + c for a, b, c in zip(read, received, mapped))
     return {
         "strategy": strategy, "reason": restores[0]["reason"],
         "checkpoint": restores[0]["checkpoint"], "resumed_at_update": start,
         "bytes_read_per_rank": read, "bytes_received_per_rank": received,
+        "bytes_mapped_per_rank": mapped, "data_path": restores[0].get("data_path", ""),
         "seconds": round(seconds, 3), "mib_per_s": round(moved / max(seconds, 1e-9) / 2**20, 1),
         "state_devices": restores[0]["state_devices"],
         "losses_identical": losses_ok, "params_identical": params_ok,
@@ -319,13 +321,15 @@ def format_table(report: dict) -> str:
             f"{report['updates']} updates, storage {report['storage']}\n"
             f"preempted (SIGTERM) after update {report['preempted_at_update']}; "
             f"restoring {report['checkpoint']}\n")
-    cols = ("strategy", "checkpoint", "MiB read/rank", "MiB bcast/rank", "seconds", "MiB/s",
-            "on device", "verdict")
+    cols = ("strategy", "checkpoint", "MiB read/rank", "MiB bcast/rank", "MiB mapped/rank",
+            "seconds", "MiB/s", "on device", "verdict")
     rows = []
     for r in report["restores"]:
         rows.append((r["strategy"], r["checkpoint"].rsplit("/", 1)[-1],
                      "/".join(f"{b / 2**20:.0f}" for b in r["bytes_read_per_rank"]),
                      "/".join(f"{b / 2**20:.0f}" for b in r["bytes_received_per_rank"]),
+                     "/".join(f"{b / 2**20:.0f}" for b in r.get("bytes_mapped_per_rank",
+                                                              [0] * len(r["bytes_read_per_rank"]))),
                      f"{r['seconds']:.2f}", f"{r['mib_per_s']:.0f}",
                      ",".join(r["state_devices"]), r["verdict"]))
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]

@@ -256,7 +256,9 @@ def _restore(mgr, rank: int, device: str) -> "_Restore | None":
     return _Restore(res, {
         "checkpoint": res.checkpoint, "strategy": r.strategy if r else "",
         "reason": r.reason if r else "", "bytes_read": st.bytes_read if st else 0,
-        "bytes_received": st.bytes_received if st else 0, "seconds": seconds,
+        "bytes_received": st.bytes_received if st else 0,
+        "bytes_mapped": st.bytes_mapped if st else 0, "data_path": st.data_path if st else "",
+        "seconds": seconds,
         "state_devices": sorted({str(t.device) for t in _tensors(res.state)}),
     })
 

@@ -131,6 +131,11 @@ class Segment:
         self._data_bytes = 0
         os.pwrite(self.fd, MAGIC + self.nonce, 0)
 
+    @property
+    def sealed(self) -> bool:
+        """True once :meth:`seal` has sealed the segment."""
+        return self.fd >= 0 and _sealed(self.fd)
+
     def publish(self, nbytes: int) -> None:
         """Tell followers that the first ``nbytes`` data bytes are written and checked (or :data:`FAILED`)."""
         os.pwrite(self.fd, struct.pack("<Q", nbytes), PROGRESS_OFFSET)

@@ -96,7 +96,8 @@ class _BackgroundRead:
     def __init__(self, open_reader: Callable[[], CheckpointReader], item: str,
                  bufs: dict[int, torch.Tensor], group_bytes: int,
                  then: Callable[[CheckpointReader], Any],
-                 fill: Callable[[CheckpointReader], int] | None = None) -> None:
+                 fill: Callable[[CheckpointReader], int] | None = None,
+                 abort: Callable[[], None] | None = None) -> None:
         self.error: BaseException | None = None
         self.result: Any = None
         self.bytes_read = 0
@@ -104,6 +105,7 @@ class _BackgroundRead:
         self._cond = threading.Condition()
         self._args = (open_reader, item, bufs, group_bytes, then)
         self._fill = fill
+        self._abort = abort
         self._thread = threading.Thread(target=self._run, name="xla_ckpt-rank0-read", daemon=True)
         self._thread.start()
 
@@ -127,6 +129,8 @@ class _BackgroundRead:
             self.result = then(reader)
         except BaseException as e:  # noqa: BLE001 - reported through the agreement step
             self.error = e
+            if self._abort is not None:
+                self._abort()
         finally:
             if reader is not None:
                 reader.storage.close()
@@ -263,20 +267,20 @@ def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan
                 (storage_config or StorageConfig()).max_workers  # network reads need streams
 
             def fill(reader: CheckpointReader) -> int:
-                try:
-                    reader.read_into_file(me.item, segment.fd, offsets, staging_buffers=staging,
-                                          on_written=lambda end: segment.publish(
-                                              end - HEADER_BYTES))
-                    segment.publish(mapping.data_bytes)
-                    segment.seal()
-                except BaseException:
-                    segment.publish(FAILED)  # followers stop waiting
-                    raise
+                reader.read_into_file(me.item, segment.fd, offsets, staging_buffers=staging,
+                                      on_written=lambda end: segment.publish(end - HEADER_BYTES))
+                segment.publish(mapping.data_bytes)
+                segment.seal()
                 return reader.stats.bytes_read
+
+            def abort() -> None:  # any failure before the seal: the followers stop waiting
+                if not segment.sealed:
+                    segment.publish(FAILED)
 
         # read groups of a quarter bucket: the first bucket can leave early
         group = max(bucket_size_bytes // 4, 1 << 20)
-        background = _BackgroundRead(open_reader, me.item, state_bufs, group, then, fill=fill)
+        background = _BackgroundRead(open_reader, me.item, state_bufs, group, then, fill=fill,
+                                     abort=abort if one_host else None)
     received = sent = mapped = 0
     data_error: BaseException | None = None
     try:
