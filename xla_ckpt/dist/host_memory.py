@@ -173,14 +173,8 @@ class Segment:
         Raises:
             HostMemoryError: the segment could not be sized (names the size).
         """
-        _, data = segment_layout(sizes)
-        self._data_bytes = data
-        total = HEADER_BYTES + data
-        try:
-            os.ftruncate(self.fd, total)
-        except OSError as e:
-            raise HostMemoryError(f"could not allocate {total} bytes of host shared memory: "
-                                  f"{e}; set restore.host_shared_memory: false") from None
+        self.size_for(sizes)
+        data = self._data_bytes
         if data == 0:
             return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
         self._map = mmap.mmap(self.fd, data, flags=mmap.MAP_SHARED,
@@ -267,10 +261,7 @@ class PrivateMapping:
         self.fd = fd
         self._done = 0  # data bytes mapped in so far
         self._populate_ok = True
-        size = os.fstat(fd).st_size
-        if size != HEADER_BYTES + self.data_bytes:
-            raise HostMemoryError(f"host shared-memory segment holds {size} bytes, the manifest "
-                                  f"needs {HEADER_BYTES + self.data_bytes}")
+        self._check_size()
         if self.data_bytes == 0:
             self.views = [torch.empty(0, dtype=torch.uint8) for _ in sizes]
             self._addr = 0
@@ -307,6 +298,9 @@ class PrivateMapping:
             seals = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
             raise HostMemoryError(f"host shared-memory segment is not sealed (seals {seals:#x}); "
                                   "refusing to map bytes that could still change")
+        self._check_size()
+
+    def _check_size(self) -> None:
         size = os.fstat(self.fd).st_size
         if size != HEADER_BYTES + self.data_bytes:
             raise HostMemoryError(f"host shared-memory segment holds {size} bytes, the manifest "
