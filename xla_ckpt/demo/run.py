@@ -236,8 +236,9 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
         else:
             storage_kind = "gs://" if uri.startswith("gs://") else "local path"
         workdir = tempfile.mkdtemp(prefix="xla-ckpt-demo-")
-        if not keep:
-            stack.callback(shutil.rmtree, workdir, True)
+        if not keep:  # a failed demo keeps the worker logs its error points to
+            stack.push(lambda exc_type, *_: None if exc_type is not None
+                       else shutil.rmtree(workdir, True))
         base = overrides + [f"checkpoint.save_dir={uri}", f"train.max_updates={total}"]
         logger.info("demo: %d workers, model %s, %d updates, checkpoints to %s (%s)", n,
                     cfg.train.model, total, uri, storage_kind)

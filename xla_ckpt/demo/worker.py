@@ -220,12 +220,32 @@ def main(argv: list[str] | None = None) -> int:
         report["preempted"] = True
         report["num_updates"] = ckpt.get_num_updates()
         _write(args.out, rank, report)
+        _shut_down(dist)
         raise e
     mgr.close()
     report["digest"] = param_digest([model, criterion])
     report["num_updates"] = ckpt.get_num_updates()
     _write(args.out, rank, report)
+    _shut_down(dist)
     return 0
+
+
+def _shut_down(dist) -> None:
+    """Tear the job down in order before the interpreter does it in any order.
+
+    Every rank waits for the others, stops its heartbeat thread (a daemon
+    thread still inside a store call at interpreter exit aborts the process)
+    and destroys the process group, so rank 0's store outlives every use.
+    """
+    import torch.distributed as tdist  # noqa: PLC0415
+
+    from xla_ckpt.dist.liveness import stop_heartbeats  # noqa: PLC0415
+
+    if dist.world_size > 1:
+        dist.barrier()
+    stop_heartbeats()
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 @dataclass

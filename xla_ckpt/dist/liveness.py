@@ -29,6 +29,7 @@ Every rank of a group creates its :class:`Liveness` (see
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -57,18 +58,31 @@ class _Heartbeat:
         self._interval_s = interval_s
         self._groups: weakref.WeakSet[Liveness] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._store.add(self._key, 1)
         self._thread = threading.Thread(target=self._run, name=f"xla_ckpt-heartbeat-r{global_rank}",
                                         daemon=True)
         self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop beating and wait (at most ``timeout_s``) for the thread to finish its store call.
+
+        Runs at interpreter exit (``atexit``): a daemon thread still inside a
+        store call when Python finalizes is killed as it takes the GIL back,
+        and that unwinds through C++ frames into ``std::terminate`` ("terminate
+        called without an active exception", exit code -6), seen on rank 0,
+        whose process also hosts the store.
+        """
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
     def watch(self, group: "Liveness") -> None:
         with self._lock:
             self._groups.add(group)
 
     def _run(self) -> None:
-        while True:
-            time.sleep(self._interval_s)
+        while not self._stop.wait(self._interval_s):
             try:
                 with self._lock:
                     groups = list(self._groups)
@@ -88,8 +102,19 @@ def _heartbeat(store: Any, global_rank: int) -> _Heartbeat:
     """This process's heartbeat, started on first use (every group of the process shares it)."""
     with _beats_lock:
         if global_rank not in _beats:
+            if not _beats:
+                atexit.register(stop_heartbeats)
             _beats[global_rank] = _Heartbeat(store, global_rank, HEARTBEAT_INTERVAL_S)
         return _beats[global_rank]
+
+
+def stop_heartbeats() -> None:
+    """Stop this process's heartbeat threads (registered with ``atexit``; safe to call twice)."""
+    with _beats_lock:
+        beats = list(_beats.values())
+        _beats.clear()
+    for b in beats:
+        b.stop()
 
 
 class Liveness:
