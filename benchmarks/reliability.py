@@ -128,7 +128,7 @@ def part_faults(emu, args, sink) -> None:
 
 def part_ranks(emu, args, sink) -> None:
     import rank_workers as W
-    from xla_ckpt.dist.liveness import DEAD_AFTER_S
+    from xla_ckpt.comm.liveness import DEAD_AFTER_S
     from xla_ckpt.io import save
     from xla_ckpt.testing.fault_proxy import Fault, FaultProxy, downloads
     from xla_ckpt.testing.launcher import WorkerPool

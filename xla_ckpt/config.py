@@ -217,7 +217,7 @@ class TrainConfig:
 
 
 def _restore_config_cls() -> type:
-    # Imported when used, not at module import: xla_ckpt.restore imports xla_ckpt.dist, which
+    # Imported when used, not at module import: xla_ckpt.restore imports xla_ckpt.comm, which
     # imports DistConfig from this module.
     from xla_ckpt.restore.config import RestoreConfig  # noqa: PLC0415
 

@@ -2,7 +2,7 @@
 or in-process).
 
 Linear(4, 3) + Adam, deterministic batches per (epoch, step, rank), gradients
-averaged over the gloo group of :func:`xla_ckpt.dist.get_dist` when the world
+averaged over the gloo group of :func:`xla_ckpt.comm.get_dist` when the world
 has more than one rank.  The replicated state is the model, the optimizer and
 the loop position; each rank also saves its own ``rank_state`` (its losses).
 
@@ -131,7 +131,7 @@ def run_rank(save_dir: str, events_dir: str, pause_at: int = 0,
              fail_rank_state_on: int = -1) -> None:
     """Entry point for a launcher worker (xla_ckpt.testing.launcher): one rank of the job."""
     from xla_ckpt.config import DistConfig
-    from xla_ckpt.dist import get_dist
+    from xla_ckpt.comm import get_dist
 
     dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
     train(make_cfg(save_dir), events_dir, dist=dist, pause_at=pause_at,

@@ -432,7 +432,7 @@ def storage_config(backend: str, *, traced: bool = True):
 
 def manager_for(run_uri: str, backend: str, *, async_save: bool = False, traced: bool = True):
     from xla_ckpt.config import CheckpointConfig
-    from xla_ckpt.dist import SingleProcess
+    from xla_ckpt.comm import SingleProcess
     from xla_ckpt.manager import CheckpointManager
 
     cfg = CheckpointConfig(save_dir=run_uri, save_interval_epochs=0, save_interval_updates=0,
@@ -611,7 +611,7 @@ def stray_objects(run_uri: str, backend: str, emulator_host: str = "") -> list[s
 def _verify_main(run_uri: str, backend: str, recover: bool, wfd: int,
                  emulator_host: str) -> None:
     torch.set_num_threads(1)
-    from xla_ckpt.dist import SingleProcess
+    from xla_ckpt.comm import SingleProcess
     from xla_ckpt.io.catalog import list_checkpoints, resolve_latest
     from xla_ckpt.restore import restore
     from xla_ckpt.storage import open_storage

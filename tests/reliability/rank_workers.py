@@ -18,7 +18,7 @@ ways; every rank reports how its restore ended and how long it took:
   others waiting to hear how the read went).
 
 The hooks replace a method of the real storage backend or of the rank's own
-:class:`~xla_ckpt.dist.TorchDist` (a fault a real part cannot produce on demand
+:class:`~xla_ckpt.comm.TorchDist` (a fault a real part cannot produce on demand
 at that point); the rest is the real library.
 """
 
@@ -63,7 +63,7 @@ def _hook_storage_reads(action) -> None:
 
 def _hook_host_memory_map(action) -> None:
     """Run ``action()`` when this rank starts mapping in its host leader's shared segment."""
-    from xla_ckpt.dist.host_memory import PrivateMapping
+    from xla_ckpt.comm.host_memory import PrivateMapping
 
     real = PrivateMapping.follow
 
@@ -92,7 +92,7 @@ def restore_with_victim(uri: str, strategy: str, scenario: str, victim: int,
                         timeout_s: float) -> dict:
     """Every rank: restore ``uri``; the victim fails as ``scenario`` says.  Never raises."""
     from xla_ckpt.config import DistConfig
-    from xla_ckpt.dist import TorchDist, get_dist
+    from xla_ckpt.comm import TorchDist, get_dist
     from xla_ckpt.errors import XlaCkptError
     from xla_ckpt.restore import RestoreConfig, restore
     from xla_ckpt.storage import StorageConfig
@@ -131,12 +131,12 @@ def restore_with_victim(uri: str, strategy: str, scenario: str, victim: int,
 def exchange_cost(n: int) -> dict:
     """Seconds for ``n`` small control-plane exchanges with and without progress marks.
 
-    The marks (:mod:`xla_ckpt.dist.liveness`) cost one store write per
+    The marks (:mod:`xla_ckpt.comm.liveness`) cost one store write per
     collective; this measures that against the same exchanges without them,
     in the same processes.
     """
     from xla_ckpt.config import DistConfig
-    from xla_ckpt.dist import TorchDist, get_dist
+    from xla_ckpt.comm import TorchDist, get_dist
 
     get_dist(DistConfig(backend="gloo", timeout_s=120.0))
     d = TorchDist.new_subgroup(range(4), timeout_s=60.0)

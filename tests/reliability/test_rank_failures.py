@@ -4,7 +4,7 @@ For each case (``rank_workers.py``): one rank raises during its read, is
 SIGKILLed, stalls past the collective timeout, or is the coordinator (rank 0)
 and dies.  Every surviving rank must end with a library error whose
 ``failures`` names the failed rank, within the collective timeout plus a
-margin (the time :mod:`xla_ckpt.dist.liveness` takes to tell a dead rank from
+margin (the time :mod:`xla_ckpt.comm.liveness` takes to tell a dead rank from
 a live one); the launcher's hard timeout turns any hang into a failure here.
 ``tests/restore/test_restore_multiprocess.py`` covers a corrupt read on local
 files and a rank killed mid-broadcast with 8 ranks; this file adds the
@@ -18,7 +18,7 @@ import os
 import pytest
 
 import rank_workers as W
-from xla_ckpt.dist.liveness import DEAD_AFTER_S
+from xla_ckpt.comm.liveness import DEAD_AFTER_S
 from xla_ckpt.io import save
 from xla_ckpt.testing.fault_proxy import Fault, FaultProxy, downloads
 from xla_ckpt.testing.launcher import WorkerPool

@@ -9,7 +9,7 @@ import time
 import torch
 
 from xla_ckpt.config import DistConfig
-from xla_ckpt.dist import TorchDist, get_dist
+from xla_ckpt.comm import TorchDist, get_dist
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.restore import (RestoreConfig, make_restorer, make_saver, partition_bounds, restore,
                               save_distributed)
@@ -203,7 +203,7 @@ def host_share_restore(uri: str, enabled: bool = True, hosts: int = 1, *, poke: 
                        cannot_open_rank: int | None = None, off_rank: int | None = None,
                        zero_sharding: str = "none") -> dict:
     """Broadcast restore; ``hosts`` > 1 emulates that many hosts (torchrun GROUP_RANK)."""
-    from xla_ckpt.dist.host_memory import HostMemoryError
+    from xla_ckpt.comm.host_memory import HostMemoryError
     from xla_ckpt.restore import host_share
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -243,7 +243,7 @@ def host_share_restore(uri: str, enabled: bool = True, hosts: int = 1, *, poke: 
 
 def leader_dies_before_sealing(uri: str, timeout_s: float) -> str:
     """Rank 0 (the host's leader) dies after reading, before sealing its segment."""
-    from xla_ckpt.dist.host_memory import Segment
+    from xla_ckpt.comm.host_memory import Segment
 
     d = get_dist(DistConfig(backend="gloo", timeout_s=timeout_s))
     if d.rank == 0:

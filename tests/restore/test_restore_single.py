@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from xla_ckpt.dist import SingleProcess
+from xla_ckpt.comm import SingleProcess
 from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
                              IncompleteCheckpointError, WorldSizeMismatchError)
 from xla_ckpt.format.manifest import rank_item

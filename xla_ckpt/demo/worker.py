@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from xla_ckpt.config import load_config  # noqa: PLC0415
     from xla_ckpt.demo import corpus  # noqa: PLC0415
     from xla_ckpt.demo.model import ContrastiveLoss, build  # noqa: PLC0415
-    from xla_ckpt.dist import get_dist  # noqa: PLC0415
+    from xla_ckpt.comm import get_dist  # noqa: PLC0415
     from xla_ckpt.manager import CheckpointManager  # noqa: PLC0415
     from xla_ckpt.trainer import Checkpointer  # noqa: PLC0415
 
@@ -239,7 +239,7 @@ def _shut_down(dist) -> None:
     """
     import torch.distributed as tdist  # noqa: PLC0415
 
-    from xla_ckpt.dist.liveness import stop_heartbeats  # noqa: PLC0415
+    from xla_ckpt.comm.liveness import stop_heartbeats  # noqa: PLC0415
 
     if dist.world_size > 1:
         dist.barrier()

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from xla_ckpt.config import CheckpointConfig
-from xla_ckpt.dist import Dist, get_dist
+from xla_ckpt.comm import Dist, get_dist
 from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, CheckpointSaveError,
                              DistributedError, IncompleteCheckpointError, StorageError,
                              StoragePermissionError)
@@ -178,8 +178,8 @@ class CheckpointManager:
 
     Args:
         config: the schedule, retention, async and preemption knobs.
-        dist: the job's :class:`xla_ckpt.dist.Dist` (only ``rank``, ``world_size``
-            and ``exchange`` are used); default :func:`xla_ckpt.dist.get_dist`.
+        dist: the job's :class:`xla_ckpt.comm.Dist` (only ``rank``, ``world_size``
+            and ``exchange`` are used); default :func:`xla_ckpt.comm.get_dist`.
         storage_config: storage knobs for ``config.save_dir``.
         restore_config: how :meth:`restore_or_initialize` moves the bytes (strategy
             ``auto`` / ``all_ranks`` / ``broadcast``, bucket size, ZeRO sharding).

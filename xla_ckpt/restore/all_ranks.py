@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from xla_ckpt.dist.base import Dist
-from xla_ckpt.dist.buckets import byte_view
+from xla_ckpt.comm.base import Dist
+from xla_ckpt.comm.buckets import byte_view
 from xla_ckpt.format.dtypes import dtype_from_name, itemsize
 from xla_ckpt.format.plan import MapLocation, materialize_item, resolve_device
 from xla_ckpt.io import CheckpointReader

@@ -7,8 +7,8 @@ import logging
 import time
 from typing import Any
 
-from xla_ckpt.dist.base import Dist
-from xla_ckpt.dist.select import get_dist
+from xla_ckpt.comm.base import Dist
+from xla_ckpt.comm.select import get_dist
 from xla_ckpt.errors import DistributedError
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM
@@ -47,7 +47,7 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
 
     Args:
         uri: checkpoint folder or run folder (local path or ``gs://``).
-        dist: the job's :class:`~xla_ckpt.dist.Dist` (default :func:`get_dist`).
+        dist: the job's :class:`~xla_ckpt.comm.Dist` (default :func:`get_dist`).
         strategy: ``"auto"``, ``"all_ranks"`` or ``"broadcast"`` (overrides ``config``).
         map_location: where tensors go on *this* rank, as in ``torch.load``:
             None (CPU), a device, ``{"cpu": device}`` or ``fn(key) -> device``.

@@ -30,7 +30,7 @@ by :mod:`xla_ckpt.restore.host_share`, which falls back to the steps above
 when any rank cannot share).  Steps 2-3 change for the replicated item:
 
 * one host: rank 0 writes the crc32c-checked bytes into one memfd segment
-  (:mod:`xla_ckpt.dist.host_memory`) and publishes how far it got; every
+  (:mod:`xla_ckpt.comm.host_memory`) and publishes how far it got; every
   rank, rank 0 included, has mapped the segment copy-on-write beforehand
   and maps in each published range while the fill goes on; rank 0 seals
   the segment when it is complete.  Nothing crosses the collective and the
@@ -53,8 +53,8 @@ from typing import Any, Callable
 
 import torch
 
-from xla_ckpt.dist.base import Dist
-from xla_ckpt.dist.host_memory import FAILED, HEADER_BYTES, PrivateMapping, map_private
+from xla_ckpt.comm.base import Dist
+from xla_ckpt.comm.host_memory import FAILED, HEADER_BYTES, PrivateMapping, map_private
 from xla_ckpt.format.manifest import Item
 from xla_ckpt.format.plan import MapLocation, materialize_item
 from xla_ckpt.io import CheckpointReader

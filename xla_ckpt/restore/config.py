@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_ckpt.dist.buckets import DEFAULT_BUCKET_SIZE_BYTES
+from xla_ckpt.comm.buckets import DEFAULT_BUCKET_SIZE_BYTES
 from xla_ckpt.errors import ConfigError
 
 STRATEGIES = ("auto", "all_ranks", "broadcast")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from xla_ckpt.dist.base import Dist, decode_object, describe_error, encode_object
+from xla_ckpt.comm.base import Dist, decode_object, describe_error, encode_object
 from xla_ckpt.errors import (CheckpointNotFoundError, DistributedError,
                              IncompleteCheckpointError)
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
@@ -71,7 +71,7 @@ def decide(uri: str, dist: Dist, *, config: StorageConfig | None = None,
 
     Args:
         uri: a checkpoint folder or a run folder (local path or ``gs://``).
-        dist: the job's :class:`~xla_ckpt.dist.Dist`.
+        dist: the job's :class:`~xla_ckpt.comm.Dist`.
         config: storage knobs for rank 0's look-up.
         context: appended to error messages (which strategy runs and why).
 

@@ -4,10 +4,10 @@
 same on every rank, and whatever goes wrong on any rank (no ``memfd``, a
 segment that cannot be opened from a rank) turns into "use the collective
 broadcast" with the reason, never into an error or a hang.  The mechanism is
-:mod:`xla_ckpt.dist.host_memory`.
+:mod:`xla_ckpt.comm.host_memory`.
 
 Hosts are the groups of ranks with the same topology ``host_id`` *and* the
-same :func:`~xla_ckpt.dist.host_memory.host_identity`; each host's leader is
+same :func:`~xla_ckpt.comm.host_memory.host_identity`; each host's leader is
 its lowest rank (so rank 0 leads its host).  With one host, nothing crosses
 the collective: rank 0 reads into its segment and the other ranks map it.
 With several, the leaders form a subgroup and rank 0 broadcasts to the other
@@ -20,8 +20,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from xla_ckpt.dist.base import Dist, describe_error
-from xla_ckpt.dist.host_memory import HostMemoryError, Segment, host_identity, open_segment
+from xla_ckpt.comm.base import Dist, describe_error
+from xla_ckpt.comm.host_memory import HostMemoryError, Segment, host_identity, open_segment
 
 logger = logging.getLogger(__name__)
 

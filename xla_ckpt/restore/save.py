@@ -25,8 +25,8 @@ from typing import Any, Mapping
 
 import torch
 
-from xla_ckpt.dist.base import Dist
-from xla_ckpt.dist.select import get_dist
+from xla_ckpt.comm.base import Dist
+from xla_ckpt.comm.select import get_dist
 from xla_ckpt.errors import DistributedError
 from xla_ckpt.format.dtypes import dtype_name
 from xla_ckpt.format.manifest import (DEFAULT_CHUNK_SIZE_BYTES, MANIFEST_NAME, STATE_ITEM,
@@ -95,7 +95,7 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
         state: the replicated state; only rank 0's is written (the other
             ranks may pass theirs, or None).
         uri: checkpoint folder (local path or ``gs://``).
-        dist: the job's :class:`~xla_ckpt.dist.Dist` (default :func:`get_dist`).
+        dist: the job's :class:`~xla_ckpt.comm.Dist` (default :func:`get_dist`).
         metadata: small summary (``num_updates``, ``epoch``...) for ``xla-ckpt ls``.
         rank_state: this rank's private state, saved as item ``rank/<rank>``.
         shards: this rank's piece of each flat sharded tensor (ZeRO optimizer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xla_ckpt.dist.base import Dist
+from xla_ckpt.comm.base import Dist
 from xla_ckpt.restore.config import RestoreConfig
 
 ALL_RANKS = "all_ranks"

@@ -5,7 +5,7 @@ launcher gives a rank: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port)
 and ``PJRT_DEVICE=CPU`` (so every worker owns its own XLA CPU device).  Code
 under test calls ``torch.distributed.init_process_group("gloo",
-init_method="env://")`` (or :func:`xla_ckpt.dist.get_dist`) as it would under
+init_method="env://")`` (or :func:`xla_ckpt.comm.get_dist`) as it would under
 torchrun.
 
 Only loopback is used: like torchrun's elastic agent, the launcher itself

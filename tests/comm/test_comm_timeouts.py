@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import dist_workers as W
+import comm_workers as W
 from xla_ckpt.errors import CollectiveTimeoutError, DistributedError
 from xla_ckpt.testing.launcher import RemoteError, WorkerPool
 

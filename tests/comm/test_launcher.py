@@ -1,13 +1,13 @@
 """The multi-process launcher itself: env per rank, values and errors back, hard timeout.
 
-(A worker killed mid-call is covered in test_dist_timeouts.py.)
+(A worker killed mid-call is covered in test_comm_timeouts.py.)
 """
 
 from __future__ import annotations
 
 import pytest
 
-import dist_workers as W
+import comm_workers as W
 from xla_ckpt.errors import DistributedError
 from xla_ckpt.testing.launcher import launch, shared_pool
 

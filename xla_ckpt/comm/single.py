@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from xla_ckpt.dist.base import Dist
-from xla_ckpt.dist.topology import Topology
+from xla_ckpt.comm.base import Dist
+from xla_ckpt.comm.topology import Topology
 
 
 class SingleProcess(Dist):

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as tdist
 
 from xla_ckpt.config import DistConfig
-from xla_ckpt.dist.base import Dist
-from xla_ckpt.dist.single import SingleProcess
+from xla_ckpt.comm.base import Dist
+from xla_ckpt.comm.single import SingleProcess
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +74,12 @@ def get_dist(config: DistConfig | None = None, *, backend: str | None = None) ->
         if kind == "single":
             d = SingleProcess(timeout_s=cfg.timeout_s)
         elif kind == "xla":
-            from xla_ckpt.dist.xla_dist import XlaDist  # noqa: PLC0415 - imports torch_xla
+            from xla_ckpt.comm.xla_dist import XlaDist  # noqa: PLC0415 - imports torch_xla
 
             init = None if cfg.init_method == "env://" else cfg.init_method
             d = XlaDist(init_method=init, timeout_s=cfg.timeout_s)
         else:
-            from xla_ckpt.dist.torch_dist import TorchDist  # noqa: PLC0415
+            from xla_ckpt.comm.torch_dist import TorchDist  # noqa: PLC0415
 
             d = TorchDist(backend=kind, init_method=cfg.init_method, timeout_s=cfg.timeout_s)
         logger.info("rank %d: using %r", d.rank, d)

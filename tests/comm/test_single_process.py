@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xla_ckpt.config import DistConfig
-from xla_ckpt.dist import SingleProcess, Topology, decode_object, encode_object, get_dist, resolve_backend
+from xla_ckpt.comm import SingleProcess, Topology, decode_object, encode_object, get_dist, resolve_backend
 from xla_ckpt.errors import (CheckpointCorruptError, ConfigError, DistributedError,
                              UnsupportedTypeError)
 

@@ -23,8 +23,8 @@ import os
 import torch
 import torch.distributed as tdist
 
-from xla_ckpt.dist.torch_dist import DEFAULT_TIMEOUT_S, TorchDist, init_process_group
-from xla_ckpt.dist.topology import Topology
+from xla_ckpt.comm.torch_dist import DEFAULT_TIMEOUT_S, TorchDist, init_process_group
+from xla_ckpt.comm.topology import Topology
 from xla_ckpt.errors import ConfigError
 
 logger = logging.getLogger(__name__)

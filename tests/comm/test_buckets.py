@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xla_ckpt.dist.buckets import Bucket, Part, byte_view, max_staging_bytes, plan_buckets
+from xla_ckpt.comm.buckets import Bucket, Part, byte_view, max_staging_bytes, plan_buckets
 
 
 def test_small_tensors_are_packed_and_large_ones_move_in_place():

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-import dist_workers as W
+import comm_workers as W
 from xla_ckpt.errors import DistributedError
 from xla_ckpt.testing.launcher import shared_pool
 

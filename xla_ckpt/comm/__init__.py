@@ -13,17 +13,17 @@
 This layer knows nothing about checkpoints.
 """
 
-from xla_ckpt.dist.base import Dist, decode_object, describe_error, encode_object
-from xla_ckpt.dist.buckets import DEFAULT_BUCKET_SIZE_BYTES, plan_buckets
-from xla_ckpt.dist.select import get_dist, resolve_backend
-from xla_ckpt.dist.single import SingleProcess
-from xla_ckpt.dist.topology import Topology
-from xla_ckpt.dist.torch_dist import TorchDist
+from xla_ckpt.comm.base import Dist, decode_object, describe_error, encode_object
+from xla_ckpt.comm.buckets import DEFAULT_BUCKET_SIZE_BYTES, plan_buckets
+from xla_ckpt.comm.select import get_dist, resolve_backend
+from xla_ckpt.comm.single import SingleProcess
+from xla_ckpt.comm.topology import Topology
+from xla_ckpt.comm.torch_dist import TorchDist
 
 
 def __getattr__(name: str):
     if name == "XlaDist":  # imported lazily: it needs torch_xla
-        from xla_ckpt.dist.xla_dist import XlaDist
+        from xla_ckpt.comm.xla_dist import XlaDist
 
         return XlaDist
     raise AttributeError(name)

@@ -24,7 +24,7 @@ collective's error then names those ranks on every surviving rank, at most
 peer is alive).
 
 Every rank of a group creates its :class:`Liveness` (see
-:class:`xla_ckpt.dist.torch_dist.TorchDist`); nothing here is a collective.
+:class:`xla_ckpt.comm.torch_dist.TorchDist`); nothing here is a collective.
 """
 
 from __future__ import annotations

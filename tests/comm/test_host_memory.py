@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from xla_ckpt.dist.host_memory import (ALIGN_BYTES, FAILED, HEADER_BYTES, HostMemoryError,
+from xla_ckpt.comm.host_memory import (ALIGN_BYTES, FAILED, HEADER_BYTES, HostMemoryError,
                                        PrivateMapping, Segment, host_identity, map_private,
                                        open_segment, segment_layout)
 from xla_ckpt.errors import CheckpointCorruptError
@@ -96,7 +96,7 @@ def test_another_process_maps_the_sealed_bytes(tmp_path):
     seg.seal()
     code = f"""
 import json, os
-from xla_ckpt.dist.host_memory import open_segment, map_private
+from xla_ckpt.comm.host_memory import open_segment, map_private
 fd = open_segment({seg.handle!r})
 t = map_private(fd, [{4096 * 3 + 5}])[0]
 os.close(fd)

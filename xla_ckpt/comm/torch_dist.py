@@ -18,9 +18,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as tdist
 
-from xla_ckpt.dist import liveness
-from xla_ckpt.dist.base import Dist
-from xla_ckpt.dist.topology import Topology
+from xla_ckpt.comm import liveness
+from xla_ckpt.comm.base import Dist
+from xla_ckpt.comm.topology import Topology
 from xla_ckpt.errors import CollectiveTimeoutError, ConfigError, DistributedError
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def collective_error(op: str, rank: int, timeout_s: float, seconds: float,
 
     A gloo ``monitored_barrier`` names the ranks that did not arrive; they
     become the error's ``failures``, with ``blamed`` (rank -> cause, from
-    :meth:`xla_ckpt.dist.liveness.Liveness.diagnose`).
+    :meth:`xla_ckpt.comm.liveness.Liveness.diagnose`).
     """
     text = " ".join(str(cause).split())[:500]
     missing = _MISSING_RANKS.search(text)
