@@ -25,7 +25,6 @@ seconds: > 1 means the xla_ckpt method is faster).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics

@@ -84,9 +84,9 @@ def make_state(size_mib: int):
 
 
 def tensor_crcs(state) -> dict[str, int]:
-    from xla_ckpt.format.crc import crc32c
-
     import torch
+
+    from xla_ckpt.format.crc import crc32c
 
     return {k: crc32c(v.contiguous().view(-1).view(torch.uint8)) for k, v in state.items()}
 

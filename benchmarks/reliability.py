@@ -50,6 +50,7 @@ def emit(name: str, figures: dict, sink: dict) -> None:
 
 def part_crash(emu, args, sink) -> None:
     import crash_harness as H
+
     from xla_ckpt.testing.launcher import WorkerPool
 
     tmp = tempfile.mkdtemp(prefix="xla-ckpt-crash-")
@@ -89,6 +90,7 @@ def part_crash(emu, args, sink) -> None:
 
 def part_faults(emu, args, sink) -> None:
     import faults_harness as F
+
     from xla_ckpt.testing.fault_proxy import FaultProxy
     from xla_ckpt.testing.launcher import WorkerPool
 
@@ -128,6 +130,7 @@ def part_faults(emu, args, sink) -> None:
 
 def part_ranks(emu, args, sink) -> None:
     import rank_workers as W
+
     from xla_ckpt.comm.liveness import DEAD_AFTER_S
     from xla_ckpt.io import save
     from xla_ckpt.testing.fault_proxy import Fault, FaultProxy, downloads
@@ -192,6 +195,7 @@ def part_ranks(emu, args, sink) -> None:
 
 def part_soak(emu, args, sink) -> None:
     import soak_harness as S
+
     from xla_ckpt.testing.launcher import WorkerPool
 
     for backend in ("local", "gcs"):

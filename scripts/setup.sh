@@ -11,6 +11,6 @@ fi
 stamp=.venv/.xla_ckpt-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test,demo]'
+  .venv/bin/python -m pip install -q -e '.[test,demo,lint]'
   touch "$stamp"
 fi

@@ -5,8 +5,16 @@ import re
 
 import pytest
 
-from xla_ckpt.config import (CheckpointConfig, Config, DistConfig, TrainConfig, apply_overrides,
-                             config_from_dict, dump_config, load_config)
+from xla_ckpt.config import (
+    CheckpointConfig,
+    Config,
+    DistConfig,
+    TrainConfig,
+    apply_overrides,
+    config_from_dict,
+    dump_config,
+    load_config,
+)
 from xla_ckpt.errors import ConfigError
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.storage import StorageConfig

@@ -8,8 +8,8 @@ import json
 import pathlib
 import re
 import shlex
-import tomllib
 
+import tomllib
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

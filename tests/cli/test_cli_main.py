@@ -19,7 +19,6 @@ from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.io import read_manifest
 from xla_ckpt.storage import open_storage
 
-
 OPERATOR_COMMANDS = ["ls", "inspect", "verify", "convert", "rm", "gc"]
 
 

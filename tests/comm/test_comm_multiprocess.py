@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 
+import comm_workers as W
 import numpy as np
 import pytest
 
-import comm_workers as W
 from xla_ckpt.errors import DistributedError
 from xla_ckpt.testing.launcher import shared_pool
 

@@ -12,9 +12,18 @@ import time
 import pytest
 import torch
 
-from xla_ckpt.comm.host_memory import (ALIGN_BYTES, FAILED, HEADER_BYTES, HostMemoryError,
-                                       PrivateMapping, Segment, host_identity, map_private,
-                                       open_segment, segment_layout)
+from xla_ckpt.comm.host_memory import (
+    ALIGN_BYTES,
+    FAILED,
+    HEADER_BYTES,
+    HostMemoryError,
+    PrivateMapping,
+    Segment,
+    host_identity,
+    map_private,
+    open_segment,
+    segment_layout,
+)
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.format.plan import materialize_item

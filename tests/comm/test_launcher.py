@@ -5,9 +5,9 @@
 
 from __future__ import annotations
 
+import comm_workers as W
 import pytest
 
-import comm_workers as W
 from xla_ckpt.errors import DistributedError
 from xla_ckpt.testing.launcher import launch, shared_pool
 

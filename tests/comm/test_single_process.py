@@ -5,10 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from xla_ckpt.comm import (
+    SingleProcess,
+    Topology,
+    decode_object,
+    encode_object,
+    get_dist,
+    resolve_backend,
+)
 from xla_ckpt.config import DistConfig
-from xla_ckpt.comm import SingleProcess, Topology, decode_object, encode_object, get_dist, resolve_backend
-from xla_ckpt.errors import (CheckpointCorruptError, ConfigError, DistributedError,
-                             UnsupportedTypeError)
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    ConfigError,
+    DistributedError,
+    UnsupportedTypeError,
+)
 
 
 def test_collectives_of_a_world_of_one():

@@ -22,10 +22,20 @@ import torch
 
 import xla_ckpt
 from xla_ckpt.errors import CheckpointNotFoundError, UnsafePickleError
-from xla_ckpt.format.legacy import (ALLOWED_GLOBALS, load_legacy, looks_like_fairseq,
-                                    sniff_format, upgrade_fairseq_state)
-from xla_ckpt.io.legacy import (is_legacy_file, load_legacy_checkpoint, load_legacy_file,
-                                read_object, split_uri)
+from xla_ckpt.format.legacy import (
+    ALLOWED_GLOBALS,
+    load_legacy,
+    looks_like_fairseq,
+    sniff_format,
+    upgrade_fairseq_state,
+)
+from xla_ckpt.io.legacy import (
+    is_legacy_file,
+    load_legacy_checkpoint,
+    load_legacy_file,
+    read_object,
+    split_uri,
+)
 
 
 def _save(obj, *, zip_format=True) -> bytes:

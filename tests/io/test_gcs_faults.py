@@ -11,8 +11,14 @@ import pytest
 import torch
 
 import xla_ckpt
-from xla_ckpt.errors import (CheckpointCorruptError, IncompleteCheckpointError, IntegrityError,
-                             StorageError, StoragePermissionError, XlaCkptError)
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    StorageError,
+    StoragePermissionError,
+    XlaCkptError,
+)
 from xla_ckpt.format.manifest import MANIFEST_NAME, STATE_ITEM
 from xla_ckpt.io import CheckpointReader, commit, new_save_id, write_item
 from xla_ckpt.io.catalog import list_checkpoints, resolve_latest
@@ -132,7 +138,7 @@ def test_c7_folder_without_commit_marker_is_incomplete_and_latest_skips_it(gcs_e
                       metadata={"num_updates": 1})
         half = run.child("checkpoint_2")
         write_item(half, new_save_id(), STATE_ITEM, make_state(1))   # data, no manifest
-        half.write_atomic(f"data-x.safetensors.tmp-abc-part-00000", [b"in-flight part"])
+        half.write_atomic("data-x.safetensors.tmp-abc-part-00000", [b"in-flight part"])
         with pytest.raises(IncompleteCheckpointError) as e:
             restore(half)
         assert str(e.value).startswith(f"gs://{gcs_emulator.bucket}/{stem}/run/checkpoint_2: "

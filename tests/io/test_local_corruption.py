@@ -7,8 +7,13 @@ import pytest
 import torch
 
 import xla_ckpt
-from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError,
-                             IncompleteCheckpointError, IntegrityError, XlaCkptError)
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    XlaCkptError,
+)
 from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.testing.asserts import assert_state_identical
 

@@ -3,7 +3,6 @@
 import threading
 
 import pytest
-
 from manager_helpers import FailingWrites, HeldWrites
 
 

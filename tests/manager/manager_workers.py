@@ -10,8 +10,8 @@ PIECES = [(0, 1), (1, 5), (5, 5), (5, 10)]  # rank r owns FLAT[lo:hi] (uneven, o
 
 def save_zero_shards(run_dir: str) -> str:
     """Every rank saves its piece of FLAT (async) plus private state; returns the checkpoint."""
-    from xla_ckpt.config import CheckpointConfig, DistConfig
     from xla_ckpt.comm import get_dist
+    from xla_ckpt.config import CheckpointConfig, DistConfig
     from xla_ckpt.manager import CheckpointManager
 
     dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
@@ -30,8 +30,8 @@ def save_zero_shards(run_dir: str) -> str:
 
 def restore_zero_shards(run_dir: str, zero_sharding: str) -> dict:
     """Restore through the manager with the given ZeRO mode; returns what this rank got."""
-    from xla_ckpt.config import CheckpointConfig, DistConfig
     from xla_ckpt.comm import get_dist
+    from xla_ckpt.config import CheckpointConfig, DistConfig
     from xla_ckpt.manager import CheckpointManager
     from xla_ckpt.restore import RestoreConfig
 

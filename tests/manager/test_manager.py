@@ -11,11 +11,16 @@ import threading
 
 import pytest
 import torch
+from manager_helpers import committed, folders, make_cfg, pointer
 
 import xla_ckpt
-from manager_helpers import committed, folders, make_cfg, pointer
-from xla_ckpt.errors import (CheckpointNotFoundError, CheckpointSaveError, MetaTensorError,
-                             StorageError, UnsupportedTypeError)
+from xla_ckpt.errors import (
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    MetaTensorError,
+    StorageError,
+    UnsupportedTypeError,
+)
 from xla_ckpt.manager import CheckpointManager, RestoreResult
 
 

@@ -2,9 +2,9 @@
 async saves, rotation, pointers and restore behave as on a local folder."""
 
 import torch
+from manager_helpers import make_cfg
 
 import xla_ckpt
-from manager_helpers import make_cfg
 from xla_ckpt.io.catalog import list_checkpoints, read_pointer
 from xla_ckpt.manager import CheckpointManager
 from xla_ckpt.storage import open_storage

@@ -3,8 +3,12 @@
 import pytest
 
 from xla_ckpt.config import CheckpointConfig
-from xla_ckpt.manager import (checkpoint_kind, epoch_checkpoint_name, scheduled_name,
-                              update_checkpoint_name)
+from xla_ckpt.manager import (
+    checkpoint_kind,
+    epoch_checkpoint_name,
+    scheduled_name,
+    update_checkpoint_name,
+)
 from xla_ckpt.manager.naming import preemption_name
 
 

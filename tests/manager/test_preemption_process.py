@@ -11,10 +11,10 @@ import signal
 import threading
 
 import pytest
-
-import xla_ckpt
 from manager_helpers import events, folders, pointer, start_train_loop, wait_for_files
 from train_loop import TOTAL, UPDATES_PER_EPOCH, hexof, make_cfg, reference, run_rank, train
+
+import xla_ckpt
 from xla_ckpt.errors import CheckpointSaveError
 from xla_ckpt.io import CheckpointReader
 from xla_ckpt.testing.launcher import shared_pool

@@ -130,8 +130,8 @@ def train(cfg, events_dir: str, *, dist=None, pause_at: int = 0,
 def run_rank(save_dir: str, events_dir: str, pause_at: int = 0,
              fail_rank_state_on: int = -1) -> None:
     """Entry point for a launcher worker (xla_ckpt.testing.launcher): one rank of the job."""
-    from xla_ckpt.config import DistConfig
     from xla_ckpt.comm import get_dist
+    from xla_ckpt.config import DistConfig
 
     dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
     train(make_cfg(save_dir), events_dir, dist=dist, pause_at=pause_at,

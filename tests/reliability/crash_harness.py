@@ -279,7 +279,7 @@ class _LocalOs(types.SimpleNamespace):
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
 
-    def open(self, path, flags, mode=0o777, **kw):  # noqa: A003 - mirrors os.open
+    def open(self, path, flags, mode=0o777, **kw):
         fd = os.open(path, flags, mode, **kw)
         self._paths[fd] = os.fspath(path)
         return fd
@@ -431,8 +431,8 @@ def storage_config(backend: str, *, traced: bool = True):
 
 
 def manager_for(run_uri: str, backend: str, *, async_save: bool = False, traced: bool = True):
-    from xla_ckpt.config import CheckpointConfig
     from xla_ckpt.comm import SingleProcess
+    from xla_ckpt.config import CheckpointConfig
     from xla_ckpt.manager import CheckpointManager
 
     cfg = CheckpointConfig(save_dir=run_uri, save_interval_epochs=0, save_interval_updates=0,
@@ -682,10 +682,10 @@ def _wipe(run_uri: str, backend: str, emulator_host: str) -> None:
 
 def preload(backend: str) -> None:
     """Import in the zygote what savers and verifiers use, so each fork starts warm."""
-    import xla_ckpt.cli.main  # noqa: F401
-    import xla_ckpt.manager  # noqa: F401
-    import xla_ckpt.restore  # noqa: F401
-    import xla_ckpt.testing.asserts  # noqa: F401
+    import xla_ckpt.cli.main
+    import xla_ckpt.manager
+    import xla_ckpt.restore
+    import xla_ckpt.testing.asserts
 
     if backend == "gcs":
         import google.cloud.storage  # noqa: F401

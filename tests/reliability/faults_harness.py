@@ -113,8 +113,8 @@ def _counter() -> _Counts:
 
 def restore_round(uri: str, storage_kwargs: dict, timeout_s: float) -> dict:
     """On every rank: restore ``uri`` (all_ranks), compare bitwise; never raises."""
-    from xla_ckpt.config import DistConfig
     from xla_ckpt.comm import get_dist
+    from xla_ckpt.config import DistConfig
     from xla_ckpt.errors import XlaCkptError
     from xla_ckpt.restore import restore
     from xla_ckpt.storage import StorageConfig

@@ -91,8 +91,8 @@ def _hook_second_bucket(d, action) -> None:
 def restore_with_victim(uri: str, strategy: str, scenario: str, victim: int,
                         timeout_s: float) -> dict:
     """Every rank: restore ``uri``; the victim fails as ``scenario`` says.  Never raises."""
-    from xla_ckpt.config import DistConfig
     from xla_ckpt.comm import TorchDist, get_dist
+    from xla_ckpt.config import DistConfig
     from xla_ckpt.errors import XlaCkptError
     from xla_ckpt.restore import RestoreConfig, restore
     from xla_ckpt.storage import StorageConfig
@@ -135,8 +135,8 @@ def exchange_cost(n: int) -> dict:
     collective; this measures that against the same exchanges without them,
     in the same processes.
     """
-    from xla_ckpt.config import DistConfig
     from xla_ckpt.comm import TorchDist, get_dist
+    from xla_ckpt.config import DistConfig
 
     get_dist(DistConfig(backend="gloo", timeout_s=120.0))
     d = TorchDist.new_subgroup(range(4), timeout_s=60.0)

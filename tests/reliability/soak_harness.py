@@ -85,8 +85,8 @@ def run_usage(run_uri: str) -> dict:
 
 def soak(run_uri: str, cycles: int, *, keep: int = KEEP) -> dict:
     """Run ``cycles`` save/restore cycles at ``run_uri``; returns per-cycle records, a summary."""
-    from xla_ckpt.config import CheckpointConfig
     from xla_ckpt.comm import SingleProcess
+    from xla_ckpt.config import CheckpointConfig
     from xla_ckpt.io.catalog import list_checkpoints
     from xla_ckpt.manager import CheckpointManager
     from xla_ckpt.restore import restore

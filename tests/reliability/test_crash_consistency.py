@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import re
 
+import crash_harness as H
 import pytest
 
-import crash_harness as H
 from xla_ckpt.testing.launcher import WorkerPool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -6,9 +6,9 @@ See ``faults_harness.py``.  CI injects a few hundred faults; the full count
 
 from __future__ import annotations
 
+import faults_harness as F
 import pytest
 
-import faults_harness as F
 from xla_ckpt.testing.fault_proxy import FaultProxy
 from xla_ckpt.testing.launcher import WorkerPool
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
 import rank_workers as W
+
 from xla_ckpt.comm.liveness import DEAD_AFTER_S
 from xla_ckpt.io import save
 from xla_ckpt.testing.fault_proxy import Fault, FaultProxy, downloads

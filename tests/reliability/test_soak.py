@@ -7,8 +7,8 @@ See ``soak_harness.py``.  CI runs a bounded number of cycles on each backend;
 from __future__ import annotations
 
 import pytest
-
 import soak_harness as S
+
 from xla_ckpt.testing.launcher import WorkerPool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

@@ -8,11 +8,17 @@ import time
 
 import torch
 
-from xla_ckpt.config import DistConfig
 from xla_ckpt.comm import TorchDist, get_dist
+from xla_ckpt.config import DistConfig
 from xla_ckpt.format.crc import crc32c
-from xla_ckpt.restore import (RestoreConfig, make_restorer, make_saver, partition_bounds, restore,
-                              save_distributed)
+from xla_ckpt.restore import (
+    RestoreConfig,
+    make_restorer,
+    make_saver,
+    partition_bounds,
+    restore,
+    save_distributed,
+)
 from xla_ckpt.testing.asserts import assert_state_identical, tensor_bits
 from xla_ckpt.testing.launcher import kill_self
 

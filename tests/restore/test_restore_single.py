@@ -8,12 +8,23 @@ import pytest
 import torch
 
 from xla_ckpt.comm import SingleProcess
-from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
-                             IncompleteCheckpointError, WorldSizeMismatchError)
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigError,
+    IncompleteCheckpointError,
+    WorldSizeMismatchError,
+)
 from xla_ckpt.format.manifest import rank_item
 from xla_ckpt.io import commit, new_save_id, read_manifest, save, write_item
-from xla_ckpt.restore import (RestoreConfig, choose_strategy, partition_bounds, restore,
-                              save_distributed, shard_item)
+from xla_ckpt.restore import (
+    RestoreConfig,
+    choose_strategy,
+    partition_bounds,
+    restore,
+    save_distributed,
+    shard_item,
+)
 from xla_ckpt.restore.plan import plan_ranks
 from xla_ckpt.restore.sharding import read_layout, shard_state
 from xla_ckpt.restore.zero import join_optimizer_state, split_optimizer_state

@@ -7,12 +7,23 @@ import uuid
 
 import pytest
 
-from xla_ckpt.errors import (CheckpointNotFoundError, ConfigError, IntegrityError, StorageError,
-                             StoragePermissionError)
+from xla_ckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    IntegrityError,
+    StorageError,
+    StoragePermissionError,
+)
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.storage import StorageConfig, open_storage
-from xla_ckpt.storage.gcs import (MAX_COMPOSE_SOURCES, TMP_MARK, WHOLE_OBJECT_CRC_READS,
-                                  GCSStorage, crc32c_combine, parse_gcs_uri)
+from xla_ckpt.storage.gcs import (
+    MAX_COMPOSE_SOURCES,
+    TMP_MARK,
+    WHOLE_OBJECT_CRC_READS,
+    GCSStorage,
+    crc32c_combine,
+    parse_gcs_uri,
+)
 from xla_ckpt.testing.fault_proxy import Fault, downloads, requests_to, uploads
 
 FAST = dict(initial_backoff_s=0.001, max_backoff_s=0.01, retry_deadline_s=20.0)

@@ -17,8 +17,9 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import xla_ckpt  # noqa: E402
 from trainer_utils import make_checkpointer, train_step, training_part  # noqa: E402
+
+import xla_ckpt  # noqa: E402
 from xla_ckpt.trainer import Checkpointer  # noqa: E402
 
 

@@ -8,16 +8,30 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from trainer_utils import (
+    BETAS,
+    LR,
+    WARMUP,
+    TemperatureMSE,
+    build_adamw,
+    inverse_sqrt,
+    make_checkpointer,
+    train_step,
+)
 
 import xla_ckpt
-from trainer_utils import (BETAS, LR, WARMUP, TemperatureMSE, build_adamw, inverse_sqrt,
-                           make_checkpointer, train_step)
 from xla_ckpt.errors import ConfigError, MetaTensorError, StateMismatchError
 from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.io import CheckpointReader
 from xla_ckpt.testing.asserts import assert_state_identical
-from xla_ckpt.trainer import (Checkpointer, CheckpointerConfig, InverseSquareRootSchedule,
-                              Metrics, SingleProcessRestorer, TimeMeter)
+from xla_ckpt.trainer import (
+    Checkpointer,
+    CheckpointerConfig,
+    InverseSquareRootSchedule,
+    Metrics,
+    SingleProcessRestorer,
+    TimeMeter,
+)
 
 ITER_MID_EPOCH = {"epoch": 2, "iterations_in_epoch": 3, "version": 2}
 

@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+from trainer_utils import LR, inverse_sqrt, make_checkpointer, train_step, training_part
 
 import xla_ckpt
-from trainer_utils import LR, inverse_sqrt, make_checkpointer, train_step, training_part
 from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.testing.asserts import assert_state_identical
 from xla_ckpt.trainer import SingleProcessSaver

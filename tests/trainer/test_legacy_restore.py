@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from trainer_utils import make_checkpointer, train_step
+
 from xla_ckpt.errors import UnsafePickleError
 from xla_ckpt.testing.asserts import assert_state_identical
 

@@ -9,8 +9,15 @@ import torch
 import xla_ckpt
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.testing.asserts import assert_state_identical
-from xla_ckpt.trainer import (AverageMeter, MetersDict, Metrics, StopwatchMeter, SumMeter,
-                              TimeMeter, register_meter)
+from xla_ckpt.trainer import (
+    AverageMeter,
+    MetersDict,
+    Metrics,
+    StopwatchMeter,
+    SumMeter,
+    TimeMeter,
+    register_meter,
+)
 
 
 class FakeClock:

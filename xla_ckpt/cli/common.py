@@ -13,8 +13,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from xla_ckpt.errors import (CheckpointNotFoundError, ConfigError, IncompleteCheckpointError,
-                             StorageError, XlaCkptError)
+from xla_ckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    IncompleteCheckpointError,
+    StorageError,
+    XlaCkptError,
+)
 from xla_ckpt.io.catalog import is_checkpoint, list_checkpoints, resolve_latest
 from xla_ckpt.io.reader import read_manifest
 from xla_ckpt.storage import Storage, StorageConfig, open_storage

@@ -22,8 +22,15 @@ from typing import Any
 
 import torch
 
-from xla_ckpt.cli.common import (EXIT_OK, human_bytes, jsonable, plain, resolve_checkpoint,
-                                 short_repr, utc_time)
+from xla_ckpt.cli.common import (
+    EXIT_OK,
+    human_bytes,
+    jsonable,
+    plain,
+    resolve_checkpoint,
+    short_repr,
+    utc_time,
+)
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format import typed
 from xla_ckpt.format.dtypes import dtype_from_name, itemsize

@@ -15,8 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from xla_ckpt.cli.common import (EXIT_FAILED, EXIT_OK, human_bytes, jsonable, plain, progress_bar,
-                                 resolve_checkpoint)
+from xla_ckpt.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    human_bytes,
+    jsonable,
+    plain,
+    progress_bar,
+    resolve_checkpoint,
+)
 from xla_ckpt.io.reader import read_manifest
 from xla_ckpt.io.verify import verify_checkpoint
 

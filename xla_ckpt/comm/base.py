@@ -40,8 +40,12 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
-from xla_ckpt.comm.buckets import (DEFAULT_BUCKET_SIZE_BYTES, byte_view, max_staging_bytes,
-                                   plan_buckets)
+from xla_ckpt.comm.buckets import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    byte_view,
+    max_staging_bytes,
+    plan_buckets,
+)
 from xla_ckpt.comm.topology import Topology
 from xla_ckpt.errors import CheckpointCorruptError, DistributedError
 from xla_ckpt.format import typed

@@ -9,9 +9,9 @@ import threading
 import torch
 import torch.distributed as tdist
 
-from xla_ckpt.config import DistConfig
 from xla_ckpt.comm.base import Dist
 from xla_ckpt.comm.single import SingleProcess
+from xla_ckpt.config import DistConfig
 
 logger = logging.getLogger(__name__)
 

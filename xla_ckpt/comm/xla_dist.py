@@ -23,8 +23,8 @@ import os
 import torch
 import torch.distributed as tdist
 
-from xla_ckpt.comm.torch_dist import DEFAULT_TIMEOUT_S, TorchDist, init_process_group
 from xla_ckpt.comm.topology import Topology
+from xla_ckpt.comm.torch_dist import DEFAULT_TIMEOUT_S, TorchDist, init_process_group
 from xla_ckpt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class XlaDist(TorchDist):
             if init_method is None:
                 init_method = "env://" if _env_launched() else "xla://"
             if init_method.startswith("xla://"):
-                import torch_xla.distributed.xla_backend  # noqa: F401,PLC0415 - registers xla://
+                import torch_xla.distributed.xla_backend  # noqa: PLC0415 - registers xla://
             init_process_group("gloo", init_method, timeout_s)
         self._xr = xr
         self._xla_device = torch_xla.device()

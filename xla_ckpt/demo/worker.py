@@ -115,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
+    from xla_ckpt.comm import get_dist  # noqa: PLC0415
     from xla_ckpt.config import load_config  # noqa: PLC0415
     from xla_ckpt.demo import corpus  # noqa: PLC0415
     from xla_ckpt.demo.model import ContrastiveLoss, build  # noqa: PLC0415
-    from xla_ckpt.comm import get_dist  # noqa: PLC0415
     from xla_ckpt.manager import CheckpointManager  # noqa: PLC0415
     from xla_ckpt.trainer import Checkpointer  # noqa: PLC0415
 

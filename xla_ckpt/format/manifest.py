@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xla_ckpt.errors import CheckpointCorruptError
-from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format import typed
+from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.dtypes import dtype_from_name, itemsize
 
 FORMAT_NAME = "xla_ckpt"

@@ -18,7 +18,6 @@ become the recorded strided views, then the typed tree is decoded.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 

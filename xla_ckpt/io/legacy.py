@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
-from xla_ckpt.format.legacy import LegacyFile, Layout, load_legacy, sniff_format
+from xla_ckpt.format.legacy import Layout, LegacyFile, load_legacy, sniff_format
 from xla_ckpt.storage import Storage, StorageConfig, is_gcs_uri, open_storage
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError,
-                             IncompleteCheckpointError, IntegrityError)
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    IntegrityError,
+)
 from xla_ckpt.format import typed
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.manifest import MANIFEST_NAME, STATE_ITEM, BlobRecord, Item, Manifest

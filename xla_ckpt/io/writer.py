@@ -24,8 +24,13 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from xla_ckpt.format import typed
-from xla_ckpt.format.manifest import (DEFAULT_CHUNK_SIZE_BYTES, MANIFEST_NAME, STATE_ITEM, Item,
-                                      Manifest)
+from xla_ckpt.format.manifest import (
+    DEFAULT_CHUNK_SIZE_BYTES,
+    MANIFEST_NAME,
+    STATE_ITEM,
+    Item,
+    Manifest,
+)
 from xla_ckpt.format.plan import blob_record, plan_item, tensor_bytes
 from xla_ckpt.format.safetensors_layout import build_header
 from xla_ckpt.storage import Storage, StorageConfig, open_storage

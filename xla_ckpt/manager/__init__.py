@@ -10,8 +10,12 @@ async save), ``preemption`` (the SIGTERM flag).
 """
 
 from xla_ckpt.manager.core import CheckpointManager, RestoreResult, StepResult
-from xla_ckpt.manager.naming import (checkpoint_kind, epoch_checkpoint_name, scheduled_name,
-                                     update_checkpoint_name)
+from xla_ckpt.manager.naming import (
+                                     checkpoint_kind,
+                                     epoch_checkpoint_name,
+                                     scheduled_name,
+                                     update_checkpoint_name,
+)
 
 __all__ = ["CheckpointManager", "RestoreResult", "StepResult",
            "checkpoint_kind", "epoch_checkpoint_name", "scheduled_name", "update_checkpoint_name"]

@@ -36,11 +36,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.comm import Dist, get_dist
-from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, CheckpointSaveError,
-                             DistributedError, IncompleteCheckpointError, StorageError,
-                             StoragePermissionError)
+from xla_ckpt.config import CheckpointConfig
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    DistributedError,
+    IncompleteCheckpointError,
+    StorageError,
+    StoragePermissionError,
+)
 from xla_ckpt.format.manifest import FORMAT_NAME, FORMAT_VERSION, STATE_ITEM, Manifest, rank_item
 from xla_ckpt.io.catalog import pointer_name, resolve_latest, write_pointer
 from xla_ckpt.io.writer import WrittenItem, commit, discard, new_save_id, write_item
@@ -48,7 +54,7 @@ from xla_ckpt.manager.naming import preemption_name, scheduled_name
 from xla_ckpt.manager.preemption import PreemptionNotice
 from xla_ckpt.manager.rotation import rotate
 from xla_ckpt.manager.staging import StagingPool, stage_to_host
-from xla_ckpt.restore import Restored, RestoreConfig
+from xla_ckpt.restore import RestoreConfig, Restored
 from xla_ckpt.restore import restore as restore_checkpoint
 from xla_ckpt.restore.save import _shard_layout as shard_layout
 from xla_ckpt.restore.sharding import shard_item, shard_state

@@ -60,5 +60,5 @@ class PreemptionNotice:
                           else signal.SIG_DFL)
             self._installed = False
 
-    def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal API
+    def _handle(self, signum: int, frame: Any) -> None:
         self._event.set()

@@ -15,8 +15,7 @@ import logging
 from dataclasses import dataclass
 
 from xla_ckpt.comm.base import Dist, decode_object, describe_error, encode_object
-from xla_ckpt.errors import (CheckpointNotFoundError, DistributedError,
-                             IncompleteCheckpointError)
+from xla_ckpt.errors import CheckpointNotFoundError, DistributedError, IncompleteCheckpointError
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
 from xla_ckpt.io.catalog import list_checkpoints, resolve_latest
 from xla_ckpt.io.writer import DATA_PREFIX

@@ -29,8 +29,16 @@ from xla_ckpt.comm.base import Dist
 from xla_ckpt.comm.select import get_dist
 from xla_ckpt.errors import DistributedError
 from xla_ckpt.format.dtypes import dtype_name
-from xla_ckpt.format.manifest import (DEFAULT_CHUNK_SIZE_BYTES, MANIFEST_NAME, STATE_ITEM,
-                                      BlobRecord, Item, Manifest, TensorRecord, rank_item)
+from xla_ckpt.format.manifest import (
+    DEFAULT_CHUNK_SIZE_BYTES,
+    MANIFEST_NAME,
+    STATE_ITEM,
+    BlobRecord,
+    Item,
+    Manifest,
+    TensorRecord,
+    rank_item,
+)
 from xla_ckpt.io import WrittenItem, commit, discard, new_save_id, write_item
 from xla_ckpt.restore.sharding import shard_item, shard_state
 from xla_ckpt.storage import StorageConfig, open_storage

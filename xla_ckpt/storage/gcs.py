@@ -55,8 +55,15 @@ import requests
 import urllib3
 from google.auth import exceptions as auth_exc
 
-from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
-                             IntegrityError, StorageError, StoragePermissionError, XlaCkptError)
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigError,
+    IntegrityError,
+    StorageError,
+    StoragePermissionError,
+    XlaCkptError,
+)
 from xla_ckpt.format.crc import crc32c, crc32c_combine
 from xla_ckpt.storage.base import MiB, ObjectInfo, RangeRead, Storage, StorageConfig, join
 from xla_ckpt.storage.retry import Backoff, RetryLog, parse_retry_after

@@ -15,8 +15,12 @@ import os
 import uuid
 from typing import Sequence
 
-from xla_ckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError, StorageError,
-                             StoragePermissionError)
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    StorageError,
+    StoragePermissionError,
+)
 from xla_ckpt.storage.base import ObjectInfo, Storage, StorageConfig
 
 TMP_MARK = ".tmp-"

@@ -15,8 +15,16 @@ Public surface::
 
 from xla_ckpt.trainer.checkpointer import Checkpointer, CheckpointerConfig, has_parameters
 from xla_ckpt.trainer.lr_scheduler import FairseqLRScheduler, InverseSquareRootSchedule
-from xla_ckpt.trainer.meters import (AverageMeter, DerivedMeter, Meter, MetersDict, StopwatchMeter,
-                                     SumMeter, TimeMeter, register_meter)
+from xla_ckpt.trainer.meters import (
+                                     AverageMeter,
+                                     DerivedMeter,
+                                     Meter,
+                                     MetersDict,
+                                     StopwatchMeter,
+                                     SumMeter,
+                                     TimeMeter,
+                                     register_meter,
+)
 from xla_ckpt.trainer.metrics import Metrics
 from xla_ckpt.trainer.module_load import DTYPE_POLICIES, ModuleLoadReport, load_module_state
 from xla_ckpt.trainer.optimizer_state import check_live_params, load_optimizer_state

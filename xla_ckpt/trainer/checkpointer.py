@@ -40,16 +40,25 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from xla_ckpt.errors import (CheckpointNotFoundError, ConfigError, IncompleteCheckpointError,
-                             StateMismatchError)
+from xla_ckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+)
 from xla_ckpt.trainer import keys as K
 from xla_ckpt.trainer.lr_scheduler import is_fairseq_style
 from xla_ckpt.trainer.metrics import Metrics
 from xla_ckpt.trainer.module_load import check_dtype_policy, load_module_state
 from xla_ckpt.trainer.optimizer_state import check_live_params, load_optimizer_state
 from xla_ckpt.trainer.prefixes import unwrap_module
-from xla_ckpt.trainer.sources import (Restorer, Saver, SingleProcessRestorer, SingleProcessSaver,
-                                      unpack_restored)
+from xla_ckpt.trainer.sources import (
+    Restorer,
+    Saver,
+    SingleProcessRestorer,
+    SingleProcessSaver,
+    unpack_restored,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,15 @@ import uuid
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Iterator, Optional
 
-from xla_ckpt.trainer.meters import (AverageMeter, DerivedMeter, Meter, MetersDict, StopwatchMeter,
-                                     SumMeter, TimeMeter)
+from xla_ckpt.trainer.meters import (
+    AverageMeter,
+    DerivedMeter,
+    Meter,
+    MetersDict,
+    StopwatchMeter,
+    SumMeter,
+    TimeMeter,
+)
 
 DEFAULT = "default"
 
