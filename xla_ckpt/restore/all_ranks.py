@@ -21,7 +21,7 @@ from xla_ckpt.format.plan import MapLocation, materialize_item, resolve_device
 from xla_ckpt.io import CheckpointReader
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.plan import RankPlan
-from xla_ckpt.restore.result import Loaded
+from xla_ckpt.restore.result import Loaded, RestoreStats
 from xla_ckpt.restore.sharding import ShardedTensorLayout
 from xla_ckpt.storage import StorageConfig, open_storage
 
@@ -95,7 +95,7 @@ def restore_all_ranks(decision: Decision, dist: Dist, plan: RankPlan, *,
                 shards[key] = place(t, map_location, key)
         finally:
             storage.close()
-        return Loaded(state=state, rank_state=rank_state, shards=shards, bytes_read=nread,
-                      read_seconds=time.perf_counter() - t0)
+        stats = RestoreStats(bytes_read=nread, read_seconds=time.perf_counter() - t0)
+        return Loaded(state=state, rank_state=rank_state, shards=shards, stats=stats)
 
     return dist.run_collectively(work, what)

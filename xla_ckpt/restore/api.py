@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from xla_ckpt.comm.base import Dist
 from xla_ckpt.comm.select import get_dist
@@ -18,7 +18,7 @@ from xla_ckpt.restore.broadcast import restore_broadcast
 from xla_ckpt.restore.config import RestoreConfig
 from xla_ckpt.restore.decide import decide
 from xla_ckpt.restore.plan import plan_ranks
-from xla_ckpt.restore.result import Restored, RestoreStats
+from xla_ckpt.restore.result import Restored
 from xla_ckpt.restore.select import ALL_RANKS, choose_strategy
 from xla_ckpt.storage import StorageConfig
 
@@ -112,10 +112,8 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
             e.args = (f"{what}: {e.args[0]}",) + e.args[1:]  # a broken collective: say where
         raise
     me = plans[dist.rank]
-    stats = RestoreStats(bytes_read=loaded.bytes_read, bytes_received=loaded.bytes_received,
-                         bytes_sent=loaded.bytes_sent, bytes_mapped=loaded.bytes_mapped,
-                         seconds=time.perf_counter() - t0, read_seconds=loaded.read_seconds,
-                         data_path=loaded.data_path)
+    stats = loaded.stats
+    stats.seconds = time.perf_counter() - t0
     md = decision.manifest.metadata
     result = Restored(
         state=loaded.state, rank_state=loaded.rank_state, shards=loaded.shards,
@@ -131,7 +129,7 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
     return result
 
 
-def make_restorer(*, dist: Dist | None = None, **kwargs: Any):
+def make_restorer(*, dist: Dist | None = None, **kwargs: Any) -> Callable[[str], Restored]:
     """A ``restorer(uri) -> Restored`` for :class:`xla_ckpt.trainer.Checkpointer`.
 
     ``kwargs`` are passed to :func:`restore` (strategy, map_location, ...).

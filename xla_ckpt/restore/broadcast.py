@@ -55,14 +55,14 @@ import torch
 
 from xla_ckpt.comm.base import Dist
 from xla_ckpt.comm.host_memory import FAILED, HEADER_BYTES, PrivateMapping, map_private
-from xla_ckpt.format.manifest import Item
+from xla_ckpt.format.manifest import Item, Manifest
 from xla_ckpt.format.plan import MapLocation, materialize_item
 from xla_ckpt.io import CheckpointReader
 from xla_ckpt.restore.all_ranks import place
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.host_share import HostShare, negotiate
 from xla_ckpt.restore.plan import RankPlan
-from xla_ckpt.restore.result import Loaded
+from xla_ckpt.restore.result import Loaded, RestoreStats
 from xla_ckpt.storage import StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)
@@ -103,14 +103,16 @@ class _BackgroundRead:
         self.bytes_read = 0
         self._ready = -1
         self._cond = threading.Condition()
-        self._args = (open_reader, item, bufs, group_bytes, then)
+        self._args = (open_reader, item, group_bytes, then)
+        self._bufs = bufs
         self._fill = fill
         self._abort = abort
         self._thread = threading.Thread(target=self._run, name="xla_ckpt-rank0-read", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        open_reader, item, bufs, group_bytes, then = self._args
+        open_reader, item, group_bytes, then = self._args
+        bufs = self._bufs
         reader = None
         try:
             reader = open_reader()
@@ -155,7 +157,7 @@ class _BackgroundRead:
 
     def release(self) -> None:
         """Drop the references to the destination buffers (after :meth:`join`)."""
-        self._args = None
+        self._bufs = {}
 
 
 def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
@@ -177,188 +179,264 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
             allocation or rebuild) failed; ``failures`` names rank and cause.
         CollectiveTimeoutError: a rank died or hung during a collective.
     """
-    manifest = decision.manifest
-    me = plans[dist.rank]
-    is_src = dist.rank == 0
-    keys = sorted(me.shards)
-    state_item = manifest.item(me.item)
-    sizes = [b.length for b in state_item.blobs]
+    sizes = [b.length for b in decision.manifest.item(plans[dist.rank].item).blobs]
     share, data_path = negotiate(dist, host_shared_memory, sum(sizes), what)
     if share is None:
         data_path = f"collective broadcast over {dist.backend} ({data_path})"
+    run = _BroadcastRestore(decision, dist, plans, share, data_path, map_location=map_location,
+                            storage_config=storage_config, bucket_size_bytes=bucket_size_bytes,
+                            what=what)
     try:
-        return _restore(decision, dist, plans, me, is_src, keys, sizes, share, data_path,
-                        map_location=map_location, storage_config=storage_config,
-                        bucket_size_bytes=bucket_size_bytes, what=what)
+        return run.run()
     finally:
         if share is not None:
             share.close()
 
 
-def _restore(decision: Decision, dist: Dist, plans: list[RankPlan], me: RankPlan, is_src: bool,
-             keys: list[str], sizes: list[int], share: HostShare | None, data_path: str, *,
-             map_location: MapLocation, storage_config: StorageConfig | None,
-             bucket_size_bytes: int, what: str) -> Loaded:
-    manifest = decision.manifest
-    state_item = manifest.item(me.item)
-    leader = share is not None and share.segment is not None
-    # One host: rank 0 writes checked slices into its segment (os.pwrite: no page zeroing,
-    # no page faults) and publishes its progress; every rank maps the segment up front and
-    # maps in each published range while the fill goes on.  Several hosts: the leaders
-    # fill writable mappings, rank 0 by reading, the others by receiving.
-    one_host = share is not None and len(share.hosts) == 1
-    local = "://" not in decision.checkpoint.replace("file://", "")
+def _read_private_items(reader: CheckpointReader, manifest: Manifest, plans: list[RankPlan],
+                        keys: list[str], own_rank_bufs: dict[int, torch.Tensor]) -> dict[str, Any]:
+    """On rank 0, after the replicated item: every rank's ``rank/<r>`` item and sharded bytes.
 
-    def allocate() -> dict[str, Any]:
-        if share is None:
-            out: dict[str, Any] = {"state": _alloc(state_item)}
-        elif one_host:
+    Returns ``{"bytes": bytes read, "rank_inputs": {rank: [blob tensors]},
+    "shard_inputs": {rank: [one uint8 tensor per key of keys]}}``.
+    """
+    nread = 0
+    others: dict[int, dict[int, torch.Tensor]] = {}
+    for p in plans:
+        if p.rank_item is None:
+            continue
+        bufs = own_rank_bufs if p.rank == 0 else _alloc(manifest.item(p.rank_item))
+        reader.read_into(p.rank_item, bufs)
+        others[p.rank] = bufs
+        nread += sum(b.numel() for b in bufs.values())
+    saved: dict[str, dict[int, torch.Tensor]] = {}
+    for lay in plans[0].layout.values():
+        for piece in lay.pieces:
+            if piece.item not in saved:
+                saved[piece.item] = reader.read_blobs(piece.item)
+                nread += sum(b.numel() for b in saved[piece.item].values())
+    return {"bytes": nread,
+            "rank_inputs": {r: [b[i] for i in sorted(b)] for r, b in others.items()},
+            "shard_inputs": {p.rank: [_assemble(k, p, saved) for k in keys] for p in plans}}
+
+
+class _BroadcastRestore:
+    """One broadcast restore on this rank, one method per step of the module docstring.
+
+    Every rank runs every step in the same order (:meth:`run`); the
+    collective steps go through ``dist.run_collectively`` / ``dist.agree``, so
+    a failure on any rank surfaces on all of them.
+    """
+
+    def __init__(self, decision: Decision, dist: Dist, plans: list[RankPlan],
+                 share: HostShare | None, data_path: str, *, map_location: MapLocation,
+                 storage_config: StorageConfig | None, bucket_size_bytes: int,
+                 what: str) -> None:
+        self.decision, self.dist, self.plans, self.share = decision, dist, plans, share
+        self.manifest = decision.manifest
+        self.me = plans[dist.rank]
+        self.is_src = dist.rank == 0
+        self.keys = sorted(self.me.shards)
+        self.state_item = self.manifest.item(self.me.item)
+        self.sizes = [b.length for b in self.state_item.blobs]
+        self.map_location, self.storage_config = map_location, storage_config
+        self.bucket_size_bytes, self.what = bucket_size_bytes, what
+        self.leader = share is not None and share.segment is not None
+        # One host: rank 0 writes checked slices into its segment (os.pwrite: no page zeroing,
+        # no page faults) and publishes its progress; every rank maps the segment up front and
+        # maps in each published range while the fill goes on.  Several hosts: the leaders
+        # fill writable mappings, rank 0 by reading, the others by receiving.
+        self.one_host = share is not None and len(share.hosts) == 1
+        self.stats = RestoreStats(data_path=data_path)
+        self.got: dict[str, Any] = {}
+        self.state_bufs: dict[int, torch.Tensor] = {}
+        self.mapping: PrivateMapping | None = None
+        self.background: _BackgroundRead | None = None
+
+    def _host(self) -> HostShare:
+        if self.share is None:  # the steps that call this run only after a negotiated share
+            raise RuntimeError(f"{self.what}: host shared memory was not negotiated")
+        return self.share
+
+    def run(self) -> Loaded:
+        self.allocate()
+        t0 = time.perf_counter()
+        if self.is_src:
+            self.background = self.start_read()
+        self.move_state()
+        if self.is_src:
+            self.stats.read_seconds = time.perf_counter() - t0
+        extra = self.background.result if self.background is not None else {}
+        if self.mapping is None and self.share is not None:
+            self.map_sealed_copies()
+        self.send_private(extra)
+        # drop rank 0's references to the other ranks' buffers before rebuilding
+        del extra
+        self.background = None
+        return self.dist.run_collectively(self.build, f"{self.what}: rebuild the state")
+
+    def _alloc_step(self) -> dict[str, Any]:
+        me = self.me
+        if self.share is None:
+            out: dict[str, Any] = {"state": _alloc(self.state_item)}
+        elif self.one_host:
             out = {"state": {}}
-            if is_src:
-                out["offsets"] = dict(enumerate(share.segment.size_for(sizes)))
-        elif leader:  # the host's one copy; the other ranks of the host allocate nothing
-            out = {"state": dict(enumerate(share.segment.writable_views(sizes)))}
+            if self.is_src:
+                out["offsets"] = dict(enumerate(self.share.own_segment().size_for(self.sizes)))
+        elif self.leader:  # the host's one copy; the other ranks of the host allocate nothing
+            out = {"state": dict(enumerate(self.share.own_segment().writable_views(self.sizes)))}
         else:
             out = {"state": {}}
-        out["rank"] = _alloc(manifest.item(me.rank_item)) if me.rank_item else {}
+        out["rank"] = _alloc(self.manifest.item(me.rank_item)) if me.rank_item else {}
         # rank 0's partitions are cut from what it reads
-        out["shards"] = [] if is_src else [torch.empty(me.shard_nbytes(k), dtype=torch.uint8)
-                                           for k in keys]
+        out["shards"] = [] if self.is_src else [torch.empty(me.shard_nbytes(k), dtype=torch.uint8)
+                                                for k in self.keys]
         return out
 
-    got = dist.run_collectively(allocate, f"{what}: allocate the destination buffers")
-    state_bufs = got.pop("state")
-    mapping: PrivateMapping | None = None
-    if one_host:  # the segment has its final size: map it now, fill or no fill
-        mapping = dist.run_collectively(
-            lambda: PrivateMapping(share.segment.fd if leader else share.fd, sizes),
-            f"{what}: map host shared memory")
-    t0 = time.perf_counter()
-    background: _BackgroundRead | None = None
-    if is_src:
+    def allocate(self) -> None:
+        """Step 2: destination buffers (or the host's segment), agreed by every rank."""
+        self.got = self.dist.run_collectively(
+            self._alloc_step, f"{self.what}: allocate the destination buffers")
+        self.state_bufs = self.got.pop("state")
+        if self.one_host:  # the segment has its final size: map it now, fill or no fill
+            fd = self._host().copy_fd()
+            self.mapping = self.dist.run_collectively(
+                lambda: PrivateMapping(fd, self.sizes), f"{self.what}: map host shared memory")
+
+    def start_read(self) -> _BackgroundRead:
+        """Step 3 on rank 0: read the replicated item (into buffers or the segment), then the
+        private items and shards, on a background thread."""
+        decision, manifest, storage_config = self.decision, self.manifest, self.storage_config
+        own_rank_bufs = self.got["rank"]
+
         def open_reader() -> CheckpointReader:
             return CheckpointReader(open_storage(decision.checkpoint, storage_config), manifest)
 
-        def then(reader: CheckpointReader) -> dict[str, Any]:  # then private items, shards
-            extra: dict[str, Any] = {"bytes": 0}
-            others: dict[int, dict[int, torch.Tensor]] = {}
-            for p in plans:
-                if p.rank_item is None:
-                    continue
-                bufs = got["rank"] if p.rank == 0 else _alloc(manifest.item(p.rank_item))
-                reader.read_into(p.rank_item, bufs)
-                others[p.rank] = bufs
-                extra["bytes"] += sum(b.numel() for b in bufs.values())
-            saved: dict[str, dict[int, torch.Tensor]] = {}
-            for lay in me.layout.values():
-                for piece in lay.pieces:
-                    if piece.item not in saved:
-                        saved[piece.item] = reader.read_blobs(piece.item)
-                        extra["bytes"] += sum(b.numel() for b in saved[piece.item].values())
-            extra["rank_inputs"] = {r: [b[i] for i in sorted(b)] for r, b in others.items()}
-            extra["shard_inputs"] = {p.rank: [_assemble(k, p, saved) for k in keys]
-                                     for p in plans}
-            return extra
+        def then(reader: CheckpointReader) -> dict[str, Any]:
+            return _read_private_items(reader, manifest, self.plans, self.keys, own_rank_bufs)
 
-        fill = None
-        if one_host:
-            segment, offsets = share.segment, got.pop("offsets")
+        fill: Callable[[CheckpointReader], int] | None = None
+        abort: Callable[[], None] | None = None
+        if self.one_host and self.mapping is not None:
+            segment, offsets, mapping = self._host().own_segment(), self.got.pop("offsets"), \
+                self.mapping
+            local = "://" not in decision.checkpoint.replace("file://", "")
             staging = FILE_STAGING_BUFFERS if local else \
                 (storage_config or StorageConfig()).max_workers  # network reads need streams
 
-            def fill(reader: CheckpointReader) -> int:
-                reader.read_into_file(me.item, segment.fd, offsets, staging_buffers=staging,
+            def fill_segment(reader: CheckpointReader) -> int:
+                reader.read_into_file(self.me.item, segment.fd, offsets, staging_buffers=staging,
                                       on_written=lambda end: segment.publish(end - HEADER_BYTES))
                 segment.publish(mapping.data_bytes)
                 segment.seal()
                 return reader.stats.bytes_read
 
-            def abort() -> None:  # any failure before the seal: the followers stop waiting
+            def abort_fill() -> None:  # any failure before the seal: the followers stop waiting
                 if not segment.sealed:
                     segment.publish(FAILED)
 
+            fill, abort = fill_segment, abort_fill
+
         # read groups of a quarter bucket: the first bucket can leave early
-        group = max(bucket_size_bytes // 4, 1 << 20)
-        background = _BackgroundRead(open_reader, me.item, state_bufs, group, then, fill=fill,
-                                     abort=abort if one_host else None)
-    received = sent = mapped = 0
-    data_error: BaseException | None = None
-    try:
-        if mapping is not None:  # every rank, rank 0 too: map in what rank 0 has published
-            outcome = mapping.follow(share.leader_pid, dist.timeout_s)
-            logger.debug("rank %d: host shared memory: %s", dist.rank, outcome)
-        elif share is None:
-            n = dist.broadcast_tensors([state_bufs[i] for i in sorted(state_bufs)], src=0,
-                                       bucket_size_bytes=bucket_size_bytes,
-                                       wait_on_src=background.wait_for if background else None,
-                                       check_layout=False)  # sizes come from one manifest
-            received += 0 if is_src else n
-        elif share.leaders_dist is not None:  # several hosts: rank 0 -> the other leaders
-            try:
-                n = share.leaders_dist.broadcast_tensors(
-                    [state_bufs[i] for i in sorted(state_bufs)], src=0,
-                    bucket_size_bytes=bucket_size_bytes,
-                    wait_on_src=background.wait_for if background else None, check_layout=False)
-                received += 0 if is_src else n
-            except Exception as e:  # noqa: BLE001 - the whole group agrees on it below
-                data_error = e
-    finally:
+        group = max(self.bucket_size_bytes // 4, 1 << 20)
+        return _BackgroundRead(open_reader, self.me.item, self.state_bufs, group, then,
+                               fill=fill, abort=abort)
+
+    def move_state(self) -> None:
+        """Steps 3-4: the replicated bytes reach every rank (mapped, or over the data plane);
+        one agreement step on how rank 0's read went."""
+        dist, share, background, stats = self.dist, self.share, self.background, self.stats
+        wait_on_src = background.wait_for if background is not None else None
+        bufs = [self.state_bufs[i] for i in sorted(self.state_bufs)]
+        data_error: BaseException | None = None
+        try:
+            group = dist if share is None else share.leaders_dist
+            if self.mapping is not None:  # every rank, rank 0 too: map in what rank 0 published
+                outcome = self.mapping.follow(self._host().leader_pid, dist.timeout_s)
+                logger.debug("rank %d: host shared memory: %s", dist.rank, outcome)
+            elif group is not None:
+                # one collective broadcast, or several hosts: rank 0 -> the other leaders
+                try:
+                    n = group.broadcast_tensors(bufs, src=0,
+                                                bucket_size_bytes=self.bucket_size_bytes,
+                                                wait_on_src=wait_on_src,
+                                                check_layout=False)  # sizes from one manifest
+                    stats.bytes_received += 0 if self.is_src else n
+                except Exception as e:
+                    if share is None:
+                        raise
+                    # several hosts: the whole group agrees on the leaders' failure below
+                    data_error = e
+        finally:
+            if background is not None:
+                background.join()
+                background.release()
+        read_error = background.error if background is not None else None
+        dist.agree(read_error or data_error,
+                   f"{self.what}: rank 0 reads" + ("" if share is None
+                                                   else " into host shared memory"))
         if background is not None:
-            background.join()
-            background.release()
-    read_error = background.error if background is not None else None
-    dist.agree(read_error or data_error,
-               f"{what}: rank 0 reads" + ("" if share is None else " into host shared memory"))
-    extra = background.result if background is not None else {}
-    nread = (background.bytes_read + extra["bytes"]) if background is not None else 0
-    read_seconds = time.perf_counter() - t0 if is_src else 0.0
-    if mapping is not None:
-        mapped = 0 if is_src else sum(sizes)  # the views are taken in build(), once checked
-    elif share is not None:
-        state_bufs = {}  # the writable views: the segment can be sealed once they are gone
+            stats.bytes_read = background.bytes_read + background.result["bytes"]
+        if self.mapping is not None:
+            # the views are taken in build(), once checked
+            stats.bytes_mapped = 0 if self.is_src else sum(self.sizes)
 
+    def map_sealed_copies(self) -> None:
+        """Several hosts: every leader seals its copy, then every rank maps its host's copy."""
+        share, dist = self._host(), self.dist
+        self.state_bufs = {}  # the writable views: the segment can be sealed once they are gone
         # two steps: no rank maps before every leader has sealed
-        dist.run_collectively(share.segment.seal if leader else lambda: None,
-                              f"{what}: seal host shared memory")
-        fd = share.segment.fd if leader else share.fd
-        state_bufs = dist.run_collectively(lambda: dict(enumerate(map_private(fd, sizes))),
-                                           f"{what}: map host shared memory")
-        mapped = 0 if leader else sum(sizes)
+        dist.run_collectively(share.own_segment().seal if self.leader else lambda: None,
+                              f"{self.what}: seal host shared memory")
+        fd = share.copy_fd()
+        self.state_bufs = dist.run_collectively(
+            lambda: dict(enumerate(map_private(fd, self.sizes))),
+            f"{self.what}: map host shared memory")
+        self.stats.bytes_mapped = 0 if self.leader else sum(self.sizes)
         share.close()
-    if any(p.rank_item for p in plans):
-        rank_bufs = got["rank"]
-        n = dist.scatter_tensors([rank_bufs[i] for i in sorted(rank_bufs)],
-                                 extra.get("rank_inputs"), src=0,
-                                 bucket_size_bytes=bucket_size_bytes)
-        sent, received = (sent + n, received) if is_src else (sent, received + n)
-    if keys:
-        if is_src:
-            got["shards"] = extra["shard_inputs"][0]
-        if all(p.shards == me.shards for p in plans):  # zero_sharding="none": one broadcast
-            n = dist.broadcast_tensors(got["shards"], src=0, bucket_size_bytes=bucket_size_bytes)
-            received += 0 if is_src else n
-        else:
-            n = dist.scatter_tensors(got["shards"], extra.get("shard_inputs"), src=0,
-                                     bucket_size_bytes=bucket_size_bytes)
-            sent, received = (sent + n, received) if is_src else (sent, received + n)
-    extra = {}  # drop rank 0's references to the other ranks' buffers before rebuilding
 
-    def build() -> Loaded:
-        bufs = state_bufs
-        if mapping is not None:
-            mapping.check_sealed()  # rank 0 said its fill succeeded: sealed, every byte final
-            mapping.populate(mapping.data_bytes)
-            bufs = dict(enumerate(mapping.views))
-        state = materialize_item(state_item, bufs, map_location)
+    def _count_point_to_point(self, n: int) -> None:
+        if self.is_src:
+            self.stats.bytes_sent += n
+        else:
+            self.stats.bytes_received += n
+
+    def send_private(self, extra: dict[str, Any]) -> None:
+        """Step 5: each rank's own ``rank/<r>`` item and shard partition, from rank 0 only."""
+        dist, stats, bucket = self.dist, self.stats, self.bucket_size_bytes
+        if any(p.rank_item for p in self.plans):
+            rank_bufs = self.got["rank"]
+            n = dist.scatter_tensors([rank_bufs[i] for i in sorted(rank_bufs)],
+                                     extra.get("rank_inputs"), src=0, bucket_size_bytes=bucket)
+            self._count_point_to_point(n)
+        if not self.keys:
+            return
+        if self.is_src:
+            self.got["shards"] = extra["shard_inputs"][0]
+        if all(p.shards == self.me.shards for p in self.plans):  # zero_sharding="none"
+            n = dist.broadcast_tensors(self.got["shards"], src=0, bucket_size_bytes=bucket)
+            stats.bytes_received += 0 if self.is_src else n
+        else:
+            n = dist.scatter_tensors(self.got["shards"], extra.get("shard_inputs"), src=0,
+                                     bucket_size_bytes=bucket)
+            self._count_point_to_point(n)
+
+    def build(self) -> Loaded:
+        """Step 6: the same state from the same bytes, placed on this rank's map_location."""
+        me, manifest, map_location = self.me, self.manifest, self.map_location
+        bufs = self.state_bufs
+        if self.mapping is not None:
+            self.mapping.check_sealed()  # rank 0 said its fill succeeded: sealed, bytes final
+            self.mapping.populate(self.mapping.data_bytes)
+            bufs = dict(enumerate(self.mapping.views))
+        state = materialize_item(self.state_item, bufs, map_location)
         rank_state = None
         if me.rank_item is not None:
-            rank_state = materialize_item(manifest.item(me.rank_item), got["rank"], map_location)
+            rank_state = materialize_item(manifest.item(me.rank_item), self.got["rank"],
+                                          map_location)
         shards = {}
-        for k, raw in zip(keys, got["shards"]):
-            t = raw.view(me.shard_dtype(k)) if raw.numel() else torch.empty(0, dtype=me.shard_dtype(k))
-            shards[k] = place(t.clone() if is_src else t, map_location, k)
-        return Loaded(state=state, rank_state=rank_state, shards=shards, bytes_read=nread,
-                      bytes_received=received, bytes_sent=sent, bytes_mapped=mapped,
-                      read_seconds=read_seconds, data_path=data_path)
-
-    return dist.run_collectively(build, f"{what}: rebuild the state")
+        for k, raw in zip(self.keys, self.got["shards"], strict=True):
+            dtype = me.shard_dtype(k)
+            t = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
+            shards[k] = place(t.clone() if self.is_src else t, map_location, k)
+        return Loaded(state=state, rank_state=rank_state, shards=shards, stats=self.stats)

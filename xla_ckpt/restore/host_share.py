@@ -48,6 +48,20 @@ class HostShare:
     leader_pid: int = 0
     closed: bool = field(default=False, repr=False)
 
+    def own_segment(self) -> Segment:
+        """The host's segment; only a leader has one."""
+        if self.segment is None:
+            raise RuntimeError(f"rank {self.leader}'s host: only the leader holds the segment")
+        return self.segment
+
+    def copy_fd(self) -> int:
+        """File descriptor of the host's copy: the segment on a leader, else the leader's
+        segment opened read-only."""
+        fd = self.segment.fd if self.segment is not None else self.fd
+        if fd is None:
+            raise RuntimeError(f"rank {self.leader}'s host: no segment is open on this rank")
+        return fd
+
     @property
     def describe(self) -> str:
         sizes = sorted({len(h) for h in self.hosts})

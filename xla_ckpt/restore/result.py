@@ -11,21 +11,6 @@ from xla_ckpt.format.manifest import Manifest
 
 
 @dataclass
-class Loaded:
-    """What a strategy produced on one rank (internal; :class:`Restored` is the public face)."""
-
-    state: Any
-    rank_state: Any = None
-    shards: dict[str, torch.Tensor] = field(default_factory=dict)
-    bytes_read: int = 0
-    bytes_received: int = 0
-    bytes_sent: int = 0
-    bytes_mapped: int = 0
-    read_seconds: float = 0.0
-    data_path: str = ""
-
-
-@dataclass
 class RestoreStats:
     """Figures of one restore on this rank.
 
@@ -48,6 +33,21 @@ class RestoreStats:
     seconds: float = 0.0
     read_seconds: float = 0.0
     data_path: str = ""
+
+
+@dataclass
+class Loaded:
+    """What a strategy produced on one rank (internal; :class:`Restored` is the public face).
+
+    The strategy fills ``stats`` as it goes (every field but ``seconds``, which
+    :func:`~xla_ckpt.restore.restore` sets once the whole restore is done); the
+    same object becomes :attr:`Restored.stats`, so no figure is copied by hand.
+    """
+
+    state: Any
+    rank_state: Any = None
+    shards: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: RestoreStats = field(default_factory=RestoreStats)
 
 
 @dataclass

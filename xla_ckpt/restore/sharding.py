@@ -108,7 +108,8 @@ def shard_items(manifest: Manifest) -> dict[int, str]:
             try:
                 out[int(name[len(SHARD_ITEM_PREFIX):])] = name
             except ValueError:
-                raise CheckpointCorruptError(f"manifest item {name!r} is not shard/<rank>") from None
+                raise CheckpointCorruptError(
+                    f"manifest item {name!r} is not shard/<rank>") from None
     return dict(sorted(out.items()))
 
 
@@ -147,7 +148,8 @@ def read_layout(manifest: Manifest) -> dict[str, ShardedTensorLayout]:
                 raise CheckpointCorruptError(f"shard item {name!r}: bad record for {key!r}")
             rec = item.tensors[tidx]
             lo, hi = bounds
-            if not (0 <= lo <= hi <= numel) or rec.shape != (hi - lo,) or (hi > lo and rec.stride != (1,)):
+            if (not (0 <= lo <= hi <= numel) or rec.shape != (hi - lo,)
+                    or (hi > lo and rec.stride != (1,))):
                 raise CheckpointCorruptError(
                     f"shard item {name!r}: {key!r} covers [{lo}, {hi}) of {numel} but its tensor "
                     f"has shape {list(rec.shape)} / stride {list(rec.stride)}")
@@ -181,7 +183,9 @@ def read_layout(manifest: Manifest) -> dict[str, ShardedTensorLayout]:
 
 
 def wanted_range(numel: int, rank: int, world_size: int, zero_sharding: str) -> tuple[int, int]:
-    """Elements of a flat tensor that ``rank`` restores: its partition (``"os"``) or all (``"none"``)."""
+    """Elements of a flat tensor that ``rank`` restores.
+
+    Its partition with ``zero_sharding="os"``, all of them with ``"none"``."""
     if zero_sharding == "os":
         return partition_bounds(numel, world_size)[rank]
     return (0, numel)
@@ -190,5 +194,6 @@ def wanted_range(numel: int, rank: int, world_size: int, zero_sharding: str) -> 
 def shard_state(shards: dict[str, Any], bounds: dict[str, tuple[int, int]],
                 numels: dict[str, int]) -> dict:
     """The typed state a rank saves in its ``shard/<rank>`` item."""
-    return {K_TENSORS: dict(shards), K_BOUNDS: {k: [int(a), int(b)] for k, (a, b) in bounds.items()},
+    return {K_TENSORS: dict(shards),
+            K_BOUNDS: {k: [int(a), int(b)] for k, (a, b) in bounds.items()},
             K_NUMEL: {k: int(v) for k, v in numels.items()}}
