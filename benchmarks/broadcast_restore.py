@@ -1,4 +1,4 @@
-"""Multi-rank restore benchmark: xla_ckpt's two strategies against the broadcast peers.
+r"""Multi-rank restore benchmark: xla_ckpt's two strategies against the broadcast peers.
 
 ``--ranks`` (default 4) gloo ranks (real processes from :mod:`xla_ckpt.testing.launcher`, loopback
 only) restore the same ``--size-mib`` MiB state (fp32 tensors shaped like a
@@ -48,8 +48,8 @@ than per-tensor broadcast (seconds ratio <= 1.0); receiver peak RSS <= state + 2
   .venv/bin/python benchmarks/broadcast_restore.py                    # 512 MiB, every method
   .venv/bin/python benchmarks/broadcast_restore.py --size-mib 128 --repeat 3
   .venv/bin/python benchmarks/broadcast_restore.py --methods xla_ckpt_broadcast,per_tensor_broadcast
-  .venv/bin/python benchmarks/broadcast_restore.py --ranks 8 --methods xla_ckpt_broadcast,broadcast_object_list
-  .venv/bin/python benchmarks/broadcast_restore.py --ranks 8 --methods xla_ckpt_broadcast,broadcast_object_list
+  .venv/bin/python benchmarks/broadcast_restore.py --ranks 8 \
+      --methods xla_ckpt_broadcast,broadcast_object_list
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def state_layout(size_mib: int) -> list[tuple[str, tuple[int, ...]]]:
     layer = 0
     while sum(_numel(s) for _, s in out) + per_layer <= target:
         for p in "qkvo":
-            out += [(f"layers.{layer}.attn.{p}.weight", (h, h)), (f"layers.{layer}.attn.{p}.bias", (h,))]
+            out += [(f"layers.{layer}.attn.{p}.weight", (h, h)),
+                    (f"layers.{layer}.attn.{p}.bias", (h,))]
         out += [(f"layers.{layer}.fc1.weight", (4 * h, h)), (f"layers.{layer}.fc1.bias", (4 * h,)),
                 (f"layers.{layer}.fc2.weight", (h, 4 * h)), (f"layers.{layer}.fc2.bias", (h,)),
                 (f"layers.{layer}.ln.weight", (h,)), (f"layers.{layer}.ln.bias", (h,))]
@@ -117,13 +118,17 @@ def make_state(size_mib: int) -> dict:
 # ---- on every rank ----------------------------------------------------------------------------
 def _status(key: str) -> int:
     with open("/proc/self/status") as f:
-        return int(re.search(key + r":\s+(\d+)", f.read()).group(1)) * 1024
+        m = re.search(key + r":\s+(\d+)", f.read())
+    assert m is not None, key
+    return int(m.group(1)) * 1024
 
 
 def _pss() -> int:
     """Proportional set size (bytes): a page mapped by k processes counts 1/k in each."""
     with open("/proc/self/smaps_rollup") as f:
-        return int(re.search(r"^Pss:\s+(\d+)", f.read(), re.M).group(1)) * 1024
+        m = re.search(r"^Pss:\s+(\d+)", f.read(), re.M)
+    assert m is not None, "no Pss in smaps_rollup"
+    return int(m.group(1)) * 1024
 
 
 def _reset_peak() -> int:
@@ -206,13 +211,14 @@ def run_method(method: str, ckpt: str, pt: str, gcs_uri: str, bucket_size_bytes:
     elif method == "per_tensor_broadcast":
         sd = torch.load(pt, weights_only=True) if d.rank == 0 else None
         meta = [[(k, tuple(t.shape), t.dtype) for k, t in sd["model"].items()],
-                sd["num_updates"]] if d.rank == 0 else None
+                sd["num_updates"]] if sd is not None else None
         obj = [meta]
         tdist.broadcast_object_list(obj, src=0)
+        assert obj[0] is not None  # filled in by the broadcast on every rank
         keys, num_updates = obj[0]
         model = {}
         for k, shape, dtype in keys:
-            t = sd["model"][k] if d.rank == 0 else torch.empty(shape, dtype=dtype)
+            t = sd["model"][k] if sd is not None else torch.empty(shape, dtype=dtype)
             tdist.broadcast(t, src=0)
             model[k] = t
         state = {"model": model, "num_updates": num_updates}
@@ -297,7 +303,8 @@ def main() -> None:
         for m in methods:
             secs = [max(v["seconds"] for v in run) for run in runs[m]]
             med = runs[m][secs.index(statistics.median_low(secs))]
-            rss = [max(run[r]["peak_over_base"] for run in runs[m]) / MiB for r in range(args.ranks)]
+            rss = [max(run[r]["peak_over_base"] for run in runs[m]) / MiB
+                   for r in range(args.ranks)]
             results[m] = {"method": m, "size_mib": round(state_bytes / MiB, 1), "ranks": args.ranks,
                           "seconds": round(statistics.median(secs), 3),
                           "seconds_all_runs": [round(x, 3) for x in secs],

@@ -31,19 +31,21 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import google_crc32c  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import google_crc32c  # noqa: E402 - after the sys.path insert above
+import numpy as np  # noqa: E402 - after the sys.path insert above
+import torch  # noqa: E402 - after the sys.path insert above
 
-import xla_ckpt  # noqa: E402
-from xla_ckpt.format import legacy  # noqa: E402
-from xla_ckpt.io import read_manifest  # noqa: E402
-from xla_ckpt.io.verify import verify_checkpoint  # noqa: E402
-from xla_ckpt.storage import open_storage  # noqa: E402
+import xla_ckpt  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.format import legacy  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.io import read_manifest  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.io.verify import verify_checkpoint  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.storage import open_storage  # noqa: E402 - after the sys.path insert above
 
 MiB = 1024 * 1024
 
@@ -109,7 +111,8 @@ def main() -> None:
             with open(pt, "rb") as f:
                 legacy.load_legacy(f, where=pt)
 
-        extra = [(obj, name) for name, obj in legacy._EXTRA.items()]
+        extra: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+            (obj, name) for name, obj in legacy._EXTRA.items()]
 
         def torch_load():
             with torch.serialization.safe_globals(extra):

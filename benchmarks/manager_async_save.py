@@ -34,10 +34,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import torch  # noqa: E402
+import torch  # noqa: E402 - after the sys.path insert above
 
-from xla_ckpt.config import CheckpointConfig  # noqa: E402
-from xla_ckpt.manager import CheckpointManager  # noqa: E402
+from xla_ckpt.config import CheckpointConfig  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.manager import CheckpointManager  # noqa: E402 - after the sys.path insert above
 
 TENSOR_MIB = 8
 
@@ -50,7 +50,8 @@ def make_state(size_mib: int) -> dict:
                                                     for i in range(n)}}}
 
 
-def bench_manager(root: str, state: dict, async_save: bool, saves: int) -> list[tuple[float, float]]:
+def bench_manager(root: str, state: dict, async_save: bool,
+                  saves: int) -> list[tuple[float, float]]:
     """One manager, ``saves`` saves: per save (seconds after_update blocked, seconds to commit)."""
     run = tempfile.mkdtemp(dir=root)
     cfg = CheckpointConfig(save_dir=run, save_interval_updates=1, async_save=async_save,

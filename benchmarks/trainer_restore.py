@@ -30,19 +30,20 @@ import torch
 
 torch.set_num_threads(1)
 
-import xla_ckpt  # noqa: E402
-from xla_ckpt.demo.model import ContrastiveLoss, build  # noqa: E402
-from xla_ckpt.testing.asserts import assert_state_identical  # noqa: E402
-from xla_ckpt.trainer import Checkpointer, Metrics  # noqa: E402
+import xla_ckpt  # noqa: E402 - after set_num_threads
+from xla_ckpt.demo.model import ContrastiveLoss, build  # noqa: E402 - after set_num_threads
+from xla_ckpt.testing.asserts import assert_state_identical  # noqa: E402 - after set_num_threads
+from xla_ckpt.trainer import Checkpointer, Metrics  # noqa: E402 - after set_num_threads
 
 EXTRA = {"train_iterator": {"epoch": 1, "iterations_in_epoch": 7, "version": 2}, "val_loss": 1.5}
 
 
 def make(seed: int) -> Checkpointer:
     _, model = build("minilm", seed=seed)
-    ckpt = Checkpointer(model=model, criterion=ContrastiveLoss(),
-                        build_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, betas=(0.9, 0.98)),
-                        metrics=Metrics(), args=argparse.Namespace(arch="minilm", lr=[1e-4]))
+    ckpt = Checkpointer(
+        model=model, criterion=ContrastiveLoss(),
+        build_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, betas=(0.9, 0.98)),
+        metrics=Metrics(), args=argparse.Namespace(arch="minilm", lr=[1e-4]))
     return ckpt
 
 
@@ -86,16 +87,18 @@ def main() -> None:
                "save_torch": timed(save_torch, args.repeat)}
 
     dst = make(1)
+    criterion = dst.criterion
+    assert criterion is not None
 
     def restore_torch() -> None:
         state = torch.load(pt, map_location="cpu", weights_only=False)
         dst.model.load_state_dict(state["model"], strict=True)
-        dst.criterion.load_state_dict(state["criterion"], strict=True)
+        criterion.load_state_dict(state["criterion"], strict=True)
         dst.optimizer.load_state_dict(state["last_optimizer_state"])
 
     results["restore_torch"] = timed(restore_torch, args.repeat)
-    assert_state_identical({"model": dst.model.state_dict(), "optimizer": dst.optimizer.state_dict()},
-                           want)
+    assert_state_identical({"model": dst.model.state_dict(),
+                            "optimizer": dst.optimizer.state_dict()}, want)
     fresh = make(2)
     results["restore_xla_ckpt"] = timed(lambda: fresh.load_checkpoint(folder), args.repeat)
     assert_state_identical({"model": fresh.model.state_dict(),

@@ -46,7 +46,8 @@ def pip_installs() -> list[list[str]]:
     for word, args in DOCKERFILE:
         if word != "RUN":
             continue
-        cmds, cur = [], []
+        cmds: list[list[str]] = []
+        cur: list[str] = []
         for tok in shlex.split(args):
             if tok in ("&&", "||", ";"):
                 cmds.append(cur)

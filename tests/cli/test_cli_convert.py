@@ -107,10 +107,11 @@ def _restore_and_compare(checkpointer_kwargs, uri, reference, steps):
     ck = Checkpointer(model=m2, criterion=c2, build_optimizer=build_optimizer,
                       build_lr_scheduler=build_scheduler, **checkpointer_kwargs)
     extra = ck.load_checkpoint(uri)
+    assert extra is not None
     assert extra["train_iterator"] == {"epoch": 2, "iterations_in_epoch": steps, "version": 2}
     assert extra["val_loss"] == 0.75 and type(extra["val_loss"]) is float
     assert ck.get_num_updates() == steps
-    for a, b in zip(m2.state_dict().values(), model.state_dict().values()):
+    for a, b in zip(m2.state_dict().values(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(c2.log_scale, crit.log_scale)
     assert ck.optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
@@ -119,7 +120,7 @@ def _restore_and_compare(checkpointer_kwargs, uri, reference, steps):
     _step(model, crit, opt, sched, steps)
     _step(m2, c2, ck.optimizer, ck.lr_scheduler, steps)
     for a, b in zip(list(m2.parameters()) + [c2.log_scale],
-                    list(model.parameters()) + [crit.log_scale]):
+                    list(model.parameters()) + [crit.log_scale], strict=True):
         assert torch.equal(a, b)
 
 
@@ -143,7 +144,10 @@ def test_trainer_restore_reads_a_legacy_pt_directly(tmp_path):
     data, reference = fairseq_pt(steps=3)
     path = tmp_path / "checkpoint_last.pt"
     path.write_bytes(data)
-    restorer = lambda uri: (load_legacy_checkpoint(uri), None)  # noqa: E731
+
+    def restorer(uri):
+        return load_legacy_checkpoint(uri), None
+
     _restore_and_compare({"restorer": restorer}, str(path), reference, steps=3)
 
 
@@ -238,8 +242,8 @@ def test_unsafe_trust_pickle_warns(cli, root):
     assert cli("convert", src, f"{root}/ck").code == 1
     r = cli("convert", src, f"{root}/ck", "--unsafe-trust-pickle")
     assert r.code == 0
-    assert "WARNING: --unsafe-trust-pickle: unpickling without the allow-list runs any " \
-           "code" in r.err
+    assert ("WARNING: --unsafe-trust-pickle: unpickling without the allow-list runs any "
+            "code") in r.err
     assert "unpickling WITHOUT the allow-list" in r.err and "collections.defaultdict" in r.err
     assert xla_ckpt.load(f"{root}/ck") == {"d": {"a": 1}}
 

@@ -49,8 +49,8 @@ def test_ls_flags_a_corrupt_manifest_and_a_dangling_pointer(cli, root):
     r = cli("ls", root)
     assert r.code == 0
     assert "1 committed, 1 incomplete" in r.out.splitlines()[0]
-    assert "warning: pointer checkpoint_last names 'checkpoint_7_700', which is not a committed " \
-           "checkpoint (restores ignore it)" in r.out
+    assert ("warning: pointer checkpoint_last names 'checkpoint_7_700', which is not a committed "
+            "checkpoint (restores ignore it)") in r.out
     bad = [ln for ln in r.out.splitlines() if ln.startswith("  checkpoint_2_200")]
     assert len(bad) == 1 and "not a valid JSON manifest" in bad[0]
 

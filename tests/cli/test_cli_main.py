@@ -26,6 +26,7 @@ def test_commands_are_registered_in_order():
     modules = [m.__name__.rsplit(".", 1)[1] for m in COMMANDS]
     assert modules[:6] == OPERATOR_COMMANDS  # others (demo, bench) follow
     sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert sub.choices is not None
     assert list(sub.choices)[:6] == OPERATOR_COMMANDS
 
 

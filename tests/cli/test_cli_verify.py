@@ -100,10 +100,10 @@ def test_missing_and_truncated_data_files_are_named(cli, root):
     assert r.code == 1
     out = r.out
     assert f"BAD rank/00001:state['r']: {rank_file}: data file is missing (expected " in out
-    assert f"BAD {state_file}: expected {m.files[state_file]} bytes, found " \
-           f"{blob_c.offset + 8} bytes (truncated)" in out
-    assert f"BAD state['c']: {state_file}: bytes [{blob_c.offset}, {blob_c.offset + 128}) lie " \
-           f"beyond the end of the {blob_c.offset + 8}-byte file (truncated)" in out
+    assert (f"BAD {state_file}: expected {m.files[state_file]} bytes, found "
+            f"{blob_c.offset + 8} bytes (truncated)") in out
+    assert (f"BAD state['c']: {state_file}: bytes [{blob_c.offset}, {blob_c.offset + 128}) lie "
+            f"beyond the end of the {blob_c.offset + 8}-byte file (truncated)") in out
     assert "state['a']" not in out and "state['b']" not in out  # still inside the file: intact
 
 
@@ -134,7 +134,7 @@ def test_unreadable_manifest_exits_1(cli, root):
 def test_verify_reads_in_parallel_slices_and_reports_progress(tmp_path):
     uri = str(tmp_path / "ck")
     save_chunked(uri)
-    seen = []
+    seen: list[int] = []
     with open_storage(uri, StorageConfig(slice_size_bytes=4 * CHUNK, max_workers=4)) as st:
         report = verify_checkpoint(st, progress=seen.append)
         total = sum(b.length for it in read_manifest(st).items.values() for b in it.blobs)

@@ -87,14 +87,14 @@ def test_train_command_restores_latest_and_continues(tmp_path):
             "checkpoint.save_interval_updates=2", "checkpoint.async_save=false"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    p1 = subprocess.run(base + ["--out", str(out1)] + settings + ["train.max_updates=3"], cwd=root, env=env,
-                        capture_output=True, text=True, timeout=280)
+    p1 = subprocess.run(base + ["--out", str(out1)] + settings + ["train.max_updates=3"],
+                        cwd=root, env=env, capture_output=True, text=True, timeout=280)
     assert p1.returncode == 0, p1.stderr[-2000:]
     first = json.loads((out1 / "rank0.json").read_text())
     assert first["restore"] is None and sorted(map(int, first["losses"])) == [1, 2, 3]
     assert sorted(os.listdir(run)) == ["checkpoint_1_2", "checkpoint_last.json"]
-    p2 = subprocess.run(base + ["--out", str(out2)] + settings + ["train.max_updates=5"], cwd=root, env=env,
-                        capture_output=True, text=True, timeout=280)
+    p2 = subprocess.run(base + ["--out", str(out2)] + settings + ["train.max_updates=5"],
+                        cwd=root, env=env, capture_output=True, text=True, timeout=280)
     assert p2.returncode == 0, p2.stderr[-2000:]
     second = json.loads((out2 / "rank0.json").read_text())
     assert second["restore"]["checkpoint"] == "checkpoint_1_2"

@@ -322,7 +322,7 @@ def test_failed_save_keeps_previous_checkpoint_and_cleans_parts(gcs_emulator, fa
         before = gcs_emulator.object_names(f"{stem}/")
         if fault == "part-403":          # one part of the data file refused
             fault_proxy.inject(Fault.error(403), match=uploads("part-00002"))
-            err = StoragePermissionError
+            err: type[StorageError] = StoragePermissionError
         elif fault == "compose-503":     # parts up, compose into the data file keeps failing
             fault_proxy.inject(Fault.error(503), times=100,
                                match=requests_to("data-", "POST", "/compose$"))

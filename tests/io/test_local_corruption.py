@@ -1,4 +1,5 @@
-"""Truncated and bit-flipped local checkpoints: the library's error naming the path, never wrong values."""
+"""Truncated and bit-flipped local checkpoints: the library's error naming the path, never wrong
+values."""
 
 import logging
 import os

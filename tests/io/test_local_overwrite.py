@@ -1,4 +1,5 @@
-"""Saving over a committed local checkpoint: the old one stays loadable until the new one commits."""
+"""Saving over a committed local checkpoint: the old one stays loadable until the new one
+commits."""
 
 import os
 

@@ -1,4 +1,5 @@
-"""The manifest checks its own bytes: no single-bit flip of a committed manifest loads wrong values."""
+"""The manifest checks its own bytes: no single-bit flip of a committed manifest loads wrong
+values."""
 
 import os
 

@@ -37,7 +37,7 @@ def test_file_holds_exactly_the_blobs_at_their_offsets(checkpoint, tmp_path):
         at += b.length + 3
     path = tmp_path / "out.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    ends = []
+    ends: list[int] = []
     try:
         reader.read_into_file("state", fd, offsets, staging_buffers=2, on_written=ends.append)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from typing import Any, Literal
 
 import torch
 
@@ -22,10 +23,13 @@ from xla_ckpt.restore import (
 from xla_ckpt.testing.asserts import assert_state_identical, tensor_bits
 from xla_ckpt.testing.launcher import kill_self
 
+#: The ``backend`` values of :class:`DistConfig` (the tests pass "gloo" or "xla").
+Kind = Literal["auto", "single", "gloo", "nccl", "xla"]
+
 # ---- helpers ----------------------------------------------------------------------------
 
 
-def dist_for(kind: str, world: int | None = None, timeout_s: float = 60.0):
+def dist_for(kind: Kind, world: int | None = None, timeout_s: float = 60.0):
     """The Dist of this rank: the whole pool (``world`` None) or a subgroup of ranks 0..world-1."""
     d = get_dist(DistConfig(backend=kind, timeout_s=timeout_s))
     if world is None or world == d.world_size:
@@ -55,7 +59,9 @@ def digest(state) -> dict:
 
 def _status(key: str) -> int:
     with open("/proc/self/status") as f:
-        return int(re.search(key + r":\s+(\d+)", f.read()).group(1)) * 1024
+        m = re.search(key + r":\s+(\d+)", f.read())
+    assert m is not None, key
+    return int(m.group(1)) * 1024
 
 
 # ---- a tiny training set-up (deterministic) ----------------------------------------------
@@ -99,7 +105,7 @@ def train_step(ckpt, step: int, device) -> None:
         torch_xla.sync()
 
 
-def trainer_resume(uri: str, kind: str, strategy: str) -> dict:
+def trainer_resume(uri: str, kind: Kind, strategy: str) -> dict:
     """Train 2 steps, save (every rank), train 1 more; a fresh Checkpointer restores and trains 1.
 
     Returns what the parent compares: the state saved, the state restored (by
@@ -139,7 +145,7 @@ def trainer_resume(uri: str, kind: str, strategy: str) -> dict:
 
 # ---- decide once --------------------------------------------------------------------------
 
-def restore_digest(uri: str, kind: str, strategy: str, **kwargs) -> dict:
+def restore_digest(uri: str, kind: Kind, strategy: str, **kwargs) -> dict:
     d = dist_for(kind)
     r = restore(uri, dist=d, strategy=strategy, **kwargs)
     return {"checkpoint": r.checkpoint, "save_id": r.manifest.save_id, "digest": digest(r.state),
@@ -157,7 +163,7 @@ def c2_devices(uri: str) -> dict:
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     state = {"w": w.to(own) if d.rank == 0 else None}  # saved from rank 0's device
     save_distributed(state, uri, dist=d)
-    out = {"own": str(own)}
+    out: dict[str, Any] = {"own": str(own)}
     for strategy in ("all_ranks", "broadcast"):
         cpu = restore(uri, dist=d, strategy=strategy).state["w"]
         dev = restore(uri, dist=d, strategy=strategy, map_location=d.device).state["w"]
@@ -253,7 +259,8 @@ def leader_dies_before_sealing(uri: str, timeout_s: float) -> str:
 
     d = get_dist(DistConfig(backend="gloo", timeout_s=timeout_s))
     if d.rank == 0:
-        Segment.seal = lambda self: kill_self()  # a fault through the same interface
+        # A fault through the same interface.
+        Segment.seal = lambda self: kill_self()  # type: ignore[method-assign]  # fault injection
     restore(uri, dist=d, strategy="broadcast")
     return "restored"
 
@@ -329,7 +336,8 @@ def c12_resume(uri: str, world: int, strategy: str) -> dict | None:
     stream = RankStream(d.rank, d.world_size)
     seen = [next(stream) for _ in range(3)]
     torch.manual_seed(99 + d.rank)  # per-rank global RNG (dropout masks...)
-    rank_state = {"iterator": stream.state_dict(), "torch_rng": torch.get_rng_state()}
+    rank_state: dict[str, Any] = {"iterator": stream.state_dict(),
+                                  "torch_rng": torch.get_rng_state()}
     save_distributed({"epoch": 1}, uri, dist=d, rank_state=rank_state)
     rest = list(stream)
     noise = torch.rand(4)
@@ -354,7 +362,7 @@ def save_with_rank_states(uri: str) -> None:
                      rank_state={"rng": torch.full((256,), d.rank, dtype=torch.int64)})
 
 
-def restore_expect_failure(uri: str, kind: str, strategy: str):
+def restore_expect_failure(uri: str, kind: Kind, strategy: str):
     d = dist_for(kind)
     t0 = time.monotonic()
     restore(uri, dist=d, strategy=strategy)
@@ -374,7 +382,8 @@ def killed_mid_broadcast(uri: str, timeout_s: float) -> str:
                 kill_self()
             real(t, src)
 
-        d._data_broadcast = dying  # a fault through the same interface
+        # A fault through the same interface.
+        d._data_broadcast = dying  # type: ignore[method-assign]  # fault injection
     restore(uri, dist=d, strategy="broadcast",  # every byte through the collective
             config=RestoreConfig(bucket_size_bytes=64 * 1024, host_shared_memory=False))
     return "restored"
