@@ -27,8 +27,9 @@ def test_ranged_reads_in_parallel_slices_fill_destination_exactly(storage):
     storage.write_atomic("obj", [data])
     outs = [bytearray(n) for n in (1, 999, 4096, 3000)]
     offsets = [0, 17, 2048, 7000]
-    storage.read_ranges([RangeRead("obj", o, memoryview(b)) for o, b in zip(offsets, outs)])
-    for o, b in zip(offsets, outs):
+    storage.read_ranges([RangeRead("obj", o, memoryview(b))
+                         for o, b in zip(offsets, outs, strict=True)])
+    for o, b in zip(offsets, outs, strict=True):
         assert bytes(b) == data[o:o + len(b)]
 
 
@@ -36,7 +37,7 @@ def test_read_into_tensor_memory_without_copy(storage):
     data = _payload(4096, seed=2)
     storage.write_atomic("t", [data])
     dest = torch.zeros(4096, dtype=torch.uint8)
-    storage.read_ranges([RangeRead("t", 0, memoryview(dest.numpy()))])
+    storage.read_ranges([RangeRead("t", 0, dest.numpy().data)])
     assert bytes(dest.numpy()) == data
 
 

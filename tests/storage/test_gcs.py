@@ -4,6 +4,7 @@ whole-object reads, generation pinning, error mapping and request counts, listin
 import os
 import re
 import uuid
+from typing import Any
 
 import pytest
 
@@ -14,19 +15,18 @@ from xla_ckpt.errors import (
     StorageError,
     StoragePermissionError,
 )
-from xla_ckpt.format.crc import crc32c
+from xla_ckpt.format.crc import crc32c, crc32c_combine
 from xla_ckpt.storage import StorageConfig, open_storage
 from xla_ckpt.storage.gcs import (
     MAX_COMPOSE_SOURCES,
     TMP_MARK,
     WHOLE_OBJECT_CRC_READS,
     GCSStorage,
-    crc32c_combine,
     parse_gcs_uri,
 )
 from xla_ckpt.testing.fault_proxy import Fault, downloads, requests_to, uploads
 
-FAST = dict(initial_backoff_s=0.001, max_backoff_s=0.01, retry_deadline_s=20.0)
+FAST: dict[str, Any] = dict(initial_backoff_s=0.001, max_backoff_s=0.01, retry_deadline_s=20.0)
 SMALL_PARTS = StorageConfig(max_workers=4, slice_size_bytes=64 * 1024, max_attempts=3,
                             parallel_upload_threshold_bytes=100_000,
                             upload_part_size_bytes=32 * 1024, **FAST)
@@ -128,9 +128,9 @@ def test_failed_composite_write_keeps_previous_object_and_deletes_parts(
 
 def test_single_part_write_between_multipart_limit_and_threshold(fault_proxy, gcs_emulator, stem,
                                                                  monkeypatch):
-    import xla_ckpt.storage.gcs as gcs_mod
+    import xla_ckpt.storage.gcs.writes as gcs_writes
 
-    monkeypatch.setattr(gcs_mod, "MULTIPART_MAX_BYTES", 1000)
+    monkeypatch.setattr(gcs_writes, "MULTIPART_MAX_BYTES", 1000)
     data = os.urandom(5000)
     cfg = StorageConfig(parallel_upload_threshold_bytes=1 << 20, **FAST)
     with fault_proxy.storage(gcs_emulator.uri(stem), cfg) as st:
@@ -180,7 +180,8 @@ def test_whole_object_read_is_checked_against_the_object_crc32c(fault_proxy, gcs
         assert st.read_bytes("m.json") == data
         assert [r.fault for r in fault_proxy.records(downloads("m.json"))] == ["flip", ""]
         # One bad one-request answer, then WHOLE_OBJECT_CRC_READS bad ranged re-reads: give up.
-        fault_proxy.inject(Fault.flip(), match=downloads("m.json"), times=1 + WHOLE_OBJECT_CRC_READS)
+        fault_proxy.inject(Fault.flip(), match=downloads("m.json"),
+                           times=1 + WHOLE_OBJECT_CRC_READS)
         with pytest.raises(IntegrityError, match=f"gs://.*/{stem}/m.json: crc32c") as ei:
             st.read_bytes("m.json")
         assert ei.value.path.endswith(f"{stem}/m.json")

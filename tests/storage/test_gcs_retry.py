@@ -2,6 +2,7 @@
 max attempts without progress and an overall deadline (the policy alone, with a fake clock)."""
 
 import email.utils
+import random
 import time
 
 import pytest
@@ -24,12 +25,11 @@ class FakeClock:
         self.now += s
 
 
-class Top:
+class Top(random.Random):
     """Jitter that always picks the top of the window, so delays are the caps."""
 
-    @staticmethod
-    def uniform(lo, hi):
-        return hi
+    def uniform(self, a: float, b: float) -> float:
+        return b
 
 
 def backoff(cfg, fc, log=None):
@@ -120,5 +120,6 @@ def test_parse_retry_after_seconds(value, seconds):
 
 def test_parse_retry_after_http_date():
     when = email.utils.formatdate(time.time() + 30, usegmt=True)
-    assert 25.0 <= parse_retry_after(when) <= 31.0
+    delay = parse_retry_after(when)
+    assert delay is not None and 25.0 <= delay <= 31.0
     assert parse_retry_after(email.utils.formatdate(time.time() - 30, usegmt=True)) == 0.0

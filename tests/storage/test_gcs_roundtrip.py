@@ -32,7 +32,8 @@ def training_state():
     model["bytes"] = torch.arange(256, dtype=torch.uint8)
     model["empty"] = torch.empty(0, 3)
     model["special"] = torch.tensor([float("nan"), float("inf"), -0.0])
-    model._metadata = OrderedDict([("", {"version": 1}), ("encoder", {"version": 2})])
+    model._metadata = OrderedDict(  # type: ignore[attr-defined]  # as torch's state_dict sets it
+        [("", {"version": 1}), ("encoder", {"version": 2})])
     optimizer = {
         "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(50, 16, generator=g),
                       "exp_avg_sq": torch.rand(50, 16, generator=g)}},

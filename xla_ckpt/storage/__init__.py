@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from xla_ckpt.errors import ConfigError
 from xla_ckpt.storage.base import ObjectInfo, RangeRead, Storage, StorageConfig, join
+from xla_ckpt.storage.local import LocalStorage
 
-__all__ = ["ObjectInfo", "RangeRead", "Storage", "StorageConfig", "join", "open_storage",
-           "is_gcs_uri"]
+__all__ = [
+    "ObjectInfo",
+    "RangeRead",
+    "Storage",
+    "StorageConfig",
+    "is_gcs_uri",
+    "join",
+    "open_storage",
+]
 
 
 def is_gcs_uri(uri: str) -> bool:
@@ -19,9 +28,5 @@ def open_storage(uri: str, config: StorageConfig | None = None) -> Storage:
 
         return GCSStorage(uri, config)
     if "://" in uri and not uri.startswith("file://"):
-        from xla_ckpt.errors import ConfigError
-
         raise ConfigError(f"unsupported URI scheme in {uri!r}: use a local path, file:// or gs://")
-    from xla_ckpt.storage.local import LocalStorage
-
     return LocalStorage(uri, config)

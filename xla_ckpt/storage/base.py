@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from xla_ckpt.errors import ConfigError
+from xla_ckpt.errors import CheckpointNotFoundError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +173,6 @@ class Storage(abc.ABC):
         return self.uri.rstrip("/") + ("/" + name if name else "")
 
     def exists(self, name: str) -> bool:
-        from xla_ckpt.errors import CheckpointNotFoundError
-
         try:
             self.stat(name)
         except CheckpointNotFoundError:
@@ -243,7 +241,7 @@ class Storage(abc.ABC):
     def __enter__(self) -> "Storage":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

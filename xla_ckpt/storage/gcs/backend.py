@@ -1,0 +1,116 @@
+"""The GCS storage: a ``gs://`` URI, its reads and writes, listing, deleting, child storages."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from xla_ckpt.errors import CheckpointNotFoundError, ConfigError
+from xla_ckpt.storage.base import MiB, StorageConfig, join
+from xla_ckpt.storage.gcs.reads import _GCSReads
+from xla_ckpt.storage.gcs.transport import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, _Connection
+from xla_ckpt.storage.gcs.writes import TMP_MARK, _GCSWrites
+
+DEFAULT_CONFIG = StorageConfig(max_workers=32, slice_size_bytes=8 * MiB)
+"""Defaults measured against the shaped emulator (see benchmarks/README.md, ``--sweep``)."""
+
+
+def parse_gcs_uri(uri: str) -> tuple[str, str]:
+    """``gs://bucket/a/b`` -> ``("bucket", "a/b")``.
+
+    Raises:
+        ConfigError: not a ``gs://`` URI or no bucket name.
+    """
+    if not uri.startswith("gs://"):
+        raise ConfigError(f"{uri!r} is not a gs:// URI")
+    rest = uri[len("gs://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket or not re.fullmatch(r"[a-z0-9][-a-z0-9_.]{1,220}[a-z0-9]", bucket):
+        raise ConfigError(f"{uri!r}: missing or invalid bucket name; use gs://BUCKET/PATH")
+    return bucket, prefix.strip("/")
+
+
+class GCSStorage(_GCSReads, _GCSWrites):
+    """Storage rooted at ``gs://bucket/prefix``.  See :mod:`xla_ckpt.storage.gcs`.
+
+    Args:
+        uri: ``gs://bucket`` or ``gs://bucket/prefix``.
+        config: parallelism, slice size, retry and upload knobs; defaults to
+            :data:`DEFAULT_CONFIG`.
+        endpoint: talk to this endpoint (an emulator or a proxy in front of
+            one, e.g. ``http://127.0.0.1:9023``) with anonymous credentials,
+            instead of ``STORAGE_EMULATOR_HOST`` / the real service.
+        project: billing project (default: ``GOOGLE_CLOUD_PROJECT`` or ADC's).
+        credentials: explicit ``google.auth`` credentials instead of ADC.
+
+    Attributes:
+        retries: :class:`~xla_ckpt.storage.retry.RetryLog` of every retried
+            failure (shared with :meth:`child` storages).
+
+    Raises:
+        ConfigError: the URI is not ``gs://bucket[/prefix]``.
+    """
+
+    def __init__(self, uri: str, config: StorageConfig | None = None, *,
+                 endpoint: str | None = None, project: str | None = None,
+                 credentials: Any = None, _shared: _Connection | None = None) -> None:
+        bucket, prefix = parse_gcs_uri(uri)
+        super().__init__(f"gs://{bucket}" + (f"/{prefix}" if prefix else ""),
+                         config or dataclasses.replace(DEFAULT_CONFIG))
+        self.bucket_name = bucket
+        self.prefix = prefix
+        self._owns_connection = _shared is None
+        self._conn = _shared or _Connection(self.config, endpoint, project, credentials)
+        self._bucket = self._conn.client.bucket(bucket)
+        self.retries = self._conn.retries
+        self._upload_pool = None
+        self._timeout = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
+
+    def child(self, prefix: str) -> GCSStorage:
+        """A storage rooted at ``prefix`` under this one, sharing its client and connection pool."""
+        return GCSStorage(self.uri.rstrip("/") + "/" + prefix.strip("/"), self.config,
+                          _shared=self._conn)
+
+    def list(self, prefix: str = "", *, include_in_flight: bool = False) -> list[str]:
+        """Sorted names under ``prefix`` (a "folder": ``a`` lists ``a/...``, never ``ab``).
+
+        In-flight upload parts (names with ``.tmp-``) are hidden unless
+        ``include_in_flight`` (for cleanup tools and tests).
+        """
+        p = prefix.strip("/")
+        base = join(self.prefix, p)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def run() -> list[str]:
+            return [b.name for b in self._conn.client.list_blobs(
+                self.bucket_name, prefix=base or None, retry=None, timeout=self._timeout)]
+
+        names = self._api(f"list {self._gs(base)}", run)
+        out = []
+        for n in names:
+            if base and not (n == base or n.startswith(base + "/")):
+                continue
+            if n.endswith("/") or (TMP_MARK in n and not include_in_flight):
+                continue
+            out.append(n[strip:])
+        if p and p in out:
+            return [p]
+        return sorted(out)
+
+    def delete(self, name: str) -> None:
+        """Delete ``name``; a missing object is not an error."""
+        full = self._full(name)
+        try:
+            self._api(f"delete {self._gs(full)}",
+                      lambda: self._bucket.delete_blob(full, retry=None, timeout=self._timeout))
+        except CheckpointNotFoundError:
+            return
+
+    def close(self) -> None:
+        super().close()
+        if self._upload_pool is not None:
+            self._upload_pool.shutdown(wait=True)
+            self._upload_pool = None
+        if self._owns_connection:
+            self._conn.close()

@@ -1,0 +1,298 @@
+"""HTTP plumbing of the GCS backend: connection, requests, retries, error mapping, headers.
+
+* :class:`_Connection`: the ``google-cloud-storage`` client, its authorised
+  HTTP session (one connection pool) and the size/crc32c cache, shared by a
+  storage and its :meth:`~xla_ckpt.storage.gcs.GCSStorage.child` storages.
+* :class:`_GCSBase`: what the read and the write halves of
+  :class:`~xla_ckpt.storage.gcs.GCSStorage` build on: object naming and URLs,
+  one data-plane request (:meth:`_GCSBase._request`), an uploaded JSON answer
+  retried (:meth:`_GCSBase._send`), HTTP answers mapped to library errors
+  (:meth:`_GCSBase._http_error`) and control-plane client calls retried
+  (:meth:`_GCSBase._api`).
+* Helpers: crc32c in GCS's base64 form, header parsing, byte views.
+
+Retries (:mod:`xla_ckpt.storage.retry`): 408/429/5xx and connection errors
+with capped exponential backoff, full jitter, ``Retry-After`` and a deadline;
+401/403 -> :class:`StoragePermissionError`, 404 ->
+:class:`CheckpointNotFoundError`, other 4xx -> :class:`StorageError`, never
+retried.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import socket
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+from urllib.parse import quote
+
+import requests
+import urllib3
+from google.auth import exceptions as auth_exc
+
+from xla_ckpt.errors import (
+    CheckpointNotFoundError,
+    StorageError,
+    StoragePermissionError,
+    XlaCkptError,
+)
+from xla_ckpt.storage.base import Storage, StorageConfig, join
+from xla_ckpt.storage.retry import Backoff, RetryLog, parse_retry_after
+
+CONNECT_TIMEOUT_S = 20.0
+READ_TIMEOUT_S = 60.0
+"""Socket timeouts, seconds: connecting, and waiting for the next bytes of a response."""
+
+DEFAULT_PROJECT = "xla-ckpt"
+
+_RETRYABLE_STATUS = frozenset({408, 429})
+
+_TRANSIENT_EXC: tuple[type[BaseException], ...] = (
+    requests.exceptions.ConnectionError,
+    requests.exceptions.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    requests.exceptions.ContentDecodingError,
+    urllib3.exceptions.HTTPError,
+    http.client.HTTPException,
+    ConnectionError,
+    TimeoutError,
+    socket.timeout,
+)
+
+_TRANSIENT_OR_CUT_JSON: tuple[type[BaseException], ...] = (json.JSONDecodeError, *_TRANSIENT_EXC)
+"""Transient failures of a request whose answer is JSON (a JSON answer cut short counts too)."""
+
+
+def crc32c_b64(value: int) -> str:
+    """A crc32c as GCS writes it in object metadata: base64 of 4 big-endian bytes."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+def crc32c_from_b64(text: str | None) -> int | None:
+    if not text:
+        return None
+    try:
+        raw = base64.b64decode(text)
+    except ValueError:
+        return None
+    return int.from_bytes(raw, "big") if len(raw) == 4 else None
+
+
+def _served_crc32c(x_goog_hash: str | None) -> int | None:
+    """The crc32c in an ``X-Goog-Hash: crc32c=<b64>,md5=<b64>`` header, if any."""
+    for part in (x_goog_hash or "").split(","):
+        k, _, v = part.strip().partition("=")
+        if k == "crc32c":
+            return crc32c_from_b64(v)
+    return None
+
+
+def _int_header(value: str | None) -> int | None:
+    if value is None:
+        return None
+    value = value.strip()
+    return int(value) if value.isdigit() else None
+
+
+def _bytes_view(buf: Any) -> memoryview:
+    mv = memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+class _Transient(Exception):
+    """A retryable failure of one attempt; ``progress`` bytes of the body had landed."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None,
+                 progress: int = 0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.progress = progress
+
+
+class _Connection:
+    """Client, HTTP session (connection pool) and caches, shared by a storage and its children."""
+
+    def __init__(self, config: StorageConfig, endpoint: str | None, project: str | None,
+                 credentials: Any) -> None:
+        from google.auth.credentials import AnonymousCredentials  # noqa: PLC0415 - with the client
+        from google.cloud import storage as gcs  # noqa: PLC0415 - heavy; loaded by the first client
+
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+        project = (project or os.environ.get("GOOGLE_CLOUD_PROJECT")
+                   or os.environ.get("GCLOUD_PROJECT"))
+        if endpoint:
+            self.client = gcs.Client(project=project or DEFAULT_PROJECT,
+                                     credentials=credentials or AnonymousCredentials(),
+                                     client_options={"api_endpoint": endpoint.rstrip("/")})
+        elif emulator:
+            self.client = gcs.Client(project=project or DEFAULT_PROJECT,
+                                     credentials=credentials or AnonymousCredentials())
+        else:
+            self.client = gcs.Client(project=project, credentials=credentials)
+        self.endpoint = self.client.api_endpoint.rstrip("/")
+        # The client's authorised session; enlarge its pool so every I/O thread keeps a connection.
+        self.session: requests.Session = self.client._http
+        pool = max(32, 2 * config.max_workers)
+        adapter = requests.adapters.HTTPAdapter(pool_connections=8, pool_maxsize=pool,
+                                                max_retries=0)
+        self.session.mount("https://", adapter)
+        self.session.mount("http://", adapter)
+        self.retries = RetryLog()
+        self._meta: OrderedDict[tuple[str, int | None], tuple[int, int | None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, full: str, generation: int | None, size: int, crc: int | None) -> None:
+        with self._lock:
+            self._meta[(full, generation)] = (size, crc)
+            self._meta.move_to_end((full, generation))
+            while len(self._meta) > 4096:
+                self._meta.popitem(last=False)
+
+    def recall(self, full: str, generation: int | None) -> tuple[int, int | None] | None:
+        if generation is None:
+            return None
+        with self._lock:
+            return self._meta.get((full, generation))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _credentials_error(what: str, e: BaseException) -> StoragePermissionError:
+    return StoragePermissionError(
+        f"{what}: could not obtain or refresh credentials ({type(e).__name__}: {e}); "
+        "check Application Default Credentials / GOOGLE_APPLICATION_CREDENTIALS")
+
+
+class _GCSBase(Storage):
+    """Naming and HTTP plumbing under the reads and writes of a GCS storage.
+
+    :class:`~xla_ckpt.storage.gcs.GCSStorage` sets the attributes below.
+    """
+
+    bucket_name: str
+    prefix: str
+    _conn: _Connection
+    _bucket: Any  # google.cloud.storage.Bucket (the client ships no type information)
+    _timeout: tuple[float, float]
+
+    # ---- naming ----------------------------------------------------------------------
+    def _full(self, name: str) -> str:
+        name = name.strip("/")
+        if not name:
+            raise ValueError("object name must not be empty")
+        if any(p in ("", ".", "..") for p in name.split("/")):
+            raise ValueError(f"object name {name!r} must not contain empty, '.' or '..' segments")
+        return join(self.prefix, name)
+
+    def _gs(self, full: str) -> str:
+        return f"gs://{self.bucket_name}/{full}"
+
+    def _object_url(self, full: str, *, download: bool) -> str:
+        base = f"{self._conn.endpoint}/download" if download else self._conn.endpoint
+        return f"{base}/storage/v1/b/{self.bucket_name}/o/{quote(full, safe='')}"
+
+    # ---- HTTP plumbing ---------------------------------------------------------------------
+    def _backoff(self, what: str) -> Backoff:
+        return Backoff(self.config, what, log=self._conn.retries)
+
+    def _request(self, what: str, method: str, url: str, **kwargs: Any) -> requests.Response:
+        """One HTTP request on the shared session; transport and credential failures mapped.
+
+        Raises:
+            _Transient: connection errors, timeouts, a credential service unreachable.
+            StoragePermissionError: credentials could not be obtained or refreshed
+                (e.g. after HTTP 401 with credentials that cannot refresh).
+        """
+        try:
+            return self._conn.session.request(method, url, timeout=self._timeout, **kwargs)
+        except _TRANSIENT_EXC as e:
+            raise _Transient(f"request failed: {type(e).__name__}: {e}") from None
+        except auth_exc.TransportError as e:
+            raise _Transient(f"credential refresh failed: {e}") from None
+        except auth_exc.GoogleAuthError as e:
+            raise _credentials_error(what, e) from None
+
+    def _send(self, what: str, method: str, url: str, *, params: dict[str, str],
+              headers: dict[str, str], body: Callable[[], Any]) -> dict[str, Any]:
+        """A data-plane request with a JSON answer (uploads), retried on transient failures."""
+        backoff = self._backoff(what)
+        while True:
+            try:
+                resp = self._request(what, method, url, params=params, headers=headers,
+                                     data=body())
+                try:
+                    if resp.status_code < 300:
+                        return resp.json()
+                    if resp.status_code == 400 and "crc32c" in resp.text.lower():
+                        raise _Transient(f"HTTP 400: the service computed another crc32c "
+                                         f"({resp.text[:200]})")
+                    raise self._http_error(what, resp)
+                finally:
+                    resp.close()
+            except _Transient as e:
+                backoff.failed(e, retry_after_s=e.retry_after_s)
+            except XlaCkptError:
+                raise
+            except _TRANSIENT_OR_CUT_JSON as e:
+                backoff.failed(e)
+
+    def _http_error(self, what: str, resp: requests.Response, *,
+                    generation: int | None = None) -> Exception:
+        """Map an HTTP error answer to a library error, or ``_Transient`` when it may be retried."""
+        status = resp.status_code
+        try:
+            detail = " ".join(resp.text[:300].split())
+        except Exception:  # noqa: BLE001 - the body of an error is best-effort detail
+            detail = ""
+        retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+        if status in _RETRYABLE_STATUS or status >= 500:
+            return _Transient(f"HTTP {status} {detail}".strip(), retry_after_s=retry_after)
+        if status in (401, 403):
+            return StoragePermissionError(
+                f"{what}: access denied (HTTP {status}): {detail}. Check the credentials (ADC, "
+                "GOOGLE_APPLICATION_CREDENTIALS) and that they may read/write this bucket")
+        if status == 404:
+            gen = f" generation {generation}" if generation is not None else ""
+            return CheckpointNotFoundError(f"{what}: object{gen} not found (HTTP 404)")
+        return StorageError(f"{what}: HTTP {status}: {detail} (not retried)")
+
+    def _api(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run a control-plane client call with our retry policy and error mapping."""
+        from google.api_core import exceptions as gexc  # noqa: PLC0415 - loaded with the client
+
+        backoff = self._backoff(what)
+        while True:
+            try:
+                return fn()
+            except XlaCkptError:
+                raise
+            except gexc.NotFound:
+                raise CheckpointNotFoundError(f"{what}: not found (HTTP 404)") from None
+            except auth_exc.TransportError as e:
+                backoff.failed(f"credential refresh failed: {e}")
+                continue
+            except auth_exc.GoogleAuthError as e:
+                raise _credentials_error(what, e) from None
+            except (gexc.Unauthorized, gexc.Forbidden) as e:
+                raise StoragePermissionError(
+                    f"{what}: access denied (HTTP {e.code}): {e.message}. Check the credentials "
+                    "(ADC, GOOGLE_APPLICATION_CREDENTIALS) and the bucket's IAM") from None
+            except gexc.GoogleAPICallError as e:
+                code = e.code if isinstance(e.code, int) else 0
+                if code in _RETRYABLE_STATUS or code >= 500:
+                    resp = getattr(e, "response", None)
+                    ra = parse_retry_after(resp.headers.get("Retry-After")) if resp is not None \
+                        else None
+                    backoff.failed(f"HTTP {code} {e.message}", retry_after_s=ra)
+                    continue
+                raise StorageError(f"{what}: HTTP {code}: {e.message} (not retried)") from None
+            except _TRANSIENT_OR_CUT_JSON as e:
+                # JSONDecodeError: a JSON answer cut short by a broken connection.
+                backoff.failed(e)
