@@ -103,20 +103,20 @@ def test_overrides_do_not_mutate_input():
 
 @pytest.mark.parametrize("override,message", [
     ("checkpoint.keep_last=3",
-     "override 'checkpoint.keep_last=3': unknown key 'checkpoint.keep_last'; valid keys under "
-     "checkpoint: async_save, best_checkpoint_metric, exit_on_preemption, handle_sigterm, "
-     "keep_best_checkpoints, keep_interval_updates, keep_last_epochs, "
-     "maximize_best_checkpoint_metric, no_epoch_checkpoints, no_save, restore_file, "
-     "reuse_staging_buffers, save_dir, save_interval_epochs, save_interval_updates, "
-     "sync_interval_updates"),
+     ("override 'checkpoint.keep_last=3': unknown key 'checkpoint.keep_last'; valid keys under "
+      "checkpoint: async_save, best_checkpoint_metric, exit_on_preemption, handle_sigterm, "
+      "keep_best_checkpoints, keep_interval_updates, keep_last_epochs, "
+      "maximize_best_checkpoint_metric, no_epoch_checkpoints, no_save, restore_file, "
+      "reuse_staging_buffers, save_dir, save_interval_epochs, save_interval_updates, "
+      "sync_interval_updates")),
     ("chekpoint.save_dir=x",
-     "override 'chekpoint.save_dir=x': unknown key 'chekpoint.save_dir'; valid keys under the "
-     "top level: checkpoint, dist, restore, storage, train"),
+     ("override 'chekpoint.save_dir=x': unknown key 'chekpoint.save_dir'; valid keys under the "
+      "top level: checkpoint, dist, restore, storage, train")),
     ("checkpoint.save_dir.x=1",
-     "override 'checkpoint.save_dir.x=1': unknown key 'checkpoint.save_dir.x': "
-     "checkpoint.save_dir is a value, not a section"),
-    ("checkpoint.keep_interval_updates", "override 'checkpoint.keep_interval_updates' must look "
-     "like section.key=value"),
+     ("override 'checkpoint.save_dir.x=1': unknown key 'checkpoint.save_dir.x': "
+      "checkpoint.save_dir is a value, not a section")),
+    ("checkpoint.keep_interval_updates",
+     "override 'checkpoint.keep_interval_updates' must look like section.key=value"),
     ("=3", "override '=3': empty key"),
 ])
 def test_bad_override_names_key(override, message):
@@ -151,10 +151,11 @@ F = "configs/cpu-emulation.yaml"
     ("storage.slice_size_bytes=1MiB",
      f"{F}: storage.slice_size_bytes must be an integer, got '1MiB' (str)"),
     ("dist.init_method=localhost:1234",
-     f"{F}: dist.init_method must start with env://, xla://, tcp:// or file://, got "
-     "'localhost:1234'"),
-    ("dist.backend=mpi", f"{F}: dist.backend must be one of 'auto', 'single', 'gloo', 'nccl', "
-     "'xla', got 'mpi' (str)"),
+     (f"{F}: dist.init_method must start with env://, xla://, tcp:// or file://, got "
+      "'localhost:1234'")),
+    ("dist.backend=mpi",
+     (f"{F}: dist.backend must be one of 'auto', 'single', 'gloo', 'nccl', "
+      "'xla', got 'mpi' (str)")),
     ("train.workers=0", f"{F}: train.workers must be an integer >= 1, got 0"),
     ("train.lr=-1", f"{F}: train.lr must be a number > 0, got -1.0"),
     ("checkpoint=3", f"{F}: checkpoint must be a mapping, got int 3"),
@@ -176,8 +177,8 @@ def test_unknown_key_in_file_names_dotted_key(tmp_path):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("- 1\n- 2\n", "top level must be a mapping of sections (checkpoint, restore, storage, dist, "
-                   "train), got list"),
+    ("- 1\n- 2\n", ("top level must be a mapping of sections (checkpoint, restore, storage, "
+                    "dist, train), got list")),
     ("checkpoint: [\n", "not valid YAML: "),
     ("storage:\n  max_workers: 4\n  slice_size: 5\n", "unknown key 'storage.slice_size'; "),
 ])
@@ -210,7 +211,7 @@ def test_dump_round_trips(tmp_path):
 
 def test_dataclasses_are_kw_only_and_validate_directly():
     with pytest.raises(TypeError):
-        CheckpointConfig("dir")  # type: ignore[misc]
+        CheckpointConfig("dir")  # type: ignore[call-arg]  # kw_only: the TypeError under test
     with pytest.raises(ConfigError, match=r"^checkpoint\.keep_best_checkpoints must be an "
                                           r"integer >= -1, got -5$"):
         CheckpointConfig(keep_best_checkpoints=-5)
@@ -218,7 +219,7 @@ def test_dataclasses_are_kw_only_and_validate_directly():
         DistConfig(timeout_s=0)
     with pytest.raises(ConfigError, match=r"^train\.model must be one of minilm, tiny; "
                                           r"got 'bert'$"):
-        TrainConfig(model="bert")
+        TrainConfig(model="bert")  # type: ignore[arg-type]  # the refused value under test
 
 
 def test_config_from_dict_prefix():

@@ -42,7 +42,8 @@ def _valid_doc() -> dict:
              "step": 3, "betas": (0.9, 0.98)}
     plan = plan_item(state)
     header, offsets = build_header(plan.blobs, {})
-    blobs = [blob_record(b, "data-x-state.safetensors", off) for b, off in zip(plan.blobs, offsets)]
+    blobs = [blob_record(b, "data-x-state.safetensors", off)
+             for b, off in zip(plan.blobs, offsets, strict=True)]
     size = len(header) + sum(b.data.numel() for b in plan.blobs)
     m = Manifest(save_id="abc", items={"state": Item(plan.state, plan.tensors, blobs)},
                  files={"data-x-state.safetensors": size}, metadata={"num_updates": 5})

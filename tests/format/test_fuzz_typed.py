@@ -8,6 +8,7 @@ Bounded example counts keep CI fast.
 
 import argparse
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -69,7 +70,7 @@ def test_every_tag_with_any_payload_gives_only_corrupt_errors(tag, value):
 
 
 def test_nesting_deeper_than_the_bound_is_refused_on_decode():
-    node = 0
+    node: Any = 0
     for _ in range(typed.MAX_DEPTH + 5):
         node = [node]
     with pytest.raises(CheckpointCorruptError, match=f"nesting deeper than {typed.MAX_DEPTH}"):

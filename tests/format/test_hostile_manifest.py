@@ -8,6 +8,7 @@ buffer is sized from the tampered numbers.
 """
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from xla_ckpt.format.manifest import CRC_FIELD, MANIFEST_NAME, Manifest, seal
 from xla_ckpt.io.verify import verify_checkpoint
 from xla_ckpt.storage.local import LocalStorage
 
-STATE = {"model": {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+STATE: dict[str, Any] = {"model": {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
                    "b": torch.ones(4, dtype=torch.bfloat16)}, "step": 7}
 
 
@@ -135,7 +136,7 @@ def test_deep_json_nesting_is_refused(ck):
 
 def test_deep_typed_state_is_refused(ck):
     doc = _doc(ck)
-    node = 1
+    node: Any = 1
     for _ in range(500):
         node = [node]
     doc["items"]["state"]["state"]["deep"] = node

@@ -14,6 +14,7 @@ import struct
 import subprocess
 import warnings
 import zipfile
+from typing import Any
 
 import pytest
 import torch
@@ -213,7 +214,7 @@ def test_malformed_pickle_gives_a_corrupt_error():
 
 @pytest.mark.timeout(60)
 def test_shared_list_expansion_is_refused_quickly():
-    x = [0]
+    x: list[Any] = [0]
     for _ in range(64):  # 2**64 leaves when walked; a few hundred bytes on disk
         x = [x, x]
     data = _save({"x": x})
@@ -223,14 +224,14 @@ def test_shared_list_expansion_is_refused_quickly():
 
 
 def test_reference_cycle_is_refused():
-    cyc = []
+    cyc: list[Any] = []
     cyc.append(cyc)
     with pytest.raises(CheckpointCorruptError, match=r"reference cycle at state\['c'\]\[0\]"):
         load_legacy(_save({"c": cyc}), where="cyc.pt")
 
 
 def test_deep_nesting_is_refused():
-    deep = 0
+    deep: Any = 0
     for _ in range(200):
         deep = [deep]
     with pytest.raises(CheckpointCorruptError, match="nesting deeper than 128"):

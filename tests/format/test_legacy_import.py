@@ -301,7 +301,7 @@ def test_load_legacy_checkpoint_from_gcs(gcs_uri):
         st.write_atomic(name, [data])
     uri = f"{folder}/{name}"
     assert is_legacy_file(uri) and not is_legacy_file(folder + "/nothing.pt")
-    seen = []
+    seen: list[int] = []
     assert read_object(uri, config=StorageConfig(slice_size_bytes=512),
                        progress=seen.append) == data
     assert sum(seen) == len(data) and len(seen) == -(-len(data) // 512)

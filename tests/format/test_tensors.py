@@ -83,7 +83,8 @@ def test_empty_and_zero_dim_tensors(local_dir):
 
 def test_views_keep_shape_stride_and_values(local_dir):
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    state = {"t": base.t(), "strided": base[:, ::2], "row": base[2], "expanded": torch.ones(3).expand(4, 3)}
+    state = {"t": base.t(), "strided": base[:, ::2], "row": base[2],
+             "expanded": torch.ones(3).expand(4, 3)}
     got = round_trip(state, local_dir)
     for k in ("t", "strided", "row", "expanded"):
         assert torch.equal(got[k], state[k]) and got[k].shape == state[k].shape

@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 from collections import OrderedDict, namedtuple
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,17 +24,18 @@ def through_json(obj):
 
 
 def test_every_supported_type_round_trips_with_its_exact_type():
-    od = OrderedDict([("b", 1), ("a", 2)])
-    od._metadata = OrderedDict([("", {"version": 1})])
+    od: Any = OrderedDict([("b", 1), ("a", 2)])  # Any: the stubs know no _metadata attribute
+    od._metadata = OrderedDict([("", {"version": 1})])  # as on a module's state_dict()
     state = {
         "tuple": (1, 2.0, "x"), "list": [1, 2.0, "x"], "nested": ((), [()], ([],)),
         "int": 3, "float": 3.0, "big": 2**100, "neg": -7, "bool": True, "false": False,
         "none": None, "str": "ünïcödé ✓", "empty": "",
         "nan": math.nan, "inf": math.inf, "-inf": -math.inf, "-0.0": -0.0,
         "int_keys": {0: {"step": 3}, 1: {}}, "mixed_keys": {1: "a", "1": "b", (1, 2): "c",
-                                                           None: "d", 2.5: "e", True: "f"},
+                                                           None: "d", 2.5: "e", False: "f"},
         "dollar_keys": {"$tensor": 1, "$tuple": [1]},
-        "ordered": od, "ns": argparse.Namespace(lr=[0.1], betas=(0.9, 0.98), sub=argparse.Namespace(a=1)),
+        "ordered": od,
+        "ns": argparse.Namespace(lr=[0.1], betas=(0.9, 0.98), sub=argparse.Namespace(a=1)),
         "np": [np.float16(1.5), np.float32(0.1), np.float64(0.1), np.int8(-3), np.int16(3),
                np.int32(-3), np.int64(2**62), np.uint8(255), np.uint16(3), np.uint32(3),
                np.uint64(2**64 - 1), np.bool_(True), np.complex64(1 + 2j), np.float64("nan")],
@@ -82,9 +84,12 @@ class Opaque:
     pass
 
 
+P = namedtuple("P", "x y")
+
+
 @pytest.mark.parametrize("obj, message", [
     ({"a": [Opaque()]}, "cannot save value of type test_typed.Opaque at state['a'][0]"),
-    ({"nt": namedtuple("P", "x y")(1, 2)}, "namedtuple P at state['nt']: convert it to a dict"),
+    ({"nt": P(1, 2)}, "namedtuple P at state['nt']: convert it to a dict"),
     ({"arr": np.array(["a"], dtype=object)}, "numpy array of dtype object at state['arr']"),
     ({"t": torch.ones(1)}, "tensor at state['t'] needs a tensor hook"),
 ])

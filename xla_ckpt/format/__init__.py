@@ -4,14 +4,14 @@ Pure: nothing here touches the network, the filesystem or torch.distributed.
 """
 
 from xla_ckpt.format.manifest import (
-                                      FORMAT_VERSION,
-                                      MANIFEST_NAME,
-                                      STATE_ITEM,
-                                      BlobRecord,
-                                      Item,
-                                      Manifest,
-                                      TensorRecord,
-                                      rank_item,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    STATE_ITEM,
+    BlobRecord,
+    Item,
+    Manifest,
+    TensorRecord,
+    rank_item,
 )
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "STATE_ITEM", "BlobRecord", "Item", "Manifest",

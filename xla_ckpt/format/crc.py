@@ -14,14 +14,22 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+from typing import TYPE_CHECKING, Callable, Union
 
 import google_crc32c
+import numpy as np
 import torch
 
-_extend = None
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+#: What :func:`crc32c` takes: a bytes-like object or a contiguous CPU tensor.
+BufferLike = Union["ReadableBuffer", torch.Tensor]
+
+_extend: Callable[[int, int, int], int] | None = None
 
 
-def _load_native():
+def _load_native() -> Callable[[int, int, int], int] | None:
     here = os.path.dirname(google_crc32c.__file__)
     candidates = sorted(glob.glob(os.path.join(here, "..", "google_crc32c.libs", "libcrc32c*.so*")))
     candidates += sorted(glob.glob(os.path.join(here, "libcrc32c*.so*")))
@@ -40,7 +48,7 @@ def _load_native():
 _extend = _load_native()
 
 
-def _address(buf) -> tuple[int, int, object]:
+def _address(buf: BufferLike) -> tuple[int, int, object]:
     """(address, length, keep-alive) of a C-contiguous byte buffer."""
     if isinstance(buf, torch.Tensor):
         if not buf.is_contiguous() or buf.device.type != "cpu":
@@ -52,18 +60,17 @@ def _address(buf) -> tuple[int, int, object]:
     n = mv.nbytes
     if n == 0:
         return 0, 0, mv
+    flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
     if mv.readonly:
         # ctypes cannot take the address of a read-only buffer without a copy of its pointer;
         # wrap via numpy which exposes the address of any buffer.
-        import numpy as np
-
-        arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+        arr = np.frombuffer(flat, dtype=np.uint8)
         return arr.ctypes.data, n, arr
-    c = (ctypes.c_char * n).from_buffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+    c = (ctypes.c_char * n).from_buffer(flat)
     return ctypes.addressof(c), n, c
 
 
-def crc32c(buf, crc: int = 0) -> int:
+def crc32c(buf: BufferLike, crc: int = 0) -> int:
     """crc32c of ``buf`` (bytes-like or contiguous CPU tensor), extending ``crc``."""
     if _extend is None:
         data = bytes(buf.numpy().tobytes() if isinstance(buf, torch.Tensor) else buf)

@@ -33,16 +33,17 @@ back).  ``crc32c`` covers the whole blob; ``chunk_crc32c`` covers each
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format import typed
 from xla_ckpt.format.crc import crc32c
-from xla_ckpt.format.dtypes import dtype_from_name, itemsize
+from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
 
 FORMAT_NAME = "xla_ckpt"
 FORMAT_VERSION = 1
@@ -102,7 +103,7 @@ class TensorRecord:
         if self.numel == 0:
             return 0
         isz = itemsize(dtype_from_name(self.dtype))
-        last = sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        last = sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=True))
         return (last + 1) * isz
 
     def to_json(self) -> dict:
@@ -224,7 +225,7 @@ def _check_crc(data: bytes, where: str, required: bool) -> None:
             f"{crc32c(stub):08x}): the manifest is corrupt; restore another checkpoint")
 
 
-def _reject_constant(name: str):
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
@@ -233,8 +234,10 @@ def _unique_keys(pairs: list) -> dict:
     d = dict(pairs)
     if len(d) != len(pairs):
         seen: set = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"duplicate key {dup!r} in one JSON object")
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate key {k!r} in one JSON object")
+            seen.add(k)
     return d
 
 
@@ -282,7 +285,8 @@ def _validate(doc: Any, where: str) -> Manifest:
         total += len(blobs_doc) + len(tensors_doc)
         if total > MAX_ENTRIES:
             raise CheckpointCorruptError(f"{where}: more than {MAX_ENTRIES} entries")
-        blobs = [_blob(b, files, f"{where} item {iname!r} blob {i}") for i, b in enumerate(blobs_doc)]
+        blobs = [_blob(b, files, f"{where} item {iname!r} blob {i}")
+                 for i, b in enumerate(blobs_doc)]
         _check_overlaps(blobs, f"{where} item {iname!r}")
         tensors = [_tensor(t, blobs, f"{where} item {iname!r} tensor {i}")
                    for i, t in enumerate(tensors_doc)]
@@ -358,7 +362,7 @@ def _check_overlaps(blobs: list[BlobRecord], where: str) -> None:
             by_file.setdefault(b.file, []).append((b.offset, b.offset + b.length))
     for fname, spans in by_file.items():
         spans.sort()
-        for (s0, e0), (s1, _e1) in zip(spans, spans[1:]):
+        for (_s0, e0), (s1, _e1) in itertools.pairwise(spans):
             if s1 < e0:
                 raise CheckpointCorruptError(
                     f"{where}: blobs overlap in {fname!r} at bytes [{s1}, {e0})")
@@ -373,9 +377,10 @@ def _tensor(t: Any, blobs: list[BlobRecord], where: str) -> TensorRecord:
     where = f"{where} ({key})"
     blob = _int(t.get("blob"), "blob", where)
     if blob >= len(blobs):
-        raise CheckpointCorruptError(f"{where}: blob index {blob} out of range ({len(blobs)} blobs)")
+        raise CheckpointCorruptError(f"{where}: blob index {blob} out of range "
+                                     f"({len(blobs)} blobs)")
     dtype = t.get("dtype")
-    dtype_from_name(dtype, where=where)
+    torch_dtype = dtype_from_name(dtype, where=where)
     shape, stride = t.get("shape"), t.get("stride")
     if not isinstance(shape, list) or not isinstance(stride, list) or len(shape) != len(stride) \
             or len(shape) > MAX_NDIM:
@@ -384,13 +389,13 @@ def _tensor(t: Any, blobs: list[BlobRecord], where: str) -> TensorRecord:
     shape_t = tuple(_int(s, "shape entry", where) for s in shape)
     stride_t = tuple(_int(s, "stride entry", where) for s in stride)
     if any(v >= _INT64_LIMIT for v in shape_t + stride_t) \
-            or math.prod(d for d in shape_t if d) * itemsize(dtype_from_name(dtype)) >= _INT64_LIMIT:
+            or math.prod(d for d in shape_t if d) * itemsize(torch_dtype) >= _INT64_LIMIT:
         raise CheckpointCorruptError(f"{where}: shape {list(shape_t)} / stride {list(stride_t)} "
                                      "exceed what a tensor can address (int64)")
-    rec = TensorRecord(key, blob, _int(t.get("byte_offset"), "byte_offset", where), dtype,
-                       shape_t, stride_t)
+    rec = TensorRecord(key, blob, _int(t.get("byte_offset"), "byte_offset", where),
+                       dtype_name(torch_dtype), shape_t, stride_t)
     if rec.byte_offset + rec.span_bytes() > blobs[blob].length:
         raise CheckpointCorruptError(
-            f"{where}: shape {list(shape_t)} of {dtype} needs {rec.span_bytes()} bytes from offset "
-            f"{rec.byte_offset} but its blob holds {blobs[blob].length}")
+            f"{where}: shape {list(shape_t)} of {dtype} needs {rec.span_bytes()} bytes from "
+            f"offset {rec.byte_offset} but its blob holds {blobs[blob].length}")
     return rec

@@ -17,16 +17,17 @@ become the recorded strided views, then the typed tree is decoded.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 
 from xla_ckpt.errors import CheckpointCorruptError, MetaTensorError
 from xla_ckpt.format import typed
 from xla_ckpt.format.crc import crc32c
-from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
+from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize, safetensors_code
 from xla_ckpt.format.manifest import DEFAULT_CHUNK_SIZE_BYTES, BlobRecord, Item, TensorRecord
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     flat = t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def chunk_crcs(buf: memoryview, chunk_size: int) -> tuple[int, ...]:
@@ -76,8 +77,10 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if xla_idx:
         import torch_xla.core.xla_model as xm  # noqa: PLC0415 - optional dependency
 
-        cpu = xm._maybe_convert_to_cpu([tensors[i] for i in xla_idx])
-        for i, t in zip(xla_idx, cpu):
+        # torch_xla annotates this as returning a ToXlaTensorArena; it returns the structure it
+        # was given (here a list) with the tensors converted.
+        cpu = cast(list[torch.Tensor], xm._maybe_convert_to_cpu([tensors[i] for i in xla_idx]))
+        for i, t in zip(xla_idx, cpu, strict=True):
             out[i] = t
     for i, t in enumerate(out):
         if t.device.type != "cpu":
@@ -126,8 +129,9 @@ def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -
         for i in members:
             t = host[i]
             isz = t.element_size()
-            start = t.storage_offset() * isz
-            last = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) if t.numel() else -1
+            start = int(t.storage_offset()) * isz  # int: a concrete tensor has no SymInt offset
+            last = (sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+                    if t.numel() else -1)
             spans.append((start, start + (last + 1) * isz))
         lo = min(s for s, _ in spans)
         hi = max(e for _, e in spans)
@@ -147,7 +151,7 @@ def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -
         shape = tuple(t0.shape) if same and dtype_code != "U8" else (hi - lo,)
         plan.blobs.append(PlannedBlob(found[members[0]][1], raw, dtype_code, shape))
         bidx = len(plan.blobs) - 1
-        for i, (s, _e) in zip(members, spans):
+        for i, (s, _e) in zip(members, spans, strict=True):
             t = host[i]
             records[i] = TensorRecord(found[i][1], bidx, (s - lo) if t.numel() else 0,
                                       dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()))
@@ -158,20 +162,20 @@ def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -
 
 def _disjoint(spans: list[tuple[int, int]]) -> bool:
     s = sorted(spans)
-    return all(b[0] >= a[1] for a, b in zip(s, s[1:]))
+    return all(b[0] >= a[1] for a, b in itertools.pairwise(s))
 
 
 def _code(dtype: torch.dtype) -> str:
-    from xla_ckpt.format.dtypes import safetensors_code
-
     return safetensors_code(dtype) or "U8"
 
 
 def _dense_blob(plan: ItemPlan, t: torch.Tensor, key: str) -> TensorRecord:
     dense = t.contiguous()
-    raw = dense.reshape(-1).view(torch.uint8) if dense.numel() else torch.empty(0, dtype=torch.uint8)
+    raw = (dense.reshape(-1).view(torch.uint8) if dense.numel()
+           else torch.empty(0, dtype=torch.uint8))
     code = _code(t.dtype)
-    plan.blobs.append(PlannedBlob(key, raw, code, tuple(t.shape) if code != "U8" else (raw.numel(),)))
+    shape = tuple(t.shape) if code != "U8" else (raw.numel(),)
+    plan.blobs.append(PlannedBlob(key, raw, code, shape))
     return TensorRecord(key, len(plan.blobs) - 1, 0, dtype_name(t.dtype), tuple(t.shape),
                         tuple(dense.stride()))
 
@@ -233,7 +237,8 @@ def materialize_item(item: Item, blobs: Mapping[int, torch.Tensor],
         else:
             buf = blobs.get(rec.blob)
             if buf is None:
-                raise CheckpointCorruptError(f"bytes of blob {rec.blob} for {rec.key} were not read")
+                raise CheckpointCorruptError(f"bytes of blob {rec.blob} for {rec.key} were not "
+                                             "read")
             isz = itemsize(dtype)
             span = rec.span_bytes()
             if rec.byte_offset + span > buf.numel():
@@ -245,7 +250,8 @@ def materialize_item(item: Item, blobs: Mapping[int, torch.Tensor],
             if start % isz:
                 # Unaligned view: copy out (cannot alias a misaligned typed view).
                 part = buf[rec.byte_offset:rec.byte_offset + span].clone()
-                t = torch.empty(0, dtype=dtype).set_(part.untyped_storage(), 0, rec.shape, rec.stride)
+                t = torch.empty(0, dtype=dtype).set_(part.untyped_storage(), 0, rec.shape,
+                                                     rec.stride)
             else:
                 t = torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), start // isz,
                                                      rec.shape, rec.stride)
@@ -272,7 +278,7 @@ def _to_device(t: torch.Tensor, rec: TensorRecord, dev: torch.device, blob: torc
         base.untyped_storage(), rec.byte_offset // isz, rec.shape, rec.stride)
 
 
-def _lookup(out: list, i: int):
+def _lookup(out: list[torch.Tensor | None], i: int) -> torch.Tensor | None:
     if not 0 <= i < len(out):
         raise CheckpointCorruptError(f"typed state refers to tensor {i} but only {len(out)} exist")
     return out[i]

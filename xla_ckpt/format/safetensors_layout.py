@@ -33,7 +33,8 @@ def build_header(blobs: Sequence[PlannedBlob], metadata: dict[str, str]) -> tupl
             k += 1
         used.add(name)
         n = b.data.numel()
-        entries[name] = {"dtype": b.dtype_code, "shape": list(b.shape), "data_offsets": [cursor, cursor + n]}
+        entries[name] = {"dtype": b.dtype_code, "shape": list(b.shape),
+                         "data_offsets": [cursor, cursor + n]}
         rel.append(cursor)
         cursor += n
     body = json.dumps(entries, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

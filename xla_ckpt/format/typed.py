@@ -47,6 +47,10 @@ from xla_ckpt.errors import CheckpointCorruptError, UnsupportedTypeError
 MAX_DEPTH = 128
 
 PathT = Sequence[Any]
+#: ``hook(tensor, path)`` -> the index :func:`decode`'s lookup later maps back to the tensor.
+TensorHook = Callable[[torch.Tensor, tuple], int]
+#: index of a ``{"$tensor": i}`` node -> the restored tensor.
+TensorLookup = Callable[[int], Any]
 
 
 def format_path(path: PathT) -> str:
@@ -66,7 +70,7 @@ def torch_dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def encode(obj: Any, tensor_hook: Callable[[torch.Tensor, tuple], int] | None = None) -> Any:
+def encode(obj: Any, tensor_hook: TensorHook | None = None) -> Any:
     """Encode ``obj`` into JSON-able data.
 
     Args:
@@ -88,7 +92,7 @@ def _too_deep(path: tuple) -> UnsupportedTypeError:
         "would refuse it; flatten the structure before saving")
 
 
-def _encode(obj: Any, path: tuple, hook, active: set, depth: int) -> Any:
+def _encode(obj: Any, path: tuple, hook: TensorHook | None, active: set, depth: int) -> Any:
     # ``depth`` counts levels exactly as _decode does, so whatever encodes also decodes.
     if depth > MAX_DEPTH:
         raise _too_deep(path)
@@ -181,14 +185,14 @@ def _encode(obj: Any, path: tuple, hook, active: set, depth: int) -> Any:
         "(e.g. to a dict) before saving")
 
 
-def _np_array(arr: np.ndarray, path: tuple, hook) -> Any:
+def _np_array(arr: np.ndarray, path: tuple, hook: TensorHook | None) -> Any:
     if hook is None or arr.dtype.kind not in "biufc":
         raise UnsupportedTypeError(
             f"numpy array of dtype {arr.dtype} at {format_path(path)}: convert it to a tensor")
     return {"$ndarray": hook(torch.from_numpy(np.ascontiguousarray(arr)), path)}
 
 
-def decode(node: Any, tensor_lookup: Callable[[int], Any] | None = None) -> Any:
+def decode(node: Any, tensor_lookup: TensorLookup | None = None) -> Any:
     """Decode what :func:`encode` produced.
 
     Args:
@@ -220,7 +224,7 @@ def _np_dtype(value: Any) -> np.dtype:
         raise _bad(f"unknown numpy dtype {value!r}") from None
 
 
-def _pairs(value: Any, lookup, depth: int) -> list:
+def _pairs(value: Any, lookup: TensorLookup | None, depth: int) -> list:
     if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
         raise _bad("dict items must be a list of [key, value] pairs")
     out = []
@@ -234,7 +238,7 @@ def _pairs(value: Any, lookup, depth: int) -> list:
     return out
 
 
-def _decode(node: Any, lookup, depth: int) -> Any:
+def _decode(node: Any, lookup: TensorLookup | None, depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise _bad(f"nesting deeper than {MAX_DEPTH}")
     if node is None or isinstance(node, (bool, int, float, str)):
