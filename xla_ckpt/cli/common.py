@@ -7,11 +7,15 @@ nothing at the URI, permission denied, storage unreachable).
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, Sequence, TypeAlias
+
+import numpy as np
+from tqdm import tqdm
 
 from xla_ckpt.errors import (
     CheckpointNotFoundError,
@@ -21,8 +25,15 @@ from xla_ckpt.errors import (
     XlaCkptError,
 )
 from xla_ckpt.io.catalog import is_checkpoint, list_checkpoints, resolve_latest
+from xla_ckpt.io.legacy import is_legacy_file
 from xla_ckpt.io.reader import read_manifest
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
+
+# What each command module's ``register(sub, parents)`` gets: the ``add_subparsers()`` action of
+# the top-level parser, and the parent parsers whose options every subcommand accepts too.
+# (A string: argparse's action class is not subscriptable at runtime.)
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+Parents: TypeAlias = Sequence[argparse.ArgumentParser]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -71,7 +82,6 @@ def resolve_checkpoint(uri: str, config: StorageConfig | None = None) -> Target:
         IncompleteCheckpointError: only uncommitted checkpoints are there.
         CheckpointNotFoundError: nothing is there.
     """
-    from xla_ckpt.io.legacy import is_legacy_file
 
     if is_legacy_file(uri, config=config):
         raise UsageError(f"{uri} is a legacy .pt/safetensors file, not an xla_ckpt checkpoint "
@@ -97,6 +107,14 @@ def resolve_checkpoint(uri: str, config: StorageConfig | None = None) -> Target:
         raise
 
 
+class ProgressBar(Protocol):
+    """What :func:`progress_bar` returns: a tqdm bar or a no-op one."""
+
+    def update(self, n: int) -> object: ...
+
+    def close(self) -> None: ...
+
+
 class _NullBar:
     def update(self, n: int) -> None:
         pass
@@ -105,13 +123,13 @@ class _NullBar:
         pass
 
 
-def progress_bar(total_bytes: int | None, desc: str, *, enabled: bool | None = None):
+def progress_bar(total_bytes: int | None, desc: str, *,
+                 enabled: bool | None = None) -> ProgressBar:
     """A tqdm byte counter on stderr when it is a terminal (or ``enabled``), else a no-op."""
     if enabled is None:
         enabled = sys.stderr.isatty()
     if not enabled:
         return _NullBar()
-    from tqdm import tqdm
 
     return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                 file=sys.stderr, leave=False, dynamic_ncols=True)
@@ -145,7 +163,7 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     """Left-aligned text columns separated by two spaces."""
     cols = [header] + rows
     widths = [max(len(r[i]) for r in cols) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cols]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cols]
     return "\n".join(lines)
 
 
@@ -157,9 +175,7 @@ def jsonable(value: Any) -> Any:
     dict keys strings, bytes ``{"bytes": n}``; objects with a ``to_json()``
     method (tensor descriptions) use it.
     """
-    import argparse
 
-    import numpy as np
 
     if hasattr(value, "to_json") and callable(value.to_json):
         return value.to_json()

@@ -23,14 +23,22 @@ import argparse
 import sys
 import time
 
-from xla_ckpt.cli.common import EXIT_OK, UsageError, human_bytes, plain, progress_bar
+from xla_ckpt.cli.common import (
+    EXIT_OK,
+    Parents,
+    Subparsers,
+    UsageError,
+    human_bytes,
+    plain,
+    progress_bar,
+)
 from xla_ckpt.io import save
 from xla_ckpt.io.catalog import is_checkpoint
 from xla_ckpt.io.legacy import load_legacy_file
 from xla_ckpt.storage import open_storage
 
 
-def register(sub, parents) -> None:
+def register(sub: Subparsers, parents: Parents) -> None:
     p = sub.add_parser("convert", parents=parents,
                        help="import a fairseq/torch.save .pt or safetensors file",
                        description=plain(__doc__),

@@ -16,10 +16,10 @@ import json
 import logging
 import sys
 
-from xla_ckpt.cli.common import plain
+from xla_ckpt.cli.common import Parents, Subparsers, plain
 
 
-def register(sub, parents) -> None:
+def register(sub: Subparsers, parents: Parents) -> None:
     p = sub.add_parser("demo", parents=parents, help="preempt and resume a real training run",
                        description=plain(__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)

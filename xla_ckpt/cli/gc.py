@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 
-from xla_ckpt.cli.common import EXIT_OK, UsageError, plain
+from xla_ckpt.cli.common import EXIT_OK, Parents, Subparsers, UsageError, plain
 from xla_ckpt.cli.rm import print_result
 from xla_ckpt.io.prune import collect_garbage
 from xla_ckpt.io.retention import RetentionPolicy
 from xla_ckpt.storage import open_storage
 
 
-def register(sub, parents) -> None:
+def register(sub: Subparsers, parents: Parents) -> None:
     p = sub.add_parser("gc", parents=parents, help="apply a retention policy (keep-last/keep-best)",
                        description=plain(__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)

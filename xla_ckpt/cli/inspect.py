@@ -24,6 +24,9 @@ import torch
 
 from xla_ckpt.cli.common import (
     EXIT_OK,
+    Parents,
+    Subparsers,
+    Target,
     human_bytes,
     jsonable,
     plain,
@@ -39,7 +42,7 @@ from xla_ckpt.io.legacy import is_legacy_file, load_legacy_file
 from xla_ckpt.io.reader import read_manifest
 
 
-def register(sub, parents) -> None:
+def register(sub: Subparsers, parents: Parents) -> None:
     p = sub.add_parser("inspect", parents=parents,
                        help="show a checkpoint's state tree and summary",
                        description=plain(__doc__),
@@ -162,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _header(target, m: Manifest) -> list[str]:
+def _header(target: Target, m: Manifest) -> list[str]:
     lines = [f"checkpoint  {target.uri}" + (f"  (latest in {target.run_uri})"
                                             if target.run_uri else "")]
     lines.append(f"saved       {utc_time(m.created_unix_s)} UTC  save_id {m.save_id}  "

@@ -15,13 +15,22 @@ import math
 import os
 from typing import Any
 
-from xla_ckpt.cli.common import EXIT_OK, human_bytes, jsonable, plain, table, utc_time
+from xla_ckpt.cli.common import (
+    EXIT_OK,
+    Parents,
+    Subparsers,
+    human_bytes,
+    jsonable,
+    plain,
+    table,
+    utc_time,
+)
 from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, list_checkpoints, read_pointer
 from xla_ckpt.storage import is_gcs_uri, open_storage
 
 
-def register(sub, parents) -> None:
+def register(sub: Subparsers, parents: Parents) -> None:
     p = sub.add_parser("ls", parents=parents, help="list checkpoints of a run folder",
                        description=plain(__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _as_json(uri, committed, incomplete, pointers, named) -> dict:
+def _as_json(uri: str, committed: list[CheckpointEntry], incomplete: list[CheckpointEntry],
+             pointers: dict[str, str | None], named: dict[str, list[str]]) -> dict:
     def md(e: CheckpointEntry) -> dict:
         m = e.metadata if isinstance(e.metadata, dict) else {}
         return {str(k): v for k, v in m.items()

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import sys
 import traceback
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from xla_ckpt import __version__
 from xla_ckpt.cli import convert, demo, gc, inspect, ls, rm, train, verify
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _cli_logging(debug: bool):
+def _cli_logging(debug: bool) -> Iterator[None]:
     """Library log lines to stderr while a command runs (WARNING+, DEBUG with --debug).
 
     Attached to the ``xla_ckpt`` logger and removed afterwards, so calling

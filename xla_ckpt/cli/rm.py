@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 
-from xla_ckpt.cli.common import EXIT_FAILED, EXIT_OK, human_bytes, plain
+from xla_ckpt.cli.common import EXIT_FAILED, EXIT_OK, Parents, Subparsers, human_bytes, plain
 from xla_ckpt.io.legacy import split_uri
 from xla_ckpt.io.prune import RemovalResult, remove_checkpoints
 from xla_ckpt.storage import open_storage
 
 
-def register(sub, parents) -> None:
+def register(sub: Subparsers, parents: Parents) -> None:
     p = sub.add_parser("rm", parents=parents,
                        help="delete named checkpoints (never protected ones)",
                        description=plain(__doc__),

@@ -14,10 +14,10 @@ import argparse
 import os
 import tempfile
 
-from xla_ckpt.cli.common import plain
+from xla_ckpt.cli.common import Parents, Subparsers, plain
 
 
-def register(sub, parents) -> None:
+def register(sub: Subparsers, parents: Parents) -> None:
     p = sub.add_parser("train", parents=parents, help="run one rank of a checkpointed training job",
                        description=plain(__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)

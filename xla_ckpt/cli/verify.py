@@ -18,6 +18,8 @@ import json
 from xla_ckpt.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
+    Parents,
+    Subparsers,
     human_bytes,
     jsonable,
     plain,
@@ -28,7 +30,7 @@ from xla_ckpt.io.reader import read_manifest
 from xla_ckpt.io.verify import verify_checkpoint
 
 
-def register(sub, parents) -> None:
+def register(sub: Subparsers, parents: Parents) -> None:
     p = sub.add_parser("verify", parents=parents, help="recompute every crc32c (exit 0/1/2)",
                        description=plain(__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)

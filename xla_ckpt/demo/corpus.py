@@ -29,7 +29,8 @@ def sentences() -> list[list[str]]:
         docs = [mod.__doc__ or ""]
         for attr in sorted(dir(mod)):
             obj = getattr(mod, attr, None)
-            if not attr.startswith("_") and callable(obj) and getattr(obj, "__module__", "") == name:
+            own = callable(obj) and getattr(obj, "__module__", "") == name
+            if not attr.startswith("_") and own:
                 docs.append(obj.__doc__ or "")
         for doc in docs:
             for para in re.split(r"\n\s*\n", doc):
@@ -45,7 +46,7 @@ def pairs(limit: int | None = None) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     seen: set[str] = set()
     for para in sentences():
-        for a, b in zip(para, para[1:]):
+        for a, b in zip(para, para[1:], strict=False):
             if a not in seen:
                 seen.add(a)
                 out.append((a, b))

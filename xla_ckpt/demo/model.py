@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,8 +62,11 @@ class ContrastiveLoss(nn.Module):
         return nn.functional.cross_entropy(logits, target)
 
 
-def build(name: str, seed: int = 0):
-    """Return (tokenizer, SentenceEncoder) for ``name`` in :data:`MODELS`, deterministically."""
+def build(name: str, seed: int = 0) -> tuple[Any, SentenceEncoder]:
+    """Return (tokenizer, SentenceEncoder) for ``name`` in :data:`MODELS`, deterministically.
+
+    The tokenizer is a ``transformers`` tokenizer (typed ``Any``: transformers ships no types here).
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel  # noqa: PLC0415

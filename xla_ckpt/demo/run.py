@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from xla_ckpt.errors import XlaCkptError
 
@@ -275,7 +275,7 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
 
 
 @contextlib.contextmanager
-def _env(env: dict):
+def _env(env: dict) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -302,7 +302,7 @@ def _verdict(strategy: str, res: PhaseResult, pre_losses: dict, ref_losses: dict
     read = [r["bytes_read"] for r in restores]
     received = [r["bytes_received"] for r in restores]
     mapped = [r.get("bytes_mapped", 0) for r in restores]
-    moved = max(a + b + c for a, b, c in zip(read, received, mapped))
+    moved = max(a + b + c for a, b, c in zip(read, received, mapped, strict=True))
     return {
         "strategy": strategy, "reason": restores[0]["reason"],
         "checkpoint": restores[0]["checkpoint"], "resumed_at_update": start,
@@ -334,7 +334,8 @@ def format_table(report: dict) -> str:
                      f"{r['seconds']:.2f}", f"{r['mib_per_s']:.0f}",
                      ",".join(r["state_devices"]), r["verdict"]))
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
     sep = "  ".join("-" * w for w in widths)
-    body = "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows)
+    body = "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True))
+                     for row in rows)
     return head + line + "\n" + sep + "\n" + body

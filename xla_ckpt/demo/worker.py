@@ -25,9 +25,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from xla_ckpt.comm.base import Dist
+    from xla_ckpt.manager import CheckpointManager
 
 logger = logging.getLogger("xla_ckpt.demo.worker")
 
@@ -102,7 +106,7 @@ def _grad_average(params: list[torch.nn.Parameter], loss: torch.Tensor, world: i
         tdist.all_reduce(flat)
     flat /= world
     offset = 0
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         n = g.numel()
         p.grad = flat[offset:offset + n].view_as(g).to(p.device)
         offset += n
@@ -146,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                           seed=tc.seed)
     total = tc.max_updates or tc.max_epoch * data.updates_per_epoch
 
-    def build_optimizer(params):
+    def build_optimizer(params: list) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.98), eps=1e-6,
                                  weight_decay=tc.weight_decay)
 
-    def build_lr_scheduler(opt):
+    def build_lr_scheduler(
+            opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         warm = max(1, tc.warmup_updates)
         return torch.optim.lr_scheduler.LambdaLR(
             opt, lambda u: min(1.0, (u + 1) / warm) * max(0.0, 1 - u / max(total, 1)))
@@ -174,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"rank {rank}: nothing to resume from under {ck.save_dir}")
         if res is not None:
             extra = ckpt.load_state(res.result, where=res.result.uri)
+            if extra is None:  # load_state gives None only when handed no checkpoint at all
+                raise RuntimeError(f"rank {rank}: restored {res.result.uri} but the trainer "
+                                   "found no state in it")
             itr = extra["train_iterator"]
             epoch, start_i = int(itr["epoch"]), int(itr["iterations_in_epoch"])
             torch.set_rng_state(extra["rng_state"].cpu())
@@ -211,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                             "shuffle_seed": tc.seed}
                 mgr.after_update(
                     epoch=epoch, num_updates=u, end_of_epoch=last,
-                    state=lambda: ckpt.state_dict({"train_iterator": next_pos}),
+                    state=lambda pos=next_pos: ckpt.state_dict({"train_iterator": pos}),
                     rank_state=lambda: {"rng_state": torch.get_rng_state()},
                     metrics={"loss": mean_loss} if last else None)
             epoch, start_i = epoch + 1, 0
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _shut_down(dist) -> None:
+def _shut_down(dist: Dist) -> None:
     """Tear the job down in order before the interpreter does it in any order.
 
     Every rank waits for the others, stops its heartbeat thread (a daemon
@@ -254,7 +262,7 @@ class _Restore:
     figures: dict
 
 
-def _restore(mgr, rank: int, device: str) -> "_Restore | None":
+def _restore(mgr: CheckpointManager, rank: int, device: str) -> "_Restore | None":
     """``restore_or_initialize`` onto this worker's own XLA device (C2), with its figures."""
     map_location: Any = None
     if device == "cuda":
@@ -283,7 +291,7 @@ def _restore(mgr, rank: int, device: str) -> "_Restore | None":
     })
 
 
-def _tensors(obj):
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):

@@ -26,7 +26,7 @@ from xla_ckpt.storage import Storage, StorageConfig, is_gcs_uri, open_storage
 
 logger = logging.getLogger(__name__)
 
-Progress = Callable[[int], None]
+Progress = Callable[[int], object]  # called with a byte count; what it returns is ignored
 
 
 def split_uri(uri: str) -> tuple[str, str]:

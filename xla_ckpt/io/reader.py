@@ -143,7 +143,8 @@ class CheckpointReader:
         return bufs
 
     def read_into(self, item_name: str, buffers: dict[int, torch.Tensor]) -> None:
-        """Fill ``buffers`` (blob index -> uint8 CPU tensor of the blob's length), crc32c-checked."""
+        """Fill ``buffers`` (blob index -> uint8 CPU tensor of the blob's length), crc32c-checked.
+        """
         item = self.manifest.item(item_name)
         self.check_files({item.blobs[i].file for i in buffers})
         tasks = []
@@ -181,7 +182,7 @@ class CheckpointReader:
         """
         item = self.manifest.item(item_name)
         self.check_files({item.blobs[i].file for i in offsets})
-        tasks = []
+        tasks: list[tuple[Item, int, BlobRecord, int, int]] = []  # (item, blob, rec, start, n)
         for i in offsets:
             rec = item.blobs[i]
             tasks.extend((item, i, rec, s, n) for s, n in _slice_ranges(rec, rec.length,
@@ -228,7 +229,8 @@ class CheckpointReader:
         self.stats.seconds = time.perf_counter() - t0
         self.stats.bytes_read = sum(item.blobs[i].length for i in offsets)
 
-    def read_blob_range(self, item_name: str, blob_id: int, start: int, length: int) -> torch.Tensor:
+    def read_blob_range(self, item_name: str, blob_id: int, start: int,
+                        length: int) -> torch.Tensor:
         """Bytes ``[start, start+length)`` of one blob, every byte crc32c-checked.
 
         Reads the covering chunk-aligned range (the granularity of the
@@ -237,7 +239,8 @@ class CheckpointReader:
         item = self.manifest.item(item_name)
         rec = item.blobs[blob_id]
         if start < 0 or length < 0 or start + length > rec.length:
-            raise ValueError(f"range [{start}, {start + length}) outside blob of {rec.length} bytes")
+            raise ValueError(
+                f"range [{start}, {start + length}) outside blob of {rec.length} bytes")
         if not rec.chunk_crc32c:
             return self.read_blobs(item_name, [blob_id])[blob_id][start:start + length]
         c = rec.chunk_size
@@ -283,6 +286,7 @@ class CheckpointReader:
                     out: memoryview) -> None:
         info = self._infos.get(rec.file)
         generation = info.generation if info else None
+        bad: tuple[int, int] | None = None
         for attempt in range(self.crc_retries + 1):
             self.storage.read_range(rec.file, rec.offset + start, out, generation)
             bad = _first_bad_chunk(rec, start, out)
@@ -292,6 +296,8 @@ class CheckpointReader:
             logger.warning("crc32c mismatch in %s bytes [%d, %d) (attempt %d of %d); re-reading",
                            self.storage.url(rec.file), rec.offset + bad[0], rec.offset + bad[1],
                            attempt + 1, self.crc_retries + 1)
+        if bad is None:  # the loop above made no read at all
+            raise ValueError(f"crc_retries must be >= 0, got {self.crc_retries}")
         keys = [t.key for t in item.tensors if t.blob == blob_id] or [f"blob {blob_id}"]
         raise IntegrityError(
             f"{self.storage.url(rec.file)}: crc32c mismatch in bytes [{rec.offset + bad[0]}, "

@@ -53,11 +53,14 @@ def metric_value(entry: CheckpointEntry, metric: str) -> float | None:
 def best_entries(entries: Iterable[CheckpointEntry], metric: str, maximize: bool,
                  n: int) -> list[CheckpointEntry]:
     """The ``n`` best committed entries by ``metric`` (ties: newer first)."""
-    scored = [(i, e) for i, e in enumerate(entries)
-              if e.committed and metric_value(e, metric) is not None]
     sign = -1.0 if maximize else 1.0
-    scored.sort(key=lambda ie: (sign * metric_value(ie[1], metric), -ie[0]))
-    return [e for _, e in scored[:n]]
+    scored: list[tuple[float, int, CheckpointEntry]] = []  # (signed score, -position, entry)
+    for i, e in enumerate(entries):
+        v = metric_value(e, metric) if e.committed else None
+        if v is not None:
+            scored.append((sign * v, -i, e))
+    scored.sort(key=lambda t: (t[0], t[1]))
+    return [e for _, _, e in scored[:n]]
 
 
 def plan_deletions(entries: list[CheckpointEntry], policy: RetentionPolicy,

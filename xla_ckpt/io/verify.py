@@ -38,7 +38,13 @@ from xla_ckpt.storage import ObjectInfo, Storage
 
 logger = logging.getLogger(__name__)
 
-Progress = Callable[[int], None]
+Progress = Callable[[int], object]  # called with a byte count; what it returns is ignored
+
+# One slice to check: (item name, item, blob index, blob record, blob-relative start, length,
+# generation of the data file as stat'ed).
+_Task = tuple[str, Item, int, BlobRecord, int, int, int | None]
+# What checking one slice found: (crc32c of the slice, blob-relative bad chunk ranges).
+_SliceResult = tuple[int, list[tuple[int, int]]]
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,7 @@ def verify_checkpoint(storage: Storage, manifest: Manifest | None = None, *,
         report.tensors += len(item.tensors)
         _check_state(name, item, report)
     sizes = _check_files(storage, m, report)
-    tasks = []
+    tasks: list[_Task] = []
     for iname, item in m.items.items():
         for b, rec in enumerate(item.blobs):
             actual = sizes.get(rec.file)
@@ -175,10 +181,11 @@ def _check_files(storage: Storage, m: Manifest, report: VerifyReport) -> dict[st
         try:
             info = storage.stat(name)
         except CheckpointNotFoundError:
-            for iname, item, b in users or [("", None, -1)]:
-                keys = _keys(item, b) if item is not None else ()
-                report.problems.append(Problem("missing", name, iname, keys,
-                                               f"data file is missing (expected {expected} bytes)"))
+            missing = f"data file is missing (expected {expected} bytes)"
+            if not users:  # a listed file no blob lives in: one problem for the file itself
+                report.problems.append(Problem("missing", name, "", (), missing))
+            for iname, item, b in users:
+                report.problems.append(Problem("missing", name, iname, _keys(item, b), missing))
             continue
         sizes[name] = info
         if info.size != expected:
@@ -216,7 +223,7 @@ def _slices(rec: BlobRecord, slice_size: int) -> list[tuple[int, int]]:
 
 
 def _check_slice(storage: Storage, rec: BlobRecord, start: int, n: int,
-                 generation: int | None) -> tuple[int, list[tuple[int, int]]]:
+                 generation: int | None) -> _SliceResult:
     """(crc32c of the slice, blob-relative bad chunk ranges)."""
     buf = bytearray(n)
     view = memoryview(buf)
@@ -231,10 +238,10 @@ def _check_slice(storage: Storage, rec: BlobRecord, start: int, n: int,
     return crc32c(view), bad
 
 
-def _run(storage: Storage, tasks: list[tuple], progress: Progress | None) -> list:
+def _run(storage: Storage, tasks: list[_Task], progress: Progress | None) -> list:
     results: list = [None] * len(tasks)
 
-    def one(i: int):
+    def one(i: int) -> tuple[int, _SliceResult]:
         _iname, _item, _b, rec, start, n, gen = tasks[i]
         return i, _check_slice(storage, rec, start, n, gen)
 
@@ -256,9 +263,9 @@ def _run(storage: Storage, tasks: list[tuple], progress: Progress | None) -> lis
     return results
 
 
-def _judge(m: Manifest, tasks: list[tuple], results: list, report: VerifyReport) -> None:
+def _judge(m: Manifest, tasks: list[_Task], results: list, report: VerifyReport) -> None:
     per_blob: dict[tuple[str, int], list[tuple[int, int, int, list]]] = {}
-    for (iname, _item, b, _rec, start, n, _g), (crc, bad) in zip(tasks, results):
+    for (iname, _item, b, _rec, start, n, _g), (crc, bad) in zip(tasks, results, strict=True):
         per_blob.setdefault((iname, b), []).append((start, n, crc, bad))
     for (iname, b), parts in per_blob.items():
         item = m.items[iname]

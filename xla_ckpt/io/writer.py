@@ -30,6 +30,7 @@ from xla_ckpt.format.manifest import (
     STATE_ITEM,
     Item,
     Manifest,
+    rank_item,
 )
 from xla_ckpt.format.plan import blob_record, plan_item, tensor_bytes
 from xla_ckpt.format.safetensors_layout import build_header
@@ -78,7 +79,8 @@ def write_item(storage: Storage, save_id: str, item_name: str, state: Any, *,
     fname = data_file_name(save_id, item_name)
     header, offsets = build_header(plan.blobs, {"format": "pt", "xla_ckpt_save_id": save_id,
                                                 "xla_ckpt_item": item_name})
-    blobs = [blob_record(b, fname, off, chunk_size_bytes) for b, off in zip(plan.blobs, offsets)]
+    blobs = [blob_record(b, fname, off, chunk_size_bytes)
+             for b, off in zip(plan.blobs, offsets, strict=True)]
     info = storage.write_atomic(fname, [header] + [tensor_bytes(b.data) for b in plan.blobs])
     item = Item(state=plan.state, tensors=plan.tensors, blobs=blobs)
     dt = time.perf_counter() - t0
@@ -149,8 +151,6 @@ def save(state: Any, uri: str, *, metadata: Any = None,
         UnsupportedTypeError: a value cannot be encoded (names its key and type).
         StorageError: the backend failed; nothing was committed.
     """
-    from xla_ckpt.format.manifest import rank_item
-
     own = storage is None
     st = storage or open_storage(uri, config)
     try:

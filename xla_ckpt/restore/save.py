@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -179,8 +179,9 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
     return manifest
 
 
-def make_saver(*, dist: Dist | None = None, **kwargs: Any):
-    """A ``saver(state, uri, *, metadata, rank_state)`` for :class:`xla_ckpt.trainer.Checkpointer`."""
+def make_saver(*, dist: Dist | None = None, **kwargs: Any) -> Callable[..., Manifest]:
+    """A ``saver(state, uri, *, metadata, rank_state)`` for
+    :class:`xla_ckpt.trainer.Checkpointer`."""
 
     def saver(state: Any, uri: str, *, metadata: Any = None, rank_state: Any = None) -> Manifest:
         return save_distributed(state, uri, dist=dist, metadata=metadata, rank_state=rank_state,
