@@ -43,8 +43,10 @@ def test_file_holds_exactly_the_blobs_at_their_offsets(checkpoint, tmp_path):
     finally:
         os.close(fd)
     data = path.read_bytes()
-    # progress: increasing, and the last one is the end of the last blob with bytes
-    assert ends == sorted(set(ends)) and len(ends) > 1
+    # progress: strictly increasing, and the last one is the end of the last blob with bytes.
+    # How many marks there are depends on the order the slices finish in (one, if the first
+    # slice finishes last), so only the order and the final mark are fixed.
+    assert ends and ends == sorted(set(ends))
     assert ends[-1] == max(offsets[i] + b.length for i, b in enumerate(item.blobs) if b.length)
     for i, b in enumerate(item.blobs):
         assert data[offsets[i]:offsets[i] + b.length] == want[i].numpy().tobytes()
