@@ -15,7 +15,9 @@ from xla_ckpt.testing.asserts import tensor_bits
 
 
 def _dist(kind: str, timeout_s: float = 60.0):
-    return get_dist(DistConfig(backend=kind, timeout_s=timeout_s))
+    cfg = DistConfig(backend=kind,  # type: ignore[arg-type]  # a test's str: checked at run time
+                     timeout_s=timeout_s)
+    return get_dist(cfg)
 
 
 def topology(kind: str) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ def test_small_tensors_are_packed_and_large_ones_move_in_place():
 def test_every_byte_is_planned_exactly_once():
     sizes = [7, 64, 1, 0, 65, 128, 3, 3, 200, 40]
     plan = plan_buckets(sizes, bucket_size_bytes=64, direct_min_bytes=32)
-    covered = {i: [] for i in range(len(sizes))}
+    covered: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(sizes))}
     for b in plan:
         assert b.nbytes <= 64
         assert b.nbytes == sum(p.nbytes for p in b.parts)
@@ -33,7 +35,7 @@ def test_every_byte_is_planned_exactly_once():
     for i, n in enumerate(sizes):
         spans = sorted(covered[i])
         assert sum(e - s for s, e in spans) == n
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
 
 
 def test_bad_arguments_are_refused():

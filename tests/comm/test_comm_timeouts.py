@@ -1,4 +1,4 @@
-"""Nothing hangs: a late rank or a dead rank turns into an error on the others, within the timeout."""
+"""Nothing hangs: a late or a dead rank turns into an error on the others, within the timeout."""
 
 from __future__ import annotations
 
@@ -40,4 +40,4 @@ def test_dead_peer_fails_the_exchange_on_the_others():
         assert not r.timed_out
         assert isinstance(r.error, DistributedError), r.traceback
         assert "exchange (control plane all_gather)" in str(r.error)
-        assert r.error.collective_broken is True
+        assert getattr(r.error, "collective_broken", None) is True

@@ -163,7 +163,7 @@ def test_follow_maps_published_ranges_while_the_leader_fills():
     published = []
 
     def leader():
-        for off, d in zip(offsets, data):
+        for off, d in zip(offsets, data, strict=True):
             os.pwrite(seg.fd, d, off)
             published.append(off - HEADER_BYTES + len(d))
             seg.publish(published[-1])

@@ -40,7 +40,8 @@ def test_collectives_of_a_world_of_one():
 def test_a_local_failure_becomes_distributed_error_with_the_cause():
     d = SingleProcess()
     with pytest.raises(DistributedError) as info:
-        d.run_collectively(lambda: {}["missing"], "reading the manifest")
+        empty: dict[str, int] = {}
+        d.run_collectively(lambda: empty["missing"], "reading the manifest")
     e = info.value
     assert e.failures == {0: "KeyError: 'missing'"}
     assert str(e) == ("reading the manifest failed on rank(s) 0 of 1 (reported on rank 0) "

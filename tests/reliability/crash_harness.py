@@ -370,8 +370,8 @@ def _gcs_target(method: str, url: str, params: dict | None, body: bytes) -> tupl
     if "/upload/" in path:
         name = (params or {}).get("name")
         if name is None:
-            m = _UPLOAD_NAME.search(body[:4096])
-            name = m.group(1).decode() if m else "?"
+            hit = _UPLOAD_NAME.search(body[:4096])
+            name = hit.group(1).decode() if hit else "?"
         return "upload", name
     m = re.search(r"/o/(.+?)(/compose)?$", path)
     obj = m.group(1) if m else path
@@ -401,13 +401,13 @@ def install_gcs_hook(tracer: Tracer, bucket: str) -> None:
         tracer.end(i)
         return resp
 
-    requests.Session.request = request
+    requests.Session.request = request  # type: ignore[method-assign]  # the hook, on purpose
 
 
 def install_local_hook(tracer: Tracer) -> None:
     import xla_ckpt.storage.local as local
 
-    local.os = _LocalOs(tracer)
+    local.os = _LocalOs(tracer)  # type: ignore[assignment]  # a tracing stand-in for os
 
 
 # ---- storage set-up per backend ----------------------------------------------------------------
@@ -552,7 +552,7 @@ def run_saver(run_uri: str, backend: str, mode: str, kill: KillPoint | None,
         code = _reap(pid)
     finally:
         os.close(r)
-    out = {"exitcode": code, "paused": None, "steps": None, "error": None}
+    out: dict[str, Any] = {"exitcode": code, "paused": None, "steps": None, "error": None}
     if msg is None:
         out["error"] = f"saver gave no sign within {SAVE_TIMEOUT_S} s (exit code {code})"
     elif "error" in msg:
@@ -688,10 +688,10 @@ def preload(backend: str) -> None:
     import xla_ckpt.testing.asserts
 
     if backend == "gcs":
-        import google.cloud.storage  # noqa: F401
-        import requests  # noqa: F401
+        import google.cloud.storage  # noqa: F401 - imported to warm the forks, not used here
+        import requests  # noqa: F401 - imported to warm the forks, not used here
 
-        import xla_ckpt.storage.gcs  # noqa: F401
+        import xla_ckpt.storage.gcs  # noqa: F401 - imported to warm the forks, not used here
 
 
 def campaign(base_uri: str, backend: str, mode: str, count: int, *, recover: bool = True,

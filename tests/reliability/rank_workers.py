@@ -58,7 +58,7 @@ def _hook_storage_reads(action) -> None:
                 action()
             return _real(self, *a, **kw)
 
-        cls.read_range = hooked
+        cls.read_range = hooked  # type: ignore[method-assign]  # the fault hook, on purpose
 
 
 def _hook_host_memory_map(action) -> None:
@@ -71,7 +71,7 @@ def _hook_host_memory_map(action) -> None:
         action()
         return real(self, *a, **kw)
 
-    PrivateMapping.follow = hooked
+    PrivateMapping.follow = hooked  # type: ignore[method-assign]  # the fault hook, on purpose
 
 
 def _hook_second_bucket(d, action) -> None:
@@ -99,6 +99,7 @@ def restore_with_victim(uri: str, strategy: str, scenario: str, victim: int,
 
     get_dist(DistConfig(backend="gloo", timeout_s=120.0))  # the job's process group
     d = TorchDist.new_subgroup(range(4), timeout_s=timeout_s)  # fresh groups for this case
+    assert d is not None  # every rank of the 4 is a member
     host_memory = strategy == "broadcast_host_memory"
     strategy = "broadcast" if host_memory else strategy
     if d.rank == victim and scenario != "raise":
@@ -140,6 +141,7 @@ def exchange_cost(n: int) -> dict:
 
     get_dist(DistConfig(backend="gloo", timeout_s=120.0))
     d = TorchDist.new_subgroup(range(4), timeout_s=60.0)
+    assert d is not None  # every rank of the 4 is a member
     marks = d._liveness
     out = {}
     for label, lv in (("warm_up", marks), ("with_marks", marks), ("without_marks", None),

@@ -13,17 +13,21 @@
 This layer knows nothing about checkpoints.
 """
 
-from xla_ckpt.comm.base import Dist, decode_object, describe_error, encode_object
+from typing import Any
+
+from xla_ckpt.comm.base import Dist
 from xla_ckpt.comm.buckets import DEFAULT_BUCKET_SIZE_BYTES, plan_buckets
+from xla_ckpt.comm.failures import describe_error
+from xla_ckpt.comm.objects import decode_object, encode_object
 from xla_ckpt.comm.select import get_dist, resolve_backend
 from xla_ckpt.comm.single import SingleProcess
 from xla_ckpt.comm.topology import Topology
 from xla_ckpt.comm.torch_dist import TorchDist
 
 
-def __getattr__(name: str):
-    if name == "XlaDist":  # imported lazily: it needs torch_xla
-        from xla_ckpt.comm.xla_dist import XlaDist
+def __getattr__(name: str) -> Any:
+    if name == "XlaDist":
+        from xla_ckpt.comm.xla_dist import XlaDist  # noqa: PLC0415 - lazily: it needs torch_xla
 
         return XlaDist
     raise AttributeError(name)

@@ -27,7 +27,8 @@ they are collectives.  The rules that keep a job from hanging:
   maps each failing rank to its cause.
 
 Small objects travel as JSON produced by :mod:`xla_ckpt.format.typed`, never
-as pickles: a peer can send data, not code.
+as pickles: a peer can send data, not code (:mod:`xla_ckpt.comm.objects`); a
+rank's failure travels as one line (:mod:`xla_ckpt.comm.failures`).
 """
 
 from __future__ import annotations
@@ -44,52 +45,22 @@ from xla_ckpt.comm.buckets import (
     DEFAULT_BUCKET_SIZE_BYTES,
     byte_view,
     max_staging_bytes,
+    pack,
     plan_buckets,
+    unpack,
 )
+from xla_ckpt.comm.failures import describe_error
+from xla_ckpt.comm.objects import decode_object, encode_object
 from xla_ckpt.comm.topology import Topology
-from xla_ckpt.errors import CheckpointCorruptError, DistributedError
-from xla_ckpt.format import typed
+from xla_ckpt.errors import DistributedError
 from xla_ckpt.format.crc import crc32c
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MAX_CAUSE_CHARS = 2000
-
-
-def encode_object(obj: Any) -> bytes:
-    """Typed JSON bytes of a small object (no tensors).
-
-    Raises:
-        UnsupportedTypeError: ``obj`` holds something the typed encoding cannot carry.
-    """
-    return json.dumps(typed.encode(obj), ensure_ascii=False, allow_nan=False,
-                      separators=(",", ":")).encode("utf-8")
-
-
-def decode_object(data: bytes) -> Any:
-    """Inverse of :func:`encode_object`.
-
-    Raises:
-        CheckpointCorruptError: the bytes are not a typed JSON document.
-    """
-    try:
-        return typed.decode(json.loads(data.decode("utf-8")))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointCorruptError(f"control-plane message is not typed JSON ({e})") from None
-
-
-def describe_error(error: BaseException | str) -> str:
-    """One line ``"TypeName: message"`` (bounded length) for a failure report."""
-    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    text = " ".join(str(text).split())
-    return text if len(text) <= MAX_CAUSE_CHARS else text[:MAX_CAUSE_CHARS - 3] + "..."
-
-
-def is_broken_collective(error: BaseException) -> bool:
-    """True if ``error`` came from a collective that did not complete (the group is unusable)."""
-    return bool(getattr(error, "collective_broken", False))
+# Re-exported: callers import the control-plane helpers from here too.
+__all__ = ["Dist", "decode_object", "describe_error", "encode_object"]
 
 
 def _signature(sizes: Sequence[int]) -> list[int]:
@@ -198,15 +169,17 @@ class Dist(abc.ABC):
         return decode_object(self._broadcast_bytes(payload, src, "broadcast_object"))
 
     def exchange_bytes(self, data: bytes) -> list[bytes]:
-        """All-gather raw bytes (e.g. JSON a caller encoded itself); element ``r`` is rank ``r``'s."""
+        """All-gather raw bytes (e.g. JSON a caller encoded); element ``r`` is rank ``r``'s."""
         return self._allgather_bytes(bytes(data), "exchange_bytes")
 
     def broadcast_bytes(self, data: bytes | None = None, src: int = 0) -> bytes:
         """``src``'s raw bytes (e.g. a manifest's JSON) on every rank; receivers pass nothing."""
-        if self.rank == src and data is None:
-            raise ValueError("the source rank must pass the bytes to broadcast")
-        return self._broadcast_bytes(bytes(data) if self.rank == src else None, src,
-                                     "broadcast_bytes")
+        payload: bytes | None = None
+        if self.rank == src:
+            if data is None:
+                raise ValueError("the source rank must pass the bytes to broadcast")
+            payload = bytes(data)
+        return self._broadcast_bytes(payload, src, "broadcast_bytes")
 
     # ---- failure agreement ----------------------------------------------------------
     def agree(self, error: BaseException | str | None, what: str) -> None:
@@ -324,12 +297,10 @@ class Dist(abc.ABC):
                 staging = torch.empty(need, dtype=torch.uint8, device=dev)
             buf = staging[:b.nbytes]
             if is_src:
-                for p in b.parts:
-                    buf[p.offset:p.offset + p.nbytes].copy_(views[p.index][p.start:p.start + p.nbytes])
+                pack(buf, views, b)
             self._data_broadcast(buf, src)
             if not is_src:
-                for p in b.parts:
-                    views[p.index][p.start:p.start + p.nbytes].copy_(buf[p.offset:p.offset + p.nbytes])
+                unpack(buf, views, b)
         total = sum(sizes)
         dt = time.perf_counter() - t0
         logger.debug("rank %d: broadcast_tensors moved %d bytes in %d buckets in %.3f s "
@@ -374,21 +345,23 @@ class Dist(abc.ABC):
         dev = self.data_device
         moved = 0
         if self.rank == src:
-            for v_out, v_in in zip(out_views, in_views.get(src, [])):
+            # strict: the agreed check above matched inputs[src] to src's own outputs
+            for v_out, v_in in zip(out_views, in_views.get(src, []), strict=True):
                 if v_out.data_ptr() != v_in.data_ptr():
                     v_out.copy_(v_in)
             for r in range(self.world_size):
                 if r == src or not in_views[r]:
                     continue
-                moved += self._move(in_views[r], bucket_size_bytes, dev,
-                                    lambda buf, r=r: self._data_send(buf, r), send=True)
+                moved += self._move(in_views[r], bucket_size_bytes, dev, self._data_send, r,
+                                    send=True)
         elif out_views:
-            moved = self._move(out_views, bucket_size_bytes, dev,
-                               lambda buf: self._data_recv(buf, src), send=False)
+            moved = self._move(out_views, bucket_size_bytes, dev, self._data_recv, src,
+                               send=False)
         return moved
 
     def _move(self, views: list[torch.Tensor], bucket_size_bytes: int, dev: torch.device,
-              op: Callable[[torch.Tensor], None], *, send: bool) -> int:
+              op: Callable[[torch.Tensor, int], None], peer: int, *, send: bool) -> int:
+        """Move ``views`` to or from rank ``peer`` in buckets: ``op`` is the send or the receive."""
         sizes = [v.numel() for v in views]
         plan = plan_buckets(sizes, bucket_size_bytes)
         staged_all = any(v.device != dev for v in views)
@@ -397,17 +370,15 @@ class Dist(abc.ABC):
         for b in plan:
             if b.direct and not staged_all:
                 p = b.parts[0]
-                op(views[p.index][p.start:p.start + p.nbytes])
+                op(views[p.index][p.start:p.start + p.nbytes], peer)
                 continue
             assert staging is not None
             buf = staging[:b.nbytes]
             if send:
-                for p in b.parts:
-                    buf[p.offset:p.offset + p.nbytes].copy_(views[p.index][p.start:p.start + p.nbytes])
-            op(buf)
+                pack(buf, views, b)
+            op(buf, peer)
             if not send:
-                for p in b.parts:
-                    views[p.index][p.start:p.start + p.nbytes].copy_(buf[p.offset:p.offset + p.nbytes])
+                unpack(buf, views, b)
         return sum(sizes)
 
     def subgroup(self, ranks: Sequence[int]) -> "Dist | None":
@@ -429,8 +400,11 @@ class Dist(abc.ABC):
         """Whether :meth:`subgroup` works on this backend."""
         return False
 
-    def close(self) -> None:
-        """Release groups this object created (the default process group is left alone)."""
+    def close(self) -> None:  # noqa: B027 - a deliberate no-op default, not an abstract method
+        """Release groups this object created (the default process group is left alone).
+
+        The default does nothing: a backend that creates no groups need not override it.
+        """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._topology}, backend={self.backend})"

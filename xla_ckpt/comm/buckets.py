@@ -16,6 +16,7 @@ the same collectives in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -100,3 +101,15 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 def max_staging_bytes(plan: list[Bucket]) -> int:
     """Size of the one staging buffer a plan needs (0 if every bucket is direct)."""
     return max((b.nbytes for b in plan if not b.direct), default=0)
+
+
+def pack(buf: torch.Tensor, views: Sequence[torch.Tensor], bucket: Bucket) -> None:
+    """Copy ``bucket``'s parts of ``views`` (byte views) into its staging buffer ``buf``."""
+    for p in bucket.parts:
+        buf[p.offset:p.offset + p.nbytes].copy_(views[p.index][p.start:p.start + p.nbytes])
+
+
+def unpack(buf: torch.Tensor, views: Sequence[torch.Tensor], bucket: Bucket) -> None:
+    """Copy the staging buffer ``buf`` of ``bucket`` back into its parts of ``views``."""
+    for p in bucket.parts:
+        views[p.index][p.start:p.start + p.nbytes].copy_(buf[p.offset:p.offset + p.nbytes])

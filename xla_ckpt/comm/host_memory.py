@@ -99,7 +99,7 @@ def host_identity() -> str | None:
 
 
 def segment_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Offsets (bytes, from the start of the data) of tensors of ``sizes`` bytes, and the data size."""
+    """Offsets (bytes, from the data's start) of tensors of ``sizes`` bytes, and the data size."""
     offsets, end = [], 0
     for n in sizes:
         offsets.append(end)
@@ -109,7 +109,7 @@ def segment_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
 
 def _views(base: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     offsets, _ = segment_layout(sizes)
-    return [base[o:o + int(n)] for o, n in zip(offsets, sizes)]
+    return [base[o:o + int(n)] for o, n in zip(offsets, sizes, strict=True)]
 
 
 class Segment:
@@ -137,7 +137,10 @@ class Segment:
         return self.fd >= 0 and _sealed(self.fd)
 
     def publish(self, nbytes: int) -> None:
-        """Tell followers that the first ``nbytes`` data bytes are written and checked (or :data:`FAILED`)."""
+        """Tell followers the first ``nbytes`` data bytes are written and checked.
+
+        ``nbytes`` is :data:`FAILED` when the fill failed.
+        """
         os.pwrite(self.fd, struct.pack("<Q", nbytes), PROGRESS_OFFSET)
 
     @property

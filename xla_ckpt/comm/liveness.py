@@ -36,6 +36,8 @@ import time
 import weakref
 from typing import Any, Sequence
 
+import torch.distributed as tdist
+
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
@@ -51,8 +53,6 @@ class _Heartbeat:
     """The daemon thread that beats (and publishes progress) for this process; one per process."""
 
     def __init__(self, store: Any, global_rank: int, interval_s: float) -> None:
-        import torch.distributed as tdist
-
         self._store = tdist.PrefixStore(_PREFIX + "hb/", store)
         self._key = str(global_rank)
         self._interval_s = interval_s
@@ -134,8 +134,6 @@ class Liveness:
 
     def __init__(self, store: Any, *, namespace: str, rank: int, global_ranks: Sequence[int],
                  dead_after_s: float = DEAD_AFTER_S) -> None:
-        import torch.distributed as tdist
-
         self.rank = rank
         self.global_ranks = list(global_ranks)
         self.dead_after_s = dead_after_s
@@ -222,8 +220,6 @@ def for_group(group: Any) -> Liveness | None:
 
     Every rank of ``group`` calls it after creating the group (nothing waits).
     """
-    import torch.distributed as tdist
-
     try:
         ranks = tdist.get_process_group_ranks(group)
         if len(ranks) < 2:

@@ -11,6 +11,7 @@ import torch.distributed as tdist
 
 from xla_ckpt.comm.base import Dist
 from xla_ckpt.comm.single import SingleProcess
+from xla_ckpt.comm.torch_dist import TorchDist
 from xla_ckpt.config import DistConfig
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,9 @@ def get_dist(config: DistConfig | None = None, *, backend: str | None = None) ->
     """
     cfg = config or DistConfig()
     if backend is not None:
-        cfg = DistConfig(backend=backend, init_method=cfg.init_method, timeout_s=cfg.timeout_s)
+        # ``backend`` is any string (a command line, the environment): DistConfig checks it.
+        cfg = DistConfig(backend=backend,  # type: ignore[arg-type]  # a str, checked at run time
+                         init_method=cfg.init_method, timeout_s=cfg.timeout_s)
     kind = resolve_backend(cfg)
     key = (kind, cfg.init_method, cfg.timeout_s)
     with _lock:
@@ -79,8 +82,6 @@ def get_dist(config: DistConfig | None = None, *, backend: str | None = None) ->
             init = None if cfg.init_method == "env://" else cfg.init_method
             d = XlaDist(init_method=init, timeout_s=cfg.timeout_s)
         else:
-            from xla_ckpt.comm.torch_dist import TorchDist  # noqa: PLC0415
-
             d = TorchDist(backend=kind, init_method=cfg.init_method, timeout_s=cfg.timeout_s)
         logger.info("rank %d: using %r", d.rank, d)
         _cache[key] = d

@@ -107,7 +107,7 @@ def collective_error(op: str, rank: int, timeout_s: float, seconds: float,
         err = DistributedError(
             f"rank {rank}: {op} failed after {seconds:.1f} s ({text}); another rank has "
             "probably died or left — check the other ranks' logs", failures)
-    err.collective_broken = True  # type: ignore[attr-defined]
+    err.collective_broken = True  # type: ignore[attr-defined]  # a flag, see is_broken_collective
     return err
 
 
@@ -204,7 +204,8 @@ class TorchDist(Dist):
     @property
     def device(self) -> torch.device:
         if self._backend == "nccl":
-            return torch.device("cuda", self._topology.local_rank % max(torch.cuda.device_count(), 1))
+            local = self._topology.local_rank
+            return torch.device("cuda", local % max(torch.cuda.device_count(), 1))
         return torch.device("cpu")
 
     @property
@@ -252,14 +253,15 @@ class TorchDist(Dist):
             tdist.all_gather(slots, slot, group=self._ctrl)
             lens = [_read_length(sl) for sl in slots]
             if max(lens) <= SMALL_ALLGATHER_BYTES:
-                return [sl[_HEADER:_HEADER + k].numpy().tobytes() for sl, k in zip(slots, lens)]
+                return [sl[_HEADER:_HEADER + k].numpy().tobytes()
+                        for sl, k in zip(slots, lens, strict=True)]
             m = max(lens)
             buf = torch.zeros(m, dtype=torch.uint8)
             if data:
                 buf[:len(data)] = _tensor(data)
             outs = [torch.empty(m, dtype=torch.uint8) for _ in range(world)]
             tdist.all_gather(outs, buf, group=self._ctrl)
-            return [o[:k].numpy().tobytes() for o, k in zip(outs, lens)]
+            return [o[:k].numpy().tobytes() for o, k in zip(outs, lens, strict=True)]
 
         return self._guard(f"{op} (control plane all_gather)", run)
 

@@ -53,7 +53,7 @@ class XlaDist(TorchDist):
     def __init__(self, *, init_method: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         import torch_xla  # noqa: PLC0415 - optional dependency
-        import torch_xla.runtime as xr  # noqa: PLC0415
+        import torch_xla.runtime as xr  # noqa: PLC0415 - optional dependency
 
         if not tdist.is_initialized():
             if init_method is None:

@@ -59,7 +59,7 @@ def assert_state_identical(actual: Any, expected: Any, path: str = "state", *,
     if isinstance(expected, (list, tuple)):
         if len(actual) != len(expected):
             raise AssertionError(f"{path}: length {len(actual)} != {len(expected)}")
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_state_identical(a, e, f"{path}[{i}]", check_device=check_device)
         return
     if isinstance(expected, argparse.Namespace):

@@ -28,7 +28,8 @@ import tempfile
 import time
 import uuid
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 if TYPE_CHECKING:
     from xla_ckpt.storage.base import StorageConfig
@@ -165,7 +166,7 @@ class GCSEmulator:
     def __enter__(self) -> "GCSEmulator":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # ---- use ---------------------------------------------------------------------------
@@ -184,7 +185,8 @@ class GCSEmulator:
 
     def storage(self, path: str = "", config: "StorageConfig | None" = None) -> "GCSStorage":
         """A :class:`~xla_ckpt.storage.gcs.GCSStorage` rooted at ``gs://<bucket>/<path>``."""
-        from xla_ckpt.storage.gcs import GCSStorage
+        # Lazy: the GCS client stack (requests, google-auth) is for callers that talk GCS.
+        from xla_ckpt.storage.gcs import GCSStorage  # noqa: PLC0415 - heavy, needed here only
 
         return GCSStorage(self.uri(path), config, endpoint=self.host, project=self.project)
 
@@ -197,8 +199,6 @@ class GCSEmulator:
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object whose name starts with ``prefix`` (in-flight parts too); count."""
-        from urllib.parse import quote
-
         names: list[str] = []
         token = None
         while True:
@@ -217,14 +217,12 @@ class GCSEmulator:
 
     def object_names(self, prefix: str = "") -> list[str]:
         """Every object name under ``prefix``, in-flight parts included (for assertions)."""
-        from urllib.parse import quote
-
         q = quote(prefix, safe="")
         _, doc = self._request("GET", f"/storage/v1/b/{self.bucket}/o?prefix={q}")
         return sorted(o["name"] for o in (doc or {}).get("items", []))
 
     def _request(self, method: str, path: str, body: dict | None = None,
-                 ok: tuple[int, ...] = (200, 204)) -> tuple[int, object]:
+                 ok: tuple[int, ...] = (200, 204)) -> tuple[int, Any]:
         conn = http.client.HTTPConnection(self._bind, self.port, timeout=30)
         try:
             data = json.dumps(body).encode() if body is not None else None

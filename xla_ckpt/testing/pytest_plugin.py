@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Iterator
 
 import pytest
 
@@ -33,14 +34,14 @@ from xla_ckpt.testing.gcs_emulator import GCSEmulator
 
 
 @pytest.fixture(scope="session")
-def gcs_emulator():
+def gcs_emulator() -> Iterator[GCSEmulator]:
     """The session's GCS emulator (one subprocess, one bucket, in memory)."""
     with GCSEmulator() as emu:
         yield emu
 
 
 @pytest.fixture
-def gcs_uri(gcs_emulator, monkeypatch):
+def gcs_uri(gcs_emulator: GCSEmulator, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A fresh, empty ``gs://`` prefix on the emulator; ``xla_ckpt.save/load`` reach it by URI."""
     for k, v in gcs_emulator.env().items():
         monkeypatch.setenv(k, v)
@@ -50,13 +51,13 @@ def gcs_uri(gcs_emulator, monkeypatch):
 
 
 @pytest.fixture
-def gcs_env(gcs_emulator):
+def gcs_env(gcs_emulator: GCSEmulator) -> dict[str, str]:
     """Environment for a child process that uses the emulator."""
     return {**os.environ, **gcs_emulator.env()}
 
 
 @pytest.fixture
-def fault_proxy(gcs_emulator):
+def fault_proxy(gcs_emulator: GCSEmulator) -> Iterator[FaultProxy]:
     """A fresh fault-injecting proxy in front of the session's emulator (no shaping)."""
     with FaultProxy(gcs_emulator.host) as proxy:
         yield proxy

@@ -1,52 +1,24 @@
-"""Run a Python function in N real worker processes, the way torchrun would start them.
+"""The parent side of the launcher: :class:`WorkerPool`, :func:`launch`, :func:`shared_pool`.
 
-Each worker is a fresh ``spawn``-ed interpreter with the environment a
-launcher gives a rank: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port)
-and ``PJRT_DEVICE=CPU`` (so every worker owns its own XLA CPU device).  Code
-under test calls ``torch.distributed.init_process_group("gloo",
-init_method="env://")`` (or :func:`xla_ckpt.comm.get_dist`) as it would under
-torchrun.
-
-Only loopback is used: like torchrun's elastic agent, the launcher itself
-hosts the rendezvous ``TCPStore`` on a socket bound to 127.0.0.1 and tells the
-workers to be its clients (``TORCHELASTIC_USE_AGENT_STORE=True``); gloo is
-pinned to the loopback interface (``GLOO_SOCKET_IFNAME=lo``).
-
-Two ways to use it::
-
-    results = launch(fn, 4, args=(path,), timeout_s=60)       # one-shot
-    with WorkerPool(4) as pool:                                 # start once, run many
-        results = pool.run(fn, path, timeout_s=60)
-
-``fn`` must be importable by module and name (defined at module level).
-Every call returns one :class:`RankResult` per rank: the value, or the
-exception the rank raised (re-created with its type, ``args`` and
-attributes, e.g. :attr:`DistributedError.failures`), or how the process
-died.  A hard timeout kills stragglers, so a hang in the code under test
-shows up as ``timed_out=True`` instead of a stuck test run.
-
-Test helper only: library code never imports this module.
+The parent hosts the rendezvous ``TCPStore``, spawns one
+:func:`~xla_ckpt.testing.launcher.worker._worker_main` process per rank, sends
+each call to every rank and collects one :class:`RankResult` per rank (with a
+hard timeout).  See the package docstring for the environment each rank gets.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
-import importlib
-import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
-import os
-import pickle
-import signal
 import socket
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-logger = logging.getLogger(__name__)
+from xla_ckpt.testing.launcher.results import RankResult, RemoteError, _unpack_exception
+from xla_ckpt.testing.launcher.worker import _worker_main
 
 DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_RUN_TIMEOUT_S = 120.0
@@ -58,148 +30,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-class RemoteError(Exception):
-    """Stands in for a worker exception whose class could not be re-created in the parent."""
-
-
-@dataclass
-class RankResult:
-    """What one rank produced for one call.
-
-    Attributes:
-        rank: global rank of the worker.
-        value: what the function returned (None if it raised or died).
-        error: the exception it raised, re-created in the parent (same type,
-            ``args`` and attributes), a :class:`TimeoutError` if it was killed
-            by the hard timeout, or a :class:`RemoteError` if it died.
-        traceback: formatted traceback from the worker (chained causes included).
-        exitcode: process exit code if the process ended (negative = signal).
-        timed_out: True when the hard timeout killed it.
-        seconds: wall time of the call on that rank (0 if it never answered).
-    """
-
-    rank: int
-    value: Any = None
-    error: BaseException | None = None
-    traceback: str = ""
-    exitcode: int | None = None
-    timed_out: bool = False
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    def unwrap(self) -> Any:
-        """The value, or raise the rank's error (with its worker traceback in the message)."""
-        if self.error is not None:
-            raise RuntimeError(f"rank {self.rank} failed:\n{self.traceback}") from self.error
-        return self.value
-
-
-def _pack_exception(e: BaseException) -> dict:
-    attrs = {}
-    for k, v in vars(e).items():
-        try:
-            pickle.dumps(v)
-        except Exception:  # noqa: BLE001 - drop what cannot travel
-            continue
-        attrs[k] = v
-    try:
-        pickle.dumps(e.args)
-        args = e.args
-    except Exception:  # noqa: BLE001
-        args = tuple(str(a) for a in e.args)
-    try:
-        pickled = pickle.dumps(e)  # BaseException pickles as (cls, args, __dict__)
-        pickle.loads(pickled)
-    except Exception:  # noqa: BLE001 - rebuilt from the parts below instead
-        pickled = None
-    return {"module": type(e).__module__, "qualname": type(e).__qualname__, "args": args,
-            "attrs": attrs, "text": f"{type(e).__name__}: {e}", "pickled": pickled,
-            "traceback": "".join(traceback.format_exception(e))}
-
-
-def _unpack_exception(d: dict) -> BaseException:
-    if d.get("pickled") is not None:
-        try:
-            return pickle.loads(d["pickled"])
-        except Exception:  # noqa: BLE001 - e.g. the class is not importable here
-            pass
-    try:
-        cls: Any = importlib.import_module(d["module"])
-        for part in d["qualname"].split("."):
-            cls = getattr(cls, part)
-        if not (isinstance(cls, type) and issubclass(cls, BaseException)):
-            raise TypeError(d["qualname"])
-        e = None
-        for base in cls.__mro__:  # the builtin whose layout the class extends
-            if base.__module__ == "builtins" and issubclass(base, BaseException):
-                try:
-                    e = base.__new__(cls)
-                    break
-                except TypeError:
-                    continue
-        if e is None:
-            raise TypeError(d["qualname"])
-        e.args = d["args"]
-        e.__dict__.update(d["attrs"])
-        return e
-    except Exception:  # noqa: BLE001 - fall back to a readable stand-in
-        return RemoteError(d["text"])
-
-
-# ---------------------------------------------------------------------------- worker side
-def _worker_main(rank: int, world_size: int, env: dict[str, str], conn, preload: tuple) -> None:
-    os.environ.update(env)
-    import torch  # noqa: PLC0415 - after the environment is in place
-
-    torch.set_num_threads(1)
-    for mod in preload:
-        importlib.import_module(mod)
-    if "torch_xla" in preload:
-        # Bring the XLA device up before any backward pass: torch's autograd engine sizes its
-        # per-device queues when it first runs, and a pooled worker that ran a CPU backward
-        # before ever touching xla:0 later fails an internal assert on an XLA backward.
-        import torch_xla  # noqa: PLC0415
-
-        torch_xla.device()
-    conn.send(("ready", rank))
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        if msg is None:
-            break
-        call_id, fn, args, kwargs, call_env = msg
-        saved = {k: os.environ.get(k) for k in call_env}
-        os.environ.update(call_env)
-        t0 = time.perf_counter()
-        try:
-            value = fn(*args, **kwargs)
-            reply = ("ok", call_id, rank, value, time.perf_counter() - t0)
-            try:
-                conn.send(reply)
-            except Exception as e:  # noqa: BLE001 - e.g. an unpicklable return value
-                conn.send(("err", call_id, rank, _pack_exception(e), time.perf_counter() - t0))
-        except BaseException as e:  # noqa: BLE001 - report everything, SystemExit included
-            conn.send(("err", call_id, rank, _pack_exception(e), time.perf_counter() - t0))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-    try:
-        import torch.distributed as dist  # noqa: PLC0415
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -426,8 +256,3 @@ def _close_shared() -> None:
         if not pool.broken:
             pool.close()
     _SHARED.clear()
-
-
-def kill_self(sig: int = signal.SIGKILL) -> None:
-    """Kill the calling worker process at once (to emulate a rank lost mid-job)."""
-    os.kill(os.getpid(), sig)

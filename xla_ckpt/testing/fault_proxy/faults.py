@@ -1,0 +1,159 @@
+"""The fault model: what a fault is, what a rule sees of a request, what the proxy logs.
+
+:class:`Fault` (built with its class methods) is one injected fault; a
+:data:`Matcher` (:func:`downloads`, :func:`uploads`, :func:`requests_to`,
+:func:`any_request` or any callable) picks the requests it applies to, from
+the :class:`RequestInfo` of each.  :class:`RequestRecord` and
+:class:`ProxyStats` are what :class:`~xla_ckpt.testing.fault_proxy.FaultProxy`
+logs and counts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One injected fault.  Build with the class methods.
+
+    Attributes:
+        kind: ``"status"``, ``"reset"``, ``"short"``, ``"flip"`` (a response
+            body byte) or ``"flip_request"`` (a request body byte, e.g. of an
+            upload, before it is forwarded).
+        status: HTTP status sent instead of the real answer (``status``).
+        retry_after: ``Retry-After`` header value to send with it, if any.
+        after_bytes: ``reset``: body bytes sent before the connection drops
+            (None: random in ``[0, body length)``).
+        rst: ``reset``: drop with a TCP RST (True) or an orderly FIN (False).
+        drop_bytes: ``short``: body bytes left out at the end, Content-Length
+            cut to match, Content-Range kept (None: random).
+        flip_at: ``flip``: body byte index to invert (None: random);
+            ``flip_request``: request body byte index (None: the middle).
+    """
+
+    kind: str
+    status: int = 503
+    retry_after: str | None = None
+    after_bytes: int | None = None
+    rst: bool = True
+    drop_bytes: int | None = None
+    flip_at: int | None = None
+
+    @classmethod
+    def error(cls, status: int = 503, *, retry_after: str | float | None = None) -> "Fault":
+        return cls(kind="status", status=status,
+                   retry_after=None if retry_after is None else str(retry_after))
+
+    @classmethod
+    def reset(cls, after_bytes: int | None = None, *, rst: bool = True) -> "Fault":
+        return cls(kind="reset", after_bytes=after_bytes, rst=rst)
+
+    @classmethod
+    def short(cls, drop_bytes: int | None = None) -> "Fault":
+        return cls(kind="short", drop_bytes=drop_bytes)
+
+    @classmethod
+    def flip(cls, at: int | None = None) -> "Fault":
+        return cls(kind="flip", flip_at=at)
+
+    @classmethod
+    def flip_request(cls, at: int | None = None) -> "Fault":
+        return cls(kind="flip_request", flip_at=at)
+
+    @property
+    def needs_body(self) -> bool:
+        return self.kind in ("reset", "short", "flip")
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What a fault rule sees of a request."""
+
+    method: str
+    path: str          # URL path, percent-decoded
+    query: str
+    range: str | None  # the Range header
+    object_name: str   # decoded object name for object URLs, else ""
+    is_download: bool  # a media GET (alt=media or /download/)
+    is_upload: bool
+
+
+@dataclass
+class RequestRecord:
+    """One proxied request, as logged.
+
+    Attributes:
+        method, path, query, range: of the request (path percent-decoded).
+        object_name: object the request addressed ("" for bucket calls).
+        status: status sent to the client.
+        body_bytes: response body bytes actually sent to the client.
+        fault: kind of fault injected ("" for none).
+        request_body: the request body when it is JSON (compose, metadata), else None.
+    """
+
+    method: str
+    path: str
+    query: str
+    range: str | None
+    object_name: str
+    info: RequestInfo
+    status: int = 0
+    body_bytes: int = 0
+    fault: str = ""
+    request_body: object = None
+
+
+@dataclass
+class ProxyStats:
+    """Counters of what the proxy served (read under :meth:`FaultProxy.snapshot`)."""
+
+    requests: int = 0
+    connections: int = 0
+    bytes_served: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+
+
+Matcher = Callable[[RequestInfo], bool]
+
+
+def downloads(object_contains: str = "") -> Matcher:
+    """Match media GETs of objects whose name contains ``object_contains``."""
+    return lambda r: r.is_download and object_contains in r.object_name
+
+
+def uploads(object_contains: str = "") -> Matcher:
+    """Match uploads of objects whose name contains ``object_contains``."""
+    return lambda r: r.is_upload and object_contains in r.object_name
+
+
+def requests_to(object_contains: str = "", method: str | None = None,
+                path_regex: str | None = None) -> Matcher:
+    """Match requests on objects whose name contains ``object_contains`` (and method/path)."""
+    rx = re.compile(path_regex) if path_regex else None
+    return lambda r: (object_contains in r.object_name
+                      and (method is None or r.method == method)
+                      and (rx is None or bool(rx.search(r.path))))
+
+
+def any_request(_r: RequestInfo) -> bool:
+    return True
+
+
+@dataclass
+class _Rule:
+    fault: Fault
+    match: Matcher
+    times: int
+
+
+@dataclass
+class _RandomRule:
+    probability: float
+    faults: tuple[Fault, ...]
+    match: Matcher
+    limit: int | None
+    status_match: Matcher | None

@@ -1,0 +1,273 @@
+"""The proxy's HTTP server: one thread per client connection, each request forwarded upstream.
+
+:class:`_Handler` reads a request, classifies it (:class:`RequestInfo`: object
+name, download or upload), asks its :class:`~.proxy.FaultProxy` for a fault,
+forwards the request to the emulator and sends the answer back, shaped
+(:class:`~.shaping.Shaping`) and damaged as the fault says.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import logging
+import re
+import socket
+import socketserver
+import struct
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit
+
+from xla_ckpt.testing.fault_proxy.faults import Fault, RequestInfo, RequestRecord
+from xla_ckpt.testing.fault_proxy.shaping import MiB
+
+if TYPE_CHECKING:
+    from xla_ckpt.testing.fault_proxy.proxy import FaultProxy
+
+logger = logging.getLogger(__name__)
+
+_HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+               "trailers", "transfer-encoding", "upgrade", "content-length"}
+_SEND_CHUNK_BYTES = 256 * 1024
+
+
+class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 256
+
+    def __init__(self, addr: tuple[str, int], handler: type[http.server.BaseHTTPRequestHandler],
+                 proxy: FaultProxy) -> None:
+        self.proxy = proxy
+        super().__init__(addr, handler)
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # Clients drop connections on purpose (injected faults, exit): not worth a traceback.
+        logger.debug("proxy: connection from %s ended with an error", client_address, exc_info=True)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        p = self.server.proxy
+        with p._lock:
+            p.stats.connections += 1
+            p._conns.add(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        except OSError:
+            pass
+        p = self.server.proxy
+        with p._lock:
+            p._conns.discard(self.connection)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        logger.debug("proxy: " + format, *args)
+
+    def do_GET(self) -> None:
+        self._proxy()
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_GET
+
+    # ---- one request ---------------------------------------------------------------------
+    def _proxy(self) -> None:
+        p = self.server.proxy
+        body = self._read_body()
+        split = urlsplit(self.path)
+        path = unquote(split.path)
+        info = RequestInfo(self.command, path, split.query, self.headers.get("Range"),
+                           _object_name(path, split.query),
+                           _is_download(self.command, path, split.query),
+                           _is_upload(self.command, path))
+        rec = RequestRecord(self.command, path, split.query, info.range, info.object_name, info)
+        if body and (self.headers.get("Content-Type") or "").startswith("application/json"):
+            try:
+                rec.request_body = json.loads(body)
+            except ValueError:
+                rec.request_body = None
+        with p._lock:
+            p.stats.requests += 1
+            p._records.append(rec)
+        fault = p._choose(info)
+        if fault is not None and fault.kind == "flip_request":
+            if body:
+                at = fault.flip_at if fault.flip_at is not None else len(body) // 2
+                buf = bytearray(body)
+                buf[min(max(at, 0), len(buf) - 1)] ^= 0xFF
+                body = bytes(buf)
+                rec.fault = fault.kind
+                with p._lock:
+                    p.stats.faults[fault.kind] += 1
+            fault = None
+        if p.shaping.first_byte_latency_s:
+            time.sleep(p.shaping.first_byte_latency_s)
+        if fault is not None and fault.kind == "status":
+            self._send_error(rec, fault)
+            return
+        try:
+            status, reason, headers, payload = self._forward(body)
+        except OSError as e:
+            rec.status = 502
+            self._send_simple(502, f"upstream failed: {e}".encode())
+            return
+        self._respond(rec, status, reason, headers, payload, fault)
+
+    def _read_body(self) -> bytes:
+        n = self.headers.get("Content-Length")
+        if n is not None:
+            return self.rfile.read(int(n)) if int(n) else b""
+        if (self.headers.get("Transfer-Encoding") or "").lower() == "chunked":
+            parts = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    break
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()
+            return b"".join(parts)
+        return b""
+
+    def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
+        p = self.server.proxy
+        conn = http.client.HTTPConnection(p.upstream_host, p.upstream_port, timeout=120)
+        try:
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+            headers["Content-Length"] = str(len(body))
+            conn.request(self.command, self.path, body=body if body else None, headers=headers)
+            resp = conn.getresponse()
+            payload = resp.read()
+            return resp.status, resp.reason, resp.getheaders(), payload
+        finally:
+            conn.close()
+
+    def _respond(self, rec: RequestRecord, status: int, reason: str,
+                 headers: list[tuple[str, str]], payload: bytes, fault: Fault | None) -> None:
+        p = self.server.proxy
+        n = len(payload)
+        length = n
+        cut = None  # bytes after which the connection drops
+        if fault is not None and n > 0:
+            if fault.kind == "flip":
+                at = fault.flip_at if fault.flip_at is not None else p._randint(0, n - 1)
+                at = min(max(at, 0), n - 1)
+                buf = bytearray(payload)
+                buf[at] ^= 0xFF
+                payload = bytes(buf)
+            elif fault.kind == "short":
+                drop = fault.drop_bytes if fault.drop_bytes is not None else p._randint(1, n)
+                length = n - min(max(drop, 1), n)
+            elif fault.kind == "reset":
+                cut = fault.after_bytes if fault.after_bytes is not None else p._randint(0, n - 1)
+                cut = min(max(cut, 0), n)
+        if fault is not None and n > 0:
+            rec.fault = fault.kind
+            with p._lock:
+                p.stats.faults[fault.kind] += 1
+        rec.status = status
+        self.send_response_only(status, reason)
+        for k, v in headers:
+            if k.lower() not in _HOP_BY_HOP:
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+        body = memoryview(payload)[:length]
+        if cut is not None:
+            body = body[:cut]
+        sent = self._send_shaped(body)
+        rec.body_bytes = sent
+        if cut is not None and fault is not None:  # a cut is only ever set by a reset fault
+            self._drop(fault.rst)
+
+    def _send_shaped(self, body: memoryview) -> int:
+        p = self.server.proxy
+        rate = p.shaping.stream_mib_s * MiB if p.shaping.stream_mib_s else None
+        t0 = time.monotonic()
+        sent = 0
+        try:
+            self.wfile.flush()
+            while sent < len(body):
+                chunk = body[sent:sent + _SEND_CHUNK_BYTES]
+                wait = p._total.reserve(len(chunk)) if p._total is not None else 0.0
+                if rate is not None:
+                    wait = max(wait, t0 + sent / rate - time.monotonic())
+                if wait > 0:
+                    time.sleep(wait)
+                self.connection.sendall(chunk)
+                sent += len(chunk)
+        except OSError:
+            self.close_connection = True
+        finally:
+            with p._lock:
+                p.stats.bytes_served += sent
+        return sent
+
+    def _drop(self, rst: bool) -> None:
+        self.close_connection = True
+        try:
+            if rst:
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                           struct.pack("ii", 1, 0))
+            else:
+                self.connection.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        if rst:
+            try:
+                self.connection.close()
+            except OSError:
+                pass
+
+    def _send_error(self, rec: RequestRecord, fault: Fault) -> None:
+        p = self.server.proxy
+        rec.status = fault.status
+        rec.fault = f"status_{fault.status}"
+        with p._lock:
+            p.stats.faults[rec.fault] += 1
+        msg = json.dumps({"error": {"code": fault.status, "message": "injected by FaultProxy",
+                                    "errors": [{"message": "injected by FaultProxy",
+                                                "reason": "injected"}]}}).encode()
+        self.send_response_only(fault.status)
+        self.send_header("Content-Type", "application/json; charset=UTF-8")
+        if fault.retry_after is not None:
+            self.send_header("Retry-After", fault.retry_after)
+        self.send_header("Content-Length", str(len(msg)))
+        self.end_headers()
+        rec.body_bytes = self._send_shaped(memoryview(msg))
+
+    def _send_simple(self, status: int, msg: bytes) -> None:
+        self.send_response_only(status)
+        self.send_header("Content-Length", str(len(msg)))
+        self.end_headers()
+        self.wfile.write(msg)
+
+
+_OBJECT_PATH = re.compile(r"^(?:/download|/upload)?/storage/v1/b/[^/]+/o/(.+?)"
+                          r"(?:/compose|/copyTo/.*|/rewriteTo/.*)?$")
+
+
+def _object_name(path: str, query: str) -> str:
+    m = _OBJECT_PATH.match(path)
+    if m:
+        return m.group(1)
+    if "/upload/" in path:
+        for kv in query.split("&"):
+            if kv.startswith("name="):
+                return unquote(kv[5:].replace("+", " "))
+    return ""
+
+
+def _is_download(method: str, path: str, query: str) -> bool:
+    return method == "GET" and (path.startswith("/download/") or "alt=media" in query)
+
+
+def _is_upload(method: str, path: str) -> bool:
+    return method in ("POST", "PUT") and path.startswith("/upload/")
