@@ -47,7 +47,6 @@ point to point.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any, Callable
 
@@ -59,6 +58,7 @@ from xla_ckpt.format.manifest import Item, Manifest
 from xla_ckpt.format.plan import MapLocation, materialize_item
 from xla_ckpt.io import CheckpointReader
 from xla_ckpt.restore.all_ranks import place
+from xla_ckpt.restore.background_read import BackgroundRead
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.host_share import HostShare, negotiate
 from xla_ckpt.restore.plan import RankPlan
@@ -84,80 +84,6 @@ def _assemble(key: str, plan: RankPlan, saved: dict[str, dict[int, torch.Tensor]
     if not parts:
         return torch.empty(0, dtype=torch.uint8)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-class _BackgroundRead:
-    """Rank 0's reads, in blob order, on a thread; the broadcast waits for what it needs.
-
-    Blobs are read in groups of about a quarter bucket, so the first bucket
-    can travel while later blobs are still being read and crc32c-checked.
-    """
-
-    def __init__(self, open_reader: Callable[[], CheckpointReader], item: str,
-                 bufs: dict[int, torch.Tensor], group_bytes: int,
-                 then: Callable[[CheckpointReader], Any],
-                 fill: Callable[[CheckpointReader], int] | None = None,
-                 abort: Callable[[], None] | None = None) -> None:
-        self.error: BaseException | None = None
-        self.result: Any = None
-        self.bytes_read = 0
-        self._ready = -1
-        self._cond = threading.Condition()
-        self._args = (open_reader, item, group_bytes, then)
-        self._bufs = bufs
-        self._fill = fill
-        self._abort = abort
-        self._thread = threading.Thread(target=self._run, name="xla_ckpt-rank0-read", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        open_reader, item, group_bytes, then = self._args
-        bufs = self._bufs
-        reader = None
-        try:
-            reader = open_reader()
-            if self._fill is not None:  # no buffers: checked bytes go into host memory
-                self.bytes_read += self._fill(reader)
-            group: dict[int, torch.Tensor] = {}
-            size = 0
-            for i in sorted(bufs):
-                group[i] = bufs[i]
-                size += bufs[i].numel()
-                if size >= group_bytes:
-                    self._read(reader, item, group)
-                    group, size = {}, 0
-            if group:
-                self._read(reader, item, group)
-            self.result = then(reader)
-        except BaseException as e:  # noqa: BLE001 - reported through the agreement step
-            self.error = e
-            if self._abort is not None:
-                self._abort()
-        finally:
-            if reader is not None:
-                reader.storage.close()
-            with self._cond:
-                self._ready = 1 << 62
-                self._cond.notify_all()
-
-    def _read(self, reader: CheckpointReader, item: str, group: dict[int, torch.Tensor]) -> None:
-        reader.read_into(item, group)
-        self.bytes_read += sum(b.numel() for b in group.values())
-        with self._cond:
-            self._ready = max(group)
-            self._cond.notify_all()
-
-    def wait_for(self, index: int) -> None:
-        """Block until blobs ``0..index`` are read (or the read failed: then return at once)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._ready >= index)
-
-    def join(self) -> None:
-        self._thread.join()
-
-    def release(self) -> None:
-        """Drop the references to the destination buffers (after :meth:`join`)."""
-        self._bufs = {}
 
 
 def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
@@ -251,7 +177,7 @@ class _BroadcastRestore:
         self.got: dict[str, Any] = {}
         self.state_bufs: dict[int, torch.Tensor] = {}
         self.mapping: PrivateMapping | None = None
-        self.background: _BackgroundRead | None = None
+        self.background: BackgroundRead | None = None
 
     def _host(self) -> HostShare:
         if self.share is None:  # the steps that call this run only after a negotiated share
@@ -303,7 +229,7 @@ class _BroadcastRestore:
             self.mapping = self.dist.run_collectively(
                 lambda: PrivateMapping(fd, self.sizes), f"{self.what}: map host shared memory")
 
-    def start_read(self) -> _BackgroundRead:
+    def start_read(self) -> BackgroundRead:
         """Step 3 on rank 0: read the replicated item (into buffers or the segment), then the
         private items and shards, on a background thread."""
         decision, manifest, storage_config = self.decision, self.manifest, self.storage_config
@@ -339,7 +265,7 @@ class _BroadcastRestore:
 
         # read groups of a quarter bucket: the first bucket can leave early
         group = max(self.bucket_size_bytes // 4, 1 << 20)
-        return _BackgroundRead(open_reader, self.me.item, self.state_bufs, group, then,
+        return BackgroundRead(open_reader, self.me.item, self.state_bufs, group, then,
                                fill=fill, abort=abort)
 
     def move_state(self) -> None:
