@@ -9,9 +9,10 @@ from manager_helpers import FailingWrites, HeldWrites
 @pytest.fixture
 def held_storage_cls():
     """A HeldWrites subclass with fresh events; released at teardown so no thread is left."""
-    cls = type("Held", (HeldWrites,), {"release": threading.Event(), "started": []})
+    release = threading.Event()
+    cls = type("Held", (HeldWrites,), {"release": release, "started": []})
     yield cls
-    cls.release.set()
+    release.set()
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ def save_zero_shards(run_dir: str) -> str:
                                    rank_state={"rank": dist.rank},
                                    shards=lambda: {"exp_avg": piece})
         piece.fill_(-1.0)  # changed after staging: the checkpoint keeps the staged values
+    assert res.saved is not None
     return res.saved
 
 
@@ -40,6 +41,7 @@ def restore_zero_shards(run_dir: str, zero_sharding: str) -> dict:
     with CheckpointManager(cfg, dist=dist,
                            restore_config=RestoreConfig(zero_sharding=zero_sharding)) as mgr:
         r = mgr.restore_or_initialize()
+    assert r is not None and r.restored is not None
     return {"checkpoint": r.checkpoint, "state": r.state, "rank_state": r.rank_state,
             "exp_avg": r.restored.shards["exp_avg"].tolist(),
             "bounds": list(r.restored.shard_bounds["exp_avg"])}

@@ -37,7 +37,7 @@ def run_updates(mgr, updates, *, epoch=1, start=0, per_epoch=None, metrics=None,
         end = per_epoch is not None and n % per_epoch == 0
         ep = epoch if per_epoch is None else (n - 1) // per_epoch + 1
         mgr.after_update(epoch=ep, num_updates=n, end_of_epoch=end,
-                         state=lambda: {"model": {"w": w}, "num_updates": n},
+                         state=lambda n=n: {"model": {"w": w}, "num_updates": n},
                          rank_state={"seen": n},
                          metrics={"loss": metrics[n]} if metrics and n in metrics else None)
     return w
@@ -118,9 +118,9 @@ def test_async_save_writes_the_staged_snapshot(run_dir):
         w.copy_(w_at(n))
         tied.fill_(n)
         res = mgr.after_update(epoch=1, num_updates=n, rank_state={"seen": n},
-                               state=lambda: {"model": {"w": w, "emb": tied.view(2, 3),
-                                                        "out": tied.view(2, 3)},
-                                              "num_updates": n})
+                               state=lambda n=n: {"model": {"w": w, "emb": tied.view(2, 3),
+                                                            "out": tied.view(2, 3)},
+                                                  "num_updates": n})
     assert res.saved == "checkpoint_1_3" and mgr.in_flight == "checkpoint_1_3"
     # training goes on and changes the live tensors before the upload is committed
     w.add_(1000.0)
@@ -140,8 +140,8 @@ def test_async_saves_reusing_staging_buffers_keep_every_checkpoint_exact(run_dir
     w = torch.zeros(4)
     for n in range(1, 9):
         w.copy_(w_at(n))
-        mgr.after_update(epoch=1, num_updates=n, state=lambda: {"model": {"w": w},
-                                                                "num_updates": n},
+        mgr.after_update(epoch=1, num_updates=n, state=lambda n=n: {"model": {"w": w},
+                                                                    "num_updates": n},
                          rank_state={"seen": n})
         w.fill_(-1.0)  # the loop keeps changing the live tensor after each boundary
     mgr.close()
@@ -163,7 +163,7 @@ def test_async_commit_is_reported_at_the_next_boundary(run_dir):
     # boundary 3 sees every upload done and starts the commit; boundary 4 learns it committed
     assert [(r.saved, r.committed) for r in results] == [
         (None, ()), ("checkpoint_1_2", ()), (None, ()), ("checkpoint_1_4", ("checkpoint_1_2",))]
-    assert mgr.close() is None
+    mgr.close()
     assert committed(run_dir) == ["checkpoint_1_2", "checkpoint_1_4"]
     assert torch.equal(load_w(run_dir, "checkpoint_1_4"), w_at(4))
 
@@ -273,6 +273,7 @@ def test_restore_latest_best_and_named(run_dir, tmp_path):
     assert r.metadata == {"epoch": 1, "num_updates": 6, "end_of_epoch": False,
                           "preempted": False, "world_size": 1, "loss": 2.0}
     assert m.restored_from == "checkpoint_1_6"
+    assert r.restored is not None
     assert r.restored.strategy == "all_ranks"
     man = r.restored.manifest
     assert r.restored.stats.bytes_read == sum(b.length for it in ("state", "rank/00000")
@@ -304,7 +305,8 @@ def test_restore_skips_incomplete_and_lagging_pointer(run_dir):
     with open(os.path.join(run_dir, "checkpoint_1_6", "data-abc-state.safetensors"), "wb") as f:
         f.write(b"partial")
     m = CheckpointManager(make_cfg(run_dir))
-    assert m.restore_or_initialize().checkpoint == "checkpoint_1_4"
+    r = m.restore_or_initialize()
+    assert r is not None and r.checkpoint == "checkpoint_1_4"
     m.close()
     # the pointer lags behind the newest commit (crash between commit and pointer update)
     from xla_ckpt.io.catalog import write_pointer
@@ -312,7 +314,8 @@ def test_restore_skips_incomplete_and_lagging_pointer(run_dir):
 
     write_pointer(LocalStorage(run_dir), "last", "checkpoint_1_2")
     m = CheckpointManager(make_cfg(run_dir))
-    assert m.restore_or_initialize().checkpoint == "checkpoint_1_4"
+    r = m.restore_or_initialize()
+    assert r is not None and r.checkpoint == "checkpoint_1_4"
     m.close()
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint_best pointer"):
         CheckpointManager(make_cfg(run_dir, restore_file="checkpoint_best")) \
@@ -327,7 +330,7 @@ def test_never_deletes_the_restored_checkpoint(run_dir):
     mgr = CheckpointManager(make_cfg(run_dir, save_interval_updates=2, keep_interval_updates=1,
                                      restore_file="checkpoint_1_2"))
     r = mgr.restore_or_initialize()
-    assert r.num_updates == 2
+    assert r is not None and r.num_updates == 2
     w = r.state["model"]["w"].clone()
     run_updates(mgr, 6, start=2, w=w)
     mgr.close()
@@ -343,7 +346,7 @@ def test_resume_continues_schedule_without_resaving(run_dir):
     mgr = CheckpointManager(make_cfg(run_dir, save_interval_updates=2))
     r = mgr.restore_or_initialize()
     first = mgr.after_update(epoch=1, num_updates=4, state={"x": 1})  # same boundary again
-    assert first.saved is None and r.num_updates == 4
+    assert first.saved is None and r is not None and r.num_updates == 4
     mgr.close()
 
 
@@ -404,7 +407,8 @@ def test_metric_names_are_checked(run_dir):
     with pytest.raises(ValueError, match="metric name 'epoch' is reserved"):
         mgr.save({}, epoch=1, num_updates=1, metrics={"epoch": 1.0})
     with pytest.raises(ValueError, match="metric 'loss' must be a number, got 'low'"):
-        mgr.save({}, epoch=1, num_updates=1, metrics={"loss": "low"})
+        not_a_number: dict = {"loss": "low"}
+        mgr.save({}, epoch=1, num_updates=1, metrics=not_a_number)
     mgr.save({}, epoch=1, num_updates=1, metrics={"loss": torch.tensor(0.25)})
     mgr.close()
     assert pointer(run_dir, "best")["value"] == 0.25

@@ -20,7 +20,7 @@ def test_async_saves_rotation_and_restore_on_gcs(gcs_uri):
             emb.add_(1.0)
             snapshots[n] = emb.clone()
             mgr.after_update(epoch=1, num_updates=n, rank_state={"n": n},
-                             state=lambda: {"emb": emb, "tied": emb, "n": n},
+                             state=lambda n=n: {"emb": emb, "tied": emb, "n": n},
                              metrics={"loss": float(10 - n)} if n % 2 == 0 else None)
     with open_storage(run) as st:
         entries = list_checkpoints(st)
@@ -34,6 +34,7 @@ def test_async_saves_rotation_and_restore_on_gcs(gcs_uri):
 
     with CheckpointManager(make_cfg(run)) as mgr:
         r = mgr.restore_or_initialize()
+    assert r is not None and r.restored is not None
     assert (r.checkpoint, r.uri, r.num_updates) == ("checkpoint_1_8", f"{run}/checkpoint_1_8", 8)
     assert torch.equal(r.state["emb"], snapshots[8]) and r.rank_state == {"n": 8}
     assert r.restored.stats.bytes_read == 64 * 32 * 4  # the tied tensor is stored once

@@ -3,6 +3,7 @@
 import argparse
 import os
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,9 +16,10 @@ from xla_ckpt.manager.staging import stage_to_host
 def test_snapshot_is_independent_and_exact():
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     sd = OrderedDict(w=w, step=torch.tensor(3))
-    sd._metadata = {"": {"version": 1}}
-    state = {"model": sd, "args": argparse.Namespace(lr=0.1), "best": np.float64(1.5),
-             "hist": [1, (2, 3.0)], "arr": np.arange(3, dtype=np.int64)}
+    sd._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]  # as in state_dict()
+    state: dict[str, Any] = {"model": sd, "args": argparse.Namespace(lr=0.1),
+                             "best": np.float64(1.5), "hist": [1, (2, 3.0)],
+                             "arr": np.arange(3, dtype=np.int64)}
     staged = stage_to_host(state)
     w.add_(100)
     state["hist"].append(4)
@@ -25,7 +27,8 @@ def test_snapshot_is_independent_and_exact():
     s = staged.state
     assert torch.equal(s["model"]["w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
     assert s["model"]["w"].data_ptr() != w.data_ptr()
-    assert isinstance(s["model"], OrderedDict) and s["model"]._metadata == {"": {"version": 1}}
+    assert isinstance(s["model"], OrderedDict)
+    assert s["model"]._metadata == {"": {"version": 1}}  # type: ignore[attr-defined]  # kept
     assert s["hist"] == [1, (2, 3.0)] and s["args"] == argparse.Namespace(lr=0.1)
     assert type(s["best"]) is np.float64 and s["best"] == 1.5
     assert np.array_equal(s["arr"], np.arange(3)) and s["arr"].dtype == np.int64

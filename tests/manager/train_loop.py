@@ -106,6 +106,7 @@ def train(cfg, events_dir: str, *, dist=None, pause_at: int = 0,
                 loss.backward()
                 if world > 1:
                     for p in model.parameters():
+                        assert p.grad is not None  # backward() filled it
                         torch.distributed.all_reduce(p.grad)
                         p.grad /= world
                 opt.step()

@@ -17,10 +17,10 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trainer_utils import make_checkpointer, train_step, training_part  # noqa: E402
+from trainer_utils import make_checkpointer, train_step, training_part  # noqa: E402 - sys.path set
 
-import xla_ckpt  # noqa: E402
-from xla_ckpt.trainer import Checkpointer  # noqa: E402
+import xla_ckpt  # noqa: E402 - after the set-up above
+from xla_ckpt.trainer import Checkpointer  # noqa: E402 - after the set-up above
 
 
 def restore_tiny(ckpt_uri: str, out: str) -> None:
@@ -39,7 +39,7 @@ def _adam(params):
     return torch.optim.Adam(params, lr=0.05, betas=(0.8, 0.95))
 
 
-def _linear_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, k: int) -> None:
+def _linear_step(model: torch.nn.Linear, optimizer: torch.optim.Optimizer, k: int) -> None:
     g = torch.Generator().manual_seed(k)
     x = torch.randn(3, 2, generator=g).to(model.weight.device)
     optimizer.zero_grad()
@@ -77,8 +77,8 @@ def _placement(ckpt: Checkpointer) -> dict:
     for i, p in enumerate(live):
         for name, v in opt.state[p].items():
             moments[f"{i}.{name}"] = (str(v.device), list(v.shape), str(p.device), list(p.shape))
-    return {"holds_live": len(held) == len(live) and all(a is b for a, b in zip(held, live)),
-            "moments": moments}
+    holds_live = len(held) == len(live) and all(a is b for a, b in zip(held, live, strict=True))
+    return {"holds_live": holds_live, "moments": moments}
 
 
 def xla_restore(ckpt_uri: str, out: str) -> None:

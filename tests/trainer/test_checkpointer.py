@@ -205,6 +205,7 @@ def train_step_fairseq(ckpt: Checkpointer, step: int) -> None:
     from trainer_utils import batch
 
     x, y = batch(step)
+    assert ckpt.criterion is not None
     ckpt.optimizer.zero_grad()
     ckpt.criterion(ckpt.model(x), y).backward()
     ckpt.optimizer.step()
@@ -245,9 +246,9 @@ def test_incomplete_checkpoint_counts_as_none_with_a_warning(local_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="xla_ckpt.trainer.checkpointer"):
         assert fresh.load_checkpoint(local_dir) is None
     assert [r.getMessage() for r in caplog.records] == [
-        f"rank 0: ignoring {local_dir}: checkpoint is incomplete (no manifest.json commit "
-        "marker); the save that wrote it did not finish. Restore an earlier checkpoint.; no "
-        "existing checkpoint is used"]
+        (f"rank 0: ignoring {local_dir}: checkpoint is incomplete (no manifest.json commit "
+         "marker); the save that wrote it did not finish. Restore an earlier checkpoint.; no "
+         "existing checkpoint is used")]
 
 
 def test_criterion_class_mismatch_names_both_and_suggests_reset(local_dir):
@@ -283,16 +284,19 @@ def test_model_mismatch_says_architectures_differ(local_dir):
     save_trained(local_dir)
     fresh = make_checkpointer(7)
     fresh.model.head = torch.nn.Linear(16, 8)
-    with pytest.raises(StateMismatchError, match=r"the architectures differ; shape mismatch in "
-                                                 r"head.weight \(saved \[16, 16\], live \[8, 16\]\)"):
+    with pytest.raises(StateMismatchError,
+                       match=r"the architectures differ; shape mismatch in "
+                             r"head.weight \(saved \[16, 16\], live \[8, 16\]\)"):
         fresh.load_checkpoint(local_dir)
 
 
 def test_criterion_parameters_are_restored(local_dir):
     saved = save_trained(local_dir)
+    assert isinstance(saved.criterion, TemperatureMSE)
     assert saved.criterion.log_temperature.item() != 0.0
     fresh = make_checkpointer(7)
     fresh.load_checkpoint(local_dir)
+    assert fresh.criterion is not None
     assert_state_identical(fresh.criterion.state_dict(), saved.criterion.state_dict())
 
 
@@ -366,7 +370,7 @@ def test_c11_meta_model_restores_through_the_checkpointer(local_dir):
     assert not any(p.is_meta for p in model.parameters())
     assert_state_identical(fresh.state_dict()["model"], saved.state_dict()["model"])
     held = [p for g in fresh.optimizer.param_groups for p in g["params"]]
-    assert all(a is b for a, b in zip(held, fresh.live_parameters()))
+    assert all(a is b for a, b in zip(held, fresh.live_parameters(), strict=True))
     assert_state_identical(fresh.optimizer.state_dict()["state"],
                            saved.optimizer.state_dict()["state"])
 
@@ -388,10 +392,10 @@ def test_wrapped_model_saves_and_restores_unprefixed_keys(local_dir):
     ckpt.save_checkpoint(local_dir)
     saved = xla_ckpt.load(local_dir)["model"]
     assert list(saved) == ["weight", "bias"]
-    fresh = Checkpointer(model=torch.nn.DataParallel(torch.nn.Linear(2, 2)),
-                         build_optimizer=build_adamw)
+    wrapped = torch.nn.DataParallel(torch.nn.Linear(2, 2))
+    fresh = Checkpointer(model=wrapped, build_optimizer=build_adamw)
     fresh.load_checkpoint(local_dir)
-    assert_state_identical(dict(fresh.model.module.state_dict()), dict(saved))
+    assert_state_identical(dict(wrapped.module.state_dict()), dict(saved))
 
 
 def test_constructor_checks():

@@ -1,4 +1,5 @@
-"""C4 at the trainer level: a fairseq ``.pt`` restores through the allow-list, never unsafe unpickling."""
+"""C4 at the trainer level: a fairseq ``.pt`` restores through the allow-list, never unsafe
+unpickling."""
 
 import argparse
 import os

@@ -32,10 +32,10 @@ class Holder(torch.nn.Module):
 @pytest.mark.parametrize("prefix, wrapper", [
     ("module.", "'module.' (DistributedDataParallel/DataParallel)"),
     ("_orig_mod.", "'_orig_mod.' (torch.compile)"),
-    ("module._orig_mod.", "'module.' (DistributedDataParallel/DataParallel) then '_orig_mod.' "
-                          "(torch.compile)"),
-    ("_orig_mod.module.", "'_orig_mod.' (torch.compile) then 'module.' "
-                          "(DistributedDataParallel/DataParallel)"),
+    ("module._orig_mod.", ("'module.' (DistributedDataParallel/DataParallel) then '_orig_mod.' "
+                           "(torch.compile)")),
+    ("_orig_mod.module.", ("'_orig_mod.' (torch.compile) then 'module.' "
+                           "(DistributedDataParallel/DataParallel)")),
 ])
 def test_prefixed_state_strict_load_raises_one_clear_error(prefix, wrapper):
     model = torch.nn.Linear(2, 2)
@@ -110,7 +110,7 @@ def test_best_prefix_strip_is_a_pure_function_of_the_key_sets():
 
 def test_unwrap_module_goes_by_wrapper_type():
     inner = torch.nn.Linear(2, 2)
-    wrapped = torch.nn.DataParallel(torch.compile(inner))
+    wrapped = torch.nn.DataParallel(torch.compile(inner))  # type: ignore[type-var]  # compiles a Module
     assert unwrap_module(wrapped) is inner
     holder = Holder()
     assert unwrap_module(holder) is holder
@@ -121,7 +121,8 @@ def test_strip_also_renames_state_dict_metadata():
     inner = Holder()
     saved = torch.nn.DataParallel(inner).state_dict()
     assert list(saved) == ["module.module.weight", "module.module.bias"]
-    assert list(saved._metadata) == ["", "module", "module.module"]
+    meta = saved._metadata  # type: ignore[attr-defined]  # state_dict() sets it
+    assert list(meta) == ["", "module", "module.module"]
     model = Holder()
     load_module_state(model, saved, strip_prefixes=True)
     assert_state_identical(model.state_dict(), inner.state_dict())
@@ -142,7 +143,7 @@ def test_shape_mismatch_lists_saved_and_live_shapes():
 SAVED_FP32 = torch.tensor([[1.0009765625, 3.14159]], dtype=torch.float32)
 
 
-def bf16_model() -> torch.nn.Module:
+def bf16_model() -> torch.nn.Linear:
     return torch.nn.Linear(2, 1, bias=False).to(torch.bfloat16)
 
 
@@ -176,8 +177,8 @@ def test_warn_policy_casts_and_names_the_key(caplog):
                                    where="/ckpt/c10")
     assert report.cast_keys == {"weight": "float32"}
     assert [r.getMessage() for r in caplog.records] == [
-        "/ckpt/c10: narrowing cast while loading the model state (values change): weight "
-        "(float32 -> bfloat16)"]
+        ("/ckpt/c10: narrowing cast while loading the model state (values change): weight "
+         "(float32 -> bfloat16)")]
     assert model.weight.dtype == torch.bfloat16
     assert model.weight.tolist() == [[1.0, 3.140625]]
 
@@ -214,7 +215,7 @@ def test_unknown_dtype_policy_is_a_config_error():
         CheckpointerConfig(dtype_policy="lossy")
     assert str(e.value) == "dtype_policy: must be one of error, warn, cast, keep; got 'lossy'"
     with pytest.raises(ConfigError, match="strip_prefixes: must be true or false"):
-        CheckpointerConfig(strip_prefixes="yes")
+        CheckpointerConfig(strip_prefixes="yes")  # type: ignore[arg-type]  # on purpose
 
 
 def test_dtype_policy_through_a_real_checkpoint(local_dir):
@@ -253,6 +254,6 @@ def test_meta_model_names_buffers_the_checkpoint_cannot_fill(caplog):
         load_module_state(model, saved)
     assert_state_identical(model.state_dict(), saved)
     assert [r.getMessage() for r in caplog.records] == [
-        "model was on the meta device; materialised on cpu, but inv_freq are not in the "
-        "checkpoint (non-persistent buffers) and hold uninitialised memory: initialise them "
-        "after the restore"]
+        ("model was on the meta device; materialised on cpu, but inv_freq are not in the "
+         "checkpoint (non-persistent buffers) and hold uninitialised memory: initialise them "
+         "after the restore")]

@@ -1,5 +1,7 @@
 """Optimizer state onto the live parameters (C5 on CPU) and optimizer-state dtypes (C10)."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ def adam(params):
     return torch.optim.Adam(params, lr=0.1, betas=(0.8, 0.9))
 
 
-def one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, k: int) -> None:
+def one_step(model: torch.nn.Linear, optimizer: torch.optim.Optimizer, k: int) -> None:
     g = torch.Generator().manual_seed(k)
     x = torch.randn(3, model.in_features, generator=g).to(model.weight.dtype)
     optimizer.zero_grad()
@@ -41,7 +43,7 @@ def test_c5_state_lands_on_live_parameters_and_next_step_is_bitwise(local_dir):
     restored.load_checkpoint(local_dir)
     opt = restored.optimizer
     held = [p for g in opt.param_groups for p in g["params"]]
-    assert all(a is b for a, b in zip(held, fresh.parameters())) and len(held) == 2
+    assert all(a is b for a, b in zip(held, fresh.parameters(), strict=True)) and len(held) == 2
     for p in fresh.parameters():
         st = opt.state[p]
         assert sorted(st) == ["exp_avg", "exp_avg_sq", "step"]
@@ -114,7 +116,8 @@ def test_state_follows_a_parameter_whose_dtype_was_cast(local_dir):
 def test_param_group_count_mismatch_suggests_reset_optimizer():
     model = torch.nn.Linear(2, 2)
     saved = adam(model.parameters()).state_dict()
-    two_groups = torch.optim.Adam([{"params": [model.weight]}, {"params": [model.bias]}])
+    groups: list[dict[str, Any]] = [{"params": [model.weight]}, {"params": [model.bias]}]
+    two_groups = torch.optim.Adam(groups)
     with pytest.raises(StateMismatchError) as e:
         load_optimizer_state(two_groups, saved, where="/ckpt/x")
     assert str(e.value) == (

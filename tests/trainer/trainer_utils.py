@@ -88,6 +88,7 @@ def make_checkpointer(seed: int, **kwargs) -> Checkpointer:
 def train_step(ckpt: Checkpointer, step: int) -> float:
     """One update: forward, backward, AdamW step, scheduler step, meters, num_updates + 1."""
     model, criterion = ckpt.model, ckpt.criterion
+    assert criterion is not None
     model.train()
     x, y = batch(step)
     ckpt.optimizer.zero_grad()

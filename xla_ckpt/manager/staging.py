@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -115,7 +115,9 @@ def _host_copies(tensors: list[torch.Tensor], pool: StagingPool
     if xla_idx:
         import torch_xla.core.xla_model as xm  # noqa: PLC0415 - optional dependency
 
-        for i, t in zip(xla_idx, xm._maybe_convert_to_cpu([tensors[i] for i in xla_idx])):
+        # torch_xla annotates the converter's arena as the result; it returns the converted list.
+        cpu = cast("list[torch.Tensor]", xm._maybe_convert_to_cpu([tensors[i] for i in xla_idx]))
+        for i, t in zip(xla_idx, cpu, strict=True):
             out[i] = t.detach()  # a fresh host tensor already
             xla_bytes += t.numel() * t.element_size()
     groups: dict[int, list[int]] = {}
@@ -131,9 +133,10 @@ def _host_copies(tensors: list[torch.Tensor], pool: StagingPool
         if len(members) == 1:
             out[members[0]] = _copy_dense(tensors[members[0]], pool, buffers)
             continue
-        for i, t in zip(members, _copy_shared([tensors[i] for i in members], pool, buffers)):
+        for i, t in zip(members, _copy_shared([tensors[i] for i in members], pool, buffers),
+                        strict=True):
             out[i] = t
-    return out, buffers, xla_bytes  # type: ignore[return-value]
+    return out, buffers, xla_bytes  # type: ignore[return-value]  # every slot is filled above
 
 
 def _copy_dense(t: torch.Tensor, pool: StagingPool, buffers: list) -> torch.Tensor:
@@ -154,8 +157,8 @@ def _copy_shared(views: list[torch.Tensor], pool: StagingPool,
     spans = []
     for t in views:
         isz = t.element_size()
-        start = t.storage_offset() * isz
-        last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+        start = int(t.storage_offset()) * isz
+        last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
         spans.append((start, start + (last + 1) * isz))
     align = max(t.element_size() for t in views)
     lo = min(s for s, _ in spans)
@@ -167,7 +170,7 @@ def _copy_shared(views: list[torch.Tensor], pool: StagingPool,
     buffers.append(buf)
     storage = buf.untyped_storage()
     out = []
-    for t, (start, _end) in zip(views, spans):
+    for t, (start, _end) in zip(views, spans, strict=True):
         isz = t.element_size()
         out.append(torch.empty(0, dtype=t.dtype).set_(storage, (start - lo) // isz, t.shape,
                                                        t.stride()))

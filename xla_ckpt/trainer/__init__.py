@@ -11,9 +11,14 @@ Public surface::
     extra_state = ckpt.load_checkpoint(uri)          # None when nothing is committed there
     ...
     ckpt.save_checkpoint(uri, {"train_iterator": itr.state_dict(), "val_loss": loss})
+
+:class:`Checkpointer` (``checkpointer``: config and constructor) is built from the
+live-training surface (``training_surface``), the save (``save_state``) and the restore
+(``restore_state``); ``module_load``, ``optimizer_state`` and ``prefixes`` hold the loading
+rules, ``meters``/``metrics`` fairseq's meters, ``sources`` the default reader and writer.
 """
 
-from xla_ckpt.trainer.checkpointer import Checkpointer, CheckpointerConfig, has_parameters
+from xla_ckpt.trainer.checkpointer import Checkpointer, CheckpointerConfig
 from xla_ckpt.trainer.lr_scheduler import FairseqLRScheduler, InverseSquareRootSchedule
 from xla_ckpt.trainer.meters import (
                                      AverageMeter,
@@ -30,6 +35,7 @@ from xla_ckpt.trainer.module_load import DTYPE_POLICIES, ModuleLoadReport, load_
 from xla_ckpt.trainer.optimizer_state import check_live_params, load_optimizer_state
 from xla_ckpt.trainer.prefixes import best_prefix_strip, strip_state_dict, unwrap_module
 from xla_ckpt.trainer.sources import SingleProcessRestorer, SingleProcessSaver
+from xla_ckpt.trainer.training_surface import has_parameters
 
 __all__ = [
     "AverageMeter", "Checkpointer", "CheckpointerConfig", "DTYPE_POLICIES", "DerivedMeter",

@@ -15,7 +15,7 @@ The trainer restore drives schedulers the way fairseq's ``Trainer`` does:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -71,8 +71,9 @@ class InverseSquareRootSchedule(FairseqLRScheduler):
         ConfigError: more than one ``lr`` or ``warmup_updates`` < 1.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, lr: float | Sequence[float],
-                 warmup_updates: int = 4000, warmup_init_lr: float = -1) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 lr: float | list[float] | tuple[float, ...], warmup_updates: int = 4000,
+                 warmup_init_lr: float = -1) -> None:
         super().__init__(optimizer)
         lrs = list(lr) if isinstance(lr, (list, tuple)) else [lr]
         if len(lrs) != 1:

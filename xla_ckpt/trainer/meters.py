@@ -50,6 +50,8 @@ def safe_round(number: Any, ndigits: int) -> Any:
 class Meter:
     """Base class of meters: ``state_dict``/``load_state_dict``/``reset``/``smoothed_value``."""
 
+    round: Optional[int]  # digits :meth:`_rounded` keeps (set by the meters that round)
+
     def state_dict(self) -> dict:
         return {}
 
@@ -64,15 +66,15 @@ class Meter:
         raise NotImplementedError
 
     def _rounded(self, val: Any) -> Any:
-        if self.round is not None and val is not None:  # type: ignore[attr-defined]
-            return safe_round(val, self.round)  # type: ignore[attr-defined]
+        if self.round is not None and val is not None:
+            return safe_round(val, self.round)
         return val
 
 
 class AverageMeter(Meter):
     """Weighted average of logged values (``update(val, n)``); fairseq semantics."""
 
-    def __init__(self, round: Optional[int] = None) -> None:
+    def __init__(self, round: Optional[int] = None) -> None:  # noqa: A002 - fairseq meters API
         self.round = round
         self.reset()
 
@@ -109,7 +111,7 @@ class AverageMeter(Meter):
 class SumMeter(Meter):
     """Sum of logged values; fairseq semantics."""
 
-    def __init__(self, round: Optional[int] = None) -> None:
+    def __init__(self, round: Optional[int] = None) -> None:  # noqa: A002 - fairseq meters API
         self.round = round
         self.reset()
 
@@ -140,7 +142,8 @@ class TimeMeter(Meter):
     TimeMeter after loading (their start times mean nothing in a new process).
     """
 
-    def __init__(self, init: float = 0, n: Any = 0, round: Optional[int] = None,
+    def __init__(self, init: float = 0, n: Any = 0,
+                 round: Optional[int] = None,  # noqa: A002 - fairseq meters API
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.round = round
         self._clock = clock
@@ -182,7 +185,7 @@ class TimeMeter(Meter):
 class StopwatchMeter(Meter):
     """Sum and average duration in seconds of start/stop intervals; fairseq semantics."""
 
-    def __init__(self, round: Optional[int] = None,
+    def __init__(self, round: Optional[int] = None,  # noqa: A002 - fairseq meters API
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.round = round
         self._clock = clock

@@ -87,7 +87,7 @@ class Metrics:
         return list(self._active.values())
 
     def log_scalar(self, key: str, value: Any, weight: float = 1, priority: int = 10,
-                   round: Optional[int] = None) -> None:
+                   round: Optional[int] = None) -> None:  # noqa: A002 - fairseq meters API
         """Average of ``value`` weighted by ``weight`` (0: keep the latest value)."""
         for agg in self._each():
             if key not in agg:
@@ -95,7 +95,7 @@ class Metrics:
             agg[key].update(value, weight)
 
     def log_scalar_sum(self, key: str, value: Any, priority: int = 10,
-                       round: Optional[int] = None) -> None:
+                       round: Optional[int] = None) -> None:  # noqa: A002 - fairseq meters API
         """Sum of ``value``."""
         for agg in self._each():
             if key not in agg:
@@ -109,7 +109,7 @@ class Metrics:
                 agg.add_meter(key, DerivedMeter(fn), priority)
 
     def log_speed(self, key: str, value: Any, priority: int = 30,
-                  round: Optional[int] = None) -> None:
+                  round: Optional[int] = None) -> None:  # noqa: A002 - fairseq meters API
         """Rate of ``value`` per second (a :class:`TimeMeter`)."""
         for agg in self._each():
             if key not in agg:
@@ -118,7 +118,8 @@ class Metrics:
             else:
                 agg[key].update(value)
 
-    def log_start_time(self, key: str, priority: int = 40, round: Optional[int] = None) -> None:
+    def log_start_time(self, key: str, priority: int = 40,
+                       round: Optional[int] = None) -> None:  # noqa: A002 - fairseq meters API
         """Start the :class:`StopwatchMeter` ``key``."""
         for agg in self._each():
             if key not in agg:

@@ -59,7 +59,7 @@ def _fits(state: torch.Tensor, param: torch.Tensor, builtin: bool) -> bool:
     ``torch.optim`` (their state layout is unknown).
     """
     if state.dim() == param.dim():
-        return all(s == d or s == 1 for s, d in zip(state.shape, param.shape))
+        return all(s == d or s == 1 for s, d in zip(state.shape, param.shape, strict=True))
     return state.dim() == 0 or not builtin
 
 
@@ -100,7 +100,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
         raise StateMismatchError(
             f"{loc}the saved optimizer has {len(saved_groups)} param group(s), the live one "
             f"{len(live_groups)}; {suggestion}")
-    for i, (sg, lg) in enumerate(zip(saved_groups, live_groups)):
+    for i, (sg, lg) in enumerate(zip(saved_groups, live_groups, strict=True)):
         if len(sg["params"]) != len(lg["params"]):
             raise StateMismatchError(
                 f"{loc}param group {i} holds {len(sg['params'])} parameters in the checkpoint and "
@@ -109,8 +109,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
     params = _param_list(optimizer)
     builtin = type(optimizer).__module__.startswith("torch.optim")
     saved_ids = [pid for g in saved_groups for pid in g["params"]]
-    by_id = dict(zip(saved_ids, params))
-    pid_of = {id(p): pid for pid, p in zip(saved_ids, params)}
+    by_id = dict(zip(saved_ids, params, strict=True))
+    pid_of = {id(p): pid for pid, p in zip(saved_ids, params, strict=True)}
     saved_dtypes: dict[tuple[int, str], torch.dtype] = {}
     for pid, st in saved_state.items():
         p = by_id.get(pid)
@@ -126,7 +126,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
                     f"changed or are in another order; {suggestion}")
             saved_dtypes[(id(p), name)] = v.dtype
 
-    optimizer.load_state_dict(state_dict)  # type: ignore[arg-type]
+    optimizer.load_state_dict(state_dict)  # type: ignore[arg-type]  # callers pass the saved dict
 
     changed = saved_param_dtypes or {}
     for p in params:

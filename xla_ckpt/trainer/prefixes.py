@@ -72,7 +72,7 @@ def strip_state_dict(state_dict: Mapping[str, Any],
             # metadata keys are module paths without the trailing dot ("module", "module.fc").
             s = strip_key(k + "." if k else k, strip)
             new_meta[s[:-1] if s.endswith(".") else s] = v
-        out._metadata = new_meta  # type: ignore[attr-defined]
+        out._metadata = new_meta  # type: ignore[attr-defined]  # torch's state_dict field
     return out
 
 
@@ -97,9 +97,8 @@ def unwrap_module(module: torch.nn.Module) -> torch.nn.Module:
     Unwrapping goes by wrapper *type*, never by attribute name, so a model
     whose own child is called ``module`` is returned as it is.
     """
-    wrappers: tuple[type, ...] = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
     while True:
-        if isinstance(module, wrappers):
+        if isinstance(module, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
             module = module.module
             continue
         orig = getattr(module, "_orig_mod", None)

@@ -1,0 +1,307 @@
+"""The save path of :class:`~xla_ckpt.manager.CheckpointManager`: write, upload, agree, commit.
+
+A save (:meth:`SavePath.save`, or a scheduled one from ``after_update``) writes
+this rank's items, from the training thread (sync) or from a host snapshot on
+the save thread (async); :meth:`SavePath._sync`, at update boundaries, lets the
+ranks agree on its progress and, once every rank's upload is done, starts the
+coordinator's commit: manifest, ``checkpoint_last`` / ``checkpoint_best``
+pointers (best-N comparison), rotation.  A failure on any rank is raised on
+every rank (:meth:`SavePath._fail`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, SupportsFloat
+
+from xla_ckpt.errors import CheckpointSaveError
+from xla_ckpt.format.manifest import FORMAT_NAME, FORMAT_VERSION, STATE_ITEM, Manifest, rank_item
+from xla_ckpt.io.catalog import write_pointer
+from xla_ckpt.io.writer import WrittenItem, commit, discard, new_save_id, write_item
+from xla_ckpt.manager.base import ManagerBase, logger
+from xla_ckpt.manager.naming import preemption_name
+from xla_ckpt.manager.rotation import rotate
+from xla_ckpt.manager.staging import stage_to_host
+from xla_ckpt.restore.save import _shard_layout as shard_layout
+from xla_ckpt.restore.sharding import shard_item, shard_state
+from xla_ckpt.storage import Storage
+
+#: Metadata keys the manager writes; metric names must differ from these.
+RESERVED_METADATA = ("epoch", "num_updates", "end_of_epoch", "preempted", "world_size")
+
+StateArg = Any  # a state, or a zero-argument callable returning it
+MetricValues = Mapping[str, SupportsFloat]  # numbers, numpy scalars, one-element tensors
+
+
+@dataclass
+class _InFlight:
+    name: str
+    save_id: str
+    metadata: dict
+    storage: Storage
+    upload: cf.Future
+    phase: str = "upload"  # "upload" -> "commit"
+    commit: cf.Future | None = None  # rank 0 only
+    manifest_written: bool = False
+    staged_bytes: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+    buffers: list = field(default_factory=list)  # host staging buffers, reusable once uploaded
+
+
+def _status(fut: cf.Future | None) -> str:
+    if fut is None:
+        return ""
+    if not fut.done():
+        return "pending"
+    exc = fut.exception()
+    return "done" if exc is None else f"error:{type(exc).__name__}: {exc}"
+
+
+def _parts_from_json(docs: list[dict], save_id: str, rank: int) -> list[WrittenItem]:
+    """Rebuild (and validate) the items rank ``rank`` wrote from their JSON form."""
+    out = []
+    for d in docs:
+        doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "save_id": save_id,
+               "files": d["files"], "items": {d["name"]: d["item"]}}
+        m = Manifest.from_json_bytes(json.dumps(doc).encode("utf-8"),
+                                     where=f"item {d['name']!r} written by rank {rank}")
+        out.append(WrittenItem(d["name"], m.items[d["name"]], dict(m.files)))
+    return out
+
+
+def _done_future(value: Any) -> cf.Future:
+    f: cf.Future = cf.Future()
+    f.set_result(value)
+    return f
+
+
+def _failed_future(exc: BaseException) -> cf.Future:
+    f: cf.Future = cf.Future()
+    f.set_exception(exc)
+    return f
+
+
+class SavePath(ManagerBase):
+    """Saving: :meth:`save`, :meth:`wait`, and the upload/commit machinery behind them."""
+
+    @property
+    def in_flight(self) -> str | None:
+        """Name of the save being uploaded or committed, or None."""
+        return self._inflight.name if self._inflight else None
+
+    def save(self, state: StateArg, *, epoch: int, num_updates: int, name: str | None = None,
+             rank_state: StateArg = None, shards: StateArg = None, end_of_epoch: bool = False,
+             metrics: MetricValues | None = None, block: bool | None = None) -> str:
+        """Save now, outside the schedule.  Collective: every rank calls it.
+
+        Args:
+            name: checkpoint folder name (default: the preemption-style
+                ``checkpoint_<epoch>_<updates>``, or ``checkpoint<epoch>`` at an
+                epoch end that the schedule saves).
+            block: wait until committed (default: ``not config.async_save``).
+
+        Returns:
+            The checkpoint folder name.
+
+        Raises:
+            CheckpointSaveError: this or the previous save failed on some rank.
+        """
+        self._check_open()
+        name = name or preemption_name(self.config, epoch=epoch, num_updates=num_updates,
+                                       end_of_epoch=end_of_epoch)
+        self._save(state, rank_state, shards, name=name, epoch=epoch, num_updates=num_updates,
+                   end_of_epoch=end_of_epoch, metrics=metrics, preempted=False,
+                   block=(not self.config.async_save) if block is None else block)
+        return name
+
+    def wait(self) -> tuple[str, ...]:
+        """Block until the in-flight save (if any) committed on every rank.  Collective.
+
+        Returns:
+            Names of checkpoints whose commit was confirmed during this call.
+
+        Raises:
+            CheckpointSaveError: the save failed on some rank (every rank raises it).
+        """
+        if self._inflight is None:
+            return ()
+        return tuple(self._sync(block=True))
+
+    # ---- internals ----------------------------------------------------------------------
+    def _metadata(self, *, epoch: int, num_updates: int, end_of_epoch: bool, preempted: bool,
+                  metrics: MetricValues | None) -> dict:
+        md: dict[str, Any] = {"epoch": epoch, "num_updates": num_updates,
+                              "end_of_epoch": end_of_epoch, "preempted": preempted,
+                              "world_size": self.world_size}
+        for k, v in (metrics or {}).items():
+            if k in RESERVED_METADATA:
+                raise ValueError(f"metric name {k!r} is reserved for checkpoint metadata "
+                                 f"({', '.join(RESERVED_METADATA)}); rename it")
+            try:
+                md[k] = float(v.item() if hasattr(v, "item") else v)
+            except (TypeError, ValueError):
+                raise ValueError(f"metric {k!r} must be a number, got {v!r}") from None
+        return md
+
+    def _save(self, state: StateArg, rank_state: StateArg, shards: StateArg, *, name: str,
+              epoch: int, num_updates: int, end_of_epoch: bool, metrics: MetricValues | None,
+              preempted: bool, block: bool) -> list[str]:
+        committed = list(self._sync(block=True))  # at most one save in flight
+        metadata = self._metadata(epoch=epoch, num_updates=num_updates,
+                                  end_of_epoch=end_of_epoch, preempted=preempted, metrics=metrics)
+        t0 = time.perf_counter()
+        sh = shards() if callable(shards) else shards
+        flat = None
+        if sh is not None:
+            # A collective: every rank learns the others' piece sizes (and they must agree).
+            flat = {k: t.detach().reshape(-1) for k, t in sh.items()}
+            bounds, numels = shard_layout(self.dist, flat)
+        # One save id for every rank's data files (rank 0 picks it), so a failed save's files
+        # can be found and removed, and a commit removes the files of earlier saves.
+        save_id = self._exchange(new_save_id() if self.rank == 0 else None)[0]
+        storage = self.run.child(name)
+        buffers: list = []
+        nbytes = 0
+        try:
+            st = state() if callable(state) else state
+            rs = rank_state() if callable(rank_state) else rank_state
+            payload = [st if self.rank == 0 else None, rs,
+                       shard_state(flat, bounds, numels) if flat is not None else None]
+            if block:
+                # The caller waits anyway: write the live state from this thread, no copy.
+                upload = _done_future(self._upload_job(storage, save_id, *payload))
+            else:
+                staged = [stage_to_host(p, self._pool) if p is not None else None
+                          for p in payload]
+                for sg in staged:
+                    if sg is not None:
+                        buffers += sg.buffers
+                        nbytes += sg.nbytes
+                upload = self._executor.submit(self._upload_job, storage, save_id,
+                                               *[sg.state if sg else None for sg in staged])
+                del staged
+            del payload
+        except Exception as e:  # noqa: BLE001 - agreed on with the other ranks in _sync
+            upload = _failed_future(e)
+        self._inflight = _InFlight(name=name, save_id=save_id, metadata=metadata,
+                                   storage=storage, upload=upload, staged_bytes=nbytes, t0=t0,
+                                   buffers=buffers)
+        self._last_saved = (name, num_updates)
+        logger.debug("[rank %d] %s %s: %d bytes in %.3f s", self.rank,
+                     "wrote" if block else "staged", name, nbytes, time.perf_counter() - t0)
+        if block:
+            committed += self._sync(block=True)
+        return committed
+
+    def _upload_job(self, storage: Storage, save_id: str, state: Any, rank_state: Any,
+                    shards: Any) -> list[WrittenItem]:
+        """Write this rank's items (each a state, or None for none); returns what was written."""
+        parts = []
+        if state is not None:
+            parts.append(write_item(storage, save_id, STATE_ITEM, state))
+        if rank_state is not None:
+            parts.append(write_item(storage, save_id, rank_item(self.rank), rank_state))
+        if shards is not None:
+            parts.append(write_item(storage, save_id, shard_item(self.rank), shards))
+        return parts
+
+    def _commit_job(self, fl: _InFlight, parts: list[WrittenItem]) -> None:
+        """Coordinator only: manifest (commit marker), then pointers, then rotation."""
+        commit(fl.storage, fl.save_id, parts, metadata=fl.metadata, world_size=self.world_size)
+        fl.manifest_written = True
+        md = fl.metadata
+        write_pointer(self.run, "last", fl.name, epoch=md["epoch"], num_updates=md["num_updates"])
+        metric = self.config.best_checkpoint_metric
+        value = md.get(metric)
+        if isinstance(value, float) and math.isfinite(value) and self._is_better(value):
+            write_pointer(self.run, "best", fl.name, metric=metric, value=value)
+            self._best = value
+        try:
+            rotate(self.run, self.config, protect={fl.name} | ({self.restored_from}
+                                                              if self.restored_from else set()))
+        except Exception as e:  # noqa: BLE001 - rotation failing must not fail training
+            logger.warning("[rank %d] could not delete old checkpoints under %s: %s (will retry "
+                           "after the next save)", self.rank, self.run.uri, e)
+
+    def _is_better(self, value: float) -> bool:
+        if self._best is None:
+            return True
+        # fairseq: ties go to the newer checkpoint.
+        return value >= self._best if self.config.maximize_best_checkpoint_metric \
+            else value <= self._best
+
+    def _sync(self, *, block: bool) -> list[str]:
+        """Exchange preemption flags and save progress; advance the in-flight save.  Collective.
+
+        Every rank runs the same branches because they act only on the
+        exchanged messages.  With ``block`` it loops until nothing is in flight.
+        """
+        committed: list[str] = []
+        while True:
+            fl = self._inflight
+            if block and fl is not None:
+                waiting = fl.upload if fl.phase == "upload" else fl.commit
+                if waiting is not None:
+                    cf.wait([waiting])
+            msg = (self._notice.requested,
+                   _status(fl.upload) if fl is not None and fl.phase == "upload" else "",
+                   _status(fl.commit) if fl is not None and fl.phase == "commit" else "")
+            msgs = self._exchange(msg)
+            if any(m[0] for m in msgs):
+                self._preempt_agreed = True
+            if fl is not None:
+                failures = {r: m[1][6:] for r, m in enumerate(msgs) if m[1].startswith("error:")}
+                if msgs[0][2].startswith("error:"):
+                    failures[0] = msgs[0][2][6:]
+                if failures:
+                    self._fail(fl, failures)
+                if fl.phase == "upload" and all(m[1] == "done" for m in msgs):
+                    gathered = self._exchange([p.to_json() for p in fl.upload.result()])
+                    fl.phase = "commit"
+                    if self.rank == 0:
+                        parts = [p for r, docs in enumerate(gathered)
+                                 for p in _parts_from_json(docs, fl.save_id, r)]
+                        fl.commit = self._executor.submit(self._commit_job, fl, parts)
+                elif fl.phase == "commit" and msgs[0][2] == "done":
+                    self._inflight = None
+                    fl.storage.close()
+                    self._recycle(fl)
+                    committed.append(fl.name)
+                    if self.rank == 0:
+                        dt = time.perf_counter() - fl.t0
+                        logger.info("[rank %d] committed %s (%d bytes staged on rank 0) %.2f s "
+                                    "after staging", self.rank, fl.storage.uri, fl.staged_bytes,
+                                    dt)
+            if not block or self._inflight is None:
+                return committed
+
+    def _recycle(self, fl: _InFlight) -> None:
+        """Hand an uploaded snapshot's host buffers to the pool for the next save."""
+        if self._pool is not None and fl.buffers:
+            self._pool.release(fl.buffers)
+        fl.buffers = []
+
+    def _fail(self, fl: _InFlight, failures: dict[int, str]) -> None:
+        self._inflight = None
+        if self._last_saved is not None and self._last_saved[0] == fl.name:
+            self._last_saved = None
+        # Every rank lets its own upload finish, then rank 0 removes the uncommitted data files.
+        cf.wait([f for f in (fl.upload, fl.commit) if f is not None])
+        own = None
+        for fut in (fl.upload, fl.commit):
+            if fut is not None and fut.exception() is not None:
+                own = fut.exception()
+        self._recycle(fl)
+        self._exchange(None)
+        if self.rank == 0 and not fl.manifest_written:
+            discard(fl.storage, fl.save_id)
+        fl.storage.close()
+        what = ("committed, but updating its pointers failed" if fl.manifest_written
+                else "nothing was committed; the previous checkpoint and pointers are unchanged")
+        raise CheckpointSaveError(f"saving checkpoint {fl.storage.uri} failed ({what})",
+                                  failures) from own

@@ -1,0 +1,179 @@
+"""Restoring a :class:`~xla_ckpt.trainer.Checkpointer` (fairseq ``Trainer.load_checkpoint``).
+
+The restore order is in :mod:`xla_ckpt.trainer.checkpointer`:
+:meth:`RestoreState.load_checkpoint` reads through the injectable restorer
+(nothing committed -> ``None``), :meth:`RestoreState.load_state` applies what
+was read: model and criterion, optimizer and lr_scheduler
+(:meth:`RestoreState._restore_optimizer`), then ``extra_state``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from xla_ckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, StateMismatchError
+from xla_ckpt.trainer import keys as K
+from xla_ckpt.trainer.lr_scheduler import is_fairseq_style
+from xla_ckpt.trainer.module_load import load_module_state
+from xla_ckpt.trainer.optimizer_state import check_live_params, load_optimizer_state
+from xla_ckpt.trainer.prefixes import unwrap_module
+from xla_ckpt.trainer.sources import unpack_restored
+from xla_ckpt.trainer.training_surface import TrainingSurface, has_parameters, logger
+
+
+class RestoreState(TrainingSurface):
+    """:meth:`load_checkpoint` / :meth:`load_state` and the optimizer restore behind them."""
+
+    def load_checkpoint(self, uri: str, reset_optimizer: bool = False,
+                        reset_lr_scheduler: bool = False,
+                        optimizer_overrides: Optional[Mapping[str, Any]] = None,
+                        reset_meters: bool = False) -> Optional[dict]:
+        """Restore all training state from ``uri`` (fairseq ``Trainer.load_checkpoint``).
+
+        Called by every rank with the same ``uri``.
+
+        Args:
+            uri: checkpoint folder.
+            reset_optimizer: keep a fresh optimizer (and lr_scheduler, and
+                ``num_updates`` of 0) instead of the saved one.
+            reset_lr_scheduler: load the optimizer but keep a fresh lr_scheduler.
+            optimizer_overrides: param-group values replacing the saved ones
+                (e.g. ``{"lr": 1e-4}``).
+            reset_meters: do not load the saved meters.
+
+        Returns:
+            ``extra_state`` (with this rank's private values merged over it),
+            or ``None`` when no committed checkpoint exists at ``uri``.
+
+        Raises:
+            StateMismatchError: model/criterion keys, shapes or dtypes do not
+                fit (names them); criterion or optimizer class differs from
+                the checkpoint (names both, suggests ``reset_optimizer=True``).
+            CheckpointCorruptError / IntegrityError: bad bytes (names the path).
+        """
+        return self.load_state(self._restore(uri), where=uri, reset_optimizer=reset_optimizer,
+                               reset_lr_scheduler=reset_lr_scheduler,
+                               optimizer_overrides=optimizer_overrides, reset_meters=reset_meters)
+
+    def load_state(self, restored: Any, *, where: str = "", reset_optimizer: bool = False,
+                   reset_lr_scheduler: bool = False,
+                   optimizer_overrides: Optional[Mapping[str, Any]] = None,
+                   reset_meters: bool = False) -> Optional[dict]:
+        """Apply an already-read checkpoint: :meth:`load_checkpoint` without the read.
+
+        ``restored`` is ``None`` (no checkpoint), ``(state, rank_state)``, or
+        an object with ``.state`` and ``.rank_state`` (what
+        ``CheckpointManager.restore_or_initialize`` or a restore strategy
+        returns).  ``where`` names the checkpoint in messages.  Same flags,
+        return value and errors as :meth:`load_checkpoint`.
+        """
+        uri = where
+        t0 = time.perf_counter()
+        extra_state, self._optim_history, last_optim_state = None, [], None
+        self.rank_state = None
+        reports: list = []
+        if restored is not None:
+            state, rank_state = unpack_restored(restored)
+            if not isinstance(state, Mapping) or K.MODEL not in state:
+                raise StateMismatchError(
+                    f"{uri}: not a trainer checkpoint (no {K.MODEL!r} entry; keys: "
+                    f"{sorted(map(str, state))[:8] if isinstance(state, Mapping) else type(state)}"
+                    "); load it with xla_ckpt.load instead")
+            self.rank_state = rank_state
+            last_optim_state = state.get(K.LAST_OPTIMIZER_STATE)
+            reports.append((self.model, load_module_state(
+                unwrap_module(self.model), state[K.MODEL], what="model", where=uri,
+                strip_prefixes=self.config.strip_prefixes, dtype_policy=self.config.dtype_policy,
+                device=self.device)))
+            if has_parameters(self.criterion):
+                reports.append((self.criterion, load_module_state(
+                    unwrap_module(self.criterion), state.get(K.CRITERION) or {},
+                    what="criterion", where=uri, strip_prefixes=self.config.strip_prefixes,
+                    dtype_policy=self.config.dtype_policy, device=self.device)))
+            extra_state = dict(state.get(K.EXTRA_STATE) or {})
+            self._optim_history = list(state.get(K.OPTIMIZER_HISTORY) or [])
+            if isinstance(rank_state, Mapping):
+                extra_state.update(rank_state)
+
+        if last_optim_state is not None and not reset_optimizer:
+            self._restore_optimizer(uri, last_optim_state, reset_lr_scheduler,
+                                    optimizer_overrides, reports)
+
+        if extra_state is None:
+            logger.info("rank %d: no existing checkpoint found at %s", self.rank, uri)
+            return None
+
+        itr_state = extra_state.get(K.TRAIN_ITERATOR)
+        if not isinstance(itr_state, Mapping):
+            itr_state = extra_state[K.TRAIN_ITERATOR] = {K.EPOCH: 1, K.ITERATIONS_IN_EPOCH: 0}
+        epoch = itr_state.get(K.EPOCH, 1)
+        if K.PREVIOUS_TRAINING_TIME in extra_state:
+            self._previous_training_time = extra_state[K.PREVIOUS_TRAINING_TIME]
+            self._start_time = self.clock()
+        self.lr_step(epoch)
+        if itr_state.get(K.ITERATOR_VERSION, 1) >= 2 and itr_state.get(K.ITERATIONS_IN_EPOCH) == 0:
+            reset_meters = True  # start of an epoch: meters start afresh
+        if K.METRICS in extra_state and not reset_meters:
+            self.metrics.load_state_dict(extra_state[K.METRICS])
+            reset_time = getattr(self.metrics, "reset_time_meters", None)
+            if reset_time is not None:
+                reset_time()
+        if self.rank == 0:
+            logger.info("rank %d: loaded checkpoint %s (epoch %s @ %d updates) in %.2f s",
+                        self.rank, uri, epoch, self.get_num_updates(), time.perf_counter() - t0)
+        return extra_state
+
+    def _restore(self, uri: str) -> Any:
+        try:
+            return self.restorer(uri)
+        except IncompleteCheckpointError as e:
+            logger.warning("rank %d: ignoring %s; no existing checkpoint is used", self.rank, e)
+            return None
+        except CheckpointNotFoundError:
+            return None
+
+    def _restore_optimizer(self, uri: str, last_optim_state: Any, reset_lr_scheduler: bool,
+                           overrides: Optional[Mapping[str, Any]], reports: list) -> None:
+        if self.build_optimizer is not None:
+            self._build_optimizer()  # after the model load: params may have changed
+        else:
+            check_live_params(self.optimizer, self.live_parameters(), where=uri)
+        if not self._optim_history:
+            raise StateMismatchError(f"{uri}: the checkpoint has optimizer state but an empty "
+                                     f"{K.OPTIMIZER_HISTORY}; pass reset_optimizer=True")
+        last = self._optim_history[-1]
+        crit_name = type(self.criterion).__name__ if self.criterion is not None else None
+        if last.get(K.CRITERION_NAME) != crit_name:
+            raise StateMismatchError(
+                f"{uri}: criterion does not match the checkpoint: saved "
+                f"{last.get(K.CRITERION_NAME)}, live {crit_name}; pass reset_optimizer=True to "
+                "restore the weights with a fresh optimizer")
+        opt_name = type(self.optimizer).__name__
+        if last.get(K.OPTIMIZER_NAME) != opt_name:
+            raise StateMismatchError(
+                f"{uri}: optimizer does not match the checkpoint: saved "
+                f"{last.get(K.OPTIMIZER_NAME)}, live {opt_name}; pass reset_optimizer=True to "
+                "restore the weights with a fresh optimizer")
+        sched = self.lr_scheduler
+        if not reset_lr_scheduler and sched is not None \
+                and last.get(K.LR_SCHEDULER_STATE) is not None:
+            sched.load_state_dict(last[K.LR_SCHEDULER_STATE])
+        saved_dtypes = {}  # id(live parameter) -> dtype it was saved with
+        for module, report in reports:
+            named = dict(unwrap_module(module).named_parameters(remove_duplicate=False))
+            saved_dtypes.update({id(named[k]): dt for k, dt in report.saved_dtypes.items()
+                                 if k in named})
+        load_optimizer_state(self.optimizer, last_optim_state, saved_param_dtypes=saved_dtypes,
+                             where=uri)
+        if (reset_lr_scheduler and sched is not None and not is_fairseq_style(sched)
+                and hasattr(sched, "get_last_lr")):
+            # A fresh torch scheduler set the lr at construction; the optimizer load
+            # overwrote it with the saved one. The fresh schedule wins.
+            for group, lr in zip(self.optimizer.param_groups, sched.get_last_lr(), strict=True):
+                group["lr"] = lr
+        if overrides:
+            for group in self.optimizer.param_groups:
+                group.update(overrides)
+        self.set_num_updates(last.get(K.NUM_UPDATES, 0))
