@@ -20,18 +20,32 @@ from xla_ckpt.errors import (
     CheckpointNotFoundError,
     StorageError,
     StoragePermissionError,
+    StorageURIError,
 )
 from xla_ckpt.storage.base import ObjectInfo, Storage, StorageConfig
+from xla_ckpt.storage.uri import parse_uri
 
 TMP_MARK = ".tmp-"
 
 
 class LocalStorage(Storage):
-    """Storage rooted at a local folder.  See the module docstring."""
+    """Storage rooted at a local folder.  See the module docstring.
+
+    Args:
+        uri: a local path (relative, absolute, ``~``) or ``file:///abs/path``, as
+            :func:`~xla_ckpt.storage.uri.parse_uri` accepts it.
+
+    Raises:
+        StorageURIError: ``uri`` is a ``gs://`` URI, another scheme, or a local path that looks
+            like a mangled URI (``gs:/b/x``); no folder is created.
+    """
 
     def __init__(self, uri: str, config: StorageConfig | None = None) -> None:
-        path = uri[len("file://"):] if uri.startswith("file://") else uri
-        super().__init__(os.path.abspath(os.path.expanduser(path)), config)
+        parsed = parse_uri(uri)
+        if not parsed.is_local:
+            raise StorageURIError(f"{uri!r}: LocalStorage needs a local path or file:///ABS/PATH; "
+                                  "open gs:// URIs with xla_ckpt.storage.open_storage", uri=uri)
+        super().__init__(os.path.abspath(os.path.expanduser(parsed.path)), config)
         self.root = self.uri
 
     def _path(self, name: str) -> str:

@@ -3,32 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
-from xla_ckpt.errors import CheckpointNotFoundError, ConfigError
+from xla_ckpt.errors import CheckpointNotFoundError, StorageURIError
 from xla_ckpt.storage.base import MiB, StorageConfig, join
 from xla_ckpt.storage.gcs.reads import _GCSReads
 from xla_ckpt.storage.gcs.transport import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, _Connection
 from xla_ckpt.storage.gcs.writes import TMP_MARK, _GCSWrites
+from xla_ckpt.storage.uri import parse_uri
 
 DEFAULT_CONFIG = StorageConfig(max_workers=32, slice_size_bytes=8 * MiB)
 """Defaults measured against the shaped emulator (see benchmarks/README.md, ``--sweep``)."""
 
 
 def parse_gcs_uri(uri: str) -> tuple[str, str]:
-    """``gs://bucket/a/b`` -> ``("bucket", "a/b")``.
+    """``gs://bucket/a/b`` -> ``("bucket", "a/b")``; a trailing ``/`` is dropped.
+
+    :func:`xla_ckpt.storage.uri.parse_uri` with the scheme required to be ``gs``.
 
     Raises:
-        ConfigError: not a ``gs://`` URI or no bucket name.
+        StorageURIError: (a ``ConfigError``) not a ``gs://`` URI, no bucket or an invalid
+            bucket name, an empty/``.``/``..`` segment in the path.
     """
-    if not uri.startswith("gs://"):
-        raise ConfigError(f"{uri!r} is not a gs:// URI")
-    rest = uri[len("gs://"):]
-    bucket, _, prefix = rest.partition("/")
-    if not bucket or not re.fullmatch(r"[a-z0-9][-a-z0-9_.]{1,220}[a-z0-9]", bucket):
-        raise ConfigError(f"{uri!r}: missing or invalid bucket name; use gs://BUCKET/PATH")
-    return bucket, prefix.strip("/")
+    parsed = parse_uri(uri)
+    if not parsed.is_gcs:
+        raise StorageURIError(f"{uri!r} is not a gs:// URI; expected gs://BUCKET/PATH", uri=uri)
+    return parsed.bucket, parsed.path
 
 
 class GCSStorage(_GCSReads, _GCSWrites):
@@ -49,7 +49,7 @@ class GCSStorage(_GCSReads, _GCSWrites):
             failure (shared with :meth:`child` storages).
 
     Raises:
-        ConfigError: the URI is not ``gs://bucket[/prefix]``.
+        StorageURIError: (a ``ConfigError``) the URI is not ``gs://bucket[/prefix]``.
     """
 
     def __init__(self, uri: str, config: StorageConfig | None = None, *,
