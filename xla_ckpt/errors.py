@@ -81,6 +81,33 @@ class ConfigError(XlaCkptError, ValueError):
     """A configuration value or YAML key is invalid; the message names the key."""
 
 
+class StorageURIError(ConfigError):
+    """A storage URI is malformed or names a scheme xla_ckpt cannot store to.
+
+    Raised by :func:`xla_ckpt.storage.uri.parse_uri` (so by every entry point:
+    ``save``, ``load``, the CLI, the manager) *before* anything is written, for
+    unknown schemes (``s3://``), malformed ``gs://`` forms (``gs:/b/x``,
+    ``gs//b/x``, a bad bucket name) and local paths that look like a mangled
+    URI.  The message names the URI and the form expected.  A
+    :class:`ConfigError` (hence a ``ValueError``): the URI is a configuration
+    value, and the CLI maps it to exit code 2 like any other.
+
+    Attributes:
+        uri: the URI as given.
+    """
+
+    def __init__(self, message: str, *, uri: str = "") -> None:
+        super().__init__(message)
+        self.uri = uri
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only ``uri`` survives pickling
+        return (_storage_uri_error, (str(self), self.uri))
+
+
+def _storage_uri_error(message: str, uri: str) -> StorageURIError:
+    return StorageURIError(message, uri=uri)
+
+
 class WorldSizeMismatchError(XlaCkptError, ValueError):
     """Sharded state was saved with a world size that cannot be resharded to the current one."""
 
@@ -112,3 +139,29 @@ class CheckpointSaveError(DistributedError):
     each failing rank to its cause.  The previous committed checkpoint and
     the pointers are untouched.
     """
+
+
+class DataFileMissingError(CheckpointCorruptError):
+    """A data file the committed manifest lists is not there for this process.
+
+    The checkpoint is committed (its manifest is there and lists the file) but
+    the storage answers that the file does not exist (HTTP 404, ``ENOENT``),
+    before or during the read: the checkpoint is on another host's local
+    disk, a filesystem is not mounted here, or it was deleted or replaced
+    while it was read.  Its bytes are not known to be bad.  Never a
+    :class:`CheckpointNotFoundError` (nor a ``FileNotFoundError``): callers
+    take those to mean "nothing committed, start fresh", which would be
+    wrong here.  A :class:`CheckpointCorruptError` because that is what this
+    case raised before, and callers catch it to refuse (or skip) a checkpoint
+    that cannot be read whole.  A file that is there with the wrong size is a
+    plain :class:`CheckpointCorruptError` naming expected and actual sizes.
+
+    Attributes:
+        path: URI of the missing data file.
+        checkpoint: URI of the checkpoint folder.
+    """
+
+    def __init__(self, message: str, *, path: str = "", checkpoint: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.checkpoint = checkpoint

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from xla_ckpt.errors import XlaCkptError
+from xla_ckpt.storage.uri import parse_uri
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
             uri = emu.uri(f"demo-{uuid.uuid4().hex[:8]}/run")
             storage_kind = "GCS emulator on " + emu.host
         else:
-            storage_kind = "gs://" if uri.startswith("gs://") else "local path"
+            storage_kind = "gs://" if parse_uri(uri).is_gcs else "local path"
         workdir = tempfile.mkdtemp(prefix="xla-ckpt-demo-")
         if not keep:  # a failed demo keeps the worker logs its error points to
             stack.push(lambda exc_type, *_: None if exc_type is not None

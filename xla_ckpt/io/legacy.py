@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 from xla_ckpt.format.legacy import Layout, LegacyFile, load_legacy, sniff_format
-from xla_ckpt.storage import Storage, StorageConfig, is_gcs_uri, open_storage
+from xla_ckpt.storage import Storage, StorageConfig, StorageURI, open_storage, parse_uri
 
 logger = logging.getLogger(__name__)
 
@@ -34,20 +34,18 @@ def split_uri(uri: str) -> tuple[str, str]:
 
     ``gs://b/run/x.pt`` -> ``("gs://b/run", "x.pt")``; ``/data/x.pt`` -> ``("/data", "x.pt")``.
     """
-    u = uri.rstrip("/")
-    if is_gcs_uri(u):
-        rest = u[len("gs://"):]
-        if "/" not in rest:
+    target = parse_uri(uri)
+    if target.is_gcs:
+        if not target.path:
             raise CheckpointNotFoundError(f"{uri}: names a bucket, not an object")
-        folder, name = rest.rsplit("/", 1)
-        return "gs://" + folder, name
-    path = _local_path(u)
+        folder, _, name = target.path.rpartition("/")
+        return str(StorageURI("gs", target.bucket, folder)), name
+    path = _local_path(uri)
     return os.path.dirname(path) or ".", os.path.basename(path)
 
 
 def _local_path(uri: str) -> str:
-    path = uri[len("file://"):] if uri.startswith("file://") else uri
-    return os.path.abspath(os.path.expanduser(path))
+    return os.path.abspath(os.path.expanduser(parse_uri(uri).path))
 
 
 def read_object(uri: str, *, config: StorageConfig | None = None,
@@ -111,7 +109,7 @@ def _read_all(storage: Storage, name: str, progress: Progress | None) -> bytearr
 def open_legacy_source(uri: str, *, config: StorageConfig | None = None,
                        progress: Progress | None = None) -> Iterator[Any]:
     """A binary file object (local) or the bytes (``gs://``) of the object at ``uri``."""
-    if is_gcs_uri(uri):
+    if parse_uri(uri).is_gcs:
         yield read_object(uri, config=config, progress=progress)
         return
     path = _local_path(uri)
@@ -133,7 +131,7 @@ def is_legacy_file(uri: str, *, config: StorageConfig | None = None) -> bool:
         folder, name = split_uri(uri)
     except CheckpointNotFoundError:
         return False
-    if not is_gcs_uri(uri) and not os.path.isfile(_local_path(uri)):
+    if parse_uri(uri).is_local and not os.path.isfile(_local_path(uri)):
         return False
     storage = open_storage(folder, config)
     try:

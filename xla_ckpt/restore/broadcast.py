@@ -63,7 +63,7 @@ from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.host_share import HostShare, negotiate
 from xla_ckpt.restore.plan import RankPlan
 from xla_ckpt.restore.result import Loaded, RestoreStats
-from xla_ckpt.storage import StorageConfig, open_storage
+from xla_ckpt.storage import StorageConfig, open_storage, parse_uri
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class _BroadcastRestore:
         if self.one_host and self.mapping is not None:
             segment, offsets, mapping = self._host().own_segment(), self.got.pop("offsets"), \
                 self.mapping
-            local = "://" not in decision.checkpoint.replace("file://", "")
+            local = parse_uri(decision.checkpoint).is_local
             staging = FILE_STAGING_BUFFERS if local else \
                 (storage_config or StorageConfig()).max_workers  # network reads need streams
 
