@@ -11,6 +11,7 @@ import xla_ckpt
 from xla_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    DataFileMissingError,
     IncompleteCheckpointError,
     IntegrityError,
     XlaCkptError,
@@ -59,10 +60,13 @@ def test_missing_data_file_names_it(saved):
     folder, path = saved
     n = os.path.getsize(path)
     os.unlink(path)
-    with pytest.raises(CheckpointCorruptError) as e:
+    with pytest.raises(DataFileMissingError) as e:  # a CheckpointCorruptError, never "not found"
         xla_ckpt.load(folder)
-    assert str(e.value) == (f"{path}: data file listed in the manifest is missing (expected {n} "
-                            "bytes)")
+    assert isinstance(e.value, CheckpointCorruptError)
+    assert not isinstance(e.value, CheckpointNotFoundError)
+    assert str(e.value).startswith(f"{path}: data file listed in the manifest is missing (expected "
+                                   f"{n} bytes). Checkpoint {folder} is committed, but this "
+                                   "process cannot see the file")
 
 
 @pytest.mark.parametrize("keep", [0, 1, "half"])

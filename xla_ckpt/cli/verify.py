@@ -7,19 +7,30 @@ resized data files, unreadable safetensors headers and malformed typed
 state are reported too.  Every bad tensor is named, not only the first.
 
 Exit codes: 0 intact; 1 corrupt or incomplete (each problem on stdout, one
-line per tensor); 2 usage or access error (nothing at URI, no permission).
+line per tensor); 2 usage or access error (nothing at URI, no permission);
+130 interrupted.
+
+With --json, stdout holds exactly one JSON object whatever happens once the
+arguments are parsed: {"uri", "ok", "error", "files", "blobs", "tensors",
+"bytes_read", "seconds", "bad_tensors", "problems"} when the checkpoint could
+be read (error null), or {"uri", "ok": false, "error": {"type", "message"}}
+when the command failed before a report (nothing there, unreadable manifest,
+storage or URI error, interrupted).  The exit code is the same as without
+--json, and the one-line error message still goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from xla_ckpt.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     Parents,
     Subparsers,
+    Target,
     human_bytes,
     jsonable,
     plain,
@@ -27,7 +38,7 @@ from xla_ckpt.cli.common import (
     resolve_checkpoint,
 )
 from xla_ckpt.io.reader import read_manifest
-from xla_ckpt.io.verify import verify_checkpoint
+from xla_ckpt.io.verify import VerifyReport, verify_checkpoint
 
 
 def register(sub: Subparsers, parents: Parents) -> None:
@@ -40,24 +51,18 @@ def register(sub: Subparsers, parents: Parents) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    target = resolve_checkpoint(args.uri)
+    uri = args.uri  # what the failure document names until a checkpoint is resolved
     try:
-        manifest = read_manifest(target.storage)
-        bar = progress_bar(sum(b.length for i in manifest.items.values() for b in i.blobs),
-                           "verify", enabled=False if args.no_progress else None)
-        try:
-            report = verify_checkpoint(target.storage, manifest, progress=bar.update)
-        finally:
-            bar.close()
-    finally:
-        target.storage.close()
+        target = resolve_checkpoint(args.uri)
+        uri = target.uri
+        report = _verify(target, progress=not args.no_progress)
+    except (Exception, KeyboardInterrupt) as e:
+        # Re-raised: main() prints the one-line reason on stderr and picks the exit code.
+        if args.json:
+            _print_json(failure_document(uri, e))
+        raise
     if args.json:
-        print(json.dumps(jsonable({
-            "uri": target.uri, "ok": report.ok, "files": report.files, "blobs": report.blobs,
-            "tensors": report.tensors, "bytes_read": report.bytes_read,
-            "seconds": report.seconds, "bad_tensors": report.bad_keys,
-            "problems": [{"kind": p.kind, "file": p.file, "item": p.item, "keys": list(p.keys),
-                          "detail": p.detail} for p in report.problems]}), indent=2))
+        _print_json(report_document(target.uri, report))
         return EXIT_OK if report.ok else EXIT_FAILED
     rate = report.bytes_read / max(report.seconds, 1e-9) / 2**20
     if report.ok:
@@ -77,3 +82,38 @@ def run(args: argparse.Namespace) -> int:
     print(f"CORRUPT {target.uri}: {len(report.bad_keys)} bad tensors, {len(report.problems)} "
           f"problems in {len(files)} of {report.files} files")
     return EXIT_FAILED
+
+
+def _verify(target: Target, *, progress: bool) -> VerifyReport:
+    """Read the manifest and verify every byte; closes the target's storage."""
+    try:
+        manifest = read_manifest(target.storage)
+        bar = progress_bar(sum(b.length for i in manifest.items.values() for b in i.blobs),
+                           "verify", enabled=None if progress else False)
+        try:
+            return verify_checkpoint(target.storage, manifest, progress=bar.update)
+        finally:
+            bar.close()
+    finally:
+        target.storage.close()
+
+
+def report_document(uri: str, report: VerifyReport) -> dict[str, Any]:
+    """The ``--json`` document of a verification that ran (``ok`` false if problems were found)."""
+    return {
+        "uri": uri, "ok": report.ok, "error": None, "files": report.files,
+        "blobs": report.blobs, "tensors": report.tensors, "bytes_read": report.bytes_read,
+        "seconds": report.seconds, "bad_tensors": report.bad_keys,
+        "problems": [{"kind": p.kind, "file": p.file, "item": p.item, "keys": list(p.keys),
+                      "detail": p.detail} for p in report.problems]}
+
+
+def failure_document(uri: str, error: BaseException) -> dict[str, Any]:
+    """The ``--json`` document of a verification that could not run: the error's type and text."""
+    message = "interrupted" if isinstance(error, KeyboardInterrupt) else str(error).strip()
+    return {"uri": uri, "ok": False,
+            "error": {"type": type(error).__name__, "message": message or type(error).__name__}}
+
+
+def _print_json(doc: dict[str, Any]) -> None:
+    print(json.dumps(jsonable(doc), indent=2), flush=True)

@@ -26,7 +26,11 @@ tensor                 ``{"$tensor": <index into the manifest's tensors>}``
 =====================  ====================================================
 
 Anything else raises :class:`~xla_ckpt.errors.UnsupportedTypeError` naming the
-key path, so a checkpoint never holds something it cannot give back.
+key path, so a checkpoint never holds something it cannot give back.  So does
+a tensor (or numpy array) where only values can go: a member of a set or
+frozenset, a dict key, an ``OrderedDict``'s ``_metadata``; those are written
+inline, with no position to name a tensor by, so the tensor cannot be stored
+as a reference to its bytes (the message says to use a list or tuple).
 Decoding is bounded: nesting deeper than :data:`MAX_DEPTH` and unknown tags
 raise :class:`~xla_ckpt.errors.CheckpointCorruptError`.
 """
@@ -37,7 +41,7 @@ import argparse
 import base64
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -83,7 +87,63 @@ def encode(obj: Any, tensor_hook: TensorHook | None = None) -> Any:
         UnsupportedTypeError: a value of an unsupported type; the message names
             its key path and type.
     """
-    return _encode(obj, (), tensor_hook, set(), 0)
+    return _encode(obj, (), tensor_hook, set(), 0, None)
+
+
+class _Inline(NamedTuple):
+    """Where values are encoded inline, without the tensor hook: what holds them, at which path."""
+
+    where: str  # "in the set", "in a key of the dict", ...
+    path: tuple
+    why: str
+    fix: str
+
+
+_WHY_SET = ("a set is saved as a value, its members written inline (sorted; unordered in "
+            "Python) with no index or key to refer to one by")
+_FIX_SET = ("store the tensors in a list or tuple instead (keep a set of their names beside it if "
+            "membership is what matters)")
+_WHY_KEY = ("dict keys are saved as values, written inline (and a tensor hashes by identity, so a "
+            "restored key would never match a live one)")
+_FIX_KEY = ("key the dict by a name or an index and keep the tensor as the value, or store a list "
+            "of (key, value) tuples")
+_WHY_META = "a state_dict's _metadata is saved as a value, written inline"
+_FIX_META = "keep tensors out of it (it holds per-module version numbers)"
+
+
+def _inline(where: str, path: tuple, why: str, fix: str, hook: TensorHook | None,
+            inline: _Inline | None) -> _Inline | None:
+    """The context of values encoded without the hook from here on (None: there was none)."""
+    if hook is None and inline is None:
+        return None  # the caller gave no hook at all: the plain "needs a tensor hook" error
+    return _Inline(where, path, why, fix)
+
+
+def _describe_array(obj: torch.Tensor | np.ndarray) -> str:
+    kind = type(obj)
+    dtype = str(obj.dtype).removeprefix("torch.")
+    return f"{kind.__module__}.{kind.__qualname__} of dtype {dtype} and shape {list(obj.shape)}"
+
+
+def _no_hook(obj: torch.Tensor | np.ndarray, path: tuple,
+             inline: _Inline | None) -> UnsupportedTypeError:
+    """The refusal of a tensor (or numeric numpy array) met where the hook does not reach."""
+    what = "tensor" if isinstance(obj, torch.Tensor) else "numpy array"
+    if inline is None:
+        if what == "tensor":
+            return UnsupportedTypeError(
+                f"tensor at {format_path(path)} needs a tensor hook: a {_describe_array(obj)} "
+                "cannot be stored in typed JSON alone (checkpoint metadata, control-plane "
+                "messages hold no tensor bytes); pass a Python number or list instead "
+                "(t.item(), t.tolist()), or save it in the state")
+        return UnsupportedTypeError(
+            f"numpy array of dtype {obj.dtype} at {format_path(path)} cannot be stored in typed "
+            "JSON alone (checkpoint metadata, control-plane messages hold no array bytes); pass "
+            "a list instead (a.tolist()), or save it in the state")
+    return UnsupportedTypeError(
+        f"cannot save a {what} ({_describe_array(obj)}) {inline.where} at "
+        f"{format_path(inline.path)}: {inline.why}, so a {what} there cannot be stored as a "
+        f"reference to its bytes; {inline.fix}")
 
 
 def _too_deep(path: tuple) -> UnsupportedTypeError:
@@ -92,8 +152,11 @@ def _too_deep(path: tuple) -> UnsupportedTypeError:
         "would refuse it; flatten the structure before saving")
 
 
-def _encode(obj: Any, path: tuple, hook: TensorHook | None, active: set, depth: int) -> Any:
+def _encode(obj: Any, path: tuple, hook: TensorHook | None, active: set, depth: int,
+            inline: _Inline | None) -> Any:
     # ``depth`` counts levels exactly as _decode does, so whatever encodes also decodes.
+    # ``inline``: set while encoding the inside of a set, a dict key or _metadata, where ``hook``
+    # is None on purpose (what holds the value, for the refusal of a tensor there).
     if depth > MAX_DEPTH:
         raise _too_deep(path)
     if isinstance(obj, np.generic):  # before str: np.str_ is a str subclass
@@ -114,10 +177,10 @@ def _encode(obj: Any, path: tuple, hook: TensorHook | None, active: set, depth: 
         return obj
     if isinstance(obj, torch.Tensor):
         if hook is None:
-            raise UnsupportedTypeError(f"tensor at {format_path(path)} needs a tensor hook")
+            raise _no_hook(obj, path, inline)
         return {"$tensor": hook(obj, path)}
     if isinstance(obj, np.ndarray):
-        return _np_array(obj, path, hook)
+        return _np_array(obj, path, hook, inline)
     if isinstance(obj, int):  # bool was handled above
         return int(obj)
     if isinstance(obj, float):
@@ -144,38 +207,48 @@ def _encode(obj: Any, path: tuple, hook: TensorHook | None, active: set, depth: 
     active.add(oid)
     try:
         if isinstance(obj, argparse.Namespace):
-            return {"$namespace": _encode(vars(obj), path, hook, active, depth + 1)}
-        if isinstance(obj, OrderedDict):
-            items = [[_encode(k, path, None, active, depth + 1),
-                      _encode(v, path + (k,), hook, active, depth + 1)]
+            return {"$namespace": _encode(vars(obj), path, hook, active, depth + 1, inline)}
+        if isinstance(obj, dict):
+            # Keys are encoded inline: a tensor key has no reference (and hashes by identity).
+            in_key = _inline(f"in a key of the {type(obj).__name__}", path, _WHY_KEY, _FIX_KEY,
+                             hook, inline)
+            plain_keys = not isinstance(obj, OrderedDict) and all(
+                isinstance(k, str) and not k.startswith("$") for k in obj)
+            if plain_keys:
+                return {k: _encode(v, path + (k,), hook, active, depth + 1, inline)
+                        for k, v in obj.items()}
+            items = [[_encode(k, path, None, active, depth + 1, in_key),
+                      _encode(v, path + (k,), hook, active, depth + 1, inline)]
                      for k, v in obj.items()]
+            if not isinstance(obj, OrderedDict):
+                return {"$dict": items}
             node: dict = {"$odict": items}
             meta = getattr(obj, "_metadata", None)
             if meta is not None:
-                node["meta"] = _encode(meta, path + ("_metadata",), None, active, depth + 1)
+                in_meta = _inline("in the _metadata of the OrderedDict", path, _WHY_META,
+                                  _FIX_META, hook, inline)
+                node["meta"] = _encode(meta, path + ("_metadata",), None, active, depth + 1,
+                                       in_meta)
             return node
-        if isinstance(obj, dict):
-            if all(isinstance(k, str) and not k.startswith("$") for k in obj):
-                return {k: _encode(v, path + (k,), hook, active, depth + 1) for k, v in obj.items()}
-            return {"$dict": [[_encode(k, path, None, active, depth + 1),
-                               _encode(v, path + (k,), hook, active, depth + 1)]
-                              for k, v in obj.items()]}
         if isinstance(obj, list):
-            return [_encode(v, path + (i,), hook, active, depth + 1) for i, v in enumerate(obj)]
+            return [_encode(v, path + (i,), hook, active, depth + 1, inline)
+                    for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
             if hasattr(obj, "_fields"):
                 raise UnsupportedTypeError(
                     f"namedtuple {type(obj).__qualname__} at {format_path(path)}: convert it to a "
                     "dict or plain tuple before saving")
-            return {"$tuple": [_encode(v, path + (i,), hook, active, depth + 1)
+            return {"$tuple": [_encode(v, path + (i,), hook, active, depth + 1, inline)
                                for i, v in enumerate(obj)]}
         if isinstance(obj, (set, frozenset)):
             tag = "$frozenset" if isinstance(obj, frozenset) else "$set"
             try:
                 members = sorted(obj)
-            except TypeError:
-                members = list(obj)
-            return {tag: [_encode(v, path, None, active, depth + 1) for v in members]}
+            except Exception:  # noqa: BLE001 - members' own comparisons (a tensor's is ambiguous)
+                members = list(obj)  # no total order: iteration order, still restored exactly
+            in_set = _inline(f"in the {type(obj).__name__}", path, _WHY_SET, _FIX_SET, hook,
+                             inline)
+            return {tag: [_encode(v, path, None, active, depth + 1, in_set) for v in members]}
     finally:
         active.discard(oid)
     raise UnsupportedTypeError(
@@ -185,7 +258,10 @@ def _encode(obj: Any, path: tuple, hook: TensorHook | None, active: set, depth: 
         "(e.g. to a dict) before saving")
 
 
-def _np_array(arr: np.ndarray, path: tuple, hook: TensorHook | None) -> Any:
+def _np_array(arr: np.ndarray, path: tuple, hook: TensorHook | None,
+              inline: _Inline | None) -> Any:
+    if hook is None and arr.dtype.kind in "biufc":
+        raise _no_hook(arr, path, inline)
     if hook is None or arr.dtype.kind not in "biufc":
         raise UnsupportedTypeError(
             f"numpy array of dtype {arr.dtype} at {format_path(path)}: convert it to a tensor")

@@ -7,6 +7,13 @@ the whole-blob crc32c for small blobs) by the thread that read it, right
 after the read, so verification overlaps I/O and every byte handed back has
 been checked.  A mismatch is re-read up to ``crc_retries`` times, then
 :class:`IntegrityError` names the object and the tensor.
+
+A data file the manifest lists that the storage says does not exist (404,
+``ENOENT``; before or during the read) raises :class:`DataFileMissingError`:
+the checkpoint is committed but this process cannot see that file.  It is
+never a :class:`CheckpointNotFoundError`, which callers take to mean "nothing
+committed here, start fresh".  A file that is there with the wrong size is a
+plain :class:`CheckpointCorruptError` naming expected and actual sizes.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 from xla_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    DataFileMissingError,
     IncompleteCheckpointError,
     IntegrityError,
 )
@@ -106,8 +114,10 @@ class CheckpointReader:
         """Stat data files and compare sizes with the manifest; pins GCS generations.
 
         Raises:
-            CheckpointCorruptError: a file is missing or has the wrong size
-                (names the path, expected vs actual size).
+            DataFileMissingError: the storage says a listed file does not exist
+                (names the file and the checkpoint; a CheckpointCorruptError).
+            CheckpointCorruptError: a file has the wrong size (names the path,
+                expected vs actual size).
         """
         for name in names if names is not None else self.manifest.files:
             if name in self._infos:
@@ -116,9 +126,7 @@ class CheckpointReader:
             try:
                 info = self.storage.stat(name)
             except CheckpointNotFoundError:
-                raise CheckpointCorruptError(
-                    f"{self.storage.url(name)}: data file listed in the manifest is missing "
-                    f"(expected {expected} bytes)") from None
+                raise data_file_missing(self.storage, name, expected) from None
             if info.size != expected:
                 raise CheckpointCorruptError(
                     f"{self.storage.url(name)}: expected {expected} bytes, found {info.size} "
@@ -288,7 +296,11 @@ class CheckpointReader:
         generation = info.generation if info else None
         bad: tuple[int, int] | None = None
         for attempt in range(self.crc_retries + 1):
-            self.storage.read_range(rec.file, rec.offset + start, out, generation)
+            try:
+                self.storage.read_range(rec.file, rec.offset + start, out, generation)
+            except CheckpointNotFoundError as e:  # deleted or replaced after check_files
+                raise data_file_missing(self.storage, rec.file, self.manifest.files.get(rec.file),
+                                        during=str(e)) from e
             bad = _first_bad_chunk(rec, start, out)
             if bad is None:
                 return
@@ -304,6 +316,25 @@ class CheckpointReader:
             f"{rec.offset + bad[1]}) of tensor {', '.join(keys[:3])} after "
             f"{self.crc_retries + 1} reads; the stored object is corrupt (run `xla-ckpt verify`)",
             path=self.storage.url(rec.file), key=keys[0])
+
+
+def data_file_missing(storage: Storage, name: str, expected: int | None, *,
+                      during: str | None = None) -> DataFileMissingError:
+    """The error for data file ``name`` of the committed checkpoint at ``storage`` not being there.
+
+    ``during``: the storage's own message when the file went away after it was stat'ed (the
+    read itself got 404, or a GCS generation was replaced).
+    """
+    url = storage.url(name)
+    size = f"expected {expected} bytes" if expected is not None else "size unknown"
+    when = f"; it was there when the read began, then: {during}" if during else ""
+    return DataFileMissingError(
+        f"{url}: data file listed in the manifest is missing ({size}{when}). Checkpoint "
+        f"{storage.uri} is committed, but this process cannot see the file; its bytes are not "
+        "known to be bad. Check that every host reads the same storage (is the checkpoint on "
+        "another host's local disk? a filesystem not mounted here?) and that the checkpoint was "
+        "not deleted or replaced while it was read (rotation, a save to the same folder).",
+        path=url, checkpoint=storage.uri)
 
 
 def _slice_ranges(rec: BlobRecord, length: int, config: StorageConfig) -> list[tuple[int, int]]:
@@ -339,6 +370,8 @@ def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
 
     Raises:
         CheckpointNotFoundError / IncompleteCheckpointError: nothing committed at ``uri``.
+        DataFileMissingError: committed, but a data file is not there for this
+            process (another host's disk, a missing mount, deleted meanwhile).
         CheckpointCorruptError: truncated or malformed files (names the path,
             expected vs actual size).
         IntegrityError: crc32c mismatch after bounded re-reads (names object and tensor).

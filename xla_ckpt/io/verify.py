@@ -4,8 +4,11 @@ Unlike :class:`~xla_ckpt.io.reader.CheckpointReader`, which stops at the first
 bad byte (a restore must not continue), verification reads every blob of
 every item and reports all that is wrong:
 
-* a data file listed in the manifest is missing, shorter or longer than the
-  manifest says (blobs that still lie inside a short file are checked);
+* a data file listed in the manifest is missing (``"missing"``: the storage
+  says it does not exist for this process, before or while it is read), or
+  shorter or longer than the manifest says (``"size"``: it is there with the
+  wrong size, or shrank while read; blobs that still lie inside a short file
+  are checked);
 * the safetensors header of a data file is unreadable (standard tools would
   fail on it, though xla_ckpt itself trusts only the manifest);
 * a chunk's crc32c or a blob's whole crc32c differs from the manifest; the
@@ -45,6 +48,14 @@ Progress = Callable[[int], object]  # called with a byte count; what it returns 
 _Task = tuple[str, Item, int, BlobRecord, int, int, int | None]
 # What checking one slice found: (crc32c of the slice, blob-relative bad chunk ranges).
 _SliceResult = tuple[int, list[tuple[int, int]]]
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A slice that could not be read because its file went away or shrank after the stat."""
+
+    kind: str  # "missing" or "size", as Problem.kind
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -134,7 +145,9 @@ def verify_checkpoint(storage: Storage, manifest: Manifest | None = None, *,
             tasks.extend((iname, item, b, rec, start, n, actual.generation)
                          for start, n in _slices(rec, storage.config.slice_size_bytes))
     results = _run(storage, tasks, progress)
-    report.bytes_read = sum(n for (_i, _it, _b, _r, _s, n, _g) in tasks)
+    report.bytes_read = sum(n for (_i, _it, _b, _r, _s, n, _g), res in zip(tasks, results,
+                                                                          strict=True)
+                            if not isinstance(res, _Failed))
     _judge(m, tasks, results, report)
     report.seconds = time.perf_counter() - t0
     logger.debug("verified %s: %d blobs, %d bytes in %.3f s (%.1f MiB/s), %d problems",
@@ -181,7 +194,9 @@ def _check_files(storage: Storage, m: Manifest, report: VerifyReport) -> dict[st
         try:
             info = storage.stat(name)
         except CheckpointNotFoundError:
-            missing = f"data file is missing (expected {expected} bytes)"
+            missing = (f"data file is missing (expected {expected} bytes): the committed "
+                       "manifest lists it, but the storage says it does not exist for this "
+                       "process")
             if not users:  # a listed file no blob lives in: one problem for the file itself
                 report.problems.append(Problem("missing", name, "", (), missing))
             for iname, item, b in users:
@@ -209,6 +224,9 @@ def _check_header(storage: Storage, name: str, info: ObjectInfo, report: VerifyR
         doc = json.loads(body.decode("utf-8"))
         if not isinstance(doc, dict):
             raise ValueError("header is not a JSON object")
+    except CheckpointNotFoundError as e:  # there at the stat, gone (or replaced) at the read
+        report.problems.append(Problem("missing", name, "", (),
+                                       f"data file vanished while being verified: {e}"))
     except (CheckpointCorruptError, ValueError, UnicodeDecodeError, RecursionError) as e:
         report.problems.append(Problem("header", name, "", (),
                                        f"safetensors header unreadable: {e}"))
@@ -241,9 +259,14 @@ def _check_slice(storage: Storage, rec: BlobRecord, start: int, n: int,
 def _run(storage: Storage, tasks: list[_Task], progress: Progress | None) -> list:
     results: list = [None] * len(tasks)
 
-    def one(i: int) -> tuple[int, _SliceResult]:
+    def one(i: int) -> tuple[int, _SliceResult | _Failed]:
         _iname, _item, _b, rec, start, n, gen = tasks[i]
-        return i, _check_slice(storage, rec, start, n, gen)
+        try:
+            return i, _check_slice(storage, rec, start, n, gen)
+        except CheckpointNotFoundError as e:  # deleted, or its generation replaced, since stat
+            return i, _Failed("missing", f"data file vanished while being verified: {e}")
+        except CheckpointCorruptError as e:  # shorter than at the stat
+            return i, _Failed("size", f"data file shrank while being verified: {e}")
 
     if not tasks:
         return results
@@ -265,9 +288,20 @@ def _run(storage: Storage, tasks: list[_Task], progress: Progress | None) -> lis
 
 def _judge(m: Manifest, tasks: list[_Task], results: list, report: VerifyReport) -> None:
     per_blob: dict[tuple[str, int], list[tuple[int, int, int, list]]] = {}
-    for (iname, _item, b, _rec, start, n, _g), (crc, bad) in zip(tasks, results, strict=True):
+    failed: dict[tuple[str, int], _Failed] = {}
+    for (iname, _item, b, _rec, start, n, _g), res in zip(tasks, results, strict=True):
+        if isinstance(res, _Failed):
+            failed.setdefault((iname, b), res)  # one problem per blob, the first slice's
+            continue
+        crc, bad = res
         per_blob.setdefault((iname, b), []).append((start, n, crc, bad))
+    for (iname, b), f in failed.items():
+        item = m.items[iname]
+        report.problems.append(Problem(f.kind, item.blobs[b].file, iname, _keys(item, b),
+                                       f.detail))
     for (iname, b), parts in per_blob.items():
+        if (iname, b) in failed:
+            continue  # part of the blob was never read: its crc32c says nothing
         item = m.items[iname]
         rec = item.blobs[b]
         parts.sort()
