@@ -13,6 +13,7 @@ import torch
 import xla_ckpt
 from xla_ckpt.errors import (
     CheckpointCorruptError,
+    DataFileMissingError,
     IncompleteCheckpointError,
     IntegrityError,
     StorageError,
@@ -120,15 +121,17 @@ def test_c7_truncated_manifest_is_a_corrupt_checkpoint_naming_it(gcs_emulator, s
 
 
 def test_c7_object_shrinking_under_a_pinned_read_fails_closed(gcs_emulator, stem):
-    """The object is replaced by a shorter one between stat and read: sizes named, no half state."""
+    """The object is replaced by a shorter one between stat and read: the pinned generation is
+    gone, so the committed checkpoint's file is missing for this reader (never "not found"), and
+    no half state is returned."""
     with gcs_emulator.storage(f"{stem}/ck", WRITE) as st:
         data = save_chunked(st, STATE)
         reader = CheckpointReader(st)
         reader.check_files()                       # stat: size and generation pinned
         blob = st.read_bytes(data)
-        st.write_atomic(data, [blob[:1000]])       # the emulator ignores generations
-        with pytest.raises(CheckpointCorruptError, match=r"truncated: expected at least \d+ "
-                                                         r"bytes, object has 1000 bytes"):
+        st.write_atomic(data, [blob[:1000]])       # a new generation replaces the pinned one
+        with pytest.raises(DataFileMissingError, match=r"it was there when the read began, then: "
+                                                       r".*generation \d+ not found \(HTTP 404\)"):
             reader.load()
 
 

@@ -14,6 +14,12 @@ of it for latency, per-stream throughput caps and injected faults.
 
 Its bucket is created with soft delete off (``retentionDurationSeconds: 0``),
 so deleted objects free their memory at once.
+
+Object generations behave as on GCS (:mod:`xla_ckpt.testing.gcs_semantics`, installed in the
+emulator process): every write makes a new, larger generation; a read pinned to a
+generation that is no longer live answers 404; ``ifGenerationMatch`` & co. answer 412 (304
+for ``...NotMatch``) on uploads, compose, copy, delete and reads; media answers carry
+``x-goog-generation``.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ DEFAULT_PROJECT = "xla-ckpt-test"
 # connections would otherwise wait for SYN retransmits), port 0 -> the real port is written
 # to a file once the server listens; exits by itself when its parent process dies.  A request
 # whose body ends before its Content-Length (the client died mid-upload) is dropped: the
-# emulator would store the truncated bytes as an object, real GCS never does.
+# emulator would store the truncated bytes as an object, real GCS never does.  Then
+# gcs_semantics.py (argv[3], loaded by path: importing the xla_ckpt package would load torch)
+# makes it keep GCS's generation semantics.
 _SERVE = r"""
 import logging, os, socketserver, sys, threading, time
 socketserver.TCPServer.request_queue_size = 256
@@ -66,6 +74,11 @@ def _read_whole_body(handler):  # real GCS never stores an upload whose body end
         raise ConnectionAbortedError(f"request body ended after {len(data or b'')} of {want} bytes")
     return data
 _server._read_raw_data = _read_whole_body
+import importlib.util
+_spec = importlib.util.spec_from_file_location("_xla_ckpt_gcs_semantics", sys.argv[3])
+_semantics = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_semantics)
+_semantics.install()  # generations, pinned reads, preconditions, x-goog-generation: as GCS
 srv = create_server(sys.argv[1], 0, in_memory=True)
 srv.start()
 port = srv._api._httpd.server_address[1]
@@ -76,6 +89,9 @@ os.replace(sys.argv[2] + ".tmp", sys.argv[2])
 while True:
     time.sleep(3600)
 """
+
+
+_SEMANTICS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gcs_semantics.py")
 
 
 class EmulatorError(RuntimeError):
@@ -130,7 +146,8 @@ class GCSEmulator:
         log = open(log_path, "wb")
         env = dict(os.environ)
         env.pop("STORAGE_EMULATOR_HOST", None)
-        self._proc = subprocess.Popen([sys.executable, "-c", _SERVE, self._bind, port_file],
+        self._proc = subprocess.Popen([sys.executable, "-c", _SERVE, self._bind, port_file,
+                                       _SEMANTICS_PATH],
                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                       start_new_session=True)
         log.close()
