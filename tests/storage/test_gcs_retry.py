@@ -9,7 +9,7 @@ import pytest
 
 from xla_ckpt.errors import StorageError
 from xla_ckpt.storage import StorageConfig
-from xla_ckpt.storage.retry import Backoff, RetryLog, parse_retry_after
+from xla_ckpt.storage.retry import Backoff, RetryLog, TransientFault, parse_retry_after
 
 
 class FakeClock:
@@ -123,3 +123,14 @@ def test_parse_retry_after_http_date():
     delay = parse_retry_after(when)
     assert delay is not None and 25.0 <= delay <= 31.0
     assert parse_retry_after(email.utils.formatdate(time.time() - 30, usegmt=True)) == 0.0
+
+
+def test_a_worded_transient_fault_is_reported_without_its_class_name():
+    fc = FakeClock()
+    log = RetryLog()
+    b = backoff(StorageConfig(max_attempts=2), fc, log)
+    b.failed(TransientFault("short answer: 993 of the 1000 bytes asked for"))
+    assert log.events()[0].cause == "short answer: 993 of the 1000 bytes asked for"
+    with pytest.raises(StorageError) as e:
+        b.failed(ConnectionResetError(104, "Connection reset by peer"))
+    assert "last error: ConnectionResetError: [Errno 104] Connection reset by peer." in str(e.value)

@@ -98,6 +98,15 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+class TransientFault(Exception):
+    """A retryable failure whose message says all there is to say about it.
+
+    Backends raise subclasses for failures they word themselves (an HTTP
+    status, a short answer); :meth:`Backoff.failed` logs and reports their
+    message without the class name, which would only name library internals.
+    """
+
+
 class Backoff:
     """The retry budget of one logical request (see the module docstring).
 
@@ -169,7 +178,9 @@ class Backoff:
 
 
 def _one_line(cause: BaseException | str) -> str:
-    if isinstance(cause, BaseException):
+    if isinstance(cause, TransientFault):
+        text = str(cause)
+    elif isinstance(cause, BaseException):
         text = f"{type(cause).__name__}: {cause}"
     else:
         text = str(cause)

@@ -3,9 +3,35 @@
 :meth:`_GCSReads.read_range`: one ``GET ...?alt=media`` with a ``Range``
 header per slice, pinned to the object generation, streamed with ``readinto``
 straight into the caller's buffer (no intermediate copy of the slice).  A
-broken or short body resumes from the last good byte.  A read that covers a
-whole object is checked against the object's crc32c; the per-tensor crc32c of
-checkpoints is checked by :class:`xla_ckpt.io.reader.CheckpointReader` on top.
+read that covers a whole object is checked against the object's crc32c; the
+per-tensor crc32c of checkpoints is checked by
+:class:`xla_ckpt.io.reader.CheckpointReader` on top.
+
+Short answers are transient faults, never data: a body that breaks or ends
+early, a ``206`` whose ``Content-Length`` or ``Content-Range`` covers less than
+was asked, a ``200`` that ignored the ``Range`` header.  The bytes that did
+arrive in order from the asked offset are kept and the rest is asked for again
+("resume from the last good byte"): at once when the answer's headers said it
+was short, after a backoff of :mod:`xla_ckpt.storage.retry` when the body
+broke or the answer gave nothing usable, so an answer that stays short ends in
+a :class:`StorageError` naming the sizes (asked, arrived, the object's from a
+stat) instead of a loop.  An object is only called truncated
+(:class:`CheckpointCorruptError`) on the word of its metadata: the total of a
+``Content-Range``, ``x-goog-stored-content-length``, or :meth:`_GCSReads.stat`;
+never on the length of one answer.
+
+A ``200`` to a ranged request is the whole object from byte 0 (HTTP's meaning
+of 200).  At offset 0 its first bytes are the ones asked for, so they are used
+(and a short one resumed).  At an offset > 0 it is retried, not used: reading
+and dropping the prefix would make every slice of a large object re-download
+everything before it (quadratic traffic through a path that ignores ``Range``),
+while a glitch is cured by one more request and a path that keeps ignoring
+``Range`` ends in a clear :class:`StorageError`.
+
+:meth:`_GCSReads.read_bytes` of a small object is one un-ranged GET, checked
+against the crc32c the service sends (``X-Goog-Hash``), else against the
+object's size (``x-goog-stored-content-length``, else a stat, whose crc32c is
+checked too); an answer that fails either is read again by byte range.
 """
 
 from __future__ import annotations
@@ -13,6 +39,7 @@ from __future__ import annotations
 import http.client
 import logging
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 import requests
@@ -22,6 +49,7 @@ from xla_ckpt.errors import (
     CheckpointNotFoundError,
     IntegrityError,
     StorageError,
+    XlaCkptError,
 )
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.storage.base import ObjectInfo, RangeRead
@@ -45,6 +73,39 @@ _READ_PIECE_BYTES = 256 * 1024  # bytes per readinto call: the granularity of re
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")
 _UNSATISFIED_RANGE = re.compile(r"^\s*bytes\s+\*/(\d+)\s*$")
 
+_STORED_LENGTH = "x-goog-stored-content-length"
+_STAT = "stat"
+
+
+class _ShortAnswer(_Transient):
+    """The service answered, but with fewer of the asked bytes than the object holds.
+
+    ``progress`` bytes from the asked offset were good.  Retried like any
+    transient failure; when the budget runs out the error names the object's
+    real size (from a stat).
+    """
+
+
+@dataclass
+class _Size:
+    """What one read has learned of its object's size (bytes) and from where."""
+
+    bytes: int | None = None
+    source: str = ""
+
+    def learn(self, size: int, source: str) -> None:
+        self.bytes, self.source = size, source
+
+
+@dataclass
+class _WholeAnswer:
+    """One un-ranged GET's body and what its headers say about the object."""
+
+    data: bytearray
+    crc: int | None           # X-Goog-Hash crc32c
+    stored_size: int | None   # x-goog-stored-content-length
+    generation: int | None    # x-goog-generation
+
 
 def _body_reader(resp: requests.Response) -> Callable[[memoryview], int]:
     """``readinto`` of the response body, straight from the socket into the caller's buffer.
@@ -63,7 +124,7 @@ def _read_body(resp: requests.Response, out: memoryview, n: int, unit: str) -> i
     """Read ``n`` body bytes into ``out`` (``unit`` names them in messages); returns ``n``.
 
     Raises ``_Transient`` (carrying the bytes that landed) when the connection
-    breaks or the body ends early.
+    breaks, ``_ShortAnswer`` when the body ends early.
     """
     readinto = _body_reader(resp)
     got = 0
@@ -74,9 +135,23 @@ def _read_body(resp: requests.Response, out: memoryview, n: int, unit: str) -> i
             raise _Transient(f"connection broke after {got} of {n} {unit}: "
                              f"{type(e).__name__}: {e}", progress=got) from None
         if not k:
-            raise _Transient(f"body ended after {got} of {n} bytes", progress=got)
+            raise _ShortAnswer(f"body ended after {got} of {n} bytes", progress=got)
         got += k
     return got
+
+
+def _header_generation(resp: requests.Response) -> int | None:
+    served = resp.headers.get("x-goog-generation")
+    return int(served) if served and served.isdigit() else None
+
+
+def _check_encoding(what: str, resp: requests.Response) -> None:
+    """Refuse an answer that is (or was stored) content-encoded: its bytes are not the object's."""
+    for header in ("Content-Encoding", "x-goog-stored-content-encoding"):
+        enc = resp.headers.get(header, "").strip().lower()
+        if enc not in ("", "identity"):
+            raise StorageError(f"{what}: the service sent {header} {enc!r}; objects must be "
+                               "stored without content encoding")
 
 
 class _GCSReads(_GCSBase):
@@ -90,14 +165,22 @@ class _GCSReads(_GCSBase):
             StoragePermissionError: HTTP 401/403.
             StorageError: the service failed after retries.
         """
-        full = self._full(name)
-        blob = self._api(f"stat {self._gs(full)}",
-                         lambda: self._bucket.get_blob(full, retry=None, timeout=self._timeout))
-        if blob is None:
-            raise CheckpointNotFoundError(f"{self._gs(full)}: no such object")
-        size, generation = int(blob.size or 0), int(blob.generation) if blob.generation else None
-        self._conn.remember(full, generation, size, crc32c_from_b64(blob.crc32c))
+        size, generation, _ = self._stat_full(self._full(name))
         return ObjectInfo(name=name.strip("/"), size=size, generation=generation)
+
+    def _stat_full(self, full: str,
+                   generation: int | None = None) -> tuple[int, int | None, int | None]:
+        """(size, generation, crc32c) of ``full`` (of ``generation`` if given), remembered."""
+        gen = f" generation {generation}" if generation is not None else ""
+        blob = self._api(f"stat {self._gs(full)}{gen}",
+                         lambda: self._bucket.get_blob(full, generation=generation, retry=None,
+                                                       timeout=self._timeout))
+        if blob is None:
+            raise CheckpointNotFoundError(f"{self._gs(full)}{gen}: no such object")
+        size, served = int(blob.size or 0), int(blob.generation) if blob.generation else None
+        crc = crc32c_from_b64(blob.crc32c)
+        self._conn.remember(full, served, size, crc)
+        return size, served, crc
 
     def read_range(self, name: str, offset: int, out: memoryview,
                    generation: int | None = None) -> None:
@@ -106,6 +189,8 @@ class _GCSReads(_GCSBase):
         Called from I/O threads; bytes land straight in ``out``.  ``generation``
         pins the object version.  When the range is the whole object and its
         crc32c is known (from :meth:`stat`), the bytes are checked against it.
+        Short and range-ignoring answers are resumed from the last good byte
+        (see the module docstring).
 
         Raises:
             CheckpointNotFoundError: the object or the pinned generation is gone (404).
@@ -114,7 +199,9 @@ class _GCSReads(_GCSBase):
             IntegrityError: a whole-object read mismatched the object's crc32c
                 :data:`WHOLE_OBJECT_CRC_READS` times.
             StoragePermissionError: HTTP 401/403.
-            StorageError: other HTTP errors, or retries exhausted.
+            StorageError: other HTTP errors, or retries exhausted (the message
+                names the bytes asked for, those that arrived and, after short
+                answers, the object's size from a stat).
         """
         out = _bytes_view(out)
         want = len(out)
@@ -129,19 +216,27 @@ class _GCSReads(_GCSBase):
             params["generation"] = str(generation)
         what = (f"read {self._gs(full)} bytes [{offset}, {offset + want})"
                 + (f" (generation {generation})" if generation is not None else ""))
-        known = self._conn.recall(full, generation) if offset == 0 else None
+        known = self._conn.recall(full, generation)
+        size = _Size() if known is None else _Size(known[0], _STAT)
         # The object's crc32c when this read covers all of it, else None (nothing to check).
-        whole_crc = known[1] if known is not None and known[0] == want else None
+        whole_crc = known[1] if known is not None and offset == 0 and known[0] == want else None
         backoff = self._backoff(what)
         crc_reads = 0
         while True:
             got = 0
             while got < want:
                 try:
-                    got += self._get_once(what, url, params, offset + got, out[got:], generation)
+                    got += self._get_once(what, full, url, params, offset + got, out[got:],
+                                          generation, size)
                 except _Transient as e:
                     got += e.progress
-                    backoff.failed(e, retry_after_s=e.retry_after_s, progressed=e.progress > 0)
+                    try:
+                        backoff.failed(e, retry_after_s=e.retry_after_s,
+                                       progressed=e.progress > 0)
+                    except StorageError as gave_up:
+                        raise self._gave_up(gave_up, full, generation, size,
+                                            short=isinstance(e, _ShortAnswer),
+                                            asked=(offset, want, got)) from None
             if whole_crc is None or crc32c(out) == whole_crc:
                 return
             crc_reads += 1
@@ -152,15 +247,43 @@ class _GCSReads(_GCSBase):
                     path=self._gs(full))
             logger.warning("%s: crc32c mismatch on a whole-object read; re-reading", what)
 
+    def _gave_up(self, gave_up: StorageError, full: str, generation: int | None, size: _Size,
+                 *, short: bool, asked: tuple[int, int, int] | None = None) -> StorageError:
+        """The retry budget's error, with the sizes: asked for, arrived, the object's own.
+
+        ``asked``: (offset, bytes wanted, bytes that arrived) of a ranged read.
+        After short answers (``short``) the object's size comes from a stat.
+        """
+        if short and size.source != _STAT:
+            try:
+                size.learn(self._stat_full(full, generation)[0], _STAT)
+            except XlaCkptError as e:
+                logger.warning("%s: stat after a failed read failed too: %s", self._gs(full), e)
+        parts = []
+        if asked is not None:
+            offset, want, got = asked
+            parts.append(f"Expected {want} bytes [{offset}, {offset + want}) of "
+                         f"{self._gs(full)}, got {got}")
+        if size.bytes is not None:
+            parts.append(f"the object has {size.bytes} bytes ({size.source})")
+        elif asked is not None:
+            parts.append("the object's size is unknown")
+        if not parts:
+            return gave_up
+        text = "; ".join(parts)
+        return StorageError(f"{gave_up}. {text[0].upper()}{text[1:]}.")
+
     def read_bytes(self, name: str) -> bytes:
-        """Whole object as bytes, checked against the object's crc32c.
+        """Whole object as bytes, checked against the object's crc32c or at least its size.
 
         Small objects (manifests, pointers: up to ``config.slice_size_bytes``)
         come in one GET that also carries the crc32c (``X-Goog-Hash``), one
-        round trip instead of stat + read; larger ones -- and a small one
-        whose one-request answer mismatched (flipped bytes, or a body cut
-        short) -- as ranged slices pinned to the generation :meth:`stat`
-        returned, short answers resumed.
+        round trip instead of stat + read.  Without a served crc32c the body's
+        length is checked against ``x-goog-stored-content-length``, else
+        against a stat (size and crc32c).  Larger objects -- and a small one
+        whose one-request answer failed a check (flipped bytes, or a body cut
+        short) -- are read as ranged slices pinned to the generation
+        :meth:`stat` returned, short answers resumed.
 
         Raises:
             CheckpointNotFoundError: no such object.
@@ -176,22 +299,44 @@ class _GCSReads(_GCSBase):
             try:
                 got = self._get_whole(what, url)
             except _Transient as e:
-                backoff.failed(e, retry_after_s=e.retry_after_s)
+                try:
+                    backoff.failed(e, retry_after_s=e.retry_after_s)
+                except StorageError as gave_up:
+                    raise self._gave_up(gave_up, full, None, _Size(),
+                                        short=isinstance(e, _ShortAnswer)) from None
                 continue
             if got is None:
                 return self._read_bytes_sliced(name)
-            data, served_crc = got
-            if served_crc is None or crc32c(data) == served_crc:
-                return bytes(data)
-            # Flipped bytes, or a body cut short with a matching Content-Length: one un-ranged
-            # GET cannot tell which.  The sliced path stats the object (its size and crc32c),
-            # resumes short answers by byte range and re-reads bad ones a bounded number of times.
-            logger.warning("%s: crc32c mismatch on a one-request read of %d bytes; reading it by "
-                           "byte range", what, len(data))
-            return self._read_bytes_sliced(name)
+            n = len(got.data)
+            if got.crc is not None:
+                if crc32c(got.data) == got.crc:
+                    return bytes(got.data)
+                # Flipped bytes, or a body cut short with a matching Content-Length: one un-ranged
+                # GET cannot tell which.  The sliced path stats the object (its size and crc32c),
+                # resumes short answers by byte range and re-reads bad ones a bounded number of
+                # times.
+                logger.warning("%s: crc32c mismatch on a one-request read of %d bytes; reading it "
+                               "by byte range", what, n)
+                return self._read_bytes_sliced(name)
+            # No crc32c served: the length of the body is all there is to check, against the
+            # object's size from its metadata (never against this answer's Content-Length).
+            if got.stored_size is not None:
+                if got.stored_size == n:
+                    return bytes(got.data)
+                logger.warning("%s: a one-request read sent %d bytes of an object of %d bytes "
+                               "(%s); reading it by byte range", what, n, got.stored_size,
+                               _STORED_LENGTH)
+                return self._read_bytes_sliced(name)
+            size, generation, crc = self._stat_full(full)
+            if size == n and (got.generation is None or got.generation == generation) \
+                    and (crc is None or crc32c(got.data) == crc):
+                return bytes(got.data)
+            logger.warning("%s: a one-request read sent %d bytes without a crc32c; the object "
+                           "has %d bytes (stat); reading it by byte range", what, n, size)
+            return self._read_bytes_sliced(name, ObjectInfo(name.strip("/"), size, generation))
 
-    def _get_whole(self, what: str, url: str) -> tuple[bytearray, int | None] | None:
-        """One un-ranged GET of a small object: (bytes, served crc32c), or None if it is large."""
+    def _get_whole(self, what: str, url: str) -> _WholeAnswer | None:
+        """One un-ranged GET of a small object, or None if it is large (or of unknown length)."""
         resp = self._request(what, "GET", url, params={"alt": "media"},
                              headers={"Accept-Encoding": "identity"}, stream=True)
         reusable = False
@@ -206,15 +351,19 @@ class _GCSReads(_GCSBase):
             buf = bytearray(length)
             _read_body(resp, memoryview(buf), length, "bytes")
             reusable = True
-            return buf, _served_crc32c(resp.headers.get("X-Goog-Hash"))
+            return _WholeAnswer(buf, _served_crc32c(resp.headers.get("X-Goog-Hash")),
+                                _int_header(resp.headers.get(_STORED_LENGTH)),
+                                _header_generation(resp))
         finally:
             if reusable:
                 resp.raw.release_conn()
             else:
                 resp.close()
 
-    def _read_bytes_sliced(self, name: str) -> bytes:
-        info = self.stat(name)
+    def _read_bytes_sliced(self, name: str, info: ObjectInfo | None = None) -> bytes:
+        """Whole object by pinned byte ranges, checked against the crc32c of a stat."""
+        if info is None:
+            info = self.stat(name)
         buf = bytearray(info.size)
         if not info.size:
             return b""
@@ -230,13 +379,31 @@ class _GCSReads(_GCSBase):
                              f"object's crc32c after {WHOLE_OBJECT_CRC_READS} reads",
                              path=self._gs(full))
 
-    def _get_once(self, what: str, url: str, params: dict[str, str], start: int,
-                  out: memoryview, generation: int | None) -> int:
+    def _object_size(self, full: str, generation: int | None, stored: int | None,
+                     size: _Size) -> _Size:
+        """The object's size from its metadata: this answer's header, an earlier one, or a stat."""
+        if stored is not None:
+            size.learn(stored, _STORED_LENGTH)
+        elif size.bytes is None:
+            size.learn(self._stat_full(full, generation)[0], _STAT)
+        return size
+
+    def _truncated(self, what: str, end: int, size: _Size) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"{what}: truncated: expected at least {end} bytes, object has {size.bytes} bytes")
+
+    def _get_once(self, what: str, full: str, url: str, params: dict[str, str], start: int,
+                  out: memoryview, generation: int | None, size: _Size) -> int:
         """One ranged GET of ``[start, start + len(out))`` into ``out``; returns bytes written.
 
-        May return fewer bytes than asked when the server sends a shorter range
-        than asked (the caller asks again for the rest).  Raises ``_Transient``
-        (carrying the bytes that landed) for retryable failures.
+        ``size`` is what the read knows of the object's size; answers add to it.
+        An answer whose headers promise fewer bytes than asked (a short
+        ``Content-Length`` or ``Content-Range``; a ``200`` from byte 0) is
+        read and its bytes returned: the caller asks for the rest at once,
+        without a retry counted (the answer kept its own word; only its range
+        fell short).  Raises ``_Transient`` (carrying the good bytes
+        that landed, in order from ``start``) for retryable failures,
+        ``_ShortAnswer`` for answers that gave none of the bytes the object has.
         """
         want = len(out)
         end = start + want
@@ -252,48 +419,69 @@ class _GCSReads(_GCSBase):
                     raise CheckpointCorruptError(
                         f"{what}: truncated: expected at least {end} bytes, object has {actual}")
                 raise self._http_error(what, resp, generation=generation)
-            enc = resp.headers.get("Content-Encoding", "").strip().lower()
-            if enc not in ("", "identity"):
-                raise StorageError(f"{what}: the service sent Content-Encoding {enc!r}; objects "
-                                   "must be stored without content encoding")
-            served_gen = resp.headers.get("x-goog-generation")
-            if generation is not None and served_gen and served_gen.isdigit() \
-                    and int(served_gen) != generation:
+            _check_encoding(what, resp)
+            served_gen = _header_generation(resp)
+            if generation is not None and served_gen is not None and served_gen != generation:
                 raise CheckpointNotFoundError(
                     f"{what}: generation {generation} was replaced by {served_gen} while reading; "
                     "the checkpoint was overwritten, restore again")
             length = _int_header(resp.headers.get("Content-Length"))
-            total: int | None
-            span: int | None
+            stored = _int_header(resp.headers.get(_STORED_LENGTH))
             if status == 206:
-                cr = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
+                content_range = resp.headers.get("Content-Range", "")
+                cr = _CONTENT_RANGE.match(content_range)
                 if cr is None:
                     raise _Transient(f"206 response without a valid Content-Range "
                                      f"({resp.headers.get('Content-Range')!r})")
                 first, last = int(cr.group(1)), int(cr.group(2))
-                total = int(cr.group(3)) if cr.group(3) != "*" else None
+                if cr.group(3) != "*":
+                    size.learn(int(cr.group(3)), "Content-Range")
+                elif stored is not None:
+                    size.learn(stored, _STORED_LENGTH)
                 if first != start:
                     raise _Transient(f"asked for bytes from {start}, the service sent bytes "
                                      f"from {first}")
-                span = last - first + 1
-            else:
-                if start != 0:
-                    raise StorageError(f"{what}: the service ignored the Range header (HTTP 200 "
-                                       f"for a read from byte {start})")
-                total, span = length, length
-            if total is not None and total < end:
-                raise CheckpointCorruptError(
-                    f"{what}: truncated: expected at least {end} bytes, object has {total} bytes")
-            n = want
-            if span is not None:
-                n = min(n, span)
-            if length is not None:
-                n = min(n, length)
-            if n <= 0:
-                raise _Transient(f"empty body (Content-Length {length}, Content-Range "
-                                 f"{resp.headers.get('Content-Range')!r})")
-            got = _read_body(resp, out, n, "body bytes")
-            reusable = length is not None and got == length
+                if size.bytes is not None and size.bytes < end:
+                    raise self._truncated(what, end, size)
+                n = min(want, last - first + 1)
+                if length is not None:
+                    n = min(n, length)
+                if n <= 0:
+                    raise _ShortAnswer(f"empty body (Content-Length {length}, Content-Range "
+                                       f"{content_range!r})")
+                got = _read_body(resp, out, n, "body bytes")
+                reusable = length is not None and got == length
+                if got < want:
+                    logger.info("%s: short answer: %d of the %d bytes asked for from byte %d "
+                                "(HTTP 206, Content-Range %r, Content-Length %s); asking for the "
+                                "rest", what, got, want, start, content_range, length)
+                return got
+            # HTTP 200: the service ignored the Range header and sent the object from byte 0.
+            if start > 0:
+                self._object_size(full, generation, stored, size)
+                if size.bytes is not None and size.bytes < end:
+                    raise self._truncated(what, end, size)
+                raise _ShortAnswer(
+                    f"HTTP 200 to a read of bytes [{start}, {end}): the service ignored the Range "
+                    f"header and sent {length if length is not None else 'an unknown number of'} "
+                    f"bytes from byte 0 of an object of {size.bytes} bytes ({size.source}); "
+                    "not used")
+            if length is not None and length < want:
+                self._object_size(full, generation, stored, size)
+                if size.bytes is not None and size.bytes < end:
+                    raise self._truncated(what, end, size)
+                if not length:
+                    raise _ShortAnswer(f"empty body (HTTP 200, Range ignored) for a read of "
+                                       f"bytes [0, {end}) of an object of {size.bytes} bytes "
+                                       f"({size.source})")
+                got = _read_body(resp, out, length, "body bytes")
+                reusable = True
+                logger.info("%s: short answer: HTTP 200 (Range ignored) with %d of the %d bytes "
+                            "asked for from byte 0 of an object of %s bytes (%s); asking for the "
+                            "rest", what, got, want, size.bytes, size.source)
+                return got
+            got = _read_body(resp, out, want, "body bytes")
+            reusable = length == want
             return got
         finally:
             if reusable:

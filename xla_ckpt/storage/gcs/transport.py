@@ -11,8 +11,9 @@
   (:meth:`_GCSBase._api`).
 * Helpers: crc32c in GCS's base64 form, header parsing, byte views.
 
-Retries (:mod:`xla_ckpt.storage.retry`): 408/429/5xx and connection errors
-with capped exponential backoff, full jitter, ``Retry-After`` and a deadline;
+Retries (:mod:`xla_ckpt.storage.retry`): 408/429/5xx, connection errors and
+short answers (:mod:`.reads`) with capped exponential backoff, full jitter,
+``Retry-After`` and a deadline;
 401/403 -> :class:`StoragePermissionError`, 404 ->
 :class:`CheckpointNotFoundError`, other 4xx -> :class:`StorageError`, never
 retried.
@@ -41,7 +42,7 @@ from xla_ckpt.errors import (
     XlaCkptError,
 )
 from xla_ckpt.storage.base import Storage, StorageConfig, join
-from xla_ckpt.storage.retry import Backoff, RetryLog, parse_retry_after
+from xla_ckpt.storage.retry import Backoff, RetryLog, TransientFault, parse_retry_after
 
 CONNECT_TIMEOUT_S = 20.0
 READ_TIMEOUT_S = 60.0
@@ -105,7 +106,7 @@ def _bytes_view(buf: Any) -> memoryview:
     return mv
 
 
-class _Transient(Exception):
+class _Transient(TransientFault):
     """A retryable failure of one attempt; ``progress`` bytes of the body had landed."""
 
     def __init__(self, message: str, *, retry_after_s: float | None = None,
