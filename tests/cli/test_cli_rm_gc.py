@@ -93,7 +93,7 @@ def test_gc_keep_best_by_metric(cli, root):
 def test_gc_needs_a_policy_and_validates_it(cli, root):
     r = cli("gc", root)
     assert r.code == 2 and r.err == ("xla-ckpt gc: error: nothing to do: pass --keep-last N, "
-                                     "--keep-best N and/or --incomplete\n")
+                                     "--keep-best N, --incomplete and/or --in-flight\n")
     r = cli("gc", root, "--keep-last", "-5")
     assert r.code == 2 and "retention.keep_last must be an integer >= -1, got -5" in r.err
 

@@ -5,6 +5,13 @@ Columns: NAME, EPOCH, STEP (the saver's ``step`` metadata, else
 LOSS, SIZE (bytes of data files), SAVED (UTC) and POINTERS (``last``/``best``
 when a pointer names it).  Folders without a commit marker are listed apart:
 a restore never uses them.
+
+In-flight objects that interrupted uploads of this library left (upload parts
+named ``<file>.tmp-<upload id>-part-<n>``, which no other listing shows) are
+listed under "in flight", one line per interrupted upload with its objects,
+bytes and age, once the newest of them is older than ``--grace`` (default 1h;
+younger ones may be a save still writing and are only counted).
+``xla-ckpt gc RUN --in-flight`` deletes them.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import time
 from typing import Any
 
 from xla_ckpt.cli.common import (
@@ -25,8 +33,11 @@ from xla_ckpt.cli.common import (
     table,
     utc_time,
 )
+from xla_ckpt.cli.rm import add_grace_option, describe_upload, exact_bytes, human_age
 from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, list_checkpoints, read_pointer
+from xla_ckpt.io.prune import in_flight_uploads
+from xla_ckpt.io.retention import InFlightUpload, check_grace
 from xla_ckpt.storage import is_gcs_uri, open_storage
 
 
@@ -36,6 +47,7 @@ def register(sub: Subparsers, parents: Parents) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("uri", metavar="RUN", help="run folder: local path or gs://bucket/prefix")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_grace_option(p)
     p.set_defaults(func=run)
 
 
@@ -63,10 +75,15 @@ def run(args: argparse.Namespace) -> int:
         path = args.uri[len("file://"):] if args.uri.startswith("file://") else args.uri
         if not os.path.isdir(os.path.expanduser(path)):
             raise CheckpointNotFoundError(f"{path}: no such folder")
+    grace_s = check_grace(args.grace)
+    now = time.time()
     with open_storage(args.uri) as st:
         entries = list_checkpoints(st)
         pointers = {w: read_pointer(st, w) for w in POINTERS}
+        uploads = in_flight_uploads(st)
         uri = st.uri
+    stale = [u for u in uploads if u.stale(grace_s, now)]
+    young = [u for u in uploads if not u.stale(grace_s, now)]
     named: dict[str, list[str]] = {}
     for which, name in pointers.items():
         if name is not None:
@@ -74,10 +91,15 @@ def run(args: argparse.Namespace) -> int:
     committed = [e for e in entries if e.committed]
     incomplete = [e for e in entries if not e.committed]
     if args.json:
-        print(json.dumps(jsonable(_as_json(uri, committed, incomplete, pointers, named)),
-                         indent=2, sort_keys=True))
+        doc = _as_json(uri, committed, incomplete, pointers, named)
+        doc["in_flight_grace_s"] = grace_s
+        doc["in_flight"] = [_upload_json(u, now, grace_s) for u in uploads]
+        print(json.dumps(jsonable(doc), indent=2, sort_keys=True))
         return EXIT_OK
-    print(f"{uri}: {len(committed)} committed, {len(incomplete)} incomplete")
+    n_stale = sum(len(u.objects) for u in stale)
+    print(f"{uri}: {len(committed)} committed, {len(incomplete)} incomplete"
+          + (f", {n_stale} in flight ({exact_bytes(sum(u.nbytes for u in stale))})"
+             if stale else ""))
     if committed:
         rows = [[e.name, _num(_meta(e, "epoch")), _num(_step(e)), _num(_meta(e, "num_updates")),
                  _num(_meta(e, "loss")), human_bytes(e.nbytes),
@@ -93,7 +115,21 @@ def run(args: argparse.Namespace) -> int:
         print("incomplete (no commit marker; never restored):")
         for e in incomplete:
             print(f"  {e.name}" + (f"  ({e.error})" if e.error else ""))
+    if stale:
+        print(f"in flight (left by interrupted uploads, older than {human_age(grace_s)}; "
+              "`xla-ckpt gc --in-flight` deletes them):")
+        for u in stale:
+            print(f"  {describe_upload(u, now)}")
+    if young:
+        print(f"in flight for less than {human_age(grace_s)} (a save may still be writing "
+              f"them): {sum(len(u.objects) for u in young)} objects, "
+              f"{exact_bytes(sum(u.nbytes for u in young))}")
     return EXIT_OK
+
+
+def _upload_json(u: InFlightUpload, now: float, grace_s: float) -> dict:
+    return {"target": u.target, "upload_id": u.upload_id, "objects": [o.name for o in u.objects],
+            "nbytes": u.nbytes, "age_s": u.age_s(now), "collectable": u.stale(grace_s, now)}
 
 
 def _as_json(uri: str, committed: list[CheckpointEntry], incomplete: list[CheckpointEntry],

@@ -9,7 +9,16 @@ Rules, whatever the caller asks:
 * uncommit first: a checkpoint's manifest (its commit marker) is deleted
   before its data files, so an interrupted deletion leaves an *incomplete*
   folder that readers already ignore, never a committed folder with missing
-  data.
+  data;
+* :func:`collect_garbage` deletes only what this library provably wrote
+  (:func:`xla_ckpt.io.retention.library_object`): an incomplete folder holding
+  anything else (a ``.pt``, a DCP folder, files copied from another run) is left
+  alone, and such objects in a committed folder stay where they are;
+* in-flight objects (the ``.tmp-<upload id>-part-<n>`` parts of an interrupted
+  upload) are deleted only when their write targeted one of this library's
+  names in this run folder and its newest part is older than the grace period
+  (:class:`xla_ckpt.io.retention.InFlightUpload`), so a save still writing is
+  never touched.
 
 Which checkpoints a retention policy lets go is decided by
 :func:`xla_ckpt.io.retention.plan_deletions` (fairseq ``keep_interval_updates``
@@ -19,12 +28,22 @@ Which checkpoints a retention policy lets go is decided by
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, list_checkpoints, read_pointer
-from xla_ckpt.io.retention import RetentionPolicy, plan_deletions
+from xla_ckpt.io.retention import (
+    DEFAULT_IN_FLIGHT_GRACE_S,
+    InFlightUpload,
+    RetentionPolicy,
+    check_grace,
+    group_in_flight,
+    library_object,
+    plan_deletions,
+)
 from xla_ckpt.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -37,14 +56,27 @@ class RemovalResult:
     Attributes:
         deleted: checkpoint folder names deleted (or to delete), oldest first.
         refused: name -> why it was kept although asked for.
-        bytes_freed: bytes of data files of the deleted committed checkpoints.
+        bytes_freed: bytes of the deleted objects: data files of committed checkpoints,
+            objects of incomplete folders, in-flight objects.
         dry_run: nothing was deleted.
+        in_flight: in-flight writes whose objects were deleted (or would be).
+        in_flight_young: in-flight writes kept: younger than the grace period.
+        left: folder -> objects in it this library did not write, left in place.
+        grace_s: the grace period applied to in-flight objects (seconds).
     """
 
     deleted: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
     bytes_freed: int = 0
     dry_run: bool = False
+    in_flight: list[InFlightUpload] = field(default_factory=list)
+    in_flight_young: list[InFlightUpload] = field(default_factory=list)
+    left: dict[str, list[str]] = field(default_factory=dict)
+    grace_s: float = DEFAULT_IN_FLIGHT_GRACE_S
+
+    @property
+    def in_flight_objects(self) -> int:
+        return sum(len(u.objects) for u in self.in_flight)
 
 
 def pointer_targets(run: Storage) -> dict[str, str]:
@@ -66,11 +98,48 @@ def protection(run: Storage, entries: list[CheckpointEntry]) -> dict[str, str]:
     return reasons
 
 
-def delete_checkpoint(run: Storage, name: str) -> int:
+def in_flight_uploads(run: Storage, folder: str = "") -> list[InFlightUpload]:
+    """This library's in-flight writes in ``run`` (or in its checkpoint folder ``folder``).
+
+    Objects with an in-flight mark whose target is not a name this library writes
+    there are not returned (see :func:`xla_ckpt.io.retention.owned_in_flight`).
+    """
+    uploads, _foreign = group_in_flight(run.list_in_flight(folder))
+    if folder:
+        uploads = [u for u in uploads if u.folder == folder.strip("/")]
+    return uploads
+
+
+def _delete_in_flight(run: Storage, uploads: list[InFlightUpload], *, grace_s: float,
+                      now: float, result: RemovalResult) -> None:
+    for up in uploads:
+        if not up.stale(grace_s, now):
+            result.in_flight_young.append(up)
+            continue
+        if not result.dry_run:
+            for obj in up.objects:
+                run.delete(obj.name)
+            logger.info("deleted %d in-flight object(s) of an interrupted write of %s "
+                        "(upload %s, %d bytes)", len(up.objects), run.url(up.target),
+                        up.upload_id, up.nbytes)
+        result.in_flight.append(up)
+        result.bytes_freed += up.nbytes
+
+
+def _size(storage: Storage, name: str) -> int:
+    try:
+        return storage.stat(name).size
+    except CheckpointNotFoundError:
+        return 0
+
+
+def delete_checkpoint(run: Storage, name: str, *, only_ours: bool = False) -> int:
     """Delete one checkpoint folder under ``run``: manifest first, then every other object.
 
-    Does *not* check protection; use :func:`remove_checkpoints`.  Returns the
-    number of objects deleted.
+    With ``only_ours`` objects this library did not write (see
+    :func:`xla_ckpt.io.retention.library_object`) stay.  In-flight objects are not
+    touched here (see :func:`collect_in_flight`).  Does *not* check protection; use
+    :func:`remove_checkpoints`.  Returns the number of objects deleted.
     """
     folder = run.child(name)
     count = 0
@@ -78,14 +147,21 @@ def delete_checkpoint(run: Storage, name: str) -> int:
         folder.delete(MANIFEST_NAME)
         count += 1
     for obj in folder.list(""):
+        if only_ours and not library_object(f"{name}/{obj}"):
+            continue
         folder.delete(obj)
         count += 1
     logger.info("deleted checkpoint %s (%d objects)", folder.uri, count)
     return count
 
 
+def _foreign(run: Storage, name: str) -> list[str]:
+    """Objects of folder ``name`` this library did not write (names relative to the folder)."""
+    return [obj for obj in run.child(name).list("") if not library_object(f"{name}/{obj}")]
+
+
 def _delete_all(run: Storage, names: Iterable[str], entries: list[CheckpointEntry],
-                result: RemovalResult) -> RemovalResult:
+                result: RemovalResult, *, only_ours: bool = False) -> RemovalResult:
     by_name = {e.name: e for e in entries}
     for name in names:
         # Re-read pointers just before deleting: a concurrent save may have moved one here.
@@ -93,41 +169,114 @@ def _delete_all(run: Storage, names: Iterable[str], entries: list[CheckpointEntr
         if name in live:
             result.refused[name] = live[name]
             continue
+        entry = by_name.get(name)
+        committed = entry is not None and entry.committed
+        if only_ours:
+            if entry is not None and entry.error:
+                result.refused[name] = (f"its manifest is not this library's or is damaged "
+                                        f"({entry.error}); left alone, remove it by hand")
+                continue
+            foreign = _foreign(run, name)
+            if foreign and not committed:
+                result.refused[name] = (f"holds {len(foreign)} object(s) xla_ckpt did not write "
+                                        f"(e.g. {foreign[0]}); left alone, remove it by hand")
+                continue
+            if foreign:
+                result.left[name] = foreign
+        nbytes = entry.nbytes if committed and entry is not None else \
+            sum(_size(run.child(name), obj) for obj in run.child(name).list(""))
         if not result.dry_run:
-            delete_checkpoint(run, name)
+            delete_checkpoint(run, name, only_ours=only_ours)
         result.deleted.append(name)
-        result.bytes_freed += by_name[name].nbytes if name in by_name else 0
+        result.bytes_freed += nbytes
     return result
 
 
-def remove_checkpoints(run: Storage, names: Iterable[str], *, dry_run: bool = False
-                       ) -> RemovalResult:
+def remove_checkpoints(run: Storage, names: Iterable[str], *, dry_run: bool = False,
+                       grace_s: float = DEFAULT_IN_FLIGHT_GRACE_S,
+                       now: float | None = None) -> RemovalResult:
     """Delete the named checkpoint folders of ``run``, refusing protected ones.
 
     An incomplete folder may be named explicitly (the operator knows it is
-    not a save in flight).  Unknown names are refused ("no such checkpoint").
+    not a save in flight).  A named folder's in-flight objects go too once their
+    write is older than ``grace_s`` (the rule ``gc`` applies); a folder holding
+    nothing but younger ones is refused, saying so.  Unknown names are refused
+    ("no such checkpoint").
     """
+    grace_s = check_grace(grace_s)
+    now = time.time() if now is None else now
     entries = list_checkpoints(run)
     known = {e.name for e in entries}
-    result = RemovalResult(dry_run=dry_run)
-    wanted = []
+    result = RemovalResult(dry_run=dry_run, grace_s=grace_s)
+    wanted: list[str] = []
+    in_flight: dict[str, list[InFlightUpload]] = {}
     for name in names:
-        if name not in known:
-            result.refused[name] = "no such checkpoint in this run folder"
-        elif name not in wanted:
+        if name in wanted or name in in_flight:
+            continue
+        uploads = in_flight_uploads(run, name) if name and "/" not in name.strip("/") else []
+        if name in known:
             wanted.append(name)
+            in_flight[name] = uploads
+        elif uploads:
+            in_flight[name] = uploads
+        else:
+            result.refused[name] = "no such checkpoint in this run folder"
     order = {e.name: i for i, e in enumerate(entries)}
-    return _delete_all(run, sorted(wanted, key=order.__getitem__), entries, result)
+    _delete_all(run, sorted(wanted, key=order.__getitem__), entries, result)
+    for name, uploads in in_flight.items():
+        if name in result.refused:
+            continue
+        if name not in known:
+            live = protection(run, entries)
+            if name in live:
+                result.refused[name] = live[name]
+                continue
+            if not any(u.stale(grace_s, now) for u in uploads):
+                young = sum(len(u.objects) for u in uploads)
+                result.refused[name] = (
+                    f"holds only {young} in-flight object(s) younger than the grace period "
+                    f"({grace_s:g} s): a save may still be writing them; `gc --in-flight` "
+                    "collects them once they are older")
+                continue
+        _delete_in_flight(run, uploads, grace_s=grace_s, now=now, result=result)
+    return result
+
+
+def collect_in_flight(run: Storage, *, grace_s: float = DEFAULT_IN_FLIGHT_GRACE_S,
+                      dry_run: bool = False, now: float | None = None,
+                      result: RemovalResult | None = None) -> RemovalResult:
+    """Delete the in-flight objects interrupted writes of this library left in ``run``.
+
+    Only writes whose target is one of this library's names in this run folder and
+    whose newest object is at least ``grace_s`` old (see
+    :class:`xla_ckpt.io.retention.InFlightUpload`); the others are reported in
+    ``in_flight_young``.  Their bytes count in ``bytes_freed``.
+    """
+    grace_s = check_grace(grace_s)
+    result = result if result is not None else RemovalResult(dry_run=dry_run, grace_s=grace_s)
+    result.grace_s = grace_s
+    _delete_in_flight(run, in_flight_uploads(run), grace_s=grace_s,
+                      now=time.time() if now is None else now, result=result)
+    return result
 
 
 def collect_garbage(run: Storage, policy: RetentionPolicy, *, delete_incomplete: bool = False,
-                    dry_run: bool = False) -> RemovalResult:
+                    delete_in_flight: bool | None = None,
+                    grace_s: float = DEFAULT_IN_FLIGHT_GRACE_S, dry_run: bool = False,
+                    now: float | None = None) -> RemovalResult:
     """Apply ``policy`` to ``run``: delete what it lets go, never a protected checkpoint.
 
-    Incomplete folders are deleted only with ``delete_incomplete=True`` (one
-    may be a save in flight).
+    Only objects this library wrote are deleted (see the module docstring).
+    Incomplete folders are deleted only with ``delete_incomplete=True`` (one may be
+    a save in flight); in-flight objects older than ``grace_s`` only with
+    ``delete_in_flight`` (default: as ``delete_incomplete``).
     """
+    grace_s = check_grace(grace_s)
     entries = list_checkpoints(run)
     protect = protection(run, entries)
     names = plan_deletions(entries, policy, protect, delete_incomplete=delete_incomplete)
-    return _delete_all(run, names, entries, RemovalResult(dry_run=dry_run))
+    result = _delete_all(run, names, entries, RemovalResult(dry_run=dry_run, grace_s=grace_s),
+                         only_ours=True)
+    if delete_incomplete if delete_in_flight is None else delete_in_flight:
+        collect_in_flight(run, grace_s=grace_s, dry_run=dry_run, now=now, result=result)
+    return result

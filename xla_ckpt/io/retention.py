@@ -7,16 +7,111 @@ fairseq semantics (``checkpoint_utils.save_checkpoint``): keep the newest
 named by a pointer, one in ``protect`` (e.g. the one being restored), the
 newest committed one, or anything when nothing is committed; incomplete
 folders only when asked (one may be a save in flight).
+
+What this library provably wrote (:func:`library_object`, :func:`owned_in_flight`) and
+the grace-period rule for in-flight objects (:class:`InFlightUpload`) live here too:
+cleanup deletes nothing else.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
 from xla_ckpt.errors import ConfigError
-from xla_ckpt.io.catalog import CheckpointEntry
+from xla_ckpt.format.manifest import MANIFEST_NAME
+from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, pointer_name
+from xla_ckpt.io.writer import DATA_PREFIX
+from xla_ckpt.storage.base import InFlightObject
+
+DEFAULT_IN_FLIGHT_GRACE_S = 3600.0
+"""Seconds: an interrupted write's in-flight objects are listed as left over and collected
+only once the newest of them is at least this old (a live save keeps adding parts)."""
+
+_DATA_FILE = re.compile(re.escape(DATA_PREFIX) + r"[0-9a-f]{12}-[^/]+\.safetensors")
+_POINTER_FILES = frozenset(pointer_name(w) for w in POINTERS)
+
+
+def library_object(name: str) -> bool:
+    """True for a name this library's saves write in a run folder (relative to it).
+
+    A pointer (``checkpoint_last.json``/``checkpoint_best.json``) at the top, or a
+    manifest or data file (``data-<save id>-<item>.safetensors``) directly inside a
+    checkpoint folder.  Anything else (a ``.pt``, a DCP folder, a nested folder copied
+    in from another run) is not ours, and cleanup leaves it alone.
+    """
+    parts = name.strip("/").split("/")
+    if len(parts) == 1:
+        return parts[0] in _POINTER_FILES
+    return len(parts) == 2 and (parts[1] == MANIFEST_NAME or bool(_DATA_FILE.fullmatch(parts[1])))
+
+
+def owned_in_flight(obj: InFlightObject) -> bool:
+    """An in-flight object of this library's own save in this run folder: the backend found
+    its in-flight mark (``.tmp-<upload id>-part-<n>``) and the write's target is one of
+    :func:`library_object`'s names."""
+    return library_object(obj.target)
+
+
+@dataclass(frozen=True)
+class InFlightUpload:
+    """The in-flight objects one unfinished write left (one target, one upload id).
+
+    The grace-period rule is per write: it may be collected only when its *newest*
+    object is at least ``grace_s`` old (by the store's creation times against this
+    host's clock), so no part of a write still producing parts is ever deleted; an
+    object without a creation time is never collected.
+    """
+
+    target: str
+    upload_id: str
+    objects: tuple[InFlightObject, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+    @property
+    def folder(self) -> str:
+        """The checkpoint folder it was written into ("" at the top of the run folder)."""
+        return self.target.split("/", 1)[0] if "/" in self.target else ""
+
+    def age_s(self, now: float) -> float | None:
+        """Seconds since its newest object was created; None when a creation time is unknown."""
+        times = [o.created_unix_s for o in self.objects]
+        if not times or any(t is None for t in times):
+            return None
+        return now - max(t for t in times if t is not None)
+
+    def stale(self, grace_s: float, now: float) -> bool:
+        age = self.age_s(now)
+        return age is not None and age >= grace_s
+
+
+def check_grace(grace_s: float) -> float:
+    """``grace_s`` as a float; ConfigError unless a finite number >= 0."""
+    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) \
+            or not math.isfinite(grace_s) or grace_s < 0:
+        raise ConfigError(f"the in-flight grace period must be a number of seconds >= 0, got "
+                          f"{grace_s!r}")
+    return float(grace_s)
+
+
+def group_in_flight(objects: Iterable[InFlightObject]
+                    ) -> tuple[list[InFlightUpload], list[InFlightObject]]:
+    """Owned in-flight objects grouped by write (sorted by target), and the others (not ours)."""
+    groups: dict[tuple[str, str], list[InFlightObject]] = {}
+    foreign: list[InFlightObject] = []
+    for o in objects:
+        if owned_in_flight(o):
+            groups.setdefault((o.target, o.upload_id), []).append(o)
+        else:
+            foreign.append(o)
+    uploads = [InFlightUpload(t, u, tuple(sorted(objs, key=lambda o: o.name)))
+               for (t, u), objs in sorted(groups.items())]
+    return uploads, foreign
 
 
 @dataclass(kw_only=True)

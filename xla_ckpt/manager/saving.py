@@ -7,6 +7,15 @@ ranks agree on its progress and, once every rank's upload is done, starts the
 coordinator's commit: manifest, ``checkpoint_last`` / ``checkpoint_best``
 pointers (best-N comparison), rotation.  A failure on any rank is raised on
 every rank (:meth:`SavePath._fail`).
+
+Ctrl-C in the training thread while an async save uploads: on a backend that lists
+what interrupted writes leave (``Storage.lists_in_flight``: gs://) the upload runs on
+a daemon thread, so the process never waits for it at exit; closing the manager
+(its ``with`` block, or :meth:`close` interrupted) closes the save's storage, which
+abandons the upload and deletes its parts within a bound, and whatever is left
+(SIGKILL) is listed by ``xla-ckpt ls`` and collected by ``xla-ckpt gc --in-flight``.
+On other backends (a local folder, whose writes leave nothing the tools can list)
+the upload runs on the manager's save thread as before, and exit waits for it.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import math
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -84,6 +94,23 @@ def _failed_future(exc: BaseException) -> cf.Future:
     f: cf.Future = cf.Future()
     f.set_exception(exc)
     return f
+
+
+def _on_daemon_thread(name: str, fn: Any, *args: Any) -> cf.Future:
+    """Run ``fn(*args)`` on a new daemon thread (never joined at exit); its future."""
+    fut: cf.Future = cf.Future()
+    fut.set_running_or_notify_cancel()
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the future's owner
+            fut.set_exception(e)
+        else:
+            fut.set_result(result)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return fut
 
 
 class SavePath(ManagerBase):
@@ -182,8 +209,13 @@ class SavePath(ManagerBase):
                     if sg is not None:
                         buffers += sg.buffers
                         nbytes += sg.nbytes
-                upload = self._executor.submit(self._upload_job, storage, save_id,
-                                               *[sg.state if sg else None for sg in staged])
+                args = (storage, save_id, *[sg.state if sg else None for sg in staged])
+                if storage.lists_in_flight:
+                    # Ctrl-C must not wait for the upload (see the module docstring).
+                    upload = _on_daemon_thread(f"xla_ckpt-upload-r{self.rank}",
+                                               self._upload_job, *args)
+                else:
+                    upload = self._executor.submit(self._upload_job, *args)
                 del staged
             del payload
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks in _sync

@@ -56,6 +56,28 @@ class ObjectInfo:
 
 
 @dataclass(frozen=True)
+class InFlightObject:
+    """An object an unfinished write left behind (an upload part, a temporary file).
+
+    What :meth:`Storage.list_in_flight` returns: the backend recognised its own
+    in-flight mark in the name (``<target>.tmp-<upload id>...``).
+
+    Attributes:
+        name: object name relative to the storage root.
+        target: the name the write was producing (relative to the root).
+        upload_id: the write's random id from the mark; every object one write left shares it.
+        size: bytes.
+        created_unix_s: when the store created it (its clock); None if it does not say.
+    """
+
+    name: str
+    target: str
+    upload_id: str
+    size: int
+    created_unix_s: float | None
+
+
+@dataclass(frozen=True)
 class RangeRead:
     """One byte-range read: ``len(out)`` bytes of ``name`` starting at ``offset`` into ``out``.
 
@@ -151,6 +173,18 @@ class Storage(abc.ABC):
         An existing object of that name is replaced atomically; on failure it
         is left as it was and no partial object is visible.
         """
+
+    lists_in_flight: bool = False
+    """True when :meth:`list_in_flight` reports what this backend's interrupted writes leave."""
+
+    def list_in_flight(self, prefix: str = "") -> list[InFlightObject]:
+        """Objects unfinished writes left under ``prefix`` (recursive), sorted by name.
+
+        :meth:`list` never shows them; cleanup tools (``xla-ckpt ls``/``gc``) do, and
+        :meth:`delete` removes them by ``name``.  This default reports none (see
+        :attr:`lists_in_flight`).
+        """
+        return []
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> list[str]:
