@@ -165,3 +165,57 @@ class DataFileMissingError(CheckpointCorruptError):
         super().__init__(message)
         self.path = path
         self.checkpoint = checkpoint
+
+
+class NothingCommittedError(CheckpointNotFoundError):
+    """Storage answered that nothing was ever committed at the URI: the one "start fresh" case.
+
+    Raised only by :func:`xla_ckpt.io.resolve.resolve` (so by every entry point: ``load``,
+    ``restore``, the trainer, the manager, the CLI) when the path is absent (its parent folder
+    exists), or the folder or prefix is empty or holds no committed checkpoint.  A
+    :class:`CheckpointNotFoundError`, so ``except CheckpointNotFoundError`` keeps working; the
+    trainer and the manager start fresh on this class only, never on another
+    CheckpointNotFoundError (a typo'd path whose parent folder is missing too, a missing pointer,
+    an object that vanished while it was read).
+
+    Attributes:
+        uri: the URI (run folder or checkpoint folder) that holds nothing committed.
+        incomplete: checkpoint folders found there without a commit marker.
+    """
+
+    def __init__(self, message: str, *, uri: str = "", incomplete: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.uri = uri
+        self.incomplete = tuple(incomplete)
+
+
+class UncommittedCheckpointError(NothingCommittedError, IncompleteCheckpointError):
+    """Nothing committed, but saves began there and none finished.
+
+    The URI is a checkpoint folder holding data files without its commit marker
+    (``incomplete`` empty), or a run folder whose checkpoint folders all lack one
+    (``incomplete`` names them).  Both a :class:`NothingCommittedError` (a trainer starts fresh,
+    with a warning naming it) and an :class:`IncompleteCheckpointError`.
+    """
+
+
+class CheckpointReplacedError(DistributedError):
+    """A checkpoint was replaced while it was read, and again when it was read once more.
+
+    Another writer saved to (or deleted) the same checkpoint folder during both reads.  The
+    message names the URI and the versions (``save id A -> B``); ``failures`` names the ranks
+    whose reads failed (``restore()``; empty for a single-process read).  A
+    :class:`DistributedError`: ``restore()`` raises it on every rank.
+
+    Attributes:
+        uri: the checkpoint folder (or legacy file) that was replaced.
+        before / after: save ids (generations for a legacy file) read and found; ``after`` is
+            ``"none"`` when it was deleted.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None, *,
+                 uri: str = "", before: str = "", after: str = "") -> None:
+        super().__init__(message, failures)
+        self.uri = uri
+        self.before = before
+        self.after = after

@@ -14,10 +14,11 @@ import torch
 
 from xla_ckpt.comm import SingleProcess
 from xla_ckpt.errors import (
-    CheckpointNotFoundError,
     CollectiveTimeoutError,
     DistributedError,
     IncompleteCheckpointError,
+    NothingCommittedError,
+    UncommittedCheckpointError,
     WorldSizeMismatchError,
 )
 from xla_ckpt.format.crc import crc32c
@@ -122,13 +123,13 @@ def test_nothing_committed_raises_the_same_on_every_rank(pool, tmp_path):
     empty = tmp_path / "empty_run"
     empty.mkdir()
     for e in errors(pool.run(W.restore_digest, str(empty), "gloo", "broadcast")):
-        assert type(e) is CheckpointNotFoundError
+        assert type(e) is NothingCommittedError  # the one fresh-start class, on every rank
         assert "no committed checkpoint" in str(e) and "strategy broadcast" in str(e)
     folder = tmp_path / "half"
     save({"w": torch.ones(2)}, str(folder))
     os.remove(folder / "manifest.json")
     for e in errors(pool.run(W.restore_digest, str(folder), "xla", "auto")):
-        assert type(e) is IncompleteCheckpointError
+        assert type(e) is UncommittedCheckpointError and isinstance(e, IncompleteCheckpointError)
         assert "no manifest.json commit marker" in str(e)
         assert "strategy all_ranks: auto: XLA/TPU job" in str(e)
 

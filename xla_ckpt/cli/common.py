@@ -21,12 +21,13 @@ from xla_ckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
     IncompleteCheckpointError,
+    NothingCommittedError,
     StorageError,
+    UncommittedCheckpointError,
     XlaCkptError,
 )
-from xla_ckpt.io.catalog import is_checkpoint, list_checkpoints, resolve_latest
-from xla_ckpt.io.legacy import is_legacy_file
-from xla_ckpt.io.reader import read_manifest
+from xla_ckpt.format.manifest import MANIFEST_NAME
+from xla_ckpt.io.resolve import LEGACY, resolve
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 
 # What each command module's ``register(sub, parents)`` gets: the ``add_subparsers()`` action of
@@ -75,36 +76,36 @@ class Target:
 
 
 def resolve_checkpoint(uri: str, config: StorageConfig | None = None) -> Target:
-    """A checkpoint folder as given, or the latest committed checkpoint of a run folder.
+    """What ``uri`` names, by the one resolver (:func:`xla_ckpt.io.resolve.resolve`).
+
+    A checkpoint folder as given, a run folder's latest committed checkpoint, or
+    ``<run>/checkpoint_last`` / ``<run>/checkpoint_best``.  A command has no fresh
+    start, so "nothing committed" is reported with the CLI's errors: nothing at
+    all -> CheckpointNotFoundError (exit 2), incomplete saves only ->
+    IncompleteCheckpointError (exit 1).
 
     Raises:
         UsageError: ``uri`` names a legacy ``.pt``/safetensors file.
         IncompleteCheckpointError: only uncommitted checkpoints are there.
-        CheckpointNotFoundError: nothing is there.
+        CheckpointNotFoundError: nothing is there, or a typo'd path (its parent folder
+            is missing too).
     """
-
-    if is_legacy_file(uri, config=config):
+    try:
+        resolved = resolve(uri, config)
+    except UncommittedCheckpointError as e:
+        if e.incomplete:
+            raise IncompleteCheckpointError(
+                f"{e.uri}: run folder has no committed checkpoint (incomplete: "
+                f"{', '.join(e.incomplete[:5])}); their saves did not finish") from e
+        raise IncompleteCheckpointError(str(e)) from e
+    except NothingCommittedError as e:
+        raise CheckpointNotFoundError(f"{e.uri}: no checkpoint here ({MANIFEST_NAME} not "
+                                      "found)") from e
+    if resolved.kind == LEGACY:
         raise UsageError(f"{uri} is a legacy .pt/safetensors file, not an xla_ckpt checkpoint "
                          f"folder; import it with `xla-ckpt convert {uri} DST`")
-    st = open_storage(uri, config)
-    try:
-        if is_checkpoint(st):
-            return Target(st, st.uri)
-        name = resolve_latest(st)
-        if name is not None:
-            child = st.child(name)
-            return Target(child, child.uri, run_uri=st.uri)
-        entries = list_checkpoints(st)
-        if entries:
-            names = ", ".join(e.name for e in entries[:5])
-            raise IncompleteCheckpointError(
-                f"{st.uri}: run folder has no committed checkpoint (incomplete: {names}); "
-                "their saves did not finish")
-        read_manifest(st)  # raises IncompleteCheckpointError or CheckpointNotFoundError
-        raise CheckpointNotFoundError(f"{st.uri}: no checkpoint here")  # pragma: no cover
-    except BaseException:
-        st.close()
-        raise
+    st = open_storage(resolved.checkpoint, config)
+    return Target(st, st.uri, run_uri=resolved.run)
 
 
 class ProgressBar(Protocol):

@@ -1,11 +1,15 @@
 """Checkpoint I/O: the format over a storage backend (sits between storage and restore).
 
-Read side: :class:`CheckpointReader`, :func:`read_manifest`, :func:`load`.
+Read side: :func:`resolve` (what a URI names: checkpoint folder, run folder -> latest
+committed, pointer, legacy file; the one rule for "nothing committed"), :func:`load`,
+:class:`CheckpointReader`, :func:`read_manifest`.
 Write side: :func:`save`, or :func:`write_item` + :func:`commit` for several writers.
 """
 
-from xla_ckpt.io.reader import CheckpointReader, ReadStats, load, read_manifest
+from xla_ckpt.io.reader import CheckpointReader, ReadStats, read_manifest
+from xla_ckpt.io.resolve import Resolved, load, read_checkpoint, resolve
 from xla_ckpt.io.writer import WrittenItem, commit, discard, new_save_id, save, write_item
 
-__all__ = ["CheckpointReader", "ReadStats", "WrittenItem", "commit", "discard", "load",
-           "new_save_id", "read_manifest", "save", "write_item"]
+__all__ = ["CheckpointReader", "ReadStats", "Resolved", "WrittenItem", "commit", "discard",
+           "load", "new_save_id", "read_checkpoint", "read_manifest", "resolve", "save",
+           "write_item"]

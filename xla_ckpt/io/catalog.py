@@ -126,27 +126,36 @@ def write_pointer(run: Storage, which: str, checkpoint: str, **extra: Any) -> No
     run.write_atomic(pointer_name(which), [json.dumps(doc, sort_keys=True).encode("utf-8")])
 
 
+def choose_latest(run: Storage, entries: list[CheckpointEntry]) -> str | None:
+    """Which of ``entries`` (:func:`list_checkpoints` of ``run``) to restore, or None if none
+    is committed.
+
+    The ``checkpoint_last`` pointer wins if it names a committed checkpoint and
+    none newer is committed; otherwise the newest committed checkpoint (the
+    pointer lags after a crash between commit and pointer update).
+    """
+    committed = [e for e in entries if e.committed]
+    ptr = read_pointer(run, "last")
+    chosen = next((e for e in committed if e.name == ptr), None)
+    if chosen is not None:
+        newest = committed[-1]
+        # The pointer lags (a crash between commit and pointer update): newest committed wins.
+        return newest.name if newest.sort_key > chosen.sort_key else chosen.name
+    if ptr is not None and committed:
+        logger.warning("pointer %s names %r, which is not a committed checkpoint; ignoring it",
+                       run.url(pointer_name("last")), ptr)
+    return committed[-1].name if committed else None
+
+
 def resolve_latest(run: Storage) -> str | None:
     """Name of the checkpoint to restore from a run folder, or None if none is committed.
 
-    The ``checkpoint_last`` pointer wins if it names a committed checkpoint;
-    otherwise the newest committed checkpoint.  Call on one rank and send the
-    answer to the others.
+    :func:`choose_latest` over :func:`list_checkpoints`.  Call on one rank and
+    send the answer to the others.  Entry points resolve a URI with
+    :func:`xla_ckpt.io.resolve.resolve`, which uses this rule and says what
+    "none committed" means.
     """
-    entries = [e for e in list_checkpoints(run) if e.committed]
-    committed = {e.name for e in entries}
-    ptr = read_pointer(run, "last")
-    if ptr in committed:
-        newest = entries[-1]
-        chosen = next(e for e in entries if e.name == ptr)
-        if newest.sort_key > chosen.sort_key:
-            # The pointer lags (a crash between commit and pointer update): newest committed wins.
-            return newest.name
-        return ptr
-    if ptr is not None:
-        logger.warning("pointer %s names %r, which is not a committed checkpoint; ignoring it",
-                       run.url(pointer_name("last")), ptr)
-    return entries[-1].name if entries else None
+    return choose_latest(run, list_checkpoints(run))
 
 
 def is_checkpoint(storage: Storage) -> bool:

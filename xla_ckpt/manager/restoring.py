@@ -1,9 +1,17 @@
 """The restore path of :class:`~xla_ckpt.manager.CheckpointManager`: which checkpoint, then read.
 
-Rank 0 resolves ``config.restore_file`` (``checkpoint_last``, ``checkpoint_best``,
-a folder name or a URI) and reads the best metric recorded so far; every rank
-gets that decision (or rank 0's error) and restores through
-:func:`xla_ckpt.restore.restore`.
+Rank 0 resolves ``config.restore_file`` with the one resolver
+(:func:`xla_ckpt.io.resolve.resolve`: ``checkpoint_last`` -> the run folder's
+latest committed checkpoint, ``checkpoint_best`` -> its pointer; a folder name or
+a URI is resolved by :func:`xla_ckpt.restore.restore` itself) and reads the best
+metric recorded so far; every rank gets that decision (or rank 0's error) and
+restores through :func:`xla_ckpt.restore.restore`.
+
+Fresh start: only ``checkpoint_last`` with nothing ever committed in the run
+folder (:class:`~xla_ckpt.errors.NothingCommittedError`; a ``save_dir`` that does
+not exist yet counts, the manager creates it), logged at WARNING.  A named
+``restore_file`` with nothing committed raises ``CheckpointNotFoundError`` (or
+``IncompleteCheckpointError``) on every rank, not the fresh-start class.
 """
 
 from __future__ import annotations
@@ -16,12 +24,16 @@ from typing import Any, Callable
 from xla_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    ConfigError,
     DistributedError,
     IncompleteCheckpointError,
+    NothingCommittedError,
     StorageError,
     StoragePermissionError,
+    UncommittedCheckpointError,
 )
-from xla_ckpt.io.catalog import pointer_name, resolve_latest
+from xla_ckpt.io.catalog import pointer_name
+from xla_ckpt.io.resolve import resolve
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.restore import Restored
 from xla_ckpt.restore import restore as restore_checkpoint
@@ -29,7 +41,7 @@ from xla_ckpt.restore import restore as restore_checkpoint
 # Errors that reach every rank with their own type when rank 0 hits them resolving a restore.
 _SHARED_ERRORS = {c.__name__: c for c in (CheckpointNotFoundError, IncompleteCheckpointError,
                                           CheckpointCorruptError, StorageError,
-                                          StoragePermissionError)}
+                                          StoragePermissionError, ConfigError)}
 
 
 @dataclass
@@ -79,11 +91,17 @@ class RestorePath(ManagerBase):
 
         Returns:
             A :class:`RestoreResult` on every rank, or None when ``restore_file`` is
-            ``checkpoint_last`` and nothing is committed yet.
+            ``checkpoint_last`` and nothing was ever committed in the run folder
+            (logged at WARNING: training starts from scratch).
 
         Raises:
             CheckpointNotFoundError: an explicitly named checkpoint (or ``checkpoint_best``)
-                does not exist (every rank raises it).
+                does not exist, or the run folder holds no readable committed checkpoint
+                while something was committed there (a dangling ``checkpoint_last``
+                pointer); every rank raises it.
+            IncompleteCheckpointError: a named checkpoint folder has no commit marker.
+            CheckpointReplacedError: another writer replaced the checkpoint during the
+                read, twice (every rank).
             DistributedError: a read failed on some rank (corrupt bytes, storage error);
                 ``failures`` names the ranks, on every rank.
         """
@@ -108,12 +126,16 @@ class RestorePath(ManagerBase):
         self._best = best
         if uri is None:
             if self.rank == 0:
-                logger.info("[rank %d] no committed checkpoint under %s: starting fresh",
-                            self.rank, self.run.uri)
+                logger.warning("[rank %d] %s: training starts from scratch", self.rank, name)
             if init_fn is not None:
                 init_fn()
             return None
-        result = self._read_checkpoint(uri, name, map_location)
+        try:
+            result = self._read_checkpoint(uri, name, map_location)
+        except UncommittedCheckpointError as e:  # a named folder: not a fresh start here
+            raise IncompleteCheckpointError(str(e)) from e
+        except NothingCommittedError as e:
+            raise CheckpointNotFoundError(str(e)) from e
         if in_run:
             self.restored_from = name
         if result.num_updates is not None:
@@ -122,19 +144,21 @@ class RestorePath(ManagerBase):
 
     # ---- internals ----------------------------------------------------------------------
     def _resolve_restore(self) -> tuple[str | None, str, bool, float | None]:
-        """Rank 0: (checkpoint URI or None, folder name, is it in the run folder, best metric)."""
+        """Rank 0: (checkpoint URI or None, folder name, is it in the run folder, best metric).
+
+        ``checkpoint_last`` with nothing committed gives ``(None, why, True, best)``.
+        """
         rf = self.config.restore_file
         best = self._read_best_value()
-        if rf == "checkpoint_last":
-            name = resolve_latest(self.run)
-            return (self.run.url(name) if name else None), name or "", True, best
-        if rf == "checkpoint_best":
-            name = self._pointer_doc("best").get("checkpoint")
-            if not name:
-                raise CheckpointNotFoundError(
-                    f"{self.run.url(pointer_name('best'))}: no checkpoint_best pointer; restore "
-                    "checkpoint_last or name a checkpoint folder")
-            return self.run.url(name), name, True, best
+        if rf in ("checkpoint_last", "checkpoint_best"):
+            which = rf.rsplit("_", 1)[1]
+            try:
+                r = resolve(self.run, pointer=which, missing_ok=True)
+            except NothingCommittedError as e:
+                if which != "last":
+                    raise
+                return None, str(e), True, best
+            return r.checkpoint, r.name, True, best
         if "://" in rf or rf.startswith(("/", "./", "../")):
             return rf, rf.rstrip("/").rsplit("/", 1)[-1], False, best
         return self.run.url(rf), rf, True, best

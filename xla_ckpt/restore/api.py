@@ -1,4 +1,16 @@
-"""``restore()``: one entry point over both strategies."""
+"""``restore()``: one entry point over both strategies.
+
+Replaced while reading: when the read fails on some rank(s) with a "file not there /
+not as the manifest says" cause (every rank holds the same agreed
+:class:`~xla_ckpt.errors.DistributedError`, so every rank takes the same branch),
+every rank decides again, collectively (:func:`~xla_ckpt.restore.decide.decide`):
+if the checkpoint now has another ``save_id`` (another writer saved over it, or a
+run folder's latest moved on) the restore runs once more from the new decision;
+if it is unchanged the read's own error is raised.  A second replacement raises
+:class:`~xla_ckpt.errors.CheckpointReplacedError` (a ``DistributedError``) on every
+rank, naming the race.  The single-process read path applies the same rule
+(:func:`xla_ckpt.io.resolve.read_resolved`).
+"""
 
 from __future__ import annotations
 
@@ -8,21 +20,38 @@ import time
 from typing import Any, Callable
 
 from xla_ckpt.comm.base import Dist
+from xla_ckpt.comm.failures import is_broken_collective
 from xla_ckpt.comm.select import get_dist
-from xla_ckpt.errors import DistributedError
+from xla_ckpt.errors import (
+    CheckpointReplacedError,
+    CollectiveTimeoutError,
+    DistributedError,
+    NothingCommittedError,
+)
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.format.plan import MapLocation
 from xla_ckpt.restore.all_ranks import restore_all_ranks
 from xla_ckpt.restore.broadcast import restore_broadcast
 from xla_ckpt.restore.config import RestoreConfig
-from xla_ckpt.restore.decide import decide
+from xla_ckpt.restore.decide import Decision, decide
 from xla_ckpt.restore.plan import plan_ranks
 from xla_ckpt.restore.result import Restored
 from xla_ckpt.restore.select import ALL_RANKS, choose_strategy
 from xla_ckpt.storage import StorageConfig
 
 logger = logging.getLogger(__name__)
+
+# Causes (``describe_error`` type names) of a read that may have raced with another writer.
+_RACE_CAUSES = frozenset({"CheckpointNotFoundError", "IncompleteCheckpointError",
+                          "DataFileMissingError", "CheckpointCorruptError", "IntegrityError"})
+
+
+def _may_have_raced(e: DistributedError) -> bool:
+    """True if ``e`` (an agreed failure, the same on every rank) may come from a replacement."""
+    if isinstance(e, CollectiveTimeoutError) or is_broken_collective(e) or not e.failures:
+        return False
+    return any(c.split(":", 1)[0] in _RACE_CAUSES for c in e.failures.values())
 
 
 def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
@@ -66,8 +95,14 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
         strategy and reason, stats).
 
     Raises:
-        CheckpointNotFoundError / IncompleteCheckpointError: nothing committed
-            at ``uri`` (the same on every rank).
+        NothingCommittedError: nothing committed at ``uri`` (the same on every
+            rank; :class:`UncommittedCheckpointError`, also an
+            IncompleteCheckpointError, when saves began there and none committed).
+        CheckpointNotFoundError: a typo'd path (its parent folder is missing too),
+            a missing pointer; same on every rank.
+        CheckpointReplacedError: another writer replaced the checkpoint during
+            the read and again during the read once more (a DistributedError,
+            on every rank).
         WorldSizeMismatchError: saved vs current world size cannot be
             reconciled (per-rank items; sharded tensors with
             ``allow_reshard=False``); same on every rank.
@@ -91,26 +126,41 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
     name, reason = choose_strategy(dist, cfg)
     context = f"strategy {name}: {reason}"
     decision = decide(uri, dist, config=storage_config, context=context)
-    plans = plan_ranks(decision.manifest, dist.world_size, item=item,
-                       restore_rank_items=rank_item, zero_sharding=cfg.zero_sharding,
-                       allow_reshard=cfg.allow_reshard, context=context)
-    what = f"restore of {decision.checkpoint} (strategy {name}: {reason})"
-    if dist.rank == 0:
-        logger.info("rank 0: restoring %s with strategy %s (%s)", decision.checkpoint, name, reason)
-    try:
-        if name == ALL_RANKS:
-            loaded = restore_all_ranks(decision, dist, plans[dist.rank],
-                                       map_location=map_location,
-                                       storage_config=storage_config, what=what)
-        else:
-            loaded = restore_broadcast(decision, dist, plans, map_location=map_location,
-                                       storage_config=storage_config,
-                                       bucket_size_bytes=cfg.bucket_size_bytes, what=what,
-                                       host_shared_memory=cfg.host_shared_memory)
-    except DistributedError as e:
-        if e.args and isinstance(e.args[0], str) and f"strategy {name}" not in e.args[0]:
-            e.args = (f"{what}: {e.args[0]}",) + e.args[1:]  # a broken collective: say where
-        raise
+    for attempt in range(2):
+        plans = plan_ranks(decision.manifest, dist.world_size, item=item,
+                           restore_rank_items=rank_item, zero_sharding=cfg.zero_sharding,
+                           allow_reshard=cfg.allow_reshard, context=context)
+        what = f"restore of {decision.checkpoint} (strategy {name}: {reason})"
+        if dist.rank == 0:
+            logger.info("rank 0: restoring %s with strategy %s (%s)", decision.checkpoint, name,
+                        reason)
+        try:
+            if name == ALL_RANKS:
+                loaded = restore_all_ranks(decision, dist, plans[dist.rank],
+                                           map_location=map_location,
+                                           storage_config=storage_config, what=what)
+            else:
+                loaded = restore_broadcast(decision, dist, plans, map_location=map_location,
+                                           storage_config=storage_config,
+                                           bucket_size_bytes=cfg.bucket_size_bytes, what=what,
+                                           host_shared_memory=cfg.host_shared_memory)
+            break
+        except DistributedError as e:
+            if e.args and isinstance(e.args[0], str) and f"strategy {name}" not in e.args[0]:
+                e.args = (f"{what}: {e.args[0]}",) + e.args[1:]  # a broken collective: say where
+            if not _may_have_raced(e):
+                raise
+            again = _decide_again(uri, dist, decision, e, storage_config, context)
+            if again is None:
+                raise  # not replaced: the read's own error
+            if attempt == 1:
+                raise _replaced(decision, again.manifest.save_id, e) from e
+            if dist.rank == 0:
+                logger.warning("rank 0: %s was replaced while reading (save id %s -> %s); "
+                               "restoring %s once more", decision.checkpoint,
+                               decision.manifest.save_id, again.manifest.save_id,
+                               again.checkpoint)
+            decision = again
     me = plans[dist.rank]
     stats = loaded.stats
     stats.seconds = time.perf_counter() - t0
@@ -127,6 +177,28 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
                     stats.bytes_read / max(stats.seconds, 1e-9) / 2**20,
                     f"; data plane: {stats.data_path}" if stats.data_path else "")
     return result
+
+
+def _replaced(decision: Decision, now: str, e: DistributedError) -> CheckpointReplacedError:
+    before = decision.manifest.save_id
+    return CheckpointReplacedError(
+        f"{decision.checkpoint} was replaced while reading (save id {before} -> {now}); retry "
+        "or pause the other writer", e.failures, uri=decision.checkpoint, before=before,
+        after=now)
+
+
+def _decide_again(uri: str, dist: Dist, decision: Decision, e: DistributedError,
+                  storage_config: StorageConfig | None, context: str) -> Decision | None:
+    """Every rank, after a read failure that may be a race: the new decision if the checkpoint
+    was replaced, None if it is unchanged (the failure is the read's own)."""
+    try:
+        again = decide(uri, dist, config=storage_config, context=context)
+    except NothingCommittedError as gone:  # deleted meanwhile: on every rank alike
+        raise _replaced(decision, "none", e) from gone
+    if (again.checkpoint, again.manifest.save_id) == (decision.checkpoint,
+                                                      decision.manifest.save_id):
+        return None
+    return again
 
 
 def make_restorer(*, dist: Dist | None = None, **kwargs: Any) -> Callable[[str], Restored]:

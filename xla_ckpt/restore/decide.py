@@ -1,28 +1,34 @@
 """Decide once: rank 0 picks the checkpoint and sends it, with its manifest, to every rank.
 
 DESIGN decision 2: listings of a bucket may disagree between ranks, so only
-rank 0 looks.  It resolves ``uri`` (a checkpoint folder, or a run folder whose
-latest committed checkpoint it picks with
-:func:`xla_ckpt.io.catalog.resolve_latest`), reads and validates that
-checkpoint's manifest, and broadcasts the outcome: the checkpoint URI plus the
-manifest bytes, or "nothing committed", or the error it hit.  Every rank
-then restores exactly that checkpoint, from that manifest.
+rank 0 looks.  It resolves ``uri`` with the one resolver,
+:func:`xla_ckpt.io.resolve.resolve` (a checkpoint folder; a run folder's latest
+committed checkpoint; ``<run>/checkpoint_last`` / ``<run>/checkpoint_best``),
+which reads and validates that checkpoint's manifest, and broadcasts the
+outcome: the checkpoint URI plus the manifest bytes, or "nothing committed",
+or the error it hit.  Every rank then restores exactly that checkpoint, from
+that manifest, and every rank raises the same error class when there is none.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from xla_ckpt.comm.base import Dist, decode_object, describe_error, encode_object
-from xla_ckpt.errors import CheckpointNotFoundError, DistributedError, IncompleteCheckpointError
+from xla_ckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DistributedError,
+    NothingCommittedError,
+    UncommittedCheckpointError,
+)
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
-from xla_ckpt.io.catalog import list_checkpoints, resolve_latest
-from xla_ckpt.io.writer import DATA_PREFIX
-from xla_ckpt.storage import StorageConfig, open_storage
+from xla_ckpt.io.resolve import LEGACY, resolve
+from xla_ckpt.storage import StorageConfig
 
 logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class Decision:
@@ -37,31 +43,28 @@ def _resolve(uri: str, config: StorageConfig | None) -> tuple[str, bytes]:
     """On rank 0: the checkpoint URI to restore and its manifest bytes.
 
     Raises:
-        IncompleteCheckpointError: ``uri`` is a checkpoint folder without its
-            commit marker.
-        CheckpointNotFoundError: nothing committed at or under ``uri``.
+        what :func:`xla_ckpt.io.resolve.resolve` raises; ConfigError for a legacy file.
     """
-    storage = open_storage(uri, config)
-    try:
-        if storage.exists(MANIFEST_NAME):
-            return storage.uri, storage.read_bytes(MANIFEST_NAME)
-        names = storage.list("")
-        if any("/" not in n and n.startswith(DATA_PREFIX) for n in names):
-            raise IncompleteCheckpointError(
-                f"{storage.uri}: checkpoint is incomplete (no {MANIFEST_NAME} commit marker); "
-                "the save that wrote it did not finish. Restore an earlier checkpoint.")
-        name = resolve_latest(storage)
-        if name is None:
-            skipped = [e.name for e in list_checkpoints(storage) if not e.committed]
-            extra = f" (skipped incomplete: {', '.join(skipped[:5])})" if skipped else ""
-            raise CheckpointNotFoundError(f"{storage.uri}: no committed checkpoint here{extra}")
-        child = storage.child(name)
-        try:
-            return child.uri, child.read_bytes(MANIFEST_NAME)
-        finally:
-            child.close()
-    finally:
-        storage.close()
+    r = resolve(uri, config)
+    if r.kind == LEGACY:
+        raise ConfigError(f"{r.checkpoint} is a legacy .pt/safetensors file; restore() reads "
+                          f"xla_ckpt checkpoints: convert it with `xla-ckpt convert "
+                          f"{r.checkpoint} DST`, or read it on one process with "
+                          "xla_ckpt.trainer.SingleProcessRestorer")
+    return r.checkpoint, r.manifest_bytes
+
+
+def _status_of(e: BaseException) -> dict[str, Any]:
+    if isinstance(e, UncommittedCheckpointError):
+        return {"status": "uncommitted", "message": str(e), "uri": e.uri,
+                "incomplete": list(e.incomplete)}
+    if isinstance(e, NothingCommittedError):
+        return {"status": "nothing", "message": str(e), "uri": e.uri}
+    if isinstance(e, CheckpointNotFoundError):
+        return {"status": "not_found", "message": str(e)}
+    if isinstance(e, ConfigError):
+        return {"status": "config", "message": str(e)}
+    return {"status": "error", "message": describe_error(e)}
 
 
 def decide(uri: str, dist: Dist, *, config: StorageConfig | None = None,
@@ -69,15 +72,18 @@ def decide(uri: str, dist: Dist, *, config: StorageConfig | None = None,
     """Every rank calls this; rank 0 decides, every rank returns the same :class:`Decision`.
 
     Args:
-        uri: a checkpoint folder or a run folder (local path or ``gs://``).
+        uri: a checkpoint folder or a run folder (local path or ``gs://``), or a
+            ``<run>/checkpoint_last`` / ``<run>/checkpoint_best`` pointer.
         dist: the job's :class:`~xla_ckpt.comm.Dist`.
         config: storage knobs for rank 0's look-up.
         context: appended to error messages (which strategy runs and why).
 
     Raises:
-        IncompleteCheckpointError / CheckpointNotFoundError: on every rank,
-            when nothing committed is there (the same class on every rank, so a
-            trainer can start fresh).
+        NothingCommittedError / UncommittedCheckpointError: on every rank, when nothing is
+            committed at ``uri`` (the same class on every rank, so a trainer can start fresh).
+        CheckpointNotFoundError: on every rank, for a typo'd path, a missing pointer, a file
+            that is not a checkpoint (not a fresh start).
+        ConfigError: on every rank, ``uri`` names a legacy ``.pt`` file.
         DistributedError: on every rank when rank 0 could not decide (storage
             error, corrupt manifest); ``failures`` names rank 0 and the cause.
         CollectiveTimeoutError: the decision did not arrive (rank 0 died or hung).
@@ -88,14 +94,9 @@ def decide(uri: str, dist: Dist, *, config: StorageConfig | None = None,
     if dist.rank == 0:
         try:
             ckpt, payload = _resolve(uri, config)
-            Manifest.from_json_bytes(payload, where=f"{ckpt}/{MANIFEST_NAME}")
             status = {"status": "ok", "checkpoint": ckpt}
-        except IncompleteCheckpointError as e:
-            status, local_error = {"status": "incomplete", "message": str(e)}, e
-        except CheckpointNotFoundError as e:
-            status, local_error = {"status": "not_found", "message": str(e)}, e
         except Exception as e:  # noqa: BLE001 - sent to every rank, then raised everywhere
-            status, local_error = {"status": "error", "message": describe_error(e)}, e
+            status, local_error = _status_of(e), e
     # One message: the typed status, then the manifest bytes (one control-plane round).
     message = None
     if dist.rank == 0:
@@ -106,10 +107,14 @@ def decide(uri: str, dist: Dist, *, config: StorageConfig | None = None,
     status, data = decode_object(message[8:8 + n]), message[8 + n:]
     kind = status.get("status")
     suffix = f" [{context}]" if context else ""
-    if kind == "incomplete":
-        raise IncompleteCheckpointError(status["message"] + suffix) from local_error
+    if kind in ("uncommitted", "nothing"):
+        cls = UncommittedCheckpointError if kind == "uncommitted" else NothingCommittedError
+        raise cls(status["message"] + suffix, uri=status.get("uri", ""),
+                  incomplete=tuple(status.get("incomplete", ()))) from local_error
     if kind == "not_found":
         raise CheckpointNotFoundError(status["message"] + suffix) from local_error
+    if kind == "config":
+        raise ConfigError(status["message"] + suffix) from local_error
     if kind != "ok":
         raise DistributedError(f"restore: rank 0 could not decide which checkpoint to restore "
                                f"from {uri}{suffix}", {0: status.get("message", "?")}) \

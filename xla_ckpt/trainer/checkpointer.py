@@ -5,8 +5,13 @@ checkpointing (model, criterion, optimizer and the way to rebuild it,
 lr_scheduler, meters, ``cfg``/``args``, ``num_updates``, training time) and
 nothing else: no training loop, no data.  Restore order, as in fairseq:
 
-1. read the state (injectable ``restorer``; nothing committed -> ``None``
-   and the log line "no existing checkpoint");
+1. read the state (injectable ``restorer``; the default resolves ``uri`` —
+   checkpoint folder, run folder -> latest committed, pointer, legacy ``.pt`` —
+   with :mod:`xla_ckpt.io.resolve`).  Nothing ever committed at ``uri``
+   (:class:`~xla_ckpt.errors.NothingCommittedError`) -> ``None`` and the
+   WARNING "no existing checkpoint found at <uri>": training starts from
+   scratch.  Any other failure raises (a typo'd path whose parent folder is
+   missing too, a data file gone mid-read, a checkpoint replaced twice while read);
 2. model: strict load (:func:`~xla_ckpt.trainer.module_load.load_module_state`),
    criterion too when it has parameters;
 3. unless ``reset_optimizer`` (and when the checkpoint holds optimizer
@@ -26,7 +31,8 @@ Differences from fairseq, on purpose: errors are library errors naming keys
 and the flag to pass (fairseq raises a bare ``Exception``/``AssertionError``);
 TimeMeters are reset in every aggregator (fairseq's loop iterates the keys of
 the ``default`` aggregator and so resets none); a dtype policy guards casts;
-an incomplete checkpoint is treated as absent with a warning.
+an incomplete checkpoint (data files, no commit marker) is treated as
+absent with a warning naming it, as in every entry point (nothing was committed there).
 
 Where things are: this module holds the config and the constructor;
 :mod:`~xla_ckpt.trainer.training_surface` the live-training surface (optimizer

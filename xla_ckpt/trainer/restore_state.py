@@ -1,10 +1,21 @@
 """Restoring a :class:`~xla_ckpt.trainer.Checkpointer` (fairseq ``Trainer.load_checkpoint``).
 
 The restore order is in :mod:`xla_ckpt.trainer.checkpointer`:
-:meth:`RestoreState.load_checkpoint` reads through the injectable restorer
-(nothing committed -> ``None``), :meth:`RestoreState.load_state` applies what
-was read: model and criterion, optimizer and lr_scheduler
-(:meth:`RestoreState._restore_optimizer`), then ``extra_state``.
+:meth:`RestoreState.load_checkpoint` reads through the injectable restorer,
+:meth:`RestoreState.load_state` applies what was read: model and criterion,
+optimizer and lr_scheduler (:meth:`RestoreState._restore_optimizer`), then
+``extra_state``.
+
+Start fresh (fairseq: "No existing checkpoint found <path>", then train from
+scratch) happens on one answer only: the restorer raised
+:class:`~xla_ckpt.errors.NothingCommittedError`, which only the resolver
+(:mod:`xla_ckpt.io.resolve`) raises, when storage says nothing was ever
+committed at the URI.  It is logged at WARNING: ``rank R: no existing checkpoint
+found at <uri>``, or, when saves began there and none committed
+(:class:`~xla_ckpt.errors.UncommittedCheckpointError`), ``rank R: ignoring
+<why>; no existing checkpoint is used``.  Every other failure raises — a
+typo'd path whose parent folder is missing too, a data file gone mid-read, a
+checkpoint replaced during two reads in a row.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from xla_ckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, StateMismatchError
+from xla_ckpt.errors import NothingCommittedError, StateMismatchError, UncommittedCheckpointError
 from xla_ckpt.trainer import keys as K
 from xla_ckpt.trainer.lr_scheduler import is_fairseq_style
 from xla_ckpt.trainer.module_load import load_module_state
@@ -35,7 +46,10 @@ class RestoreState(TrainingSurface):
         Called by every rank with the same ``uri``.
 
         Args:
-            uri: checkpoint folder.
+            uri: checkpoint folder, run folder (its latest committed checkpoint),
+                ``<run>/checkpoint_last`` / ``<run>/checkpoint_best``, or a legacy
+                ``.pt`` file (what the restorer accepts; the default resolves it with
+                :func:`xla_ckpt.io.resolve.resolve`).
             reset_optimizer: keep a fresh optimizer (and lr_scheduler, and
                 ``num_updates`` of 0) instead of the saved one.
             reset_lr_scheduler: load the optimizer but keep a fresh lr_scheduler.
@@ -45,17 +59,24 @@ class RestoreState(TrainingSurface):
 
         Returns:
             ``extra_state`` (with this rank's private values merged over it),
-            or ``None`` when no committed checkpoint exists at ``uri``.
+            or ``None`` when nothing was ever committed at ``uri`` (logged at
+            WARNING; training starts from scratch).
 
         Raises:
+            CheckpointNotFoundError: ``uri`` is a local path whose parent folder is
+                missing too (check the path), or names a missing pointer.
+            CheckpointReplacedError: another writer replaced the checkpoint while it
+                was read, twice in a row.
             StateMismatchError: model/criterion keys, shapes or dtypes do not
                 fit (names them); criterion or optimizer class differs from
                 the checkpoint (names both, suggests ``reset_optimizer=True``).
             CheckpointCorruptError / IntegrityError: bad bytes (names the path).
         """
-        return self.load_state(self._restore(uri), where=uri, reset_optimizer=reset_optimizer,
-                               reset_lr_scheduler=reset_lr_scheduler,
-                               optimizer_overrides=optimizer_overrides, reset_meters=reset_meters)
+        restored = self._restore(uri)
+        return self._load_state(restored, where=uri, reset_optimizer=reset_optimizer,
+                                reset_lr_scheduler=reset_lr_scheduler,
+                                optimizer_overrides=optimizer_overrides,
+                                reset_meters=reset_meters, absent_logged=restored is None)
 
     def load_state(self, restored: Any, *, where: str = "", reset_optimizer: bool = False,
                    reset_lr_scheduler: bool = False,
@@ -69,6 +90,13 @@ class RestoreState(TrainingSurface):
         returns).  ``where`` names the checkpoint in messages.  Same flags,
         return value and errors as :meth:`load_checkpoint`.
         """
+        return self._load_state(restored, where=where, reset_optimizer=reset_optimizer,
+                                reset_lr_scheduler=reset_lr_scheduler,
+                                optimizer_overrides=optimizer_overrides, reset_meters=reset_meters)
+
+    def _load_state(self, restored: Any, *, where: str, reset_optimizer: bool,
+                    reset_lr_scheduler: bool, optimizer_overrides: Optional[Mapping[str, Any]],
+                    reset_meters: bool, absent_logged: bool = False) -> Optional[dict]:
         uri = where
         t0 = time.perf_counter()
         extra_state, self._optim_history, last_optim_state = None, [], None
@@ -102,7 +130,8 @@ class RestoreState(TrainingSurface):
                                     optimizer_overrides, reports)
 
         if extra_state is None:
-            logger.info("rank %d: no existing checkpoint found at %s", self.rank, uri)
+            if not absent_logged:
+                logger.info("rank %d: no existing checkpoint found at %s", self.rank, uri)
             return None
 
         itr_state = extra_state.get(K.TRAIN_ITERATOR)
@@ -126,13 +155,18 @@ class RestoreState(TrainingSurface):
         return extra_state
 
     def _restore(self, uri: str) -> Any:
+        """What the restorer read, or None (logged at WARNING) when nothing is committed."""
         try:
-            return self.restorer(uri)
-        except IncompleteCheckpointError as e:
+            restored = self.restorer(uri)
+        except UncommittedCheckpointError as e:
             logger.warning("rank %d: ignoring %s; no existing checkpoint is used", self.rank, e)
             return None
-        except CheckpointNotFoundError:
+        except NothingCommittedError:
+            logger.warning("rank %d: no existing checkpoint found at %s", self.rank, uri)
             return None
+        if restored is None:  # a restorer that says "nothing" by returning None
+            logger.warning("rank %d: no existing checkpoint found at %s", self.rank, uri)
+        return restored
 
     def _restore_optimizer(self, uri: str, last_optim_state: Any, reset_lr_scheduler: bool,
                            overrides: Optional[Mapping[str, Any]], reports: list) -> None:

@@ -5,17 +5,22 @@ The trainer never talks to storage itself.  It calls
 * a **restorer** ``restorer(uri) -> (state, rank_state | None)`` (or any
   object with ``.state`` and ``.rank_state``, such as the ``Restored`` that
   ``xla_ckpt.restore.restore`` returns), which raises
-  :class:`~xla_ckpt.errors.CheckpointNotFoundError` when nothing is committed
-  at ``uri``;
+  :class:`~xla_ckpt.errors.NothingCommittedError` when nothing is committed
+  at ``uri`` (what :func:`xla_ckpt.io.resolve.resolve` raises; the trainer
+  starts fresh on that class only: any other error, a plain
+  ``CheckpointNotFoundError`` included, propagates);
 * a **saver** ``saver(state, uri, *, metadata, rank_state) -> Any``.
 
 The defaults here serve a single process: :class:`SingleProcessRestorer`
+resolves ``uri`` with the one resolver (:mod:`xla_ckpt.io.resolve`: a
+checkpoint folder, a run folder's latest committed checkpoint, a pointer) and
 reads with :class:`xla_ckpt.io.CheckpointReader` (CPU tensors, crc32c
-checked), or, when ``uri`` names a legacy fairseq/``torch.save`` ``.pt``
-file, imports it through the allow-list of :mod:`xla_ckpt.io.legacy` (CASES
-C4); :class:`SingleProcessSaver` writes with :func:`xla_ckpt.io.save`,
-keeping ``rank_state`` in the item ``rank/<rank>``.  A multi-process job
-passes the strategies from ``xla_ckpt.restore`` instead, e.g.::
+checked), once more if the checkpoint was replaced while it was read, or,
+when ``uri`` names a legacy fairseq/``torch.save`` ``.pt`` file, imports it
+through the allow-list of :mod:`xla_ckpt.io.legacy` (CASES C4);
+:class:`SingleProcessSaver` writes with :func:`xla_ckpt.io.save`, keeping
+``rank_state`` in the item ``rank/<rank>``.  A multi-process job passes the
+strategies from ``xla_ckpt.restore`` instead, e.g.::
 
     restorer=lambda uri: restore(uri, dist=dist, strategy="broadcast")
 """
@@ -24,9 +29,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol
 
+from xla_ckpt.errors import ConfigError
 from xla_ckpt.format.manifest import STATE_ITEM, rank_item
-from xla_ckpt.io import CheckpointReader, save
-from xla_ckpt.io.legacy import is_legacy_file, load_legacy_checkpoint
+from xla_ckpt.io import save
+from xla_ckpt.io.resolve import LEGACY, Resolved, read_checkpoint, read_items
 from xla_ckpt.storage import StorageConfig
 
 
@@ -58,20 +64,25 @@ class SingleProcessRestorer:
         """Returns ``(state, rank_state or None)`` with CPU tensors.
 
         Raises:
-            CheckpointNotFoundError / IncompleteCheckpointError: nothing committed at ``uri``.
+            NothingCommittedError: nothing committed at ``uri`` (the trainer starts fresh);
+                :class:`UncommittedCheckpointError` when saves began there and none committed.
+            CheckpointNotFoundError: a typo'd path (its parent folder is missing too), a
+                missing pointer, a file that is not a checkpoint.
+            CheckpointReplacedError: replaced while read, twice.
             CheckpointCorruptError / IntegrityError: bad bytes (names path and tensor).
             UnsafePickleError: a legacy file names a class outside the allow-list.
+            ConfigError: a legacy file with ``legacy=False``.
         """
-        if self.legacy and is_legacy_file(uri, config=self.config):
-            return load_legacy_checkpoint(uri, config=self.config), None
-        reader = CheckpointReader.open(uri, self.config)
-        try:
-            state = reader.load(STATE_ITEM)
-            own = rank_item(self.rank)
-            rank_state = reader.load(own) if own in reader.manifest.items else None
-            return state, rank_state
-        finally:
-            reader.storage.close()
+        own = rank_item(self.rank)
+
+        def read(resolved: Resolved) -> tuple[Any, Any | None]:
+            if resolved.kind == LEGACY and not self.legacy:
+                raise ConfigError(f"{resolved.checkpoint} is a legacy .pt/safetensors file and "
+                                  "this restorer was built with legacy=False")
+            got = read_items(resolved, STATE_ITEM, optional=(own,), config=self.config)
+            return got[STATE_ITEM], got.get(own)
+
+        return read_checkpoint(uri, read, config=self.config)
 
 
 class SingleProcessSaver:

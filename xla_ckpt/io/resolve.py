@@ -1,0 +1,484 @@
+"""One way in: what a checkpoint URI names, how it is opened, and when nothing is committed.
+
+Every entry point resolves a URI here and nowhere else: :func:`xla_ckpt.load`
+(:func:`load` below), the trainer's
+:class:`~xla_ckpt.trainer.sources.SingleProcessRestorer`, ``restore()``'s
+:func:`~xla_ckpt.restore.decide.decide`, the CLI's
+:func:`~xla_ckpt.cli.common.resolve_checkpoint` and
+:class:`~xla_ckpt.manager.CheckpointManager`.
+
+Rules of :func:`resolve`, in this order:
+
+1. **A local path that does not exist, in a folder that does not exist either**
+   (``/data/rnu7/checkpoint_last``): :class:`CheckpointNotFoundError` saying to check
+   the path — a typo, never a fresh start.  (``missing_ok``: the manager's own
+   ``save_dir``, which it creates, may be absent on a first start.)
+2. **A single object** (a local file, a ``gs://`` object): a legacy
+   ``torch.save``/fairseq ``.pt`` or safetensors file gives ``kind="legacy"``, for
+   the legacy importer (:mod:`xla_ckpt.io.legacy`); any other file is a
+   :class:`CheckpointNotFoundError` naming it.
+3. **A folder holding** ``manifest.json`` (the commit marker): that checkpoint.
+4. **A folder holding data files** (``data-*``) **but no manifest**: a save began
+   there and never committed: :class:`UncommittedCheckpointError` (nothing committed).
+5. ``<run>/checkpoint_last`` **or** ``<run>/checkpoint_best`` with nothing stored
+   under that name: the pointer of the run folder ``<run>`` (the names the
+   manager's ``restore_file`` uses), as rule 6 with ``pointer``.
+6. **Anything else is a run folder**: with ``pointer="last"`` (the default) the
+   checkpoint the ``checkpoint_last`` pointer names, unless a newer one is
+   committed (the pointer lags after a crash between commit and pointer
+   update), else the newest committed one (by ``num_updates``, then time);
+   with ``pointer="best"`` the one ``checkpoint_best`` names, which must be
+   committed (else :class:`CheckpointNotFoundError`).
+
+**Nothing committed** — the one answer on which a trainer or the manager starts
+from scratch — is :class:`NothingCommittedError` (a :class:`CheckpointNotFoundError`),
+raised here only, and only when storage answered that nothing was ever committed
+at the URI: the path is absent (its parent folder exists) or the folder/prefix is
+empty or holds no checkpoint (rule 6 finding none), or saves began there and none
+committed (:class:`UncommittedCheckpointError`, rule 4 and rule 6 with only
+incomplete checkpoint folders; an explicitly named incomplete folder counts as
+nothing committed, with that warning, in every entry point).  Not nothing
+committed, so errors: a run folder whose only commit markers cannot be read
+(:class:`CheckpointCorruptError`), a ``checkpoint_last`` pointer naming a checkpoint
+that is gone while none is committed (something was committed and deleted), a
+missing bucket, a storage error, and anything that fails while the checkpoint is
+read.
+
+**Replaced while reading.**  :func:`read_checkpoint` resolves, then reads; when a
+read fails and the checkpoint it read is no longer the one resolved (its
+manifest is gone or has another ``save_id``; a legacy ``gs://`` object has
+another generation) it resolves again and reads once more; if that happens a
+second time it raises :class:`CheckpointReplacedError` ("<uri> was replaced while
+reading (save id A -> B); retry or pause the other writer").  ``restore()``
+applies the same rule collectively (:mod:`xla_ckpt.restore.api`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, NoReturn, TypeVar
+
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointReplacedError,
+    ConfigError,
+    NothingCommittedError,
+    UncommittedCheckpointError,
+)
+from xla_ckpt.format.manifest import MANIFEST_NAME, STATE_ITEM, Manifest
+from xla_ckpt.format.plan import MapLocation
+from xla_ckpt.io.catalog import (
+    CheckpointEntry,
+    choose_latest,
+    list_checkpoints,
+    pointer_name,
+    read_pointer,
+)
+from xla_ckpt.io.legacy import is_legacy_file, load_legacy_file, split_uri
+from xla_ckpt.io.reader import CheckpointReader
+from xla_ckpt.io.writer import DATA_PREFIX
+from xla_ckpt.storage import RangeRead, Storage, StorageConfig, open_storage
+from xla_ckpt.storage.local import LocalStorage
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+XLA_CKPT = "xla_ckpt"
+""":attr:`Resolved.kind` of an xla_ckpt checkpoint folder."""
+LEGACY = "legacy"
+""":attr:`Resolved.kind` of a legacy ``.pt``/safetensors file."""
+
+POINTER_FORMS = {"checkpoint_last": "last", "checkpoint_best": "best"}
+"""Last path segments that name a run folder's pointer (rule 5)."""
+
+_MANIFEST_ATTEMPTS = 3  # a manifest replaced between its stat and its read is read again
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a URI names.
+
+    Attributes:
+        uri: the URI resolved (as the storage normalised it).
+        checkpoint: URI of the checkpoint folder (or of the legacy file) to read.
+        kind: :data:`XLA_CKPT` or :data:`LEGACY`.
+        run: the run folder when the checkpoint was chosen in one (latest or pointer).
+        manifest: the checkpoint's manifest, read and validated (None for legacy files).
+        manifest_bytes: its bytes, as read (what ``decide`` sends to every rank).
+        generation: GCS generation of the manifest / legacy object (None locally).
+    """
+
+    uri: str
+    checkpoint: str
+    kind: str = XLA_CKPT
+    run: str | None = None
+    manifest: Manifest | None = None
+    manifest_bytes: bytes = b""
+    generation: int | None = None
+
+    @property
+    def name(self) -> str:
+        """Last segment of :attr:`checkpoint` (``checkpoint_1_500``)."""
+        return self.checkpoint.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def save_id(self) -> str | None:
+        return self.manifest.save_id if self.manifest is not None else None
+
+    @property
+    def version(self) -> tuple[str, str]:
+        """(what identifies this version, its value): ``("save id", id)`` or a generation."""
+        if self.kind == LEGACY:
+            return "generation", str(self.generation)
+        return "save id", str(self.save_id)
+
+
+# ---- resolve ----------------------------------------------------------------------------------
+
+def resolve(target: str | Storage, config: StorageConfig | None = None, *,
+            pointer: str | None = None, missing_ok: bool = False) -> Resolved:
+    """What ``target`` (a URI, or a storage rooted at it) names; the rules are in the module doc.
+
+    Args:
+        target: a URI (local path, ``file://``, ``gs://``) or an open storage rooted there
+            (kept open; the caller owns it).
+        config: storage knobs when ``target`` is a URI.
+        pointer: ``"last"`` or ``"best"``: ``target`` is a run folder; follow that pointer
+            (rule 6).  Default: rules 1-6.
+        missing_ok: an absent local path is nothing committed even if its parent folder is
+            absent too (the manager's own ``save_dir``).
+
+    Raises:
+        NothingCommittedError: nothing was ever committed there (the one start-fresh answer);
+            :class:`UncommittedCheckpointError` when saves began there and none committed.
+        CheckpointNotFoundError: not a fresh start: a typo'd path (parent folder absent), a
+            missing bucket, a file that is not a checkpoint, a missing or dangling pointer.
+        CheckpointCorruptError: a commit marker is there but cannot be read.
+        StorageError / StoragePermissionError / StorageURIError: from the storage.
+    """
+    if isinstance(target, Storage):
+        return _resolve(target, pointer=pointer, missing_ok=missing_ok)
+    with open_storage(target, config) as st:
+        return _resolve(st, pointer=pointer, missing_ok=missing_ok)
+
+
+def _resolve(st: Storage, *, pointer: str | None, missing_ok: bool) -> Resolved:
+    if pointer is not None:
+        if pointer not in POINTER_FORMS.values():
+            raise ValueError(f"pointer must be 'last' or 'best', not {pointer!r}")
+        if not missing_ok:
+            _check_path(st)
+        return _from_run(st, pointer, asked=st.uri)
+    if not missing_ok:
+        _check_path(st)
+    if isinstance(st, LocalStorage) and os.path.isfile(st.root):
+        return _single_object(st)
+    found = _read_manifest(st)
+    if found is not None:
+        return _checkpoint(st, *found, asked=st.uri, run=None)
+    names = _list(st)
+    if names == [""]:  # the root is one object (gs://)
+        return _single_object(st)
+    if any("/" not in n and n.startswith(DATA_PREFIX) for n in names):
+        raise UncommittedCheckpointError(
+            f"{st.uri}: checkpoint is incomplete (no {MANIFEST_NAME} commit marker); the save "
+            "that wrote it did not finish. Restore an earlier checkpoint.", uri=st.uri)
+    head, _, last = st.uri.rstrip("/").rpartition("/")
+    form = POINTER_FORMS.get(last)
+    if not names and form is not None and head and not head.endswith(":/"):
+        with open_storage(head, st.config) as run:
+            if _list(run):
+                return _from_run(run, form, asked=st.uri)
+    if not names:
+        raise NothingCommittedError(f"{st.uri}: no committed checkpoint here", uri=st.uri)
+    return _from_run(st, "last", asked=st.uri, names=names)
+
+
+def _check_path(st: Storage) -> None:
+    """Rule 1: a local path absent together with its parent folder is a typo, not a first start."""
+    if not isinstance(st, LocalStorage) or os.path.exists(st.root):
+        return
+    parent = os.path.dirname(st.root)
+    if parent and not os.path.isdir(parent):
+        raise CheckpointNotFoundError(
+            f"{st.root}: no such file or folder, and its parent folder {parent} does not exist "
+            "either; check the path (a checkpoint URI whose folder is missing is not read as "
+            "'no checkpoint yet')")
+
+
+def _list(st: Storage, prefix: str = "") -> list[str]:
+    try:
+        return st.list(prefix)
+    except CheckpointNotFoundError as e:  # gs://: the bucket itself is missing
+        raise CheckpointNotFoundError(f"{st.uri}: cannot be listed ({e}); check the path "
+                                      "(does the bucket exist?)") from e
+
+
+def _read_manifest(st: Storage) -> tuple[Manifest, bytes, int | None] | None:
+    """The validated manifest at the root of ``st``, its bytes and generation; None if absent."""
+    for attempt in range(_MANIFEST_ATTEMPTS):
+        try:
+            info = st.stat(MANIFEST_NAME)
+        except CheckpointNotFoundError:
+            return None
+        buf = bytearray(info.size)
+        try:
+            if info.size:
+                st.read_ranges([RangeRead(MANIFEST_NAME, 0, memoryview(buf), info.generation)])
+            manifest = Manifest.from_json_bytes(bytes(buf), where=st.url(MANIFEST_NAME),
+                                                require_crc=True)
+        except (CheckpointNotFoundError, CheckpointCorruptError):
+            # Replaced between the stat and the read (another generation, another size)?
+            if attempt + 1 < _MANIFEST_ATTEMPTS and _changed(st, MANIFEST_NAME, info.size,
+                                                             info.generation):
+                continue
+            raise
+        return manifest, bytes(buf), info.generation
+    return None  # pragma: no cover - the loop returns or raises
+
+
+def _changed(st: Storage, name: str, size: int, generation: int | None) -> bool:
+    try:
+        now = st.stat(name)
+    except CheckpointNotFoundError:
+        return True
+    return (now.size, now.generation) != (size, generation)
+
+
+def _checkpoint(st: Storage, manifest: Manifest, data: bytes, generation: int | None, *,
+                asked: str, run: str | None) -> Resolved:
+    return Resolved(uri=asked, checkpoint=st.uri, run=run, manifest=manifest,
+                    manifest_bytes=data, generation=generation)
+
+
+def _single_object(st: Storage) -> Resolved:
+    uri = st.uri
+    if is_legacy_file(uri, config=st.config):
+        folder, name = split_uri(uri)
+        with open_storage(folder, st.config) as parent:
+            try:
+                generation = parent.stat(name).generation
+            except CheckpointNotFoundError:
+                generation = None
+        return Resolved(uri=uri, checkpoint=uri, kind=LEGACY, generation=generation)
+    raise CheckpointNotFoundError(f"{uri} is a file, neither a checkpoint folder nor a legacy "
+                                  ".pt/safetensors file")
+
+
+def _from_run(run: Storage, which: str, *, asked: str, names: list[str] | None = None,
+              attempts: int = 2) -> Resolved:
+    """Rule 6 in the run folder ``run``."""
+    if which == "best":
+        name = read_pointer(run, "best")
+        where = run.url(pointer_name("best"))
+        if name is None:
+            raise CheckpointNotFoundError(f"{where}: no checkpoint_best pointer; restore "
+                                          "checkpoint_last or name a checkpoint folder")
+        with run.child(name) as child:
+            found = _read_manifest(child)
+            if found is None:
+                raise CheckpointNotFoundError(
+                    f"{where}: names {name!r}, which is not a committed checkpoint of {run.uri}")
+            return _checkpoint(child, *found, asked=asked, run=run.uri)
+    for _ in range(attempts):
+        entries = list_checkpoints(run)
+        chosen = choose_latest(run, entries)
+        if chosen is None:
+            _nothing_committed(run, entries, names if names is not None else _list(run))
+        for e in entries:
+            if e.error:
+                logger.warning("%s: skipping %s: its commit marker cannot be read (%s)",
+                               run.uri, e.name, e.error)
+        with run.child(chosen) as child:
+            found = _read_manifest(child)
+            if found is not None:
+                return _checkpoint(child, *found, asked=asked, run=run.uri)
+        # Deleted between the listing and the read (rotation): look again.
+        logger.info("%s: %s went away while the run folder was read; looking again", run.uri,
+                    chosen)
+        names = None
+    raise CheckpointNotFoundError(f"{run.uri}: the latest committed checkpoint was deleted "
+                                  f"while it was resolved, {attempts} times; is another job "
+                                  "rotating this run folder?")
+
+
+def _nothing_committed(run: Storage, entries: list[CheckpointEntry], names: list[str]) -> NoReturn:
+    """Rule 6 found no committed checkpoint: raise what that means."""
+    broken = [e for e in entries if e.error]
+    if broken:
+        e = broken[-1]
+        raise CheckpointCorruptError(
+            f"{run.uri}: no readable committed checkpoint: {e.name} has a commit marker that "
+            f"cannot be read ({e.error})")
+    dangling = read_pointer(run, "last")
+    if dangling is not None:
+        raise CheckpointNotFoundError(
+            f"{run.url(pointer_name('last'))} names {dangling!r}, but no checkpoint is committed "
+            f"in {run.uri}: it was committed and then deleted. Restore another checkpoint, or "
+            "remove the pointer to start from scratch")
+    incomplete = sorted({n.split("/", 1)[0] for n in names
+                         if n.count("/") == 1 and n.split("/", 1)[1].startswith(DATA_PREFIX)})
+    if incomplete:
+        raise UncommittedCheckpointError(
+            f"{run.uri}: no committed checkpoint here (skipped incomplete: "
+            f"{', '.join(incomplete[:5])})", uri=run.uri, incomplete=tuple(incomplete))
+    raise NothingCommittedError(f"{run.uri}: no committed checkpoint here", uri=run.uri)
+
+
+# ---- read, once more if replaced --------------------------------------------------------------
+
+def current_version(resolved: Resolved, config: StorageConfig | None = None) -> str:
+    """What is now at ``resolved.checkpoint``: its save id (or generation); ``"none"`` if gone."""
+    if resolved.kind == LEGACY:
+        folder, name = split_uri(resolved.checkpoint)
+        with open_storage(folder, config) as st:
+            try:
+                return str(st.stat(name).generation)
+            except CheckpointNotFoundError:
+                return "none"
+    with open_storage(resolved.checkpoint, config) as st:
+        found = _read_manifest(st)
+    return found[0].save_id if found is not None else "none"
+
+
+def _probe(resolved: Resolved, config: StorageConfig | None) -> str | None:
+    """:func:`current_version`, or None when even that fails (the read's error then stands)."""
+    try:
+        return current_version(resolved, config)
+    except Exception as probe:  # noqa: BLE001 - the read's own error is the one to raise
+        logger.debug("could not tell whether %s was replaced: %s", resolved.checkpoint, probe)
+        return None
+
+
+def replaced_error(resolved: Resolved, now: str,
+                   failures: dict[int, str] | None = None) -> CheckpointReplacedError:
+    """The error naming the race: ``<uri> was replaced while reading (save id A -> B)``."""
+    what, before = resolved.version
+    return CheckpointReplacedError(
+        f"{resolved.checkpoint} was replaced while reading ({what} {before} -> {now}); retry or "
+        "pause the other writer", failures, uri=resolved.checkpoint, before=before, after=now)
+
+
+def read_resolved(first: Resolved, read: Callable[[Resolved], T], *,
+                  again: Callable[[], Resolved], config: StorageConfig | None = None) -> T:
+    """``read(first)``; if the checkpoint was replaced while it was read, ``read(again())`` once.
+
+    A failure is a replacement when the checkpoint folder no longer holds the manifest
+    that was resolved (another ``save_id``, or none: :func:`current_version`).  Any
+    other failure is raised as it is.
+
+    Raises:
+        CheckpointReplacedError: replaced during both reads (or gone on the second look).
+    """
+    resolved = first
+    for attempt in range(2):
+        try:
+            return read(resolved)
+        except (CheckpointNotFoundError, CheckpointCorruptError) as e:
+            now = _probe(resolved, config)
+            if now is None or now == resolved.version[1]:
+                raise  # not replaced (or cannot tell): the read's own error
+            if attempt == 1:
+                raise replaced_error(resolved, now) from e
+            what, before = resolved.version
+            logger.warning("%s was replaced while reading (%s %s -> %s); resolving %s again and "
+                           "reading it once more", resolved.checkpoint, what, before, now,
+                           resolved.uri)
+            try:
+                resolved = again()
+            except NothingCommittedError as gone:
+                raise replaced_error(resolved, "none") from gone
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def read_checkpoint(uri: str, read: Callable[[Resolved], T], *,
+                    config: StorageConfig | None = None) -> T:
+    """:func:`resolve` ``uri``, then ``read(resolved)``, once more if replaced meanwhile.
+
+    The single-process read path of every entry point (:func:`load`, the trainer's
+    default restorer).  Raises what :func:`resolve`, ``read`` and :func:`read_resolved` raise.
+    """
+    return read_resolved(resolve(uri, config), read, again=lambda: resolve(uri, config),
+                         config=config)
+
+
+# ---- the opener -------------------------------------------------------------------------------
+
+def open_reader(resolved: Resolved, config: StorageConfig | None = None) -> CheckpointReader:
+    """A reader of the resolved xla_ckpt checkpoint (from the manifest already read).
+
+    The caller closes ``reader.storage``.
+
+    Raises:
+        ConfigError: ``resolved`` is a legacy file (read it with :func:`read_items`).
+    """
+    if resolved.kind != XLA_CKPT or resolved.manifest is None:
+        raise ConfigError(f"{resolved.checkpoint} is a legacy .pt/safetensors file, not an "
+                          "xla_ckpt checkpoint folder; convert it with `xla-ckpt convert "
+                          f"{resolved.checkpoint} DST`")
+    return CheckpointReader(open_storage(resolved.checkpoint, config), resolved.manifest)
+
+
+def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[str, ...] = (),
+               map_location: MapLocation = None,
+               config: StorageConfig | None = None) -> dict[str, Any]:
+    """Read ``item`` and those of the ``optional`` items there are: ``{item name: state}``.
+
+    An xla_ckpt checkpoint is read with :class:`CheckpointReader` (crc32c checked);
+    a legacy file is imported through the allow-list of :mod:`xla_ckpt.io.legacy`
+    (fairseq files upgraded to the current layout): it holds only the ``state``
+    item, and its tensors stay on CPU (``map_location`` must be None).
+
+    Raises:
+        CheckpointCorruptError: the checkpoint has no item ``item``.
+        ConfigError: ``map_location`` with a legacy file.
+    """
+    if resolved.kind == LEGACY:
+        if map_location is not None:
+            raise ConfigError(f"{resolved.checkpoint}: map_location is not supported for a "
+                              "legacy .pt/safetensors file; move the tensors after loading")
+        if item != STATE_ITEM:
+            raise CheckpointCorruptError(f"{resolved.checkpoint}: a legacy file holds only "
+                                         f"the {STATE_ITEM!r} item, not {item!r}")
+        return {STATE_ITEM: load_legacy_file(resolved.checkpoint, config=config).state}
+    reader = open_reader(resolved, config)
+    try:
+        out = {item: reader.load(item, map_location)}
+        for it in optional:
+            if it in reader.manifest.items:
+                out[it] = reader.load(it, map_location)
+        return out
+    finally:
+        reader.storage.close()
+
+
+def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
+         config: StorageConfig | None = None) -> Any:
+    """Load the state saved by :func:`xla_ckpt.save` from ``uri`` (``xla_ckpt.load``).
+
+    ``uri`` is a checkpoint folder, a run folder (its latest committed checkpoint), a
+    ``<run>/checkpoint_last`` / ``<run>/checkpoint_best`` pointer, or a legacy
+    ``.pt``/safetensors file (imported through the allow-list; CPU tensors).  Tensors
+    come back on CPU (``map_location=None``, as ``torch.load``) with the saved dtype,
+    shape, strides and aliasing; ``map_location`` may be a device, a ``{"cpu": device}``
+    dict or a callable ``key -> device``.  Pickle-free for xla_ckpt checkpoints.
+
+    Raises:
+        NothingCommittedError: nothing committed at ``uri`` (a ``CheckpointNotFoundError``,
+            hence a ``FileNotFoundError``); :class:`UncommittedCheckpointError` when saves
+            began there and none committed.
+        CheckpointNotFoundError: a typo'd path (its parent folder is missing too), a file
+            that is not a checkpoint.
+        CheckpointReplacedError: the checkpoint was replaced while it was read, twice.
+        CheckpointCorruptError: truncated or malformed files, a data file missing (names
+            the path, expected vs actual size), no item ``item``.
+        IntegrityError: crc32c mismatch after bounded re-reads (names object and tensor).
+    """
+    def read(resolved: Resolved) -> Any:
+        return read_items(resolved, item, map_location=map_location, config=config)[item]
+
+    return read_checkpoint(uri, read, config=config)
