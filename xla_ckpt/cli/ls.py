@@ -38,7 +38,7 @@ from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, list_checkpoints, read_pointer
 from xla_ckpt.io.prune import in_flight_uploads
 from xla_ckpt.io.retention import InFlightUpload, check_grace
-from xla_ckpt.storage import is_gcs_uri, open_storage
+from xla_ckpt.storage import open_storage, parse_uri
 
 
 def register(sub: Subparsers, parents: Parents) -> None:
@@ -71,10 +71,9 @@ def _step(entry: CheckpointEntry) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not is_gcs_uri(args.uri):
-        path = args.uri[len("file://"):] if args.uri.startswith("file://") else args.uri
-        if not os.path.isdir(os.path.expanduser(path)):
-            raise CheckpointNotFoundError(f"{path}: no such folder")
+    target = parse_uri(args.uri)  # refuses s3://, gs:/b/x, ... as every command does
+    if target.is_local and not os.path.isdir(os.path.expanduser(target.path)):
+        raise CheckpointNotFoundError(f"{target.path}: no such folder")
     grace_s = check_grace(args.grace)
     now = time.time()
     with open_storage(args.uri) as st:

@@ -357,27 +357,3 @@ def _first_bad_chunk(rec: BlobRecord, start: int, out: memoryview) -> tuple[int,
         if crc32c(out[off:off + c]) != rec.chunk_crc32c[idx]:
             return (start + off, start + off + len(out[off:off + c]))
     return None
-
-
-def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
-         config: StorageConfig | None = None) -> Any:
-    """Load the state saved by :func:`xla_ckpt.save` from ``uri``.
-
-    Tensors come back on CPU (``map_location=None``, as ``torch.load``) with
-    the saved dtype, shape, strides and aliasing; ``map_location`` may be a
-    device, a ``{"cpu": device}`` dict or a callable ``key -> device``.
-    Pickle-free: nothing in the checkpoint can run code.
-
-    Raises:
-        CheckpointNotFoundError / IncompleteCheckpointError: nothing committed at ``uri``.
-        DataFileMissingError: committed, but a data file is not there for this
-            process (another host's disk, a missing mount, deleted meanwhile).
-        CheckpointCorruptError: truncated or malformed files (names the path,
-            expected vs actual size).
-        IntegrityError: crc32c mismatch after bounded re-reads (names object and tensor).
-    """
-    storage = open_storage(uri, config)
-    try:
-        return CheckpointReader(storage).load(item, map_location)
-    finally:
-        storage.close()

@@ -30,6 +30,7 @@ from xla_ckpt.errors import (
     NothingCommittedError,
     StorageError,
     StoragePermissionError,
+    StorageURIError,
     UncommittedCheckpointError,
 )
 from xla_ckpt.io.catalog import pointer_name
@@ -37,11 +38,13 @@ from xla_ckpt.io.resolve import resolve
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.restore import Restored
 from xla_ckpt.restore import restore as restore_checkpoint
+from xla_ckpt.storage import parse_uri
 
 # Errors that reach every rank with their own type when rank 0 hits them resolving a restore.
 _SHARED_ERRORS = {c.__name__: c for c in (CheckpointNotFoundError, IncompleteCheckpointError,
                                           CheckpointCorruptError, StorageError,
-                                          StoragePermissionError, ConfigError)}
+                                          StoragePermissionError, StorageURIError,
+                                          ConfigError)}
 
 
 @dataclass
@@ -159,7 +162,8 @@ class RestorePath(ManagerBase):
                     raise
                 return None, str(e), True, best
             return r.checkpoint, r.name, True, best
-        if "://" in rf or rf.startswith(("/", "./", "../")):
+        target = parse_uri(rf)  # refuses s3://, gs:/b/x, gs//b/x before anything is read
+        if target.is_gcs or str(target).startswith(("/", "./", "../")):
             return rf, rf.rstrip("/").rsplit("/", 1)[-1], False, best
         return self.run.url(rf), rf, True, best
 
