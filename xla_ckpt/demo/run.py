@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from xla_ckpt.config import load_config
+from xla_ckpt.demo import corpus
 from xla_ckpt.errors import XlaCkptError
+from xla_ckpt.io.catalog import resolve_latest
+from xla_ckpt.storage import open_storage
 from xla_ckpt.storage.uri import parse_uri
 
 logger = logging.getLogger(__name__)
@@ -65,8 +70,6 @@ class DemoError(XlaCkptError, RuntimeError):
 
 
 def _free_port() -> int:
-    import socket  # noqa: PLC0415
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -194,8 +197,6 @@ def _losses(reports: list[dict]) -> dict[int, str]:
 
 def _plan(config: str, overrides: list[str]) -> tuple[Any, int, int]:
     """(config, total updates, update after which to preempt)."""
-    from xla_ckpt.config import load_config  # noqa: PLC0415
-    from xla_ckpt.demo import corpus  # noqa: PLC0415
 
     cfg = load_config(config, overrides)
     tc = cfg.train
@@ -228,7 +229,7 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
     with contextlib.ExitStack() as stack:
         env: dict[str, str] = {}
         if uri is None:
-            from xla_ckpt.testing.gcs_emulator import GCSEmulator  # noqa: PLC0415
+            from xla_ckpt.testing.gcs_emulator import GCSEmulator  # noqa: PLC0415 - only the gs:// default starts it
 
             emu = stack.enter_context(GCSEmulator(bucket="xla-ckpt-demo"))
             env.update(emu.env())
@@ -251,8 +252,6 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
         pre = run_phase("train", workers=n, config=config, overrides=base, env=env,
                         workdir=workdir, device=device, preempt_after_update=preempt)
         pre_losses = _losses(pre.reports)
-        from xla_ckpt.io.catalog import resolve_latest  # noqa: PLC0415
-        from xla_ckpt.storage import open_storage  # noqa: PLC0415
 
         with _env(env), open_storage(uri) as run_storage:
             checkpoint = resolve_latest(run_storage)

@@ -28,10 +28,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+import torch.distributed as tdist
+
+from xla_ckpt.comm import get_dist
+from xla_ckpt.comm.liveness import stop_heartbeats
+from xla_ckpt.config import load_config
+from xla_ckpt.demo import corpus
+from xla_ckpt.demo.model import ContrastiveLoss, build
+from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.trainer import Checkpointer
 
 if TYPE_CHECKING:
     from xla_ckpt.comm.base import Dist
-    from xla_ckpt.manager import CheckpointManager
 
 logger = logging.getLogger("xla_ckpt.demo.worker")
 
@@ -91,11 +99,10 @@ def _grad_average(params: list[torch.nn.Parameter], loss: torch.Tensor, world: i
     """Average gradients (and the loss) over ranks; returns the global mean loss."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     if on_tpu:  # pragma: no cover - needs a TPU
-        import torch_xla.core.xla_model as xm  # noqa: PLC0415
+        import torch_xla.core.xla_model as xm  # noqa: PLC0415 - torch_xla only on a TPU
 
         xm.all_reduce(xm.REDUCE_SUM, grads + [loss.detach()], scale=1.0 / world)
         return float(loss.item())
-    import torch.distributed as tdist  # noqa: PLC0415
 
     # gloo takes CPU tensors (XLA tensors under CPU emulation go through host); NCCL takes CUDA.
     host = params[0].device.type == "xla"
@@ -119,12 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    from xla_ckpt.comm import get_dist  # noqa: PLC0415
-    from xla_ckpt.config import load_config  # noqa: PLC0415
-    from xla_ckpt.demo import corpus  # noqa: PLC0415
-    from xla_ckpt.demo.model import ContrastiveLoss, build  # noqa: PLC0415
-    from xla_ckpt.manager import CheckpointManager  # noqa: PLC0415
-    from xla_ckpt.trainer import Checkpointer  # noqa: PLC0415
 
     cfg = load_config(args.config, args.overrides)
     tc = cfg.train
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu")
     on_tpu = False
     if args.device == "xla":
-        import torch_xla  # noqa: PLC0415
+        import torch_xla  # noqa: PLC0415 - only with --device xla
 
         device = torch_xla.device()
         on_tpu = os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt.lr_scheduler.step()
                 ckpt.set_num_updates(ckpt.get_num_updates() + 1)
                 if device.type == "xla":
-                    import torch_xla.core.xla_model as xm  # noqa: PLC0415
+                    import torch_xla.core.xla_model as xm  # noqa: PLC0415 - torch_xla only on a TPU
 
                     xm.mark_step()
                 u = ckpt.get_num_updates()
@@ -245,9 +246,7 @@ def _shut_down(dist: Dist) -> None:
     thread still inside a store call at interpreter exit aborts the process)
     and destroys the process group, so rank 0's store outlives every use.
     """
-    import torch.distributed as tdist  # noqa: PLC0415
 
-    from xla_ckpt.comm.liveness import stop_heartbeats  # noqa: PLC0415
 
     if dist.world_size > 1:
         dist.barrier()
@@ -269,7 +268,7 @@ def _restore(mgr: CheckpointManager, rank: int, device: str) -> "_Restore | None
         map_location = torch.device("cuda", torch.cuda.current_device())  # this rank's own GPU
     elif device == "xla" or os.environ.get("PJRT_DEVICE"):
         try:
-            import torch_xla  # noqa: PLC0415
+            import torch_xla  # noqa: PLC0415 - only with --device xla
 
             map_location = torch_xla.device()
         except ImportError:  # pragma: no cover - torch_xla is pinned with the demo

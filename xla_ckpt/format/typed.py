@@ -340,7 +340,7 @@ def _decode(node: Any, lookup: TensorLookup | None, depth: int) -> Any:
     if tag == "$odict":
         od = OrderedDict(_pairs(value, lookup, depth))
         if "meta" in node:
-            od._metadata = _decode(node["meta"], None, depth + 1)  # type: ignore[attr-defined]
+            od._metadata = _decode(node["meta"], None, depth + 1)  # type: ignore[attr-defined]  # torch's state-dict metadata attribute
         return od
     if tag == "$np":
         dtype = _np_dtype(value)
