@@ -4,6 +4,7 @@
 # Needs the virtualenv of scripts/setup.sh (the `lint` extra).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python scripts/check_coverage.py   # no folder is skipped by either checker
+.venv/bin/python scripts/check_coverage.py      # no folder is skipped by either checker
+.venv/bin/python scripts/check_suppressions.py  # every noqa / type: ignore says why
 .venv/bin/ruff check .
 .venv/bin/mypy
