@@ -167,3 +167,28 @@ def test_reports_carry_a_null_error(cli, root):
     assert doc["ok"] is True and doc["error"] is None and doc["problems"] == []
     assert doc["uri"] == f"{root}/checkpoint_1_100"
     assert (doc["files"], doc["tensors"]) == (1, 8)
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "verify"])
+def test_every_json_command_prints_one_failure_document(cli, tmp_path, command):
+    """The kind, not just verify: ls and inspect with --json keep their shape on failure too."""
+    uri = str(tmp_path / "nothing")
+    r = cli(command, "--json", uri)
+    doc = json.loads(r.out)
+    assert r.code == 2
+    assert doc["uri"] == uri and doc["ok"] is False
+    assert doc["error"]["type"] == "CheckpointNotFoundError"
+    assert r.err == f"xla-ckpt {command}: error: {doc['error']['message'].splitlines()[0]}\n"
+
+
+@pytest.mark.parametrize("argv", [("verify", "--json"), ("ls", "--json", "a", "b"),
+                                  ("verify", "--json", "x", "--no-such-flag")])
+def test_usage_errors_with_json_print_one_document(cli, argv):
+    r = cli(*argv)
+    doc = json.loads(r.out)
+    assert r.code == 2
+    assert doc["ok"] is False and doc["uri"] is None
+    assert doc["error"]["type"] == "UsageError"
+    given = " ".join(["--no-progress", *argv])  # the fixture's first argument
+    assert doc["error"]["message"] == f"bad arguments {given!r}; see `xla-ckpt --help`"
+    assert "usage: xla-ckpt" in r.err  # argparse's own explanation still goes to stderr

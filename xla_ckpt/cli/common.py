@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -166,6 +167,19 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(r[i]) for r in cols) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cols]
     return "\n".join(lines)
+
+
+def failure_document(uri: str | None, error: BaseException) -> dict[str, Any]:
+    """The ``--json`` document of a command that failed: ``{"uri", "ok": false, "error":
+    {"type", "message"}}`` (every command with ``--json`` prints exactly one JSON object)."""
+    message = "interrupted" if isinstance(error, KeyboardInterrupt) else str(error).strip()
+    return {"uri": uri, "ok": False,
+            "error": {"type": type(error).__name__, "message": message or type(error).__name__}}
+
+
+def print_json(doc: Any) -> None:
+    """One JSON document on stdout (decoded state values made plain with :func:`jsonable`)."""
+    print(json.dumps(jsonable(doc), indent=2), flush=True)
 
 
 def jsonable(value: Any) -> Any:

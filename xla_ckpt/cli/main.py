@@ -5,7 +5,10 @@ which adds its parser and sets ``func(args) -> exit code``; :data:`COMMANDS`
 lists them (add ``demo``/``bench`` there).  Errors print one line on stderr
 (``xla-ckpt <command>: error: <reason>``) and exit non-zero; ``--debug``
 adds the traceback and debug logs.  Exit codes are in
-:mod:`xla_ckpt.cli.common`.
+:mod:`xla_ckpt.cli.common`.  A command run with ``--json`` prints exactly one
+JSON object on stdout whatever happens, usage errors included: its report, or
+``{"uri", "ok": false, "error": {"type", "message"}}``
+(:func:`~xla_ckpt.cli.common.failure_document`), so ``| jq .ok`` never breaks.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ from typing import Iterator, Sequence
 
 from xla_ckpt import __version__
 from xla_ckpt.cli import convert, demo, gc, inspect, ls, rm, train, verify
-from xla_ckpt.cli.common import EXIT_USAGE, UsageError, exit_code_for, one_line
+from xla_ckpt.cli.common import (
+    EXIT_USAGE,
+    UsageError,
+    exit_code_for,
+    failure_document,
+    one_line,
+    print_json,
+)
 from xla_ckpt.errors import XlaCkptError
 
 COMMANDS = (ls, inspect, verify, convert, rm, gc, demo, train)
@@ -74,20 +84,33 @@ def _cli_logging(debug: bool) -> Iterator[None]:
         log.setLevel(old_level)
 
 
+def _json_requested(argv: Sequence[str]) -> bool:
+    return "--json" in argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns its exit code (the console script exits with it)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help/--version exit 0, usage errors exit 2
-        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+        code = int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+        if code != 0 and _json_requested(argv):  # argparse already said why on stderr
+            print_json(failure_document(None, UsageError(
+                f"bad arguments {' '.join(argv)!r}; see `xla-ckpt --help`")))
+        return code
     try:
         with _cli_logging(args.debug):
             return int(args.func(args) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if getattr(args, "json", False):
+            print_json(failure_document(_json_uri(args), e))
         print(f"xla-ckpt {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the CLI boundary: one line unless --debug
+        if getattr(args, "json", False):
+            print_json(failure_document(_json_uri(args), e))
         if args.debug:
             traceback.print_exc()
         code = exit_code_for(e)
@@ -97,6 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             reason = f"internal error ({type(e).__name__}: {one_line(e)}); rerun with --debug"
         print(f"xla-ckpt {args.command}: error: {reason}", file=sys.stderr)
         return code
+
+
+def _json_uri(args: argparse.Namespace) -> str | None:
+    """What a failure document names: the resolved checkpoint once a command has one."""
+    return getattr(args, "json_uri", None) or getattr(args, "uri", None)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,7 +22,6 @@ storage or URI error, interrupted).  The exit code is the same as without
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from xla_ckpt.cli.common import (
@@ -32,8 +31,8 @@ from xla_ckpt.cli.common import (
     Subparsers,
     Target,
     human_bytes,
-    jsonable,
     plain,
+    print_json,
     progress_bar,
     resolve_checkpoint,
 )
@@ -51,18 +50,13 @@ def register(sub: Subparsers, parents: Parents) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    uri = args.uri  # what the failure document names until a checkpoint is resolved
-    try:
-        target = resolve_checkpoint(args.uri)
-        uri = target.uri
-        report = _verify(target, progress=not args.no_progress)
-    except (Exception, KeyboardInterrupt) as e:
-        # Re-raised: main() prints the one-line reason on stderr and picks the exit code.
-        if args.json:
-            _print_json(failure_document(uri, e))
-        raise
+    # A failure propagates: main() prints the failure document (with --json), the one-line
+    # reason on stderr, and picks the exit code.
+    target = resolve_checkpoint(args.uri)
+    args.json_uri = target.uri  # the failure document names the resolved checkpoint from here
+    report = _verify(target, progress=not args.no_progress)
     if args.json:
-        _print_json(report_document(target.uri, report))
+        print_json(report_document(target.uri, report))
         return EXIT_OK if report.ok else EXIT_FAILED
     rate = report.bytes_read / max(report.seconds, 1e-9) / 2**20
     if report.ok:
@@ -108,12 +102,3 @@ def report_document(uri: str, report: VerifyReport) -> dict[str, Any]:
                       "detail": p.detail} for p in report.problems]}
 
 
-def failure_document(uri: str, error: BaseException) -> dict[str, Any]:
-    """The ``--json`` document of a verification that could not run: the error's type and text."""
-    message = "interrupted" if isinstance(error, KeyboardInterrupt) else str(error).strip()
-    return {"uri": uri, "ok": False,
-            "error": {"type": type(error).__name__, "message": message or type(error).__name__}}
-
-
-def _print_json(doc: dict[str, Any]) -> None:
-    print(json.dumps(jsonable(doc), indent=2), flush=True)
