@@ -67,6 +67,28 @@ class StoragePermissionError(StorageError, PermissionError):
     """The backend refused access (HTTP 401/403, EACCES); never retried."""
 
 
+class PreconditionFailedError(StorageError):
+    """A conditional write or delete found another generation of the object than it was given.
+
+    Raised by ``Storage.write_atomic`` / ``Storage.delete`` called with ``if_generation_match``:
+    ``0`` (create only) and the object exists, or ``N > 0`` and the live object is not
+    generation ``N`` (another one, or none).  Nothing was written or deleted; never retried
+    (GCS answers HTTP 412).  The message names the URI and both generations.
+
+    Attributes:
+        name: the object's name (relative to the storage root).
+        expected_generation: the ``if_generation_match`` given (0: the object must not exist).
+        actual_generation: the live object's generation when checked; None if absent or unknown.
+    """
+
+    def __init__(self, message: str, *, name: str = "", expected_generation: int = 0,
+                 actual_generation: int | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.expected_generation = expected_generation
+        self.actual_generation = actual_generation
+
+
 class StateMismatchError(XlaCkptError, RuntimeError):
     """The checkpoint does not fit the live model/optimizer/criterion.
 
@@ -139,6 +161,37 @@ class CheckpointSaveError(DistributedError):
     each failing rank to its cause.  The previous committed checkpoint and
     the pointers are untouched.
     """
+
+
+class FencedError(CheckpointSaveError):
+    """A newer incarnation of the job took the run folder's lease: this one stops saving.
+
+    Raised on every rank by :class:`xla_ckpt.manager.CheckpointManager` when its lease
+    epoch is older than the run folder's (``<run>/lease.json``, see
+    :mod:`xla_ckpt.io.fencing`): before the commit marker, the pointers or rotation, and
+    at once (writing nothing) by every later save of that manager.  The message names the
+    run folder and both incarnations (epoch and owner).  A :class:`CheckpointSaveError`,
+    so code that stops on a failed save stops here too.
+
+    Attributes:
+        own_epoch: this incarnation's lease epoch.
+        current_epoch: the newer epoch found in the run folder.
+        run: the run folder's URI.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None, *,
+                 own_epoch: int = 0, current_epoch: int = 0, run: str = "") -> None:
+        super().__init__(message, failures)
+        self.own_epoch = own_epoch
+        self.current_epoch = current_epoch
+        self.run = run
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only attributes survive pickling
+        return (_fenced_error, (str(self), self.own_epoch, self.current_epoch, self.run))
+
+
+def _fenced_error(message: str, own_epoch: int, current_epoch: int, run: str) -> FencedError:
+    return FencedError(message, own_epoch=own_epoch, current_epoch=current_epoch, run=run)
 
 
 class DataFileMissingError(CheckpointCorruptError):

@@ -107,11 +107,11 @@ def test_pointer_moved_after_planning_is_still_honoured(tmp_path):
 
         moved = False
 
-        def delete(self, name):
+        def delete(self, name, **kw):
             if not MovesPointer.moved:
                 MovesPointer.moved = True
                 write_pointer(LocalStorage(root), "last", "checkpoint_2_200")
-            super().delete(name)
+            super().delete(name, **kw)
 
     from xla_ckpt.io.prune import remove_checkpoints
 
@@ -128,9 +128,9 @@ def test_delete_removes_the_commit_marker_first(tmp_path):
     order = []
 
     class Recording(LocalStorage):
-        def delete(self, name):
+        def delete(self, name, **kw):
             order.append(name)
-            super().delete(name)
+            super().delete(name, **kw)
 
     with Recording(root) as run:
         n = delete_checkpoint(run, "checkpoint_1_100")

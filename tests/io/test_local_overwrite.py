@@ -24,10 +24,10 @@ class FailingWrites(LocalStorage):
         super().__init__(uri)
         self.fail_on = fail_on
 
-    def write_atomic(self, name, buffers):
+    def write_atomic(self, name, buffers, **kw):
         if name == self.fail_on or (self.fail_on == "data" and name.endswith(".safetensors")):
             raise StorageError(f"{self.url(name)}: write failed: injected")
-        return super().write_atomic(name, buffers)
+        return super().write_atomic(name, buffers, **kw)
 
 
 def files(folder: str) -> set[str]:

@@ -17,7 +17,7 @@ import pytest
 
 from xla_ckpt.errors import StorageError
 from xla_ckpt.storage import StorageConfig
-from xla_ckpt.storage.gcs import TMP_MARK, writes
+from xla_ckpt.storage.gcs import TMP_MARK, in_flight, writes
 from xla_ckpt.testing.fault_proxy import FaultProxy
 from xla_ckpt.testing.fault_proxy.shaping import Shaping
 
@@ -81,9 +81,9 @@ def test_interrupt_at_the_set_up_point_leaves_no_parts(gcs_emulator, stem, monke
             def uploads(self):
                 raise KeyboardInterrupt
 
-            monkeypatch.setattr(writes._GCSWrites, "_uploads", uploads)
+            monkeypatch.setattr(in_flight._GCSInFlight, "_uploads", uploads)
         else:
-            submit = writes._DaemonPool.submit
+            submit = in_flight._DaemonPool.submit
             calls = []
 
             def third_raises(self, fn, *args):
@@ -92,7 +92,7 @@ def test_interrupt_at_the_set_up_point_leaves_no_parts(gcs_emulator, stem, monke
                     raise KeyboardInterrupt  # two parts are on their way up already
                 return submit(self, fn, *args)
 
-            monkeypatch.setattr(writes._DaemonPool, "submit", third_raises)
+            monkeypatch.setattr(in_flight._DaemonPool, "submit", third_raises)
         with pytest.raises(KeyboardInterrupt):
             st.write_atomic("obj", [new])
         monkeypatch.undo()
@@ -107,7 +107,7 @@ def _interrupt_after_parts(monkeypatch, k, also_during_cleanup=False):
     """SIGINT the main thread once ``k`` parts were uploaded; optionally again from the cleanup.
     Returns a dict receiving the time of the first signal."""
     upload_part = writes._GCSWrites._upload_part
-    delete_one = writes._GCSWrites._delete_one_quietly
+    delete_one = in_flight._GCSInFlight._delete_one_quietly
     done: list[str] = []
     lock = threading.Lock()
     marks: dict[str, float] = {}
@@ -131,7 +131,7 @@ def _interrupt_after_parts(monkeypatch, k, also_during_cleanup=False):
         return delete_one(self, full)
 
     monkeypatch.setattr(writes._GCSWrites, "_upload_part", counting)
-    monkeypatch.setattr(writes._GCSWrites, "_delete_one_quietly", deleting)
+    monkeypatch.setattr(in_flight._GCSInFlight, "_delete_one_quietly", deleting)
     return marks
 
 

@@ -17,6 +17,14 @@ and addresses objects by *names* relative to that root, ``/``-separated
 ``delete(name)``       remove; a missing object is not an error
 =====================  ======================================================
 
+**Preconditions.**  ``write_atomic`` and ``delete`` take ``if_generation_match``
+(GCS's ``ifGenerationMatch``): ``None`` -- unconditional; ``0`` -- only if no
+object of that name exists (create only); ``N > 0`` -- only if the live object
+is generation ``N`` (compare-and-swap on :attr:`ObjectInfo.generation`).  When
+it does not hold nothing is written or deleted and
+:class:`~xla_ckpt.errors.PreconditionFailedError` is raised; a delete of an
+absent object stays a no-op whatever the precondition.
+
 Everything else (:meth:`Storage.read_ranges` in parallel slices,
 :meth:`Storage.read_bytes`, :meth:`Storage.child`) is built on them here, so a
 new backend gets parallel byte-range reads for free.  ``tests/storage/`` holds
@@ -32,7 +40,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from xla_ckpt.errors import CheckpointNotFoundError, ConfigError
+from xla_ckpt.errors import CheckpointNotFoundError, ConfigError, PreconditionFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +54,10 @@ class ObjectInfo:
     Attributes:
         name: object name relative to the storage root.
         size: object size in bytes.
-        generation: GCS object generation (pinned across the slices of one
-            read); ``None`` for local files.
+        generation: the object's version: a GCS object generation (pinned
+            across the slices of one read), a local file's modification time in
+            ns (see :mod:`xla_ckpt.storage.local`); every replace by
+            ``write_atomic`` gives a new one.  What ``if_generation_match`` compares.
     """
 
     name: str
@@ -136,6 +146,31 @@ def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
 
 
+def check_generation_match(value: int | None) -> int | None:
+    """``if_generation_match`` as given, after checking it is None or an int >= 0."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"if_generation_match must be None or an integer >= 0, got {value!r}")
+    return value
+
+
+def precondition_failed(uri: str, name: str, op: str, expected: int,
+                        actual: int | None, *, known: bool = True) -> PreconditionFailedError:
+    """The error of a ``write_atomic``/``delete`` (``op``: "written"/"deleted") of ``name`` at
+    ``uri`` whose ``if_generation_match=expected`` did not hold; ``actual``: the live
+    generation (None: no live object, or unknown when not ``known``)."""
+    if not known:
+        found = "its live generation could not be read"
+    elif actual is None:
+        found = "there is no live object"
+    else:
+        found = f"the live object has generation {actual}"
+    wanted = "0 (create only: no object may exist)" if expected == 0 else \
+        f"{expected} (only generation {expected})"
+    return PreconditionFailedError(
+        f"{uri}: not {op}: precondition if_generation_match={wanted} does not hold: {found}",
+        name=name, expected_generation=expected, actual_generation=actual)
+
+
 class Storage(abc.ABC):
     """A byte store rooted at :attr:`uri`.  Thread-safe; share one per process.
 
@@ -167,11 +202,22 @@ class Storage(abc.ABC):
         """
 
     @abc.abstractmethod
-    def write_atomic(self, name: str, buffers: Sequence[memoryview | bytes]) -> ObjectInfo:
+    def write_atomic(self, name: str, buffers: Sequence[memoryview | bytes], *,
+                     if_generation_match: int | None = None) -> ObjectInfo:
         """Write the concatenation of ``buffers`` as ``name``, all or nothing.
 
         An existing object of that name is replaced atomically; on failure it
         is left as it was and no partial object is visible.
+
+        Args:
+            if_generation_match: ``None`` replaces whatever is there; ``0`` creates
+                only (fails if ``name`` exists); ``N > 0`` replaces only generation ``N``.
+
+        Returns:
+            The new object's size and generation.
+
+        Raises:
+            PreconditionFailedError: ``if_generation_match`` did not hold; nothing written.
         """
 
     lists_in_flight: bool = False
@@ -194,8 +240,12 @@ class Storage(abc.ABC):
         """
 
     @abc.abstractmethod
-    def delete(self, name: str) -> None:
-        """Delete ``name``; a missing object is not an error."""
+    def delete(self, name: str, *, if_generation_match: int | None = None) -> None:
+        """Delete ``name``; a missing object is not an error.
+
+        With ``if_generation_match`` (see :meth:`write_atomic`) only that generation is
+        deleted; another one raises PreconditionFailedError and is kept.
+        """
 
     # ---- built on the primitives -----------------------------------------------
     def child(self, prefix: str) -> "Storage":

@@ -17,12 +17,18 @@ One module per concern (a constant is read where it is defined, so patch it ther
 * :mod:`~xla_ckpt.storage.gcs.transport`: HTTP plumbing -- connection and
   session, one request, retries (408/429/5xx and connection errors) and the
   mapping of HTTP answers to library errors, header and crc32c helpers.
-* :mod:`~xla_ckpt.storage.gcs.reads`: **reads** -- stat, ranged reads pinned to
-  a generation straight into the caller's buffer, resumed after a broken body,
-  whole-object reads checked against the object's crc32c.
+* :mod:`~xla_ckpt.storage.gcs.reads`: **ranged reads** -- stat, ranged reads
+  pinned to a generation straight into the caller's buffer, resumed after a
+  broken body or a short answer.
+* :mod:`~xla_ckpt.storage.gcs.whole_reads`: **whole-object reads** --
+  ``read_bytes``: one request for a small object, checked against its crc32c
+  or size, else ranged reads checked against the crc32c of a stat.
 * :mod:`~xla_ckpt.storage.gcs.writes`: **writes** -- ``write_atomic``: one
   multipart upload carrying the crc32c, or parts uploaded in parallel and
-  composed into the final name in one atomic step; cleanup of the parts.
+  composed into the final name in one atomic step.
+* :mod:`~xla_ckpt.storage.gcs.in_flight`: **in-flight objects** -- their
+  names, listing them, abandoning interrupted writes and deleting their parts,
+  the daemon upload threads.
 * :mod:`~xla_ckpt.storage.gcs.backend`: :class:`GCSStorage`, which composes
   them, with listing, deleting and child storages.
 """
@@ -30,6 +36,7 @@ One module per concern (a constant is read where it is defined, so patch it ther
 from __future__ import annotations
 
 from xla_ckpt.storage.gcs.backend import DEFAULT_CONFIG, GCSStorage, parse_gcs_uri
+from xla_ckpt.storage.gcs.in_flight import TMP_MARK
 from xla_ckpt.storage.gcs.reads import WHOLE_OBJECT_CRC_READS
 from xla_ckpt.storage.gcs.transport import (
     CONNECT_TIMEOUT_S,
@@ -38,7 +45,7 @@ from xla_ckpt.storage.gcs.transport import (
     crc32c_b64,
     crc32c_from_b64,
 )
-from xla_ckpt.storage.gcs.writes import MAX_COMPOSE_SOURCES, MULTIPART_MAX_BYTES, TMP_MARK
+from xla_ckpt.storage.gcs.writes import MAX_COMPOSE_SOURCES, MULTIPART_MAX_BYTES
 
 __all__ = [
     "CONNECT_TIMEOUT_S",

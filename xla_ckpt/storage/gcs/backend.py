@@ -5,11 +5,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from xla_ckpt.errors import CheckpointNotFoundError, StorageURIError
-from xla_ckpt.storage.base import MiB, StorageConfig, join
-from xla_ckpt.storage.gcs.reads import _GCSReads
-from xla_ckpt.storage.gcs.transport import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, _Connection
-from xla_ckpt.storage.gcs.writes import TMP_MARK, _GCSWrites
+from xla_ckpt.errors import CheckpointNotFoundError, StorageError, StorageURIError
+from xla_ckpt.storage.base import (
+    MiB,
+    StorageConfig,
+    check_generation_match,
+    join,
+    precondition_failed,
+)
+from xla_ckpt.storage.gcs.in_flight import TMP_MARK
+from xla_ckpt.storage.gcs.transport import (
+    CONNECT_TIMEOUT_S,
+    READ_TIMEOUT_S,
+    _Connection,
+    _PreconditionNotMet,
+)
+from xla_ckpt.storage.gcs.whole_reads import _GCSWholeReads
+from xla_ckpt.storage.gcs.writes import _GCSWrites
 from xla_ckpt.storage.uri import parse_uri
 
 DEFAULT_CONFIG = StorageConfig(max_workers=32, slice_size_bytes=8 * MiB)
@@ -31,7 +43,7 @@ def parse_gcs_uri(uri: str) -> tuple[str, str]:
     return parsed.bucket, parsed.path
 
 
-class GCSStorage(_GCSReads, _GCSWrites):
+class GCSStorage(_GCSWholeReads, _GCSWrites):
     """Storage rooted at ``gs://bucket/prefix``.  See :mod:`xla_ckpt.storage.gcs`.
 
     Args:
@@ -98,14 +110,33 @@ class GCSStorage(_GCSReads, _GCSWrites):
             return [p]
         return sorted(out)
 
-    def delete(self, name: str) -> None:
-        """Delete ``name``; a missing object is not an error."""
+    def delete(self, name: str, *, if_generation_match: int | None = None) -> None:
+        """Delete ``name``; a missing object is not an error.
+
+        ``if_generation_match`` (see :meth:`Storage.write_atomic`) is sent as
+        ``ifGenerationMatch``: only that generation is deleted.
+
+        Raises:
+            PreconditionFailedError: HTTP 412, the live object is another generation; kept.
+        """
+        expected = check_generation_match(if_generation_match)
         full = self._full(name)
         try:
             self._api(f"delete {self._gs(full)}",
-                      lambda: self._bucket.delete_blob(full, retry=None, timeout=self._timeout))
+                      lambda: self._bucket.delete_blob(full, if_generation_match=expected,
+                                                       retry=None, timeout=self._timeout))
         except CheckpointNotFoundError:
             return
+        except _PreconditionNotMet:
+            if expected is None:  # no precondition was sent: nothing to judge
+                raise
+            try:
+                live, known = self._live(full), True
+            except StorageError:
+                live, known = None, False
+            raise precondition_failed(self._gs(full), name.strip("/"), "deleted", expected,
+                                      live[1] if live is not None else None,
+                                      known=known) from None
 
     def close(self) -> None:
         super().close()

@@ -15,8 +15,10 @@ Retries (:mod:`xla_ckpt.storage.retry`): 408/429/5xx, connection errors and
 short answers (:mod:`.reads`) with capped exponential backoff, full jitter,
 ``Retry-After`` and a deadline;
 401/403 -> :class:`StoragePermissionError`, 404 ->
-:class:`CheckpointNotFoundError`, other 4xx -> :class:`StorageError`, never
-retried.
+:class:`CheckpointNotFoundError`, 412 (an ``ifGenerationMatch`` that did not
+hold) -> :class:`_PreconditionNotMet`, which says whether an earlier attempt of
+the same request failed (and so may have been applied: :mod:`.writes` then looks
+at the live object), other 4xx -> :class:`StorageError`, never retried.
 """
 
 from __future__ import annotations
@@ -114,6 +116,19 @@ class _Transient(TransientFault):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.progress = progress
+
+
+class _PreconditionNotMet(StorageError):
+    """HTTP 412: the request's ``ifGenerationMatch`` did not hold; never retried.
+
+    ``retried``: an earlier attempt of the same request failed (a timeout, a reset, a
+    5xx), so it may have been applied and this 412 be its own doing.  The callers
+    turn it into :class:`~xla_ckpt.errors.PreconditionFailedError`.
+    """
+
+    def __init__(self, message: str, *, retried: bool = False) -> None:
+        super().__init__(message)
+        self.retried = retried
 
 
 class _Connection:
@@ -239,6 +254,9 @@ class _GCSBase(Storage):
                     resp.close()
             except _Transient as e:
                 backoff.failed(e, retry_after_s=e.retry_after_s)
+            except _PreconditionNotMet as e:
+                e.retried = backoff.failures > 0
+                raise
             except XlaCkptError:
                 raise
             except _TRANSIENT_OR_CUT_JSON as e:
@@ -262,6 +280,8 @@ class _GCSBase(Storage):
         if status == 404:
             gen = f" generation {generation}" if generation is not None else ""
             return CheckpointNotFoundError(f"{what}: object{gen} not found (HTTP 404)")
+        if status == 412:
+            return _PreconditionNotMet(f"{what}: precondition failed (HTTP 412): {detail}")
         return StorageError(f"{what}: HTTP {status}: {detail} (not retried)")
 
     def _api(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -281,6 +301,9 @@ class _GCSBase(Storage):
                 continue
             except auth_exc.GoogleAuthError as e:
                 raise _credentials_error(what, e) from None
+            except gexc.PreconditionFailed as e:
+                raise _PreconditionNotMet(f"{what}: precondition failed (HTTP 412): {e.message}",
+                                          retried=backoff.failures > 0) from None
             except (gexc.Unauthorized, gexc.Forbidden) as e:
                 raise StoragePermissionError(
                     f"{what}: access denied (HTTP {e.code}): {e.message}. Check the credentials "

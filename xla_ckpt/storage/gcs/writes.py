@@ -1,4 +1,4 @@
-"""Writes of the GCS backend: multipart and composite uploads, compose, cleanup of parts.
+"""Writes of the GCS backend: multipart and composite uploads, compose.
 
 :meth:`_GCSWrites.write_atomic`: up to :data:`MULTIPART_MAX_BYTES` in one
 multipart upload carrying the crc32c (the service refuses mismatching bytes,
@@ -7,75 +7,49 @@ uploaded in parallel under in-flight names (``<name>.tmp-<id>-part-<n>``),
 each checked against its crc32c, then composed (at most 32 sources per
 compose, in a tree above that) into the final name in one atomic step, then
 the parts are deleted.  A failed write deletes its parts and leaves the
-previous object as it was.
-
-Interrupted writes (Ctrl-C, a closed storage, the interpreter exiting):
-
-* everything from naming the parts to the last compose runs inside the
-  cleanup, so an interrupt at any point (even while the upload threads start)
-  stops submitting parts, cancels those not started, stops the bodies being
-  sent, and deletes the parts already written;
-* after a ``KeyboardInterrupt`` (a first or a second one) that deletion is
-  bounded by :data:`CLEANUP_ON_INTERRUPT_S`, then the interrupt is raised
-  again: the upload threads are daemon threads, so part uploads still in
-  flight never keep the process alive; one that lands afterwards deletes
-  itself while the process lives;
-* :meth:`_GCSWrites.close` abandons the writes still running on that storage
-  (the manager closes the storage of a save it abandons), and at interpreter
-  exit every write still running is abandoned the same way;
-* what is still left (the process was killed) keeps its in-flight name:
-  :meth:`_GCSWrites.list_in_flight` reports it, ``xla-ckpt ls`` shows it and
-  ``xla-ckpt gc --in-flight`` deletes it once it is older than the grace period.
+previous object as it was.  What happens to the parts of a write that does not
+finish (interrupted, abandoned, killed) is :mod:`.in_flight`'s.
 """
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures as cf
-import contextlib
-import datetime as _dt
 import json
 import logging
-import queue
-import re
-import signal
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
-from xla_ckpt.errors import CheckpointNotFoundError, StorageError
+from xla_ckpt.errors import CheckpointNotFoundError, PreconditionFailedError, StorageError
 from xla_ckpt.format.crc import crc32c, crc32c_combine
-from xla_ckpt.storage.base import InFlightObject, MiB, ObjectInfo, join
+from xla_ckpt.storage.base import MiB, ObjectInfo, check_generation_match, precondition_failed
+from xla_ckpt.storage.gcs.in_flight import (
+    _ACTIVE,
+    _ACTIVE_LOCK,
+    CLEANUP_ON_INTERRUPT_S,
+    TMP_MARK,
+    _Abandoned,
+    _further_interrupts_deferred,
+    _GCSInFlight,
+    _Upload,
+)
+from xla_ckpt.storage.gcs.reads import _GCSReads
 from xla_ckpt.storage.gcs.transport import (
     _bytes_view,
-    _GCSBase,
     _int_header,
+    _PreconditionNotMet,
     crc32c_b64,
     crc32c_from_b64,
 )
 
 logger = logging.getLogger(__name__)
 
-TMP_MARK = ".tmp-"
-"""In-flight objects (upload parts) carry this in their name; :meth:`GCSStorage.list` hides them."""
-
-IN_FLIGHT_NAME = re.compile(
-    r"(?P<target>.+)\.tmp-(?P<upload_id>[0-9a-f]{12})-(?:part-\d{5,}|compose-\d+-\d{5,})")
-"""The full name of an in-flight object this backend writes: ``<target>.tmp-<id>-part-<n>``
-(an uploaded part) or ``<target>.tmp-<id>-compose-<level>-<n>`` (an intermediate compose)."""
-
 MULTIPART_MAX_BYTES = 8 * MiB
 """Objects up to this size go up in one multipart request that carries their crc32c."""
 
 MAX_COMPOSE_SOURCES = 32
 """GCS composes at most 32 source objects per request."""
-
-CLEANUP_ON_INTERRUPT_S = 0.5
-"""After a ``KeyboardInterrupt`` (or at interpreter exit), how long a composite write waits for
-the deletion of its parts before it raises again; what is not deleted by then is listed by
-``xla-ckpt ls`` and collected by ``xla-ckpt gc``."""
 
 SEND_BLOCK_BYTES = 1 * MiB
 """A part's body is handed to the HTTP stack in blocks of at most this many bytes; between
@@ -87,10 +61,6 @@ class _Part:
     name: str
     pieces: tuple[memoryview, ...]
     size: int
-
-
-class _Abandoned(Exception):
-    """A part upload stopped because its write was abandoned (interrupted, storage closed)."""
 
 
 class _BodyReader:
@@ -144,157 +114,11 @@ def _split(pieces: Sequence[memoryview], part_size: int) -> Iterable[tuple[list[
         yield cur, n
 
 
-class _DaemonPool:
-    """A small thread pool (``submit`` -> :class:`concurrent.futures.Future`) of daemon threads.
+class _GCSWrites(_GCSInFlight, _GCSReads):
+    """The write half of :class:`~xla_ckpt.storage.gcs.GCSStorage` (it stats what it wrote)."""
 
-    ``concurrent.futures.ThreadPoolExecutor`` threads are joined when the
-    interpreter exits, so an interrupted save would wait for every part upload
-    in flight; these never keep the process alive.
-    """
-
-    def __init__(self, max_workers: int, name: str) -> None:
-        self._max = max_workers
-        self._name = name
-        self._queue: queue.SimpleQueue[tuple[cf.Future, Callable[..., Any], tuple] | None] = \
-            queue.SimpleQueue()
-        self._idle = threading.Semaphore(0)
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._shutdown = False
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any) -> cf.Future:
-        with self._lock:
-            if self._shutdown:
-                raise RuntimeError("cannot schedule new futures after shutdown")
-            fut: cf.Future = cf.Future()
-            self._queue.put((fut, fn, args))
-            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max:
-                t = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}",
-                                     daemon=True)
-                t.start()
-                self._threads.append(t)
-            return fut
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            del item
-            if fut.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args)
-                except BaseException as e:  # noqa: BLE001 - handed to the future's owner
-                    fut.set_exception(e)
-                else:
-                    fut.set_result(result)
-            del fut
-            self._idle.release()
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """No new work; queued work still runs (unless ``cancel_futures``); ``wait``: join."""
-        with self._lock:
-            self._shutdown = True
-            if cancel_futures:
-                while True:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is not None:
-                        item[0].cancel()
-            for _ in self._threads:
-                self._queue.put(None)
-            threads = list(self._threads)
-        if wait:
-            for t in threads:
-                t.join()
-
-
-class _Upload:
-    """One composite write in progress: its futures, the in-flight objects it may have made."""
-
-    def __init__(self, owner: _GCSWrites, full: str) -> None:
-        self.owner = owner
-        self.full = full
-        self.cancelled = threading.Event()
-        self.futures: list[cf.Future] = []
-        self.abandoned_by_close = False
-        self.pool: _DaemonPool | None = None  # the pool its parts went to
-        self._made: list[str] = []  # in-flight names whose creation started
-        self._lock = threading.Lock()
-        self._cleaning = False
-
-    def begin(self, name: str) -> None:
-        """About to create in-flight object ``name``; raises :class:`_Abandoned` once cancelled."""
-        with self._lock:
-            if self.cancelled.is_set():
-                raise _Abandoned(f"{self.owner._gs(self.full)}: the write was abandoned")
-            self._made.append(name)
-
-    def made(self) -> list[str]:
-        with self._lock:
-            return list(self._made)
-
-    def cancel(self) -> bool:
-        """Stop: nothing new starts, bodies being sent stop.  True for the first caller only."""
-        with self._lock:
-            self.cancelled.set()
-            first, self._cleaning = not self._cleaning, True
-        for f in self.futures:
-            f.cancel()
-        return first
-
-
-_ACTIVE: set[_Upload] = set()
-_ACTIVE_LOCK = threading.Lock()
-
-
-def _abandon_all_at_exit() -> None:
-    """At interpreter exit: abandon the composite writes still running (daemon threads)."""
-    with _ACTIVE_LOCK:
-        ups = list(_ACTIVE)
-    deadline = time.monotonic() + CLEANUP_ON_INTERRUPT_S
-    try:
-        with _further_interrupts_deferred():
-            for up in ups:
-                up.owner._abandon(up, deadline=deadline)
-    except BaseException:  # noqa: BLE001 - at exit nothing is left to tell
-        return
-
-
-atexit.register(_abandon_all_at_exit)
-
-
-@contextlib.contextmanager
-def _further_interrupts_deferred() -> Iterator[None]:
-    """While a write cleans up after an interrupt on the main thread, a further Ctrl-C is
-    absorbed instead of cutting the (bounded) cleanup short: the first interrupt is raised
-    again right after it anyway.  Only when SIGINT has Python's default handler."""
-    if threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, lambda _signum, _frame: None)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _created_unix_s(value: Any) -> float | None:
-    return value.timestamp() if isinstance(value, _dt.datetime) else None
-
-
-class _GCSWrites(_GCSBase):
-    """The write half of :class:`~xla_ckpt.storage.gcs.GCSStorage`."""
-
-    _upload_pool: _DaemonPool | None
-    _writes_closed: bool = False
-    lists_in_flight = True
-
-    def write_atomic(self, name: str, buffers: Iterable[memoryview | bytes]) -> ObjectInfo:
+    def write_atomic(self, name: str, buffers: Iterable[memoryview | bytes], *,
+                     if_generation_match: int | None = None) -> ObjectInfo:
         """Write the concatenation of ``buffers`` as ``name``, all or nothing.
 
         ``buffers`` is consumed first (no upload starts before it is), then:
@@ -306,13 +130,22 @@ class _GCSWrites(_GCSBase):
         every case (after an interrupt within :data:`CLEANUP_ON_INTERRUPT_S`); a failure
         leaves any previous ``name`` untouched.
 
+        ``if_generation_match`` (see :meth:`Storage.write_atomic`) goes on the request
+        that makes ``name`` (the multipart upload, or the last compose) as
+        ``ifGenerationMatch``; parts and intermediate composes are unconditional.  A
+        composite write checks it once before uploading its parts too.  A 412 answer to a
+        request that had been retried counts as success when the live object has this
+        write's size and crc32c (the earlier attempt did write it).
+
         Returns:
             The new object's :class:`ObjectInfo` (size in bytes, generation).
 
         Raises:
+            PreconditionFailedError: ``if_generation_match`` did not hold (nothing written).
             StoragePermissionError / StorageError: the upload failed (nothing
                 new is visible under ``name``), or the storage was closed.
         """
+        expected = check_generation_match(if_generation_match)
         full = self._full(name)
         if self._writes_closed:
             raise StorageError(f"upload {self._gs(full)}: the storage was closed")
@@ -323,58 +156,52 @@ class _GCSWrites(_GCSBase):
             crc = 0
             for p in pieces:
                 crc = crc32c(p, crc)
-            res = self._upload_multipart(full, pieces, size, crc)
+            res = self._upload_multipart(full, pieces, size, crc, expected)
         else:
-            res = self._upload_composite(full, pieces, size)
+            if expected is not None:  # fail before uploading the parts, not after
+                live = self._live(full)
+                if (live[1] if live is not None else None) != (expected or None):
+                    raise self._not_written(full, expected, live)
+            res = self._upload_composite(full, pieces, size, expected)
         return ObjectInfo(name=name.strip("/"), size=int(res.get("size", size)),
                           generation=int(res["generation"]) if res.get("generation") else None)
 
-    def list_in_flight(self, prefix: str = "") -> list[InFlightObject]:
-        """In-flight objects (parts, intermediate composes) under ``prefix``, sorted by name.
+    def _live(self, full: str) -> tuple[int, int | None, int | None] | None:
+        """(size, generation, crc32c) of the live ``full``; None if absent; raises if unknown."""
+        try:
+            return self._stat_full(full)
+        except CheckpointNotFoundError:
+            return None
 
-        Only names of the form :data:`IN_FLIGHT_NAME` are reported; each with its size and
-        the service's creation time.
-        """
-        p = prefix.strip("/")
-        base = join(self.prefix, p)
-        strip = len(self.prefix) + 1 if self.prefix else 0
+    def _not_written(self, full: str, expected: int,
+                     live: tuple[int, int | None, int | None] | None, *,
+                     known: bool = True) -> PreconditionFailedError:
+        name = full[len(self.prefix) + 1:] if self.prefix else full
+        return precondition_failed(self._gs(full), name, "written", expected,
+                                   live[1] if live is not None else None, known=known)
 
-        def run() -> list[tuple[str, int, float | None]]:
-            return [(b.name, int(b.size or 0), _created_unix_s(b.time_created))
-                    for b in self._conn.client.list_blobs(self.bucket_name, prefix=base or None,
-                                                          retry=None, timeout=self._timeout)]
-
-        out = []
-        for n, size, created in self._api(f"list {self._gs(base)}", run):
-            if base and not n.startswith(base + "/"):
-                continue
-            m = IN_FLIGHT_NAME.fullmatch(n)
-            if m is None or len(n) <= strip:
-                continue
-            out.append(InFlightObject(name=n[strip:], target=m["target"][strip:],
-                                      upload_id=m["upload_id"], size=size,
-                                      created_unix_s=created))
-        return sorted(out, key=lambda o: o.name)
-
-    def close(self) -> None:
-        """Abandon the composite writes still running on this storage, then release threads."""
-        self._writes_closed = True
-        with _ACTIVE_LOCK:
-            mine = [up for up in _ACTIVE if up.owner is self]
-        deadline = time.monotonic() + CLEANUP_ON_INTERRUPT_S
-        with _further_interrupts_deferred():
-            for up in mine:
-                up.abandoned_by_close = True
-                self._abandon(up, deadline=deadline)
-        with self._pool_lock:
-            pool, self._upload_pool = self._upload_pool, None
-        if pool is not None:
-            pool.shutdown(wait=not mine)
-        super().close()
+    def _unless_ours(self, e: _PreconditionNotMet, full: str, expected: int, size: int,
+                     crc: int) -> dict[str, Any]:
+        """After HTTP 412 to the write of ``full``: the answer it would have had, when an
+        earlier attempt of the same request may have written it and the live object has
+        its size and crc32c; else raises PreconditionFailedError naming the live generation."""
+        try:
+            live = self._live(full)
+        except StorageError as err:
+            logger.warning("%s: stat after HTTP 412 failed: %s", self._gs(full), err)
+            raise self._not_written(full, expected, None, known=False) from None
+        if e.retried and live is not None and live[0] == size and live[2] == crc:
+            logger.info("%s: HTTP 412 to a retried write, and the live object (generation %s) "
+                        "has its %d bytes and crc32c: an earlier attempt wrote it",
+                        self._gs(full), live[1], size)
+            return {"size": size, "generation": live[1], "crc32c": crc32c_b64(crc)}
+        raise self._not_written(full, expected, live) from None
 
     def _upload_multipart(self, full: str, pieces: Sequence[memoryview], size: int,
-                          crc: int) -> dict[str, Any]:
-        """One multipart upload carrying the crc32c: the service checks it before it is visible."""
+                          crc: int, expected: int | None = None) -> dict[str, Any]:
+        """One multipart upload carrying the crc32c: the service checks it before it is visible.
+
+        ``expected``: its ``ifGenerationMatch`` (None: unconditional)."""
         boundary = f"==xla_ckpt_{uuid.uuid4().hex}=="
         meta = json.dumps({"name": full, "contentType": "application/octet-stream",
                            "crc32c": crc32c_b64(crc)}).encode()
@@ -383,10 +210,19 @@ class _GCSWrites(_GCSBase):
                                      "octet-stream\r\n\r\n").encode()
         tail = f"\r\n--{boundary}--\r\n".encode()
         url = f"{self._conn.endpoint}/upload/storage/v1/b/{self.bucket_name}/o"
-        res = self._send(f"upload {self._gs(full)} ({size} bytes)", "POST", url,
-                         params={"uploadType": "multipart"},
-                         headers={"Content-Type": f"multipart/related; boundary={boundary}"},
-                         body=lambda: _BodyReader([memoryview(head), *pieces, memoryview(tail)]))
+        params = {"uploadType": "multipart"}
+        if expected is not None:
+            params["ifGenerationMatch"] = str(expected)
+        try:
+            res = self._send(f"upload {self._gs(full)} ({size} bytes)", "POST", url,
+                             params=params,
+                             headers={"Content-Type": f"multipart/related; boundary={boundary}"},
+                             body=lambda: _BodyReader([memoryview(head), *pieces,
+                                                       memoryview(tail)]))
+        except _PreconditionNotMet as e:
+            if expected is None:  # no precondition was sent: nothing to judge
+                raise
+            return self._unless_ours(e, full, expected, size, crc)
         self._check_written(full, res, size, crc)
         return res
 
@@ -419,8 +255,8 @@ class _GCSWrites(_GCSBase):
                            f"{res.get('crc32c')}, sent {part.size} bytes with crc32c "
                            f"{crc32c_b64(crc)}")
 
-    def _upload_composite(self, full: str, pieces: Sequence[memoryview],
-                          size: int) -> dict[str, Any]:
+    def _upload_composite(self, full: str, pieces: Sequence[memoryview], size: int,
+                          expected: int | None = None) -> dict[str, Any]:
         up = _Upload(self, full)
         with _ACTIVE_LOCK:
             _ACTIVE.add(up)
@@ -444,7 +280,7 @@ class _GCSWrites(_GCSBase):
                     up.futures.append(fut)
                 crcs = [f.result() for f in up.futures]
                 sources = [(p.name, p.size, c) for p, c in zip(parts, crcs, strict=True)]
-                res = self._compose_tree(full, sources, uid, up)
+                res = self._compose_tree(full, sources, uid, up, expected)
                 self._delete_quietly(up.made())
             except BaseException as e:
                 interrupted = not isinstance(e, Exception)
@@ -463,79 +299,10 @@ class _GCSWrites(_GCSBase):
                 _ACTIVE.discard(up)
         return res
 
-    def _abandon(self, up: _Upload, *, deadline: float | None) -> None:
-        """Stop ``up`` and delete what it wrote.  Once per write; the first caller cleans.
-
-        ``deadline`` (``time.monotonic()``): after an interrupt, stop waiting then; the
-        pool, whose threads may still send abandoned parts, is dropped, never waited for.
-        ``None``: wait until the running part uploads ended, then delete (with retries).
-        """
-        if not up.cancel():
-            return
-        if deadline is None:
-            try:
-                cf.wait(up.futures)
-                self._delete_quietly(up.made())
-                return
-            except BaseException:  # an interrupt while cleaning up: the bounded way, then raise
-                with _further_interrupts_deferred():
-                    self._abandon_within(up, time.monotonic() + CLEANUP_ON_INTERRUPT_S)
-                raise
-        self._abandon_within(up, deadline)
-
-    def _abandon_within(self, up: _Upload, deadline: float) -> None:
-        with self._pool_lock:
-            detach = up.pool is not None and self._upload_pool is up.pool \
-                and any(f.running() for f in up.futures)
-            if detach:  # its threads may still be sending abandoned parts: never wait for them
-                self._upload_pool = None
-        if detach and up.pool is not None:
-            up.pool.shutdown(wait=False)
-        left = self._delete_within(up.made(), up.futures, deadline)
-        if left:
-            logger.warning("interrupted upload of %s: %d in-flight object(s) may be left (e.g. "
-                           "%s); `xla-ckpt ls` lists them and `xla-ckpt gc --in-flight` deletes "
-                           "them", self._gs(up.full), len(left), self._gs(left[0]))
-
-    def _delete_within(self, names: list[str], running: list[cf.Future],
-                       deadline: float) -> list[str]:
-        """Delete ``names`` on fresh daemon threads, waiting for them (and for ``running``,
-        part uploads that stop or delete themselves) until ``deadline``; a further
-        ``KeyboardInterrupt`` does not cut the wait short.  Returns the names not known gone."""
-        done: set[str] = set()
-        lock = threading.Lock()
-        todo: queue.SimpleQueue[str] = queue.SimpleQueue()
-        for n in names:
-            todo.put(n)
-
-        def work() -> None:
-            while True:
-                try:
-                    n = todo.get_nowait()
-                except queue.Empty:
-                    return
-                if self._delete_one_quietly(n):
-                    with lock:
-                        done.add(n)
-
-        threads = [threading.Thread(target=work, name=f"xla_ckpt-cleanup_{i}", daemon=True)
-                   for i in range(min(len(names), max(4, self.config.max_workers)))]
-        for t in threads:
-            t.start()
-        waiting = [f for f in running if not f.done()]
-        while time.monotonic() < deadline:
-            try:
-                for t in threads:
-                    t.join(max(0.0, deadline - time.monotonic()))
-                cf.wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
-                break
-            except KeyboardInterrupt:
-                continue  # a second Ctrl-C: the cleanup is bounded anyway, finish it
-        with lock:
-            return [n for n in names if n not in done]
-
     def _compose_tree(self, full: str, sources: list[tuple[str, int, int]], uid: str,
-                      up: _Upload) -> dict[str, Any]:
+                      up: _Upload, expected: int | None = None) -> dict[str, Any]:
+        """Compose ``sources`` into ``full``: in a tree of unconditional intermediate composes
+        above :data:`MAX_COMPOSE_SOURCES`, the last one with ``ifGenerationMatch=expected``."""
         level = 0
         while len(sources) > MAX_COMPOSE_SOURCES:
             grouped = []
@@ -551,12 +318,14 @@ class _GCSWrites(_GCSBase):
             sources, level = grouped, level + 1
         if up.cancelled.is_set():
             raise _Abandoned(f"{self._gs(full)}: the write was abandoned")
-        size, crc, gen = self._compose(full, sources)
+        size, crc, gen = self._compose(full, sources, expected)
         return {"size": size, "generation": gen, "crc32c": crc32c_b64(crc)}
 
-    def _compose(self, dest: str, sources: list[tuple[str, int, int]]
-                 ) -> tuple[int, int, int | None]:
-        """Compose ``sources`` (name, size, crc32c) into ``dest``: (size, crc32c, generation)."""
+    def _compose(self, dest: str, sources: list[tuple[str, int, int]],
+                 expected: int | None = None) -> tuple[int, int, int | None]:
+        """Compose ``sources`` (name, size, crc32c) into ``dest``: (size, crc32c, generation).
+
+        ``expected``: the destination's ``ifGenerationMatch`` (None: unconditional)."""
         size, crc = 0, 0
         for _name, n, c in sources:
             crc = crc32c_combine(crc, c, n)
@@ -565,8 +334,15 @@ class _GCSWrites(_GCSBase):
         blob.content_type = "application/octet-stream"
         blob.crc32c = crc32c_b64(crc)
         srcs = [self._bucket.blob(name) for name, _n, _c in sources]
-        self._api(f"compose {self._gs(dest)} from {len(srcs)} parts",
-                  lambda: blob.compose(srcs, retry=None, timeout=self._timeout))
+        try:
+            self._api(f"compose {self._gs(dest)} from {len(srcs)} parts",
+                      lambda: blob.compose(srcs, if_generation_match=expected, retry=None,
+                                           timeout=self._timeout))
+        except _PreconditionNotMet as e:
+            if expected is None:  # no precondition was sent: nothing to judge
+                raise
+            res = self._unless_ours(e, dest, expected, size, crc)
+            return size, crc, res["generation"]
         served = crc32c_from_b64(blob.crc32c)
         if int(blob.size or 0) != size or served not in (None, crc):
             raise StorageError(f"compose {self._gs(dest)}: the service reports {blob.size} bytes "
@@ -584,28 +360,3 @@ class _GCSWrites(_GCSBase):
                                f"crc32c {crc32c_b64(crc)}; write it again")
         gen = res.get("generation")
         self._conn.remember(full, int(gen) if gen else None, size, crc)
-
-    def _delete_one_quietly(self, full: str) -> bool:
-        """Delete in-flight object ``full``; True when it is gone (deleted, or never there)."""
-        try:
-            self._api(f"delete {self._gs(full)}",
-                      lambda: self._bucket.delete_blob(full, retry=None, timeout=self._timeout))
-        except CheckpointNotFoundError:
-            pass
-        except Exception as e:  # noqa: BLE001 - cleanup must not mask the real outcome
-            logger.warning("could not delete in-flight object %s: %s; `xla-ckpt ls` lists it and "
-                           "`xla-ckpt gc --in-flight` deletes it", self._gs(full), e)
-            return False
-        return True
-
-    def _delete_quietly(self, names: Sequence[str]) -> None:
-        if not names:
-            return
-        pool = self._uploads()
-        cf.wait([pool.submit(self._delete_one_quietly, n) for n in names])
-
-    def _uploads(self) -> _DaemonPool:
-        with self._pool_lock:
-            if self._upload_pool is None:
-                self._upload_pool = _DaemonPool(self.config.max_workers, "xla_ckpt-upload")
-            return self._upload_pool
