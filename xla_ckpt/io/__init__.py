@@ -6,8 +6,9 @@ committed, pointer, legacy file; the one rule for "nothing committed"), :func:`l
 Write side: :func:`save`, or :func:`write_item` + :func:`commit` for several writers.
 """
 
+from xla_ckpt.io.opener import load, read_checkpoint
 from xla_ckpt.io.reader import CheckpointReader, ReadStats, read_manifest
-from xla_ckpt.io.resolve import Resolved, load, read_checkpoint, resolve
+from xla_ckpt.io.resolve import Resolved, resolve
 from xla_ckpt.io.writer import WrittenItem, commit, discard, new_save_id, save, write_item
 
 __all__ = ["CheckpointReader", "ReadStats", "Resolved", "WrittenItem", "commit", "discard",

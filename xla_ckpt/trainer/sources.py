@@ -32,7 +32,8 @@ from typing import Any, Callable, Optional, Protocol
 from xla_ckpt.errors import ConfigError
 from xla_ckpt.format.manifest import STATE_ITEM, rank_item
 from xla_ckpt.io import save
-from xla_ckpt.io.resolve import LEGACY, Resolved, read_checkpoint, read_items
+from xla_ckpt.io.opener import read_checkpoint, read_items
+from xla_ckpt.io.resolve import LEGACY, Resolved
 from xla_ckpt.storage import StorageConfig
 
 
