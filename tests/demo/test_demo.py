@@ -92,7 +92,7 @@ def test_train_command_restores_latest_and_continues(tmp_path):
     assert p1.returncode == 0, p1.stderr[-2000:]
     first = json.loads((out1 / "rank0.json").read_text())
     assert first["restore"] is None and sorted(map(int, first["losses"])) == [1, 2, 3]
-    assert sorted(os.listdir(run)) == ["checkpoint_1_2", "checkpoint_last.json"]
+    assert sorted(os.listdir(run)) == ["checkpoint_1_2", "checkpoint_last.json", "lease.json"]
     p2 = subprocess.run(base + ["--out", str(out2)] + settings + ["train.max_updates=5"],
                         cwd=root, env=env, capture_output=True, text=True, timeout=280)
     assert p2.returncode == 0, p2.stderr[-2000:]

@@ -58,11 +58,11 @@ class HeldWrites(LocalStorage):
     release: threading.Event
     started: list
 
-    def write_atomic(self, name, buffers):
+    def write_atomic(self, name, buffers, **kw):
         if name.startswith("data-"):
             self.started.append(self.url(name))
             self.release.wait(30)
-        return super().write_atomic(name, buffers)
+        return super().write_atomic(name, buffers, **kw)
 
 
 class FailingWrites(LocalStorage):
@@ -70,11 +70,11 @@ class FailingWrites(LocalStorage):
 
     fail_in: set
 
-    def write_atomic(self, name, buffers):
+    def write_atomic(self, name, buffers, **kw):
         folder = os.path.basename(self.uri)
         if name.startswith("data-") and folder in self.fail_in:
             raise StorageError(f"{self.url(name)}: write failed: 503 Service Unavailable")
-        return super().write_atomic(name, buffers)
+        return super().write_atomic(name, buffers, **kw)
 
 
 def start_train_loop(args: list[str], log_path: str) -> subprocess.Popen:

@@ -62,7 +62,7 @@ def test_keep_last_n_update_checkpoints(run_dir):
     assert_holds(run_dir, "checkpoint_1_8", 8)
     assert_holds(run_dir, "checkpoint_1_10", 10)
     assert pointer(run_dir, "last") == {"checkpoint": "checkpoint_1_10", "epoch": 1,
-                                        "num_updates": 10}
+                                        "num_updates": 10, "lease_epoch": 1}
     assert not os.path.exists(os.path.join(run_dir, "checkpoint_best.json"))
 
 
@@ -95,7 +95,9 @@ def test_keep_best_n_and_best_pointer(run_dir, maximize, best, kept):
     for name in kept:
         assert_holds(run_dir, name, int(name.rsplit("_", 1)[1]))
     assert pointer(run_dir, "best") == {"checkpoint": best, "metric": "loss",
-                                        "value": losses[int(best.rsplit("_", 1)[1])]}
+                                        "value": losses[int(best.rsplit("_", 1)[1])],
+                                        "num_updates": int(best.rsplit("_", 1)[1]),
+                                        "lease_epoch": 1}
     assert pointer(run_dir, "last")["checkpoint"] == "checkpoint_1_5"
 
 
@@ -271,7 +273,7 @@ def test_restore_latest_best_and_named(run_dir, tmp_path):
     assert r.uri == os.path.join(run_dir, "checkpoint_1_6")
     assert torch.equal(r.state["model"]["w"], w_at(6)) and r.rank_state == {"seen": 6}
     assert r.metadata == {"epoch": 1, "num_updates": 6, "end_of_epoch": False,
-                          "preempted": False, "world_size": 1, "loss": 2.0}
+                          "preempted": False, "world_size": 1, "loss": 2.0, "lease_epoch": 1}
     assert m.restored_from == "checkpoint_1_6"
     assert r.restored is not None
     assert r.restored.strategy == "all_ranks"

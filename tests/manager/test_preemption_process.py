@@ -29,12 +29,14 @@ def updates_of(evs):
 def check_preemption_checkpoint(run_dir, name, n, world_size, weights):
     """The checkpoint holds the state after update n on every rank, and nothing else is left."""
     assert folders(run_dir) == [name]  # keep_interval_updates=1 rotated the earlier one
-    assert pointer(run_dir, "last") == {"checkpoint": name, "epoch": 1, "num_updates": n}
+    # the first incarnation in this run folder: lease epoch 1
+    assert pointer(run_dir, "last") == {"checkpoint": name, "epoch": 1, "num_updates": n,
+                                        "lease_epoch": 1}
     ck = os.path.join(run_dir, name)
     reader = CheckpointReader.open(ck)
     assert reader.manifest.world_size == world_size
     assert reader.metadata == {"epoch": 1, "num_updates": n, "end_of_epoch": False,
-                               "preempted": True, "world_size": world_size}
+                               "preempted": True, "world_size": world_size, "lease_epoch": 1}
     assert sorted(reader.manifest.items) == [f"rank/{r:05d}" for r in range(world_size)] + \
         ["state"]
     state = xla_ckpt.load(ck)
@@ -86,8 +88,11 @@ def test_sigterm_mid_epoch_real_process_exits_zero_and_resumes_bitwise(run_dir, 
     e1, e2 = ref["losses"][UPDATES_PER_EPOCH - 1], ref["losses"][TOTAL - 1]
     best = "checkpoint1" if e1 < e2 else "checkpoint2"
     assert folders(run_dir) == sorted({"checkpoint_1_3", "checkpoint_2_8", "checkpoint2", best})
+    # both epoch checkpoints were saved by the resumed incarnation (lease epoch 2)
     assert pointer(run_dir, "best") == {"checkpoint": best, "metric": "loss",
-                                        "value": min(e1, e2)}
+                                        "value": min(e1, e2), "lease_epoch": 2,
+                                        "num_updates": UPDATES_PER_EPOCH if best == "checkpoint1"
+                                        else TOTAL}
     final = xla_ckpt.load(os.path.join(run_dir, "checkpoint2"))
     assert (hexof(final["model"]["weight"]), hexof(final["model"]["bias"])) == \
         ref["updates"][TOTAL]

@@ -56,9 +56,9 @@ def test_delete_removes_commit_marker_first(local_dir):
     seen = []
 
     class Recording(LocalStorage):
-        def delete(self, name):
+        def delete(self, name, **kw):
             seen.append(name)
-            super().delete(name)
+            super().delete(name, **kw)
 
     n = delete_checkpoint(Recording(local_dir), "checkpoint_1_2")
     assert n == 2 and seen[0] == "checkpoint_1_2/manifest.json" and seen[1].startswith(

@@ -3,12 +3,14 @@
 How a kill point is chosen (deterministically):
 
 1. A *dry run* saves checkpoint C into a run folder that already holds two
-   committed checkpoints A and B, with a tracer hooked under the storage
-   backend.  The tracer records the saver's sequence of *mutating steps*:
+   committed checkpoints A and B (a restarted job: it restored B first), with a
+   tracer hooked under the storage backend.  The tracer records the saver's
+   sequence of *mutating steps*:
 
    * local backend: every ``write`` / ``fsync`` / ``replace`` (rename) /
-     ``unlink`` / ``rmdir`` :mod:`xla_ckpt.storage.local` issues (the
-     backend's ``os`` module is swapped for a recording proxy);
+     ``link`` (create-only publication) / ``unlink`` / ``rmdir``
+     :mod:`xla_ckpt.storage.local` issues (the backend's ``os`` module is swapped
+     for a recording proxy);
    * GCS backend: every mutating HTTP request the client sends (multipart
      and media uploads, compose, delete), hooked at
      ``requests.Session.request`` under the real ``google-cloud-storage``
@@ -37,6 +39,27 @@ The zygote is one launcher worker (a fresh spawned interpreter that imported
 torch and xla_ckpt); forking from it costs milliseconds, so hundreds of kill
 points run in minutes.  Used by ``tests/reliability/test_crash_consistency.py``
 and ``benchmarks/reliability.py``.
+
+**Fencing family** (:func:`fencing_campaign`, case C15).  Two incarnations of one
+job share the run folder.  The predecessor P (lease epoch 2: a set-up incarnation
+committed A and B with epoch 1, P restored B) saves C with keep-last 1 and is
+paused at each point of that save, chosen from its dry run as above.  While it is
+paused the successor S starts in a fresh process (lease epoch 3), restores the
+latest committed checkpoint and saves ``checkpoint_1_20`` (keep-last 1).  Then,
+by variant:
+
+* ``kill``: P was SIGKILLed at the point before S started;
+* ``resume``: P was left running: it goes on from the point once S finished (or,
+  when S waits on a folder lock P holds at that point, as soon as that is seen),
+  and then tries one more save.
+
+A fresh verifier then checks the invariants (:func:`check_fencing`): S's
+checkpoints are committed, byte-identical to what S wrote and restore bitwise;
+``checkpoint_last`` names S's checkpoint; the pointer's ``(lease_epoch,
+num_updates)`` observed after every phase never decreased; nothing P committed
+after S took the lease is pointed to; P got :class:`~xla_ckpt.errors.FencedError`
+naming both epochs wherever a lease check was still ahead of it, and its later save
+raised at once without a single mutating step.
 """
 
 from __future__ import annotations
@@ -138,7 +161,7 @@ class KillPoint:
 def commit_step(steps: list[Step]) -> int:
     """Index of the step after which C's manifest (the commit marker) is visible."""
     for i, s in enumerate(steps):
-        if s.target == f"{C}/manifest.json" and s.op in ("replace", "upload"):
+        if s.target == f"{C}/manifest.json" and s.op in ("replace", "link", "upload"):
             return i
     raise AssertionError(f"no manifest write for {C} in the trace: {steps}")
 
@@ -223,12 +246,15 @@ class Tracer:
     """Records mutating steps; pauses the process at the armed kill point.
 
     ``notify`` is a pipe fd: when the point is reached one JSON line goes out
-    and the calling thread blocks until the harness kills the process.
+    and the calling thread blocks until the harness kills the process, or -- with a
+    ``resume`` pipe fd -- until the harness writes one byte there; then the step goes
+    on where it stopped (the rest of a write's or an upload's body included).
     """
 
-    def __init__(self, root: str, notify: int) -> None:
+    def __init__(self, root: str, notify: int, resume: int | None = None) -> None:
         self.root = root.rstrip("/")
         self.notify = notify
+        self.resume = resume
         self.steps: list[Step] = []
         self.armed = False
         self.kill: KillPoint | None = None
@@ -264,6 +290,9 @@ class Tracer:
     def pause(self, i: int) -> None:
         msg = {"paused": i, "steps": [asdict(s) for s in self.steps]}
         os.write(self.notify, (json.dumps(msg) + "\n").encode())
+        if self.resume is not None and os.read(self.resume, 1):
+            self.kill = None  # consumed: the save goes on from here
+            return
         while True:  # the harness SIGKILLs us here
             time.sleep(3600)
 
@@ -297,6 +326,10 @@ class _LocalOs(types.SimpleNamespace):
             while done < limit:
                 done += os.write(fd, mv[done:limit])
             self._t.pause(i)
+            while done < len(mv):  # resumed: the rest of the body
+                done += os.write(fd, mv[done:])
+            self._t.end(i)
+            return done
         n = os.write(fd, mv)
         self._t.end(i)
         return n
@@ -309,6 +342,11 @@ class _LocalOs(types.SimpleNamespace):
     def replace(self, src, dst):
         i = self._t.begin("replace", os.fspath(dst))
         os.replace(src, dst)
+        self._t.end(i)
+
+    def link(self, src, dst, **kw):  # create-only publication (the commit marker)
+        i = self._t.begin("link", os.fspath(dst))
+        os.link(src, dst, **kw)
         self._t.end(i)
 
     def unlink(self, path):
@@ -333,8 +371,9 @@ class _PausingBody:
         return len(self.data)
 
     def read(self, n: int = -1) -> bytes:
-        if self.pos >= self.stop:
+        if self.pos >= self.stop and self.stop < len(self.data):
             self.tracer.pause(self.step)
+            self.stop = len(self.data)  # resumed: send the rest
         k = self.stop - self.pos if n is None or n < 0 else min(n, self.stop - self.pos)
         chunk = self.data[self.pos:self.pos + k]
         self.pos += k
@@ -430,13 +469,15 @@ def storage_config(backend: str, *, traced: bool = True):
     return StorageConfig(max_workers=2)
 
 
-def manager_for(run_uri: str, backend: str, *, async_save: bool = False, traced: bool = True):
+def manager_for(run_uri: str, backend: str, *, async_save: bool = False, traced: bool = True,
+                keep: int = 2):
     from xla_ckpt.comm import SingleProcess
     from xla_ckpt.config import CheckpointConfig
     from xla_ckpt.manager import CheckpointManager
 
     cfg = CheckpointConfig(save_dir=run_uri, save_interval_epochs=0, save_interval_updates=0,
-                           keep_interval_updates=2, async_save=async_save, handle_sigterm=False,
+                           keep_interval_updates=keep, async_save=async_save,
+                           handle_sigterm=False,
                            exit_on_preemption=False, reuse_staging_buffers=False)
     return CheckpointManager(cfg, dist=SingleProcess(),
                              storage_config=storage_config(backend, traced=traced))
@@ -464,6 +505,7 @@ def _saver_main(run_uri: str, backend: str, mode: str, kill: KillPoint | None, w
     _save(mgr, 2)
     mgr.close()
     mgr = manager_for(run_uri, backend, async_save=(mode == "async"))
+    mgr.restore_or_initialize()  # a restarted job: restores B (and takes its lease) first
     tracer.kill = kill
     tracer.armed = True
     if mode == "sync":
@@ -609,10 +651,10 @@ def stray_objects(run_uri: str, backend: str, emulator_host: str = "") -> list[s
 
 
 def _verify_main(run_uri: str, backend: str, recover: bool, wfd: int,
-                 emulator_host: str) -> None:
+                 emulator_host: str, digest: tuple[str, ...] = ()) -> None:
     torch.set_num_threads(1)
     from xla_ckpt.comm import SingleProcess
-    from xla_ckpt.io.catalog import list_checkpoints, resolve_latest
+    from xla_ckpt.io.catalog import list_checkpoints, read_pointer_doc, resolve_latest
     from xla_ckpt.restore import restore
     from xla_ckpt.storage import open_storage
 
@@ -622,6 +664,10 @@ def _verify_main(run_uri: str, backend: str, recover: bool, wfd: int,
         out["committed"] = [e.name for e in entries if e.committed]
         out["incomplete"] = [e.name for e in entries if not e.committed]
         out["latest"] = resolve_latest(run)
+        out["pointer_last"] = read_pointer_doc(run, "last")[0]
+        out["pointer_best"] = read_pointer_doc(run, "best")[0]
+        if digest:
+            out["digests"] = {f: folder_digest(run, f) for f in digest}
     ls = _ls_json(run_uri)
     out["ls_committed"] = [e["name"] for e in ls["committed"]]
     out["ls_incomplete"] = [e["name"] for e in ls["incomplete"]]
@@ -651,8 +697,10 @@ def _verify_main(run_uri: str, backend: str, recover: bool, wfd: int,
     os.write(wfd, (json.dumps(out) + "\n").encode())
 
 
-def run_verifier(run_uri: str, backend: str, recover: bool, emulator_host: str = "") -> dict:
-    pid, r = _fork(lambda w: _verify_main(run_uri, backend, recover, w, emulator_host))
+def run_verifier(run_uri: str, backend: str, recover: bool, emulator_host: str = "", *,
+                 digest: list[str] | tuple[str, ...] = ()) -> dict:
+    pid, r = _fork(lambda w: _verify_main(run_uri, backend, recover, w, emulator_host,
+                                          tuple(digest)))
     try:
         msg = _read_line(r, SAVE_TIMEOUT_S)
         code = _reap(pid)
@@ -688,8 +736,8 @@ def preload(backend: str) -> None:
     import xla_ckpt.testing.asserts
 
     if backend == "gcs":
-        import google.cloud.storage  # noqa: F401 - imported to warm the forks, not used here
         import requests  # noqa: F401 - imported to warm the forks, not used here
+        from google.cloud import storage  # noqa: F401 - imported to warm the forks, not used
 
         import xla_ckpt.storage.gcs  # noqa: F401 - imported to warm the forks, not used here
 
@@ -768,4 +816,442 @@ def check(result: dict) -> list[str]:
         if v["recovered"] != nxt or v["recovered_bitwise"]:
             bad.append(f"{label}: after resuming, saving {nxt} gave {v['recovered']} "
                        f"({v['recovered_bitwise'] or 'bitwise'})")
+    return bad
+
+
+# ---- the fencing family (C15): a successor starts while the predecessor saves ----------------
+
+S_NAME = "checkpoint_1_20"  # what the successor saves
+NEXT = "checkpoint_1_4"  # the predecessor's save after C
+P_EPOCH, S_EPOCH = 2, 3  # lease epochs: the set-up incarnation has 1
+BLOCK_WAIT_S = 5.0  # the successor made no progress for this long: it waits on P's folder lock
+
+
+class _Lines:
+    """JSON lines from a pipe, buffered (a child may write several at once)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = b""
+
+    def read(self, timeout_s: float) -> dict | None:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if not ready:
+                return None
+            chunk = os.read(self.fd, 1 << 20)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line) if line else None
+
+
+def _send(fd: int, msg: dict) -> None:
+    os.write(fd, (json.dumps(msg) + "\n").encode())
+
+
+def _outcome(fn: Callable[[], Any]) -> dict:
+    """What a save did: ``{"ok": True}`` or the error's class, message and fencing epochs."""
+    from xla_ckpt.errors import FencedError
+
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported to the harness, which asserts on it
+        out: dict[str, Any] = {"ok": False, "error": type(e).__name__, "message": str(e)}
+        if isinstance(e, FencedError):
+            out.update(own_epoch=e.own_epoch, current_epoch=e.current_epoch, run=e.run)
+        return out
+    return {"ok": True}
+
+
+def folder_digest(st, folder: str) -> dict[str, str]:
+    """sha256 of every object of checkpoint folder ``folder`` (names relative to the run)."""
+    import hashlib
+
+    return {n: hashlib.sha256(st.read_bytes(n)).hexdigest() for n in st.list(folder + "/")}
+
+
+def pointer_order_now(run_uri: str, backend: str, emulator_host: str = "") -> list:
+    """``[lease_epoch, num_updates, checkpoint]`` of ``checkpoint_last`` now ([0, -1, None]
+    when absent)."""
+    from xla_ckpt.io.catalog import pointer_order, read_pointer_doc
+
+    if backend == "local":
+        from xla_ckpt.storage.local import LocalStorage
+
+        st: Any = LocalStorage(run_uri)
+    else:
+        from xla_ckpt.storage.gcs import GCSStorage
+
+        st = GCSStorage(run_uri, storage_config(backend, traced=False),
+                        endpoint=emulator_host or None)
+    try:
+        doc, _ = read_pointer_doc(st, "last")
+    finally:
+        st.close()
+    return [*pointer_order(doc), doc.get("checkpoint") if doc else None]
+
+
+def _predecessor_main(run_uri: str, backend: str, point: KillPoint | None, wfd: int,
+                      resume: int | None, bucket: str) -> None:
+    """P: set up A and B (epoch 1), restore B (epoch 2), save C with keep-last 1 (paused at
+    ``point``), then -- when the harness says so -- save NEXT; report each outcome."""
+    torch.set_num_threads(1)
+    root = run_uri if backend == "local" else run_uri.split("/", 3)[3]
+    tracer = Tracer(root, wfd, resume)
+    if backend == "local":
+        install_local_hook(tracer)
+    else:
+        install_gcs_hook(tracer, bucket)
+    mgr = manager_for(run_uri, backend, traced=False)
+    _save(mgr, 1)
+    _save(mgr, 2)
+    mgr.close()
+    mgr = manager_for(run_uri, backend, keep=1)
+    restored = mgr.restore_or_initialize()
+    assert restored is not None and restored.checkpoint == B
+    tracer.kill = point
+    tracer.armed = True
+    saved_c = _outcome(lambda: _save(mgr, 3))
+    n_c = len(tracer.steps)
+    _send(wfd, {"saved_c": saved_c, "steps": [asdict(s) for s in tracer.steps]})
+    if resume is not None:
+        os.read(resume, 1)  # the harness lets the successor finish first
+    saved_next = _outcome(lambda: _save(mgr, num_updates_of(NEXT)))
+    _send(wfd, {"saved_next": saved_next, "steps_during_next": len(tracer.steps) - n_c})
+    mgr.close()
+    tracer.armed = False
+    _send(wfd, {"done": True})
+
+
+def _successor_main(run_uri: str, backend: str, wfd: int) -> None:
+    """S: a new incarnation: restore the latest (taking the next lease epoch), save S_NAME with
+    keep-last 1, report what it restored and the bytes of what it holds."""
+    torch.set_num_threads(1)
+    from xla_ckpt.io.fencing import read_lease
+
+    mgr = manager_for(run_uri, backend, traced=False, keep=1)
+    res = mgr.restore_or_initialize()
+    restored = res.checkpoint if res is not None else None
+    lease = read_lease(mgr.run)
+    _send(wfd, {"restored": restored, "epoch": lease.epoch if lease else None,
+                "restored_bitwise": _bitwise(res.state, res.rank_state, res.num_updates)
+                if res is not None else "none"})
+    _save(mgr, num_updates_of(S_NAME))
+    digests = {f: folder_digest(mgr.run, f) for f in {S_NAME, restored} if f}
+    _send(wfd, {"saved": S_NAME, "digests": digests})
+    mgr.close()
+    _send(wfd, {"done": True})
+
+
+def _fork_with_resume(fn: Callable[[int, int | None], None], resumable: bool
+                      ) -> tuple[int, int, int | None]:
+    """Fork ``fn(write_fd, resume_fd)``; returns (pid, read fd, the harness's resume fd)."""
+    if not resumable:
+        pid, r = _fork(lambda w: fn(w, None))
+        return pid, r, None
+    rr, rw = os.pipe()
+
+    def child(w: int) -> None:
+        os.close(rw)
+        fn(w, rr)
+
+    pid, r = _fork(child)
+    os.close(rr)
+    return pid, r, rw
+
+
+def run_fencing_point(run_uri: str, backend: str, variant: str, point: KillPoint | None,
+                      *, bucket: str = "", emulator_host: str = "") -> dict:
+    """One interleaving (see the module docstring); ``point=None`` is the dry run (no S)."""
+    obs: list[list] = []  # [phase, lease_epoch, num_updates, checkpoint] of checkpoint_last
+
+    def observe(phase: str) -> None:
+        obs.append([phase, *pointer_order_now(run_uri, backend, emulator_host)])
+
+    out: dict[str, Any] = {"error": None, "observed": obs, "order": None, "successor": {},
+                           "predecessor": {}}
+    resumable = variant == "resume"
+    pid, r, resume = _fork_with_resume(
+        lambda w, rr: _predecessor_main(run_uri, backend, point, w, rr, bucket), resumable)
+    lp = _Lines(r)
+    pids = [pid]
+    try:
+        if point is None:  # the dry run: no successor; P saves C and NEXT undisturbed
+            for key in ("saved_c", "saved_next", "done"):
+                msg = lp.read(SAVE_TIMEOUT_S)
+                if msg is None or key not in msg:
+                    raise AssertionError(f"dry run: no {key}: {msg}")
+                out["predecessor"].update(msg)
+                if key == "saved_c" and resume is not None:
+                    os.write(resume, b"g")
+            out["exitcode"] = _reap(pid)
+            return out
+        msg = lp.read(SAVE_TIMEOUT_S)
+        if msg is None or "paused" not in msg:
+            out["error"] = f"predecessor did not pause: {msg}"
+            return out
+        out["paused_at"] = msg["paused"]
+        out["seen_steps"] = msg["steps"]
+        if not (backend == "gcs" and point.at == "byte"):
+            # (A request body half sent holds the single-threaded emulator until P dies.)
+            observe("P paused")
+        succ = out["successor"]
+        if variant == "kill":
+            os.kill(pid, signal.SIGKILL)
+            out["exitcode"] = _reap(pid)
+            observe("P killed")
+            spid, sr = _fork(lambda w: _successor_main(run_uri, backend, w))
+            pids.append(spid)
+            ls = _Lines(sr)
+            for key in ("restored", "saved", "done"):
+                m = ls.read(SAVE_TIMEOUT_S)
+                if m is None or key not in m:
+                    out["error"] = f"successor gave no {key!r}: {m}"
+                    return out
+                succ.update(m)
+            observe("S saved")
+            out["order"] = "S after P died"
+            out["successor_exitcode"] = _reap(spid)
+        else:
+            assert resume is not None
+            spid, sr = _fork(lambda w: _successor_main(run_uri, backend, w))
+            pids.append(spid)
+            ls = _Lines(sr)
+            wait = BLOCK_WAIT_S if backend == "local" else SAVE_TIMEOUT_S
+            pending = ["restored", "saved", "done"]
+            while pending:
+                m = ls.read(wait)
+                if m is None:
+                    break  # S waits on a folder lock P holds at its point
+                if "error" in m:
+                    out["error"] = f"successor failed: {m['error']}"
+                    return out
+                succ.update(m)
+                pending.remove(next(k for k in pending if k in m))
+            out["order"] = "S finished first" if not pending else f"S blocked before {pending[0]}"
+            if not pending:
+                observe("S saved")
+            os.write(resume, b"g")  # P goes on from its point
+            m = lp.read(SAVE_TIMEOUT_S)
+            if m is None or "saved_c" not in m:
+                out["error"] = f"predecessor did not finish saving C: {m}"
+                return out
+            out["predecessor"]["saved_c"] = m["saved_c"]
+            out["predecessor"]["steps_c"] = m["steps"]
+            observe("P saved C")
+            for key in pending:  # S got the lock P let go of
+                m = ls.read(SAVE_TIMEOUT_S)
+                if m is None or key not in m:
+                    out["error"] = f"successor gave no {key!r} after P went on: {m}"
+                    return out
+                succ.update(m)
+            if pending:
+                observe("S saved")
+            out["successor_exitcode"] = _reap(spid)
+            os.write(resume, b"g")  # P tries one more save
+            m = lp.read(SAVE_TIMEOUT_S)
+            if m is None or "saved_next" not in m:
+                out["error"] = f"predecessor did not try its next save: {m}"
+                return out
+            out["predecessor"].update(m)
+            observe("P saved next")
+            m = lp.read(SAVE_TIMEOUT_S)
+            out["exitcode"] = _reap(pid)
+            if m is None or "done" not in m:
+                out["error"] = f"predecessor did not finish: {m}"
+                return out
+        digest = sorted(succ.get("digests", {}))
+        out["verify"] = run_verifier(run_uri, backend, False, emulator_host, digest=digest)
+        observe("verified")
+        return out
+    finally:
+        for p in pids:  # nothing is left running, whatever went wrong
+            try:
+                os.kill(p, signal.SIGKILL)
+                os.waitpid(p, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        os.close(r)
+        if resume is not None:
+            os.close(resume)
+
+
+def rotation_step(steps: list[Step]) -> int:
+    """Index of P's first rotation step (deleting A): every lease check of the save of C is
+    behind a point at or after it."""
+    for i, s in enumerate(steps):
+        if s.target.startswith(f"{A}/"):
+            return i
+    raise AssertionError(f"no rotation of {A} in the trace: {steps}")
+
+
+def manifest_step(steps: list[Step]) -> int:
+    """Index of P's first step writing C's manifest (right after the lease check before it):
+    from there on a resumed P commits C even though S holds the lease (the residual window)."""
+    for i, s in enumerate(steps):
+        if s.target.startswith(f"{C}/manifest.json"):
+            return i
+    raise AssertionError(f"no manifest write for {C} in the trace: {steps}")
+
+
+def pointer_step(steps: list[Step]) -> int:
+    """Index of the first step of P's ``checkpoint_last`` write (after the check before it)."""
+    for i, s in enumerate(steps):
+        if s.target.startswith("checkpoint_last.json") and i > commit_step(steps):
+            return i
+    raise AssertionError(f"no pointer write in the trace: {steps}")
+
+
+def fencing_campaign(base_uri: str, backend: str, variant: str, count: int, *,
+                     emulator_host: str = "", bucket: str = "") -> dict:
+    """Dry run of P's save of C, ``count`` points chosen from it, one interleaving at each.
+
+    Runs in a launcher worker (the zygote), like :func:`campaign`.
+    """
+    torch.set_num_threads(1)
+    preload(backend)
+    t0 = time.perf_counter()
+    dry_uri = f"{base_uri}/dry"
+    dry = run_fencing_point(dry_uri, backend, variant, None, bucket=bucket,
+                            emulator_host=emulator_host)
+    pred = dry["predecessor"]
+    if not pred.get("saved_c", {}).get("ok") or not pred.get("saved_next", {}).get("ok"):
+        raise AssertionError(f"dry run failed: {dry}")
+    steps = [Step(**x) for x in pred["steps"]]
+    _wipe(dry_uri, backend, emulator_host)
+    points = choose_points(steps, count)
+    if backend == "gcs" and variant == "resume":
+        # The emulator is one single-threaded server: a request body P left half sent holds
+        # every other request until P goes on, so S could not run meanwhile (real GCS serves
+        # both).  Those points are the kill variant's; here P pauses between requests.
+        points = [p for p in points if p.at != "byte"]
+    results = []
+    for j, p in enumerate(points):
+        uri = f"{base_uri}/f{j:04d}"
+        res = run_fencing_point(uri, backend, variant, p, bucket=bucket,
+                                emulator_host=emulator_host)
+        res.update(point=asdict(p), label=p.label(steps), variant=variant,
+                   expect_committed=committed_at(p, steps),
+                   expect_fenced=p.step < rotation_step(steps),
+                   in_window=p.step >= manifest_step(steps),
+                   before_pointer=p.step < pointer_step(steps),
+                   trace_matches=same_place([Step(**x) for x in res.get("seen_steps") or []],
+                                            steps, p))
+        results.append(res)
+        _wipe(uri, backend, emulator_host)
+    return {"steps": [asdict(s) for s in steps], "commit_step": commit_step(steps),
+            "manifest_step": manifest_step(steps), "pointer_step": pointer_step(steps),
+            "rotation_step": rotation_step(steps), "results": results,
+            "seconds": time.perf_counter() - t0}
+
+
+def _non_decreasing(observed: list[list]) -> bool:
+    orders = [(o[1], o[2]) for o in observed]
+    return all(a <= b for a, b in zip(orders, orders[1:], strict=False))
+
+
+def check_fencing(result: dict) -> list[str]:
+    """Every violation of the fencing rules in one interleaving's result ([]: none)."""
+    label = f"{result['variant']} {result['label']}"
+    if result["error"]:
+        return [f"{label}: {result['error']}"]
+    bad = []
+    if not result["trace_matches"]:
+        bad.append(f"{label}: the predecessor's steps differ from the dry run")
+    v = result.get("verify", {})
+    if "error" in v:
+        return bad + [f"{label}: verifier: {v['error']}"]
+    succ = result["successor"]
+    want_code = -signal.SIGKILL if result["variant"] == "kill" else 0
+    if result.get("exitcode") != want_code or result.get("successor_exitcode") != 0:
+        bad.append(f"{label}: exit codes P={result.get('exitcode')} "
+                   f"S={result.get('successor_exitcode')}")
+    if succ.get("epoch") != S_EPOCH:
+        bad.append(f"{label}: the successor holds lease epoch {succ.get('epoch')}, not {S_EPOCH}")
+    committed = set(v["committed"])
+    restored = succ.get("restored")
+    s_first = result["order"] in ("S after P died", "S finished first")
+    if s_first:
+        want_restored = C if result["expect_committed"] else B
+        if restored != want_restored:
+            bad.append(f"{label}: the successor restored {restored}, expected {want_restored}")
+    if succ.get("restored_bitwise"):
+        bad.append(f"{label}: the successor's restore differs: {succ['restored_bitwise']}")
+    # The newest incarnation's checkpoints survive, byte for byte, and restore bitwise.
+    for folder in (S_NAME, restored):
+        if folder not in committed:
+            bad.append(f"{label}: the successor's {folder} is no longer committed")
+    if v.get("digests") != succ.get("digests"):
+        bad.append(f"{label}: the successor's checkpoints changed: {succ.get('digests')} -> "
+                   f"{v.get('digests')}")
+    for name, diff in v["bitwise"].items():
+        if diff:
+            bad.append(f"{label}: {name} does not restore bitwise: {diff}")
+    # checkpoint_last names the successor's checkpoint and never went backwards.
+    last = v.get("pointer_last") or {}
+    if last.get("checkpoint") != S_NAME or last.get("lease_epoch") != S_EPOCH:
+        bad.append(f"{label}: checkpoint_last is {last}, expected {S_NAME} of epoch {S_EPOCH}")
+    if not _non_decreasing(result["observed"]):
+        bad.append(f"{label}: checkpoint_last went backwards: {result['observed']}")
+    if v["latest"] != S_NAME or v["resumed"] != S_NAME or v["resumed_bitwise"]:
+        bad.append(f"{label}: latest={v['latest']} resumed={v['resumed']} "
+                   f"({v['resumed_bitwise'] or 'bitwise'}), expected {S_NAME}")
+    # Nothing the predecessor committed after the successor took over is pointed to.
+    after_s = False
+    for phase, _epoch, _n, name in result["observed"]:
+        after_s = after_s or phase == "S saved"
+        if after_s and name in (C, NEXT):
+            bad.append(f"{label}: checkpoint_last names the predecessor's {name} ({phase})")
+    if v.get("pointer_best"):
+        bad.append(f"{label}: a checkpoint_best pointer appeared: {v['pointer_best']}")
+    if NEXT in committed or NEXT in v["incomplete"]:
+        bad.append(f"{label}: the fenced predecessor wrote {NEXT}")
+    if result["variant"] == "resume":
+        bad += _check_predecessor(label, result, s_first, committed, v)
+    return bad
+
+
+def _fenced_message_ok(out: dict, run_uri_tail: str) -> bool:
+    msg = out.get("message", "")
+    return (out.get("error") == "FencedError" and out.get("own_epoch") == P_EPOCH
+            and out.get("current_epoch") == S_EPOCH and f"lease epoch {P_EPOCH}" in msg
+            and f"lease epoch {S_EPOCH}" in msg and "stops saving" in msg
+            and run_uri_tail in msg)
+
+
+def _check_predecessor(label: str, result: dict, s_first: bool, committed: set,
+                       v: dict) -> list[str]:
+    bad = []
+    pred = result["predecessor"]
+    tail = "/f"  # every interleaving's run folder is <base>/fNNNN
+    nxt = pred.get("saved_next", {})
+    if not _fenced_message_ok(nxt, tail):
+        bad.append(f"{label}: the predecessor's next save gave {nxt}, expected FencedError "
+                   f"naming epochs {P_EPOCH} and {S_EPOCH}")
+    if pred.get("steps_during_next") != 0:
+        bad.append(f"{label}: the fenced predecessor's next save made "
+                   f"{pred.get('steps_during_next')} mutating steps")
+    c_out = pred.get("saved_c", {})
+    if s_first:
+        if result["expect_fenced"] and not _fenced_message_ok(c_out, tail):
+            bad.append(f"{label}: saving C gave {c_out}, expected FencedError naming both epochs")
+        if not result["expect_fenced"] and not c_out.get("ok"):
+            bad.append(f"{label}: saving C (past its last lease check) gave {c_out}")
+        if not result["in_window"]:
+            # Fenced before its commit marker: nothing of C was committed, nor kept.
+            if C in committed or C in v["incomplete"]:
+                bad.append(f"{label}: the fenced predecessor left {C} behind "
+                           f"(committed={C in committed})")
+        elif C not in committed:
+            # Past the check before its commit marker: C commits in a new folder (the
+            # residual window), and is never pointed to (checked above).
+            bad.append(f"{label}: {C} was not committed, though past its lease check")
+    elif not (c_out.get("ok") or c_out.get("error") == "FencedError"):
+        bad.append(f"{label}: saving C gave {c_out}")
     return bad

@@ -11,25 +11,54 @@ Layout of a run folder (local path or ``gs://bucket/prefix``)::
 Pointers are written only after the checkpoint they name has committed, as
 one atomic object.  "Latest" is decided by one rank (``resolve_latest``) and
 broadcast (DESIGN decision 2): listings on different ranks may disagree.
+
+**Order.**  A checkpoint written by the :class:`~xla_ckpt.manager.CheckpointManager`
+records the lease epoch of the job incarnation that wrote it (metadata key
+``lease_epoch``, see :mod:`xla_ckpt.io.fencing`); one written without a lease has
+epoch 0.  "Newer" means a higher ``(lease_epoch, num_updates)``, then a later
+creation time: a newer incarnation always wins, within one incarnation the higher
+update count does.  :attr:`CheckpointEntry.sort_key`, "latest" and rotation all use it.
+
+**Pointers move by compare-and-swap** (:func:`write_pointer`): the pointer is read
+with its generation and written with ``if_generation_match`` on it (0 when absent);
+when another writer changed it meanwhile the write is refused by the store and
+retried on what is there now (bounded).  A pointer document written with a
+``lease_epoch`` carries it and ``num_updates``, and such a write moves the pointer
+only if its ``(lease_epoch, num_updates)`` is at least the current one's, so the
+pointer never goes backwards, whatever the interleaving of writers.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    PreconditionFailedError,
+)
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest, valid_file_name
 from xla_ckpt.io.reader import read_manifest
-from xla_ckpt.storage import Storage
+from xla_ckpt.storage import RangeRead, Storage
 
 logger = logging.getLogger(__name__)
 
 POINTERS = ("last", "best")
 POINTER_SUFFIX = ".json"
+
+LEASE_EPOCH_KEY = "lease_epoch"
+"""Key of the writer's lease epoch in a manifest's metadata and in a pointer document."""
+
+CAS_ATTEMPTS = 16
+"""Compare-and-swap attempts of one pointer move before giving up (each re-reads it)."""
+
+_READ_ATTEMPTS = 8  # an object replaced between its stat and its pinned read is read again
 
 
 def pointer_name(which: str) -> str:
@@ -65,13 +94,27 @@ class CheckpointEntry:
         return v if isinstance(v, int) else -1
 
     @property
+    def lease_epoch(self) -> int:
+        """Lease epoch of the incarnation that wrote it (0: written without a lease)."""
+        return epoch_of(self.metadata)
+
+    @property
     def sort_key(self) -> tuple:
+        """Oldest first: ``(lease_epoch, num_updates, created, name)`` (module docstring)."""
         created = self.manifest.created_unix_s if self.manifest else 0.0
-        return (self.num_updates, created, self.name)
+        return (self.lease_epoch, self.num_updates, created, self.name)
+
+
+def epoch_of(doc: Any) -> int:
+    """The ``lease_epoch`` a metadata summary or pointer document records (0 if none)."""
+    v = doc.get(LEASE_EPOCH_KEY, 0) if isinstance(doc, dict) else 0
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
 def list_checkpoints(run: Storage) -> list[CheckpointEntry]:
-    """Every checkpoint folder directly under ``run``, oldest first (by num_updates, then time).
+    """Every checkpoint folder directly under ``run``, oldest first.
+
+    Order: :attr:`CheckpointEntry.sort_key` (lease epoch, num_updates, then time).
 
     Folders without a commit marker are returned with ``committed=False``.
     """
@@ -102,28 +145,132 @@ def list_checkpoints(run: Storage) -> list[CheckpointEntry]:
     return sorted(out, key=lambda e: e.sort_key)
 
 
-def read_pointer(run: Storage, which: str = "last") -> str | None:
-    """Checkpoint folder name a pointer names, or None if the pointer is absent/unreadable."""
+def read_versioned(storage: Storage, name: str) -> tuple[bytes, int | None] | None:
+    """``(bytes, generation)`` of object ``name``, the bytes read pinned to that generation;
+    None if there is no such object.
+
+    A conditional write or delete that passes the generation acts only if the object is
+    still what was read.  On GCS the read is pinned to it; a local read opens whatever file
+    has the name by then, so the generation is looked at again after the read and a
+    replace in between (a newer file, maybe of another size) is read again.
+
+    Raises:
+        PreconditionFailedError: it was replaced during each of a few reads (busy writers:
+            what a compare-and-swap loop retries, like a refused write).
+    """
+    last: tuple[int | None, int | None] = (None, None)
+    for attempt in range(_READ_ATTEMPTS):
+        if attempt:
+            time.sleep(random.uniform(0, 0.002 * 2 ** attempt))
+        try:
+            info = storage.stat(name)
+            buf = bytearray(info.size)
+            if info.size:
+                storage.read_ranges([RangeRead(name, 0, memoryview(buf), info.generation)])
+            now = storage.stat(name).generation
+            if now != info.generation:
+                last = (info.generation, now)
+                continue  # replaced while it was read
+        except CheckpointNotFoundError:
+            if not storage.exists(name):
+                return None
+            continue  # replaced between the stat and the pinned read: read the new one
+        except CheckpointCorruptError:
+            continue  # shortened by a replace between the stat and the read
+        return bytes(buf), info.generation
+    raise PreconditionFailedError(
+        f"{storage.url(name)}: replaced during each of {_READ_ATTEMPTS} reads", name=name,
+        expected_generation=last[0] or 0, actual_generation=last[1])
+
+
+def read_pointer_doc(run: Storage, which: str) -> tuple[dict | None, int | None]:
+    """``(document, generation)`` of pointer ``which``: ``(None, 0)`` when absent, ``(None,
+    generation)`` when unreadable (it may be replaced on that generation)."""
+    got = read_versioned(run, pointer_name(which))
+    if got is None:
+        return None, 0
+    data, generation = got
     try:
-        doc = json.loads(run.read_bytes(pointer_name(which)).decode("utf-8"))
-    except CheckpointNotFoundError:
-        return None
+        doc = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         logger.warning("ignoring unreadable pointer %s: %s", run.url(pointer_name(which)), e)
-        return None
-    name = doc.get("checkpoint") if isinstance(doc, dict) else None
+        return None, generation
+    return (doc if isinstance(doc, dict) else None), generation
+
+
+def pointer_order(doc: dict | None) -> tuple[int, int]:
+    """``(lease_epoch, num_updates)`` of a pointer document ((0, -1) for what lacks them)."""
+    if not isinstance(doc, dict):
+        return (0, -1)
+    n = doc.get("num_updates", -1)
+    return (epoch_of(doc), n if isinstance(n, int) and not isinstance(n, bool) else -1)
+
+
+def read_pointer(run: Storage, which: str = "last") -> str | None:
+    """Checkpoint folder name a pointer names, or None if the pointer is absent/unreadable.
+
+    Read as :func:`read_pointer_doc` does, so a pointer replaced while it is read is read
+    again, never taken for an unreadable one.
+    """
+    doc, _ = read_pointer_doc(run, which)
+    name = doc.get("checkpoint") if doc is not None else None
     return name if valid_file_name(name) else None
 
 
-def write_pointer(run: Storage, which: str, checkpoint: str, **extra: Any) -> None:
-    """Point ``checkpoint_<which>`` at a committed checkpoint (one atomic object write).
+def write_pointer(run: Storage, which: str, checkpoint: str, *, lease_epoch: int | None = None,
+                  num_updates: int | None = None, attempts: int = CAS_ATTEMPTS,
+                  **extra: Any) -> bool:
+    """Point ``checkpoint_<which>`` at a committed checkpoint by compare-and-swap.
 
-    Call only after ``checkpoint`` has committed, from one rank.
+    Reads the pointer with its generation and writes the new document with
+    ``if_generation_match`` on it (0: create only, when absent); when another writer
+    changed it in between, the store refuses and this reads again and retries, up to
+    ``attempts`` times.
+
+    With ``lease_epoch`` (the manager's writes) the document records it and
+    ``num_updates``, and the pointer moves only if ``(lease_epoch, num_updates)`` is at
+    least what the current document records (a newer incarnation always wins; within
+    one, the higher update count): it never goes backwards.  Without it (a tool's or an
+    operator's write) it moves whatever is there.  Call only after ``checkpoint`` has
+    committed, from one rank.
+
+    Returns:
+        True if the pointer now names ``checkpoint``; False if it was left alone because
+        it names a newer one (read it with :func:`read_pointer_doc`).
+
+    Raises:
+        PreconditionFailedError: the pointer changed under every one of ``attempts`` tries.
     """
     if not valid_file_name(checkpoint):
         raise ValueError(f"bad checkpoint folder name {checkpoint!r}")
-    doc = {"checkpoint": checkpoint, **extra}
-    run.write_atomic(pointer_name(which), [json.dumps(doc, sort_keys=True).encode("utf-8")])
+    doc: dict[str, Any] = {"checkpoint": checkpoint, **extra}
+    if num_updates is not None:
+        doc["num_updates"] = num_updates
+    if lease_epoch is not None:
+        doc[LEASE_EPOCH_KEY] = lease_epoch
+    body = json.dumps(doc, sort_keys=True).encode("utf-8")
+    ours = pointer_order(doc)
+    name = pointer_name(which)
+    last: PreconditionFailedError | None = None
+    for attempt in range(attempts):
+        try:
+            current, generation = read_pointer_doc(run, which)
+            if lease_epoch is not None and current is not None and \
+                    pointer_order(current) > ours:
+                logger.info("%s names %r at (lease epoch, update) %s, newer than %s for %r: "
+                            "left alone", run.url(name), current.get("checkpoint"),
+                            pointer_order(current), ours, checkpoint)
+                return False
+            run.write_atomic(name, [body], if_generation_match=generation)
+            return True
+        except PreconditionFailedError as e:  # another writer moved it: look again
+            last = e
+            time.sleep(random.uniform(0, min(0.2, 0.005 * 2 ** attempt)))
+    raise PreconditionFailedError(
+        f"{run.url(name)}: not moved to {checkpoint!r}: it changed under each of {attempts} "
+        "compare-and-swap attempts (many concurrent writers?)", name=name,
+        expected_generation=last.expected_generation if last else 0,
+        actual_generation=last.actual_generation if last else None) from last
 
 
 def choose_latest(run: Storage, entries: list[CheckpointEntry]) -> str | None:
@@ -131,8 +278,9 @@ def choose_latest(run: Storage, entries: list[CheckpointEntry]) -> str | None:
     is committed.
 
     The ``checkpoint_last`` pointer wins if it names a committed checkpoint and
-    none newer is committed; otherwise the newest committed checkpoint (the
-    pointer lags after a crash between commit and pointer update).
+    none newer (by :attr:`CheckpointEntry.sort_key`: lease epoch, then num_updates) is
+    committed; otherwise the newest committed checkpoint (the pointer lags after a
+    crash between commit and pointer update).
     """
     committed = [e for e in entries if e.committed]
     ptr = read_pointer(run, "last")

@@ -13,6 +13,13 @@ Several writers (each rank writes its own item, one coordinator commits)::
 Data file names carry the save id, so saving over an existing checkpoint never
 touches the bytes its committed manifest points at; files of the replaced save
 are deleted only after the new manifest has committed.
+
+**The commit marker is a conditional write.**  :func:`commit` passes
+``if_generation_match`` to the store: the manager creates its manifests with ``0``
+(create only; see :mod:`xla_ckpt.io.fencing`), so a committed checkpoint is never
+replaced by a stale writer; :func:`save` replaces an existing checkpoint only if its
+manifest is still the generation it saw when it started (compare-and-swap), so of two
+concurrent saves to one path exactly one commits and the other raises.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from xla_ckpt.errors import CheckpointNotFoundError, PreconditionFailedError
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import (
     DEFAULT_CHUNK_SIZE_BYTES,
@@ -91,11 +99,16 @@ def write_item(storage: Storage, save_id: str, item_name: str, state: Any, *,
 
 def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
            metadata: Any = None, world_size: int | None = None,
-           cleanup: bool = True) -> Manifest:
+           cleanup: bool = True, if_generation_match: int | None = None) -> Manifest:
     """Write the manifest (the commit marker) for ``parts``; called by one rank only.
 
-    After the manifest is in place, data files of earlier saves in the same
-    folder (``data-<other id>-*``) are deleted when ``cleanup`` is true.
+    ``if_generation_match`` goes to the manifest write (``None``: replace whatever is
+    there; ``0``: create only; ``N``: replace only generation ``N``).  After the manifest
+    is in place, data files of earlier saves in the same folder (``data-<other id>-*``)
+    are deleted when ``cleanup`` is true (see :func:`remove_other_data_files`).
+
+    Raises:
+        PreconditionFailedError: the condition did not hold; nothing was committed.
     """
     items: dict[str, Item] = {}
     files: dict[str, int] = {}
@@ -105,12 +118,29 @@ def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
     manifest = Manifest(save_id=save_id, items=items, files=files,
                         metadata=typed.encode(metadata) if metadata is not None else None,
                         world_size=world_size, created_unix_s=time.time())
-    storage.write_atomic(MANIFEST_NAME, [manifest.to_json_bytes()])
+    body = [manifest.to_json_bytes()]
+    if if_generation_match is None:
+        storage.write_atomic(MANIFEST_NAME, body)
+    else:
+        storage.write_atomic(MANIFEST_NAME, body, if_generation_match=if_generation_match)
     if cleanup:
-        for name in storage.list(""):
-            if "/" not in name and name.startswith(DATA_PREFIX) and name not in files:
-                storage.delete(name)
+        remove_other_data_files(storage, files)
     return manifest
+
+
+def remove_other_data_files(storage: Storage, keep: Iterable[str]) -> int:
+    """Delete the data files at the top of ``storage`` (a checkpoint folder) not in ``keep``.
+
+    What a commit does once its manifest landed: files of the save it replaced, and of
+    saves into that folder that never committed.  Returns how many were deleted.
+    """
+    keep = set(keep)
+    n = 0
+    for name in storage.list(""):
+        if "/" not in name and name.startswith(DATA_PREFIX) and name not in keep:
+            storage.delete(name)
+            n += 1
+    return n
 
 
 def discard(storage: Storage, save_id: str) -> None:
@@ -129,7 +159,9 @@ def save(state: Any, uri: str, *, metadata: Any = None,
          config: StorageConfig | None = None, storage: Storage | None = None) -> Manifest:
     """Save ``state`` as a checkpoint folder at ``uri`` (local path or ``gs://``), atomically.
 
-    Called by one process.  Tensors on any device (CPU, CUDA, XLA) are
+    Called by one process.  Saving over an existing checkpoint replaces it, if no
+    other save committed there after this one started (compare-and-swap on the
+    manifest's generation; see the module docstring).  Tensors on any device (CPU, CUDA, XLA) are
     written as host data with their dtype, shape and aliasing; non-tensor
     values use the typed encoding (:mod:`xla_ckpt.format.typed`).  The
     manifest is written last; until it lands, an existing checkpoint at
@@ -149,17 +181,34 @@ def save(state: Any, uri: str, *, metadata: Any = None,
     Raises:
         MetaTensorError: a tensor is on the meta device (names its key).
         UnsupportedTypeError: a value cannot be encoded (names its key and type).
+        PreconditionFailedError: another save committed at ``uri`` after this one
+            started; nothing of this one was committed.
         StorageError: the backend failed; nothing was committed.
     """
     own = storage is None
     st = storage or open_storage(uri, config)
     try:
+        # Compare-and-swap on the manifest seen now: a save that committed here meanwhile
+        # makes this one fail instead of both silently winning.
+        try:
+            seen: int | None = st.stat(MANIFEST_NAME).generation
+        except CheckpointNotFoundError:
+            seen = 0
         save_id = new_save_id()
         try:
             parts = [write_item(st, save_id, STATE_ITEM, state)]
             for r, rs in sorted((rank_states or {}).items()):
                 parts.append(write_item(st, save_id, rank_item(r), rs))
-            return commit(st, save_id, parts, metadata=metadata)
+            try:
+                return commit(st, save_id, parts, metadata=metadata, if_generation_match=seen)
+            except PreconditionFailedError as e:
+                raise PreconditionFailedError(
+                    f"{st.uri}: not saved: another save committed this checkpoint after this "
+                    f"one started (manifest generation {seen or 'none'} when it started, now "
+                    f"{e.actual_generation or 'none'}); this save's data files were removed and "
+                    "nothing of it was committed", name=e.name,
+                    expected_generation=e.expected_generation,
+                    actual_generation=e.actual_generation) from e
         except BaseException:
             discard(st, save_id)
             raise

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from xla_ckpt.comm import Dist
 from xla_ckpt.config import CheckpointConfig
-from xla_ckpt.errors import DistributedError
+from xla_ckpt.errors import CheckpointSaveError, DistributedError, FencedError
+from xla_ckpt.io.fencing import Lease, acquire_lease, lease_from_message, lease_message
 from xla_ckpt.manager.preemption import PreemptionNotice
 from xla_ckpt.manager.staging import StagingPool
 from xla_ckpt.restore import RestoreConfig
@@ -47,6 +48,8 @@ class ManagerBase:
     _best: float | None  # coordinator: best metric among committed checkpoints
     _closed: bool
     restored_from: str | None
+    _lease: Lease | None  # this incarnation's lease epoch (every rank; taken by rank 0)
+    _fenced: FencedError | None  # set once a newer incarnation was seen: no more saves
 
     def close(self) -> None:
         """Wait for the in-flight save, release everything (:class:`CheckpointManager`)."""
@@ -55,6 +58,41 @@ class ManagerBase:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+
+    # ---- fencing (xla_ckpt.io.fencing) ------------------------------------------------------
+    def _take_lease(self) -> Lease:
+        """Rank 0 only: take the next lease epoch of the run folder."""
+        return acquire_lease(self.run)
+
+    def _ensure_lease(self) -> Lease:
+        """Hold a lease epoch on every rank (rank 0 takes it, the others get it).  Collective
+        when none is held yet.
+
+        Raises:
+            CheckpointSaveError: rank 0 could not take it (every rank).
+        """
+        if self._lease is not None:
+            return self._lease
+        msg: Any = None
+        own: BaseException | None = None
+        if self.rank == 0:
+            try:
+                msg = ("ok", *lease_message(self._take_lease()))
+            except Exception as e:  # noqa: BLE001 - sent to every rank, raised below
+                msg, own = ("error", f"{type(e).__name__}: {e}"), e
+        msg = self._exchange(msg)[0]
+        if msg[0] == "error":
+            raise CheckpointSaveError(f"could not take the lease of run folder {self.run.uri}",
+                                      {0: msg[1]}) from own
+        self._lease = lease_from_message(msg[1:])
+        return self._lease
+
+    def _raise_if_fenced(self) -> None:
+        """A fenced manager refuses every save at once, writing nothing (no collective)."""
+        if self._fenced is not None:
+            f = self._fenced
+            raise FencedError(str(f), own_epoch=f.own_epoch, current_epoch=f.current_epoch,
+                              run=f.run)
 
     def _exchange(self, obj: Any) -> list[Any]:
         out = self.dist.exchange(obj)

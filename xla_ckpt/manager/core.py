@@ -21,6 +21,15 @@ most one save is in flight; a new save first finishes the previous one.  A
 failure on any rank surfaces on every rank as :class:`CheckpointSaveError` at
 the next boundary or :meth:`CheckpointManager.wait`.
 
+Fencing (:mod:`xla_ckpt.io.fencing`): each incarnation of the job takes the next epoch
+of the run folder's lease (``<run>/lease.json``) when it restores or first saves
+(rank 0 takes it, every rank learns it; not with ``no_save``, so a manager that only
+restores fences nobody).  The coordinator checks the lease before the commit marker,
+the pointers and rotation; when a newer incarnation took it every rank raises
+:class:`~xla_ckpt.errors.FencedError` and every later save raises it at once.  Commit
+markers are created with ``if_generation_match=0``, pointers move by compare-and-swap
+and never backwards, and rotation never deletes what a newer incarnation wrote.
+
 Preemption: SIGTERM sets a flag; at the next update boundary the ranks agree
 (any rank's flag counts), every rank saves, the save commits, and the process
 exits with status 0 (``exit_on_preemption``).
@@ -107,6 +116,8 @@ class CheckpointManager(SaveSchedule, RestorePath):
         self._closed = False
         self.restored_from = None
         """Folder name of the checkpoint this job restored (never rotated away)."""
+        self._lease = None
+        self._fenced = None
 
     # ---- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:

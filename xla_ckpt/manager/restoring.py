@@ -7,6 +7,11 @@ a URI is resolved by :func:`xla_ckpt.restore.restore` itself) and reads the best
 metric recorded so far; every rank gets that decision (or rank 0's error) and
 restores through :func:`xla_ckpt.restore.restore`.
 
+Fencing: before it resolves anything, rank 0 takes this incarnation's lease epoch
+(:mod:`xla_ckpt.io.fencing`; once per manager, and not with ``no_save``) and sends it
+with the decision, so from then on an older incarnation still running can neither
+commit over, point past nor rotate away what this one restores.
+
 Fresh start: only ``checkpoint_last`` with nothing ever committed in the run
 folder (:class:`~xla_ckpt.errors.NothingCommittedError`; a ``save_dir`` that does
 not exist yet counts, the manager creates it), logged at WARNING.  A named
@@ -34,6 +39,7 @@ from xla_ckpt.errors import (
     UncommittedCheckpointError,
 )
 from xla_ckpt.io.catalog import pointer_name
+from xla_ckpt.io.fencing import lease_from_message, lease_message
 from xla_ckpt.io.resolve import resolve
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.restore import Restored
@@ -112,7 +118,11 @@ class RestorePath(ManagerBase):
         decision: Any = None
         if self.rank == 0:
             try:
-                decision = ("ok", *self._resolve_restore())
+                # The lease first: an older incarnation is fenced before this one chooses.
+                lease = None
+                if self._lease is None and not self.config.no_save:
+                    lease = lease_message(self._take_lease())
+                decision = ("ok", *self._resolve_restore(), lease)
             except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised below
                 decision = ("error", type(e).__name__, str(e))
                 own = e
@@ -125,7 +135,9 @@ class RestorePath(ManagerBase):
                 raise cls(decision[2])
             raise DistributedError("rank 0 could not resolve the checkpoint to restore",
                                    {0: f"{decision[1]}: {decision[2]}"})
-        _, uri, name, in_run, best = decision
+        _, uri, name, in_run, best, lease = decision
+        if lease is not None:
+            self._lease = lease_from_message(lease)
         self._best = best
         if uri is None:
             if self.rank == 0:

@@ -16,6 +16,19 @@ abandons the upload and deletes its parts within a bound, and whatever is left
 (SIGKILL) is listed by ``xla-ckpt ls`` and collected by ``xla-ckpt gc --in-flight``.
 On other backends (a local folder, whose writes leave nothing the tools can list)
 the upload runs on the manager's save thread as before, and exit waits for it.
+
+Fencing (:mod:`xla_ckpt.io.fencing`): every save runs under this incarnation's lease
+epoch, recorded in the manifest metadata (``lease_epoch``).  Rank 0 looks at the lease
+before any rank writes (a fenced save writes nothing); the commit job checks it again
+right before the commit marker, before the pointers and before rotation.  The commit
+marker is created with ``if_generation_match=0`` (only a newer incarnation replaces an
+older one's checkpoint of the same name, by compare-and-swap on its generation); the
+pointers move by compare-and-swap and never backwards in ``(lease_epoch, num_updates)``;
+rotation deletes nothing of a newer epoch.  A newer lease, or a pointer or manifest of a
+newer epoch, raises :class:`~xla_ckpt.errors.FencedError` on every rank (through
+:meth:`SavePath._fail`), and the manager refuses every later save at once.  What the one
+step after a passed check can still do is the residual window described in
+:mod:`xla_ckpt.io.fencing`.
 """
 
 from __future__ import annotations
@@ -29,10 +42,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
 
-from xla_ckpt.errors import CheckpointSaveError
+from xla_ckpt.errors import CheckpointSaveError, FencedError, PreconditionFailedError
 from xla_ckpt.format.manifest import FORMAT_NAME, FORMAT_VERSION, STATE_ITEM, Manifest, rank_item
-from xla_ckpt.io.catalog import write_pointer
-from xla_ckpt.io.writer import WrittenItem, commit, discard, new_save_id, write_item
+from xla_ckpt.io.catalog import LEASE_EPOCH_KEY, epoch_of, read_pointer_doc, write_pointer
+from xla_ckpt.io.fencing import (
+    Lease,
+    check_lease,
+    fenced_error,
+    manifest_precondition,
+    read_lease,
+)
+from xla_ckpt.io.writer import (
+    WrittenItem,
+    commit,
+    discard,
+    new_save_id,
+    remove_other_data_files,
+    write_item,
+)
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.manager.naming import preemption_name
 from xla_ckpt.manager.rotation import rotate
@@ -42,7 +69,8 @@ from xla_ckpt.restore.sharding import shard_item, shard_state
 from xla_ckpt.storage import Storage
 
 #: Metadata keys the manager writes; metric names must differ from these.
-RESERVED_METADATA = ("epoch", "num_updates", "end_of_epoch", "preempted", "world_size")
+RESERVED_METADATA = ("epoch", "num_updates", "end_of_epoch", "preempted", "world_size",
+                     LEASE_EPOCH_KEY)
 
 StateArg = Any  # a state, or a zero-argument callable returning it
 MetricValues = Mapping[str, SupportsFloat]  # numbers, numpy scalars, one-element tensors
@@ -137,6 +165,8 @@ class SavePath(ManagerBase):
 
         Raises:
             CheckpointSaveError: this or the previous save failed on some rank.
+            FencedError: a newer incarnation of the job took the run folder over (every
+                rank; this and every later save of this manager).
         """
         self._check_open()
         name = name or preemption_name(self.config, epoch=epoch, num_updates=num_updates,
@@ -178,9 +208,12 @@ class SavePath(ManagerBase):
     def _save(self, state: StateArg, rank_state: StateArg, shards: StateArg, *, name: str,
               epoch: int, num_updates: int, end_of_epoch: bool, metrics: MetricValues | None,
               preempted: bool, block: bool) -> list[str]:
+        self._raise_if_fenced()
         committed = list(self._sync(block=True))  # at most one save in flight
         metadata = self._metadata(epoch=epoch, num_updates=num_updates,
                                   end_of_epoch=end_of_epoch, preempted=preempted, metrics=metrics)
+        lease = self._ensure_lease()
+        metadata[LEASE_EPOCH_KEY] = lease.epoch
         t0 = time.perf_counter()
         sh = shards() if callable(shards) else shards
         flat = None
@@ -189,8 +222,14 @@ class SavePath(ManagerBase):
             flat = {k: t.detach().reshape(-1) for k, t in sh.items()}
             bounds, numels = shard_layout(self.dist, flat)
         # One save id for every rank's data files (rank 0 picks it), so a failed save's files
-        # can be found and removed, and a commit removes the files of earlier saves.
-        save_id = self._exchange(new_save_id() if self.rank == 0 else None)[0]
+        # can be found and removed, and a commit removes the files of earlier saves.  With it
+        # rank 0 says whether a newer incarnation holds the lease: then nobody writes.
+        save_id, newer = self._exchange((new_save_id(), self._newer_lease(lease))
+                                        if self.rank == 0 else None)[0]
+        if newer is not None:
+            self._fenced = fenced_error(self.run, lease, newer[0], newer[1],
+                                        what=f"to save {name}")
+            self._raise_if_fenced()
         storage = self.run.child(name)
         buffers: list = []
         nbytes = 0
@@ -242,23 +281,77 @@ class SavePath(ManagerBase):
             parts.append(write_item(storage, save_id, shard_item(self.rank), shards))
         return parts
 
+    def _newer_lease(self, lease: Lease) -> tuple[int, dict] | None:
+        """Rank 0: ``(epoch, owner)`` of the run folder's lease if newer than ``lease``."""
+        try:
+            current = read_lease(self.run)
+        except Exception as e:  # noqa: BLE001 - the commit job checks again, and fails then
+            logger.warning("[rank %d] could not read the lease of %s before saving: %s",
+                           self.rank, self.run.uri, e)
+            return None
+        if current is not None and current.epoch > lease.epoch:
+            return current.epoch, current.owner
+        return None
+
     def _commit_job(self, fl: _InFlight, parts: list[WrittenItem]) -> None:
-        """Coordinator only: manifest (commit marker), then pointers, then rotation."""
-        commit(fl.storage, fl.save_id, parts, metadata=fl.metadata, world_size=self.world_size)
+        """Coordinator only: manifest (commit marker), then pointers, then rotation.
+
+        Each step runs only after a check that this incarnation still holds the lease.
+        """
+        lease = self._lease
+        assert lease is not None  # _save took it
+        check_lease(self.run, lease, what=f"to commit {fl.name}")
+        expected = manifest_precondition(fl.storage, lease, run=self.run)
+        files = {f for p in parts for f in p.files}
+        if expected:
+            # Replacing an older incarnation's checkpoint of this name: its data files must
+            # all still be here (a stale writer's commit clean-up may have run meanwhile).
+            for f in sorted(files):
+                fl.storage.stat(f)
+        try:
+            commit(fl.storage, fl.save_id, parts, metadata=fl.metadata,
+                   world_size=self.world_size, cleanup=False, if_generation_match=expected)
+        except PreconditionFailedError:
+            # Created meanwhile: by a newer incarnation (then say so), or by a save of ours.
+            check_lease(self.run, lease, what=f"to commit {fl.name}")
+            manifest_precondition(fl.storage, lease, run=self.run)
+            raise
         fl.manifest_written = True
         md = fl.metadata
-        write_pointer(self.run, "last", fl.name, epoch=md["epoch"], num_updates=md["num_updates"])
+        check_lease(self.run, lease, what=f"to move the pointers to {fl.name} (it is committed, "
+                    "but nothing points to it)")
+        remove_other_data_files(fl.storage, files)
+        if not write_pointer(self.run, "last", fl.name, lease_epoch=lease.epoch,
+                             epoch=md["epoch"], num_updates=md["num_updates"]):
+            self._pointer_kept("last", fl.name, lease)
         metric = self.config.best_checkpoint_metric
         value = md.get(metric)
         if isinstance(value, float) and math.isfinite(value) and self._is_better(value):
-            write_pointer(self.run, "best", fl.name, metric=metric, value=value)
-            self._best = value
+            if write_pointer(self.run, "best", fl.name, lease_epoch=lease.epoch,
+                             num_updates=md["num_updates"], metric=metric, value=value):
+                self._best = value
+            else:
+                self._pointer_kept("best", fl.name, lease)
+        check_lease(self.run, lease, what="to delete old checkpoints")
         try:
             rotate(self.run, self.config, protect={fl.name} | ({self.restored_from}
-                                                              if self.restored_from else set()))
+                                                              if self.restored_from else set()),
+                   own_epoch=lease.epoch)
         except Exception as e:  # noqa: BLE001 - rotation failing must not fail training
             logger.warning("[rank %d] could not delete old checkpoints under %s: %s (will retry "
                            "after the next save)", self.rank, self.run.uri, e)
+
+    def _pointer_kept(self, which: str, name: str, lease: Lease) -> None:
+        """A pointer move refused because it names something newer: fenced, if a newer epoch."""
+        doc, _ = read_pointer_doc(self.run, which)
+        epoch = epoch_of(doc)
+        named = doc.get("checkpoint") if isinstance(doc, dict) else None
+        if epoch > lease.epoch:
+            raise fenced_error(self.run, lease, epoch,
+                               what=f"to move checkpoint_{which} to {name} (it names {named!r}, "
+                                    f"written by lease epoch {epoch})")
+        logger.info("[rank %d] checkpoint_%s of %s left at %r: newer than %s", self.rank, which,
+                    self.run.uri, named, name)
 
     def _is_better(self, value: float) -> bool:
         if self._best is None:
@@ -329,10 +422,18 @@ class SavePath(ManagerBase):
             if fut is not None and fut.exception() is not None:
                 own = fut.exception()
         self._recycle(fl)
-        self._exchange(None)
+        # Rank 0 tells every rank whether it was fenced (the commit job checks on rank 0 only).
+        fence = None
+        if self.rank == 0 and isinstance(own, FencedError):
+            fence = (str(own), own.own_epoch, own.current_epoch, own.run)
+        fence = self._exchange(fence)[0]
         if self.rank == 0 and not fl.manifest_written:
             discard(fl.storage, fl.save_id)
         fl.storage.close()
+        if fence is not None:
+            self._fenced = FencedError(fence[0], own_epoch=fence[1], current_epoch=fence[2],
+                                       run=fence[3])
+            self._raise_if_fenced()
         what = ("committed, but updating its pointers failed" if fl.manifest_written
                 else "nothing was committed; the previous checkpoint and pointers are unchanged")
         raise CheckpointSaveError(f"saving checkpoint {fl.storage.uri} failed ({what})",

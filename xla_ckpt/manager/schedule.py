@@ -83,6 +83,8 @@ class SaveSchedule(SavePath):
 
         Raises:
             CheckpointSaveError: a save failed on some rank (every rank raises it).
+            FencedError: a newer incarnation of the job took the run folder over; every
+                later save (a preemption save too) raises it at once, writing nothing.
             SystemExit: with code 0 after a preemption save committed
                 (``exit_on_preemption``).
             CollectiveTimeoutError: another rank did not reach this boundary in time.
