@@ -26,7 +26,7 @@ Rules of :func:`resolve`, in this order:
 6. **Anything else is a run folder**: with ``pointer="last"`` (the default) the
    checkpoint the ``checkpoint_last`` pointer names, unless a newer one is
    committed (the pointer lags after a crash between commit and pointer
-   update), else the newest committed one (by ``num_updates``, then time);
+   update), else the newest committed one (by lease epoch, then ``num_updates``, then time);
    with ``pointer="best"`` the one ``checkpoint_best`` names, which must be
    committed (else :class:`CheckpointNotFoundError`).
 
