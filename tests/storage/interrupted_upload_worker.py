@@ -12,6 +12,7 @@ parent can interrupt the save while parts are being uploaded.  MODE:
   the process with the upload thread still running.
 """
 
+import signal
 import sys
 import time
 
@@ -62,4 +63,7 @@ def main(mode: str, uri: str) -> None:
 
 
 if __name__ == "__main__":
+    # A job started in the background of a non-interactive shell (as CI may start the suite)
+    # inherits SIGINT ignored; the tests send Ctrl-C, so take the default handler back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     main(sys.argv[1], sys.argv[2])
