@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from xla_ckpt.restore.config import RestoreConfig
 
 DIST_BACKENDS = ("auto", "single", "gloo", "nccl", "xla")
+# How the trainer restore treats a criterion class name that differs from the checkpoint's
+# (xla_ckpt.trainer.CheckpointerConfig.criterion_check).
+CRITERION_CHECKS = ("strict", "warn", "off")
 
 
 def _check_int(section: str, name: str, value: Any, lo: int) -> None:
@@ -159,6 +162,14 @@ class TrainConfig:
         seed: seed of model init (tiny), data order and dropout.
         preempt_at_update: in the demo, send SIGTERM to every worker once this
             update is reached (0 = the demo picks the middle of an epoch).
+        criterion_check: the restore's criterion name check
+            (:class:`xla_ckpt.trainer.CheckpointerConfig`): ``strict`` refuses a
+            class name that differs from the checkpoint's; ``warn`` (default) logs a
+            warning when the live criterion has no parameters (nothing of it is
+            restored) and refuses otherwise; ``off`` skips the check.
+        fairseq_compat: restore fairseq optimizer states (``FairseqAdam``,
+            ``FairseqNAG``, ``FP16Optimizer``, ...) and ``lr_scheduler_state`` into
+            torch optimizers and schedulers (:mod:`xla_ckpt.trainer.fairseq_compat`).
     """
 
     model: Literal["minilm", "tiny"] = "minilm"
@@ -171,10 +182,16 @@ class TrainConfig:
     weight_decay: float = 0.01
     seed: int = 1
     preempt_at_update: int = 0
+    criterion_check: Literal["strict", "warn", "off"] = "warn"
+    fairseq_compat: bool = True
 
     def __post_init__(self) -> None:
         s = "train"
         _check_choice(s, "model", self.model, ("minilm", "tiny"))
+        _check_choice(s, "criterion_check", self.criterion_check, CRITERION_CHECKS)
+        if not isinstance(self.fairseq_compat, bool):
+            raise ConfigError(f"{s}.fairseq_compat must be true or false, got "
+                              f"{self.fairseq_compat!r}")
         for name in ("workers", "max_epoch", "batch_size"):
             _check_int(s, name, getattr(self, name), 1)
         for name in ("max_updates", "warmup_updates", "seed", "preempt_at_update"):

@@ -36,7 +36,7 @@ from xla_ckpt.config import load_config
 from xla_ckpt.demo import corpus
 from xla_ckpt.demo.model import ContrastiveLoss, build
 from xla_ckpt.manager import CheckpointManager
-from xla_ckpt.trainer import Checkpointer
+from xla_ckpt.trainer import Checkpointer, CheckpointerConfig
 
 if TYPE_CHECKING:
     from xla_ckpt.comm.base import Dist
@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ckpt = Checkpointer(model=model, criterion=criterion, build_optimizer=build_optimizer,
                         build_lr_scheduler=build_lr_scheduler, cfg={"train": vars(tc)},
-                        rank=rank, device=device)
+                        rank=rank, device=device,
+                        config=CheckpointerConfig(criterion_check=tc.criterion_check,
+                                                  fairseq_compat=tc.fairseq_compat))
     torch.manual_seed(tc.seed * 7919 + rank)  # per-rank dropout stream
 
     ck = cfg.checkpoint

@@ -15,11 +15,18 @@ Public surface::
 :class:`Checkpointer` (``checkpointer``: config and constructor) is built from the
 live-training surface (``training_surface``), the save (``save_state``) and the restore
 (``restore_state``); ``module_load``, ``optimizer_state`` and ``prefixes`` hold the loading
-rules, ``meters``/``metrics`` fairseq's meters, ``sources`` the default reader and writer.
+rules, ``meters``/``metrics`` fairseq's meters, ``sources`` the default reader and
+writer, ``fairseq_compat`` the map from fairseq optimizer names and states to torch's
+(``lr_scheduler`` maps fairseq ``lr_scheduler_state`` onto torch schedulers).
 """
 
 from xla_ckpt.trainer.checkpointer import Checkpointer, CheckpointerConfig
-from xla_ckpt.trainer.lr_scheduler import FairseqLRScheduler, InverseSquareRootSchedule
+from xla_ckpt.trainer.fairseq_compat import FAIRSEQ_OPTIMIZERS
+from xla_ckpt.trainer.lr_scheduler import (
+                                          FairseqLRScheduler,
+                                          InverseSquareRootSchedule,
+                                          load_lr_scheduler_state,
+)
 from xla_ckpt.trainer.meters import (
                                      AverageMeter,
                                      DerivedMeter,
@@ -39,9 +46,9 @@ from xla_ckpt.trainer.training_surface import has_parameters
 
 __all__ = [
     "AverageMeter", "Checkpointer", "CheckpointerConfig", "DTYPE_POLICIES", "DerivedMeter",
-    "FairseqLRScheduler", "InverseSquareRootSchedule", "Meter", "MetersDict", "Metrics",
-    "ModuleLoadReport", "SingleProcessRestorer", "SingleProcessSaver", "StopwatchMeter",
-    "SumMeter", "TimeMeter", "best_prefix_strip", "check_live_params", "has_parameters",
-    "load_module_state", "load_optimizer_state", "register_meter", "strip_state_dict",
-    "unwrap_module",
+    "FAIRSEQ_OPTIMIZERS", "FairseqLRScheduler", "InverseSquareRootSchedule", "Meter",
+    "MetersDict", "Metrics", "ModuleLoadReport", "SingleProcessRestorer", "SingleProcessSaver",
+    "StopwatchMeter", "SumMeter", "TimeMeter", "best_prefix_strip", "check_live_params",
+    "has_parameters", "load_lr_scheduler_state", "load_module_state", "load_optimizer_state",
+    "register_meter", "strip_state_dict", "unwrap_module",
 ]

@@ -16,9 +16,16 @@ nothing else: no training loop, no data.  Restore order, as in fairseq:
    criterion too when it has parameters;
 3. unless ``reset_optimizer`` (and when the checkpoint holds optimizer
    state): rebuild the optimizer over the live parameters, check the
-   criterion and optimizer class names against the last
-   ``optimizer_history`` entry, load the lr_scheduler unless
-   ``reset_lr_scheduler``, load the optimizer state
+   criterion class name against the last ``optimizer_history`` entry
+   (``config.criterion_check``: strict / warn / off) and the optimizer
+   class name (a fairseq name such as ``FairseqAdam``, ``FairseqNAG`` or
+   ``FP16Optimizer`` maps onto the torch class and layout of
+   :mod:`~xla_ckpt.trainer.fairseq_compat`; an FP16 ``loss_scale`` comes back
+   in ``extra_state["loss_scale"]``), load the lr_scheduler unless
+   ``reset_lr_scheduler``
+   (:func:`~xla_ckpt.trainer.lr_scheduler.load_lr_scheduler_state`, which
+   also maps a fairseq ``lr_scheduler_state`` onto closed-form torch
+   schedulers), load the optimizer state
    (:func:`~xla_ckpt.trainer.optimizer_state.load_optimizer_state`) with
    ``optimizer_overrides``, then set ``num_updates``;
 4. ``extra_state``: this rank's private state merged over it;
@@ -29,6 +36,9 @@ nothing else: no training loop, no data.  Restore order, as in fairseq:
 
 Differences from fairseq, on purpose: errors are library errors naming keys
 and the flag to pass (fairseq raises a bare ``Exception``/``AssertionError``);
+a fairseq optimizer restores into its torch counterpart instead of failing
+the name check, and a criterion without parameters whose name differs is a
+warning (``criterion_check="warn"``), not a failure;
 TimeMeters are reset in every aggregator (fairseq's loop iterates the keys of
 the ``default`` aggregator and so resets none); a dtype policy guards casts;
 an incomplete checkpoint (data files, no commit marker) is treated as
@@ -44,12 +54,14 @@ and lr_scheduler builds, ``num_updates``, ``lr_step``, training time);
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
+from xla_ckpt.config.sections import CRITERION_CHECKS
 from xla_ckpt.errors import ConfigError
 from xla_ckpt.trainer.metrics import Metrics
 from xla_ckpt.trainer.module_load import check_dtype_policy
@@ -76,15 +88,37 @@ class CheckpointerConfig:
         no_save_optimizer_state: leave ``last_optimizer_state`` out of saves
             (fairseq ``--no-save-optimizer-state``); such a checkpoint
             restores weights only.
+        criterion_check: what the restore does when the criterion class name
+            differs from the checkpoint's (``optimizer_history[-1]["criterion_name"]``,
+            e.g. saved ``LabelSmoothedCrossEntropyCriterion``, live ``CrossEntropyLoss``
+            or ``None``): ``"strict"`` raises StateMismatchError; ``"warn"``
+            (default) logs a WARNING and continues when the live criterion has
+            no parameters (it has no state to load, so only its name differs) and
+            raises when it has parameters; ``"off"`` never checks (a criterion
+            with parameters is still loaded strictly by key).  Config key
+            ``train.criterion_check``.
+        fairseq_compat: map fairseq optimizer names and states
+            (:data:`~xla_ckpt.trainer.fairseq_compat.FAIRSEQ_OPTIMIZERS`, FP16
+            wrappers with their ``loss_scale``) and fairseq ``lr_scheduler_state``
+            onto the live torch optimizer and scheduler
+            (:mod:`~xla_ckpt.trainer.fairseq_compat`,
+            :func:`~xla_ckpt.trainer.lr_scheduler.load_lr_scheduler_state`).  On by
+            default; off, the saved optimizer name must equal the live class name
+            (fairseq's own rule).  Config key ``train.fairseq_compat``.
     """
 
     dtype_policy: str = "error"
     strip_prefixes: bool = False
     no_save_optimizer_state: bool = False
+    criterion_check: str = "warn"
+    fairseq_compat: bool = True
 
     def __post_init__(self) -> None:
         check_dtype_policy(self.dtype_policy, "dtype_policy")
-        for name in ("strip_prefixes", "no_save_optimizer_state"):
+        if self.criterion_check not in CRITERION_CHECKS:
+            raise ConfigError(f"criterion_check: must be one of {', '.join(CRITERION_CHECKS)}, "
+                              f"got {self.criterion_check!r}")
+        for name in ("strip_prefixes", "no_save_optimizer_state", "fairseq_compat"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
 
@@ -113,6 +147,8 @@ class Checkpointer(SaveState, RestoreState):
         cfg, args: configuration saved as ``cfg`` and ``args`` (dict /
             ``argparse.Namespace``; anything the typed encoding holds).
         config: :class:`CheckpointerConfig`.
+        criterion_check: shorthand for ``config.criterion_check`` (``"strict"``,
+            ``"warn"``, ``"off"``); None keeps the config's.
         restorer: ``fn(uri) -> (state, rank_state | None)`` or a ``Restored``;
             default :class:`~xla_ckpt.trainer.sources.SingleProcessRestorer`.
         saver: ``fn(state, uri, *, metadata, rank_state)``; default
@@ -126,7 +162,8 @@ class Checkpointer(SaveState, RestoreState):
     Raises:
         ConfigError: neither ``optimizer`` nor ``build_optimizer`` given, or
             an ``lr_scheduler`` object given with ``build_optimizer`` but
-            without ``build_lr_scheduler`` (it would keep the old optimizer).
+            without ``build_lr_scheduler`` (it would keep the old optimizer), or
+            a ``criterion_check`` other than strict / warn / off.
     """
 
     def __init__(self, *, model: torch.nn.Module, criterion: Optional[torch.nn.Module] = None,
@@ -136,7 +173,8 @@ class Checkpointer(SaveState, RestoreState):
                  metrics: Any = None, cfg: Any = None, args: Any = None,
                  config: Optional[CheckpointerConfig] = None, restorer: Optional[Restorer] = None,
                  saver: Optional[Saver] = None, device: torch.device | str | None = None,
-                 rank: int = 0, clock: Callable[[], float] = time.time) -> None:
+                 rank: int = 0, clock: Callable[[], float] = time.time,
+                 criterion_check: Optional[str] = None) -> None:
         if optimizer is None and build_optimizer is None:
             raise ConfigError("build_optimizer: pass build_optimizer (preferred: the restore "
                               "rebuilds the optimizer over the live parameters) or optimizer")
@@ -153,6 +191,8 @@ class Checkpointer(SaveState, RestoreState):
         self.cfg = cfg
         self.args = args
         self.config = config or CheckpointerConfig()
+        if criterion_check is not None:
+            self.config = dataclasses.replace(self.config, criterion_check=criterion_check)
         self.restorer = restorer or SingleProcessRestorer(rank=rank)
         self.saver = saver or SingleProcessSaver(rank=rank)
         self.device = device

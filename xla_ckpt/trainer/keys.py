@@ -15,6 +15,7 @@
         "previous_training_time": float,      # seconds
         "train_iterator": {"epoch": int, "iterations_in_epoch": int, "version": int},
         ...                                   # whatever the caller passed (val_loss, best, ...)
+        # on restore only: "loss_scale": float  # a fairseq FP16 optimizer's loss scale
       },
       "last_optimizer_state": {"state": {int: {...}}, "param_groups": [...]},  # unless not saved
     }
@@ -47,6 +48,9 @@ EPOCH = "epoch"
 ITERATIONS_IN_EPOCH = "iterations_in_epoch"
 ITERATOR_VERSION = "version"
 VAL_LOSS = "val_loss"
+# set by the restore (never saved by it): a fairseq FP16Optimizer / MemoryEfficientFP16Optimizer
+# checkpoint's dynamic loss scale (float), taken out of its last_optimizer_state
+LOSS_SCALE = "loss_scale"
 
 # manifest metadata entries
 META_LOSS = "loss"

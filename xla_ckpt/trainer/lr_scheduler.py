@@ -10,16 +10,26 @@ The trainer restore drives schedulers the way fairseq's ``Trainer`` does:
   own ``step()`` calls, so the restore only loads its state (``last_epoch``,
   ``_last_lr``, ...) and never steps it; the training loop steps it.
 
+:func:`load_lr_scheduler_state` is the restore's one way in: it also takes a
+*fairseq* ``lr_scheduler_state`` (``{"best": ...}``, ``{"lr": ...}``; no step
+counter) into a torch scheduler when that is exact (the closed-form torch
+schedules continue at ``last_epoch = num_updates``; ``ReduceLROnPlateau``
+takes ``best``/``last_epoch``), and otherwise raises one
+:class:`~xla_ckpt.errors.StateMismatchError` naming the live class, the
+missing and extra keys and ``reset_lr_scheduler=True``, never a bare
+``KeyError``.
+
 :class:`InverseSquareRootSchedule` is fairseq's ``inverse_sqrt`` schedule.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 
-from xla_ckpt.errors import ConfigError
+from xla_ckpt.errors import ConfigError, StateMismatchError
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -44,7 +54,8 @@ class FairseqLRScheduler:
         return {"best": self.best}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.best = state_dict["best"]
+        """Take ``best`` (absent in fairseq's ``fixed``/``manual`` states: None)."""
+        self.best = state_dict.get("best")
 
     def step(self, epoch: int, val_loss: Optional[float] = None) -> Optional[float]:
         """End of ``epoch``: remember the best (lowest) ``val_loss``."""
@@ -102,3 +113,123 @@ class InverseSquareRootSchedule(FairseqLRScheduler):
             self.lr = self.decay_factor * num_updates ** -0.5
         set_lr(self.optimizer, self.lr)
         return self.lr
+
+
+# torch schedulers whose learning rate is a closed-form function of ``last_epoch`` and their
+# constructor arguments (they define ``_get_closed_form_lr``): a fairseq ``lr_scheduler_state``
+# (no step counter) plus ``num_updates`` restores them exactly.
+CLOSED_FORM_SCHEDULERS = ("StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR",
+                          "PolynomialLR", "CosineAnnealingLR")
+# What fairseq schedulers save: {"best"} (inverse_sqrt, cosine, polynomial_decay, step,
+# tri_stage, triangular), {"lr"} (fixed, manual), {"best", "last_epoch"} (reduce_lr_on_plateau).
+FAIRSEQ_SCHEDULER_KEYS = ("best", "lr", "last_epoch")
+_RESET_LR = "pass reset_lr_scheduler=True to keep the fresh lr_scheduler"
+
+
+def load_lr_scheduler_state(scheduler: Any, state: Any, *, num_updates: int,
+                            where: str = "", map_fairseq: bool = True) -> bool:
+    """Load an ``lr_scheduler_state`` into ``scheduler``, mapping fairseq's layout to torch's.
+
+    Called by the trainer restore on every rank, before the optimizer state is loaded.
+
+    * A fairseq-style scheduler (``step_update``) or any non-torch object:
+      its own ``load_state_dict(state)``.
+    * A torch scheduler and a torch state (every key of the live
+      ``state_dict()`` present): ``load_state_dict(state)``.
+    * A torch scheduler and a fairseq state (keys from
+      :data:`FAIRSEQ_SCHEDULER_KEYS`, no step counter): fairseq schedules are
+      functions of ``num_updates``, so a torch scheduler stepped once per update
+      continues at ``last_epoch = num_updates``.  That is exact for the
+      closed-form schedulers (:data:`CLOSED_FORM_SCHEDULERS`: StepLR,
+      MultiStepLR, ConstantLR, LinearLR, ExponentialLR, PolynomialLR,
+      CosineAnnealingLR): their constructor arguments and ``base_lrs`` (the
+      live optimizer's initial ``lr``) stay the live ones,
+      ``last_epoch``/``_step_count`` follow ``num_updates`` and ``_last_lr`` is
+      the closed form there (which can differ in the last bit from a chain of
+      ``step()`` calls, the chainable form torch uses from then on).
+      ``ReduceLROnPlateau`` takes fairseq's ``best`` and ``last_epoch``
+      (fairseq's ``reduce_lr_on_plateau`` wraps it).  fairseq's
+      ``best`` (best validation loss) and ``lr`` are not part of the closed-form
+      states and are not used (the restore logs the mapping from rank 0).
+    * Anything else (``LambdaLR``/``MultiplicativeLR``, whose lambdas fairseq
+      never saved; ``OneCycleLR``, ``CyclicLR``, ``SequentialLR``, ... whose
+      position is more than a counter): one error.
+
+    Args:
+        scheduler: the live lr_scheduler.
+        state: the checkpoint's ``optimizer_history[-1]["lr_scheduler_state"]``.
+        num_updates: the checkpoint's ``num_updates`` (>= 0).
+        where: checkpoint URI for messages.
+        map_fairseq: False refuses a fairseq state instead of mapping it
+            (``CheckpointerConfig.fairseq_compat``).
+
+    Returns:
+        True when a fairseq state was mapped (the learning rate now follows the
+        torch scheduler: the caller sets the param groups' ``lr`` to
+        ``get_last_lr()`` after loading the optimizer), False for a plain load.
+
+    Raises:
+        StateMismatchError: the keys do not map (names the URI, the live scheduler
+            class, the missing and the extra keys, and ``reset_lr_scheduler=True``);
+            never a bare ``KeyError``.
+    """
+    loc = f"{where}: " if where else ""
+    torch_sched = isinstance(scheduler, (torch.optim.lr_scheduler.LRScheduler,
+                                         torch.optim.lr_scheduler.ReduceLROnPlateau))
+    name = type(scheduler).__name__
+    if not torch_sched or is_fairseq_style(scheduler):
+        _plain_load(scheduler, state, loc)
+        return False
+    live = scheduler.state_dict()
+    saved: Mapping = state if isinstance(state, Mapping) else {}
+    saved_keys = set(map(str, saved))
+    if isinstance(state, Mapping) and set(live) <= saved_keys:
+        _plain_load(scheduler, state, loc)
+        return False
+    missing = sorted(set(live) - saved_keys)
+    extra = sorted(saved_keys - set(live))
+    fairseq_layout = isinstance(state, Mapping) and saved_keys <= set(FAIRSEQ_SCHEDULER_KEYS)
+    from_torch = type(scheduler).__module__ == "torch.optim.lr_scheduler" and map_fairseq
+    if fairseq_layout and from_torch and isinstance(
+            scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        new = dict(live)
+        if saved.get("best") is not None:
+            new["best"] = saved["best"]
+        if isinstance(saved.get("last_epoch"), int):
+            new["last_epoch"] = saved["last_epoch"]
+        scheduler.load_state_dict(new)
+        return False
+    if fairseq_layout and from_torch and name in CLOSED_FORM_SCHEDULERS \
+            and isinstance(num_updates, int) and num_updates >= 0:
+        new = dict(live)
+        new.update(last_epoch=num_updates, _step_count=num_updates + 1)
+        scheduler.load_state_dict(new)
+        # every CLOSED_FORM_SCHEDULERS class defines _get_closed_form_lr
+        scheduler._last_lr = list(scheduler._get_closed_form_lr())
+        return True
+    if fairseq_layout and not map_fairseq:
+        why = ("a fairseq lr_scheduler_state is mapped onto torch schedulers only with "
+               "fairseq_compat=True")
+    elif fairseq_layout:
+        why = (f"a fairseq lr_scheduler_state (keys {sorted(saved_keys)}; fairseq schedules are "
+               f"functions of num_updates) maps only onto a fairseq-style scheduler "
+               f"(xla_ckpt.trainer.InverseSquareRootSchedule, FairseqLRScheduler) or a "
+               f"closed-form torch scheduler ({', '.join(CLOSED_FORM_SCHEDULERS)}, "
+               f"ReduceLROnPlateau)")
+    else:
+        why = "the saved lr_scheduler_state was written by another scheduler"
+    raise StateMismatchError(
+        f"{loc}lr_scheduler does not match the checkpoint: live {name} needs keys {missing} "
+        f"that the saved lr_scheduler_state lacks (extra saved keys: {extra}); {why}; "
+        f"{_RESET_LR}")
+
+
+def _plain_load(scheduler: Any, state: Any, loc: str) -> None:
+    try:
+        scheduler.load_state_dict(state)
+    except (KeyError, TypeError, AttributeError) as e:
+        saved = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
+        raise StateMismatchError(
+            f"{loc}lr_scheduler does not match the checkpoint: live {type(scheduler).__name__} "
+            f"could not load the saved lr_scheduler_state (keys {saved}): "
+            f"{type(e).__name__}: {e}; {_RESET_LR}") from e

@@ -26,7 +26,11 @@ from typing import Any, Optional
 
 from xla_ckpt.errors import NothingCommittedError, StateMismatchError, UncommittedCheckpointError
 from xla_ckpt.trainer import keys as K
-from xla_ckpt.trainer.lr_scheduler import is_fairseq_style
+from xla_ckpt.trainer.fairseq_compat import (
+    adapt_fairseq_optimizer_state,
+    is_fairseq_optimizer_name,
+)
+from xla_ckpt.trainer.lr_scheduler import is_fairseq_style, load_lr_scheduler_state
 from xla_ckpt.trainer.module_load import load_module_state
 from xla_ckpt.trainer.optimizer_state import check_live_params, load_optimizer_state
 from xla_ckpt.trainer.prefixes import unwrap_module
@@ -60,7 +64,9 @@ class RestoreState(TrainingSurface):
         Returns:
             ``extra_state`` (with this rank's private values merged over it),
             or ``None`` when nothing was ever committed at ``uri`` (logged at
-            WARNING; training starts from scratch).
+            WARNING; training starts from scratch).  A fairseq FP16Optimizer /
+            MemoryEfficientFP16Optimizer checkpoint's dynamic loss scale is in
+            ``extra_state["loss_scale"]`` (float; unless ``reset_optimizer``).
 
         Raises:
             CheckpointNotFoundError: ``uri`` is a local path whose parent folder is
@@ -68,8 +74,13 @@ class RestoreState(TrainingSurface):
             CheckpointReplacedError: another writer replaced the checkpoint while it
                 was read, twice in a row.
             StateMismatchError: model/criterion keys, shapes or dtypes do not
-                fit (names them); criterion or optimizer class differs from
-                the checkpoint (names both, suggests ``reset_optimizer=True``).
+                fit (names them); criterion class differs from the checkpoint
+                (``criterion_check``) or optimizer class differs and does not map
+                (:mod:`~xla_ckpt.trainer.fairseq_compat`; names both, suggests
+                ``reset_optimizer=True``); a fairseq optimizer state key cannot map
+                (names it); the lr_scheduler state does not fit the live
+                scheduler (names the class, the missing/extra keys and
+                ``reset_lr_scheduler=True``).
             CheckpointCorruptError / IntegrityError: bad bytes (names the path).
         """
         restored = self._restore(uri)
@@ -126,8 +137,12 @@ class RestoreState(TrainingSurface):
                 extra_state.update(rank_state)
 
         if last_optim_state is not None and not reset_optimizer:
-            self._restore_optimizer(uri, last_optim_state, reset_lr_scheduler,
-                                    optimizer_overrides, reports)
+            restored_extra = self._restore_optimizer(uri, state, last_optim_state,
+                                                     reset_lr_scheduler, optimizer_overrides,
+                                                     reports)
+            if extra_state is not None:
+                for k, v in restored_extra.items():
+                    extra_state.setdefault(k, v)
 
         if extra_state is None:
             if not absent_logged:
@@ -168,8 +183,10 @@ class RestoreState(TrainingSurface):
             logger.warning("rank %d: no existing checkpoint found at %s", self.rank, uri)
         return restored
 
-    def _restore_optimizer(self, uri: str, last_optim_state: Any, reset_lr_scheduler: bool,
-                           overrides: Optional[Mapping[str, Any]], reports: list) -> None:
+    def _restore_optimizer(self, uri: str, state: Mapping, last_optim_state: Any,
+                           reset_lr_scheduler: bool, overrides: Optional[Mapping[str, Any]],
+                           reports: list) -> dict:
+        """Optimizer, lr_scheduler and ``num_updates``; returns entries for ``extra_state``."""
         if self.build_optimizer is not None:
             self._build_optimizer()  # after the model load: params may have changed
         else:
@@ -178,22 +195,42 @@ class RestoreState(TrainingSurface):
             raise StateMismatchError(f"{uri}: the checkpoint has optimizer state but an empty "
                                      f"{K.OPTIMIZER_HISTORY}; pass reset_optimizer=True")
         last = self._optim_history[-1]
-        crit_name = type(self.criterion).__name__ if self.criterion is not None else None
-        if last.get(K.CRITERION_NAME) != crit_name:
-            raise StateMismatchError(
-                f"{uri}: criterion does not match the checkpoint: saved "
-                f"{last.get(K.CRITERION_NAME)}, live {crit_name}; pass reset_optimizer=True to "
-                "restore the weights with a fresh optimizer")
+        self._check_criterion_name(uri, last.get(K.CRITERION_NAME))
+        extra: dict = {}
         opt_name = type(self.optimizer).__name__
-        if last.get(K.OPTIMIZER_NAME) != opt_name:
-            raise StateMismatchError(
-                f"{uri}: optimizer does not match the checkpoint: saved "
-                f"{last.get(K.OPTIMIZER_NAME)}, live {opt_name}; pass reset_optimizer=True to "
-                "restore the weights with a fresh optimizer")
+        saved_opt = last.get(K.OPTIMIZER_NAME)
+        if saved_opt != opt_name:
+            if not (self.config.fairseq_compat and is_fairseq_optimizer_name(saved_opt)):
+                raise StateMismatchError(
+                    f"{uri}: optimizer does not match the checkpoint: saved {saved_opt}, live "
+                    f"{opt_name}; pass reset_optimizer=True to restore the weights with a fresh "
+                    "optimizer")
+            adapted = adapt_fairseq_optimizer_state(
+                saved_opt, self.optimizer, last_optim_state, cfg=state.get(K.CFG),
+                args=state.get(K.ARGS), where=uri)
+            last_optim_state = adapted.state_dict
+            if adapted.loss_scale is not None:
+                extra[K.LOSS_SCALE] = adapted.loss_scale
+            if self.rank == 0:
+                logger.info("rank %d: %s: fairseq optimizer %s restored as torch.optim.%s%s%s",
+                            self.rank, uri, saved_opt, opt_name,
+                            "" if adapted.loss_scale is None
+                            else f"; loss_scale {adapted.loss_scale:g} in extra_state",
+                            "; flat fp32 master state split per parameter"
+                            if adapted.flat_params_split else "")
+        num_updates = last.get(K.NUM_UPDATES, 0)
         sched = self.lr_scheduler
+        lr_follows_sched = False
         if not reset_lr_scheduler and sched is not None \
                 and last.get(K.LR_SCHEDULER_STATE) is not None:
-            sched.load_state_dict(last[K.LR_SCHEDULER_STATE])
+            lr_follows_sched = load_lr_scheduler_state(
+                sched, last[K.LR_SCHEDULER_STATE], num_updates=num_updates, where=uri,
+                map_fairseq=self.config.fairseq_compat)
+            if lr_follows_sched and self.rank == 0:
+                logger.info("rank %d: %s: fairseq lr_scheduler_state %s restored as %s at "
+                            "last_epoch=%s (num_updates); the lr follows its schedule",
+                            self.rank, uri, last[K.LR_SCHEDULER_STATE], type(sched).__name__,
+                            num_updates)
         saved_dtypes = {}  # id(live parameter) -> dtype it was saved with
         for module, report in reports:
             named = dict(unwrap_module(module).named_parameters(remove_duplicate=False))
@@ -201,13 +238,31 @@ class RestoreState(TrainingSurface):
                                  if k in named})
         load_optimizer_state(self.optimizer, last_optim_state, saved_param_dtypes=saved_dtypes,
                              where=uri)
-        if (reset_lr_scheduler and sched is not None and not is_fairseq_style(sched)
-                and hasattr(sched, "get_last_lr")):
-            # A fresh torch scheduler set the lr at construction; the optimizer load
-            # overwrote it with the saved one. The fresh schedule wins.
+        if sched is not None and not is_fairseq_style(sched) and hasattr(sched, "get_last_lr") \
+                and (reset_lr_scheduler or lr_follows_sched):
+            # A fresh (or fairseq-mapped) torch scheduler holds the lr of its own schedule; the
+            # optimizer load overwrote it with the saved one. The torch schedule wins.
             for group, lr in zip(self.optimizer.param_groups, sched.get_last_lr(), strict=True):
                 group["lr"] = lr
         if overrides:
             for group in self.optimizer.param_groups:
                 group.update(overrides)
-        self.set_num_updates(last.get(K.NUM_UPDATES, 0))
+        self.set_num_updates(num_updates)
+        return extra
+
+    def _check_criterion_name(self, uri: str, saved: Any) -> None:
+        """``config.criterion_check``: strict / warn (criteria without parameters) / off."""
+        mode = self.config.criterion_check
+        live = type(self.criterion).__name__ if self.criterion is not None else None
+        if mode == "off" or saved == live:
+            return
+        if mode == "warn" and not has_parameters(self.criterion):
+            logger.warning(
+                "rank %d: %s: criterion does not match the checkpoint: saved %s, live %s; the "
+                "live criterion has no parameters, so no criterion state is restored and "
+                "training continues (criterion_check='warn'; 'strict' refuses, 'off' skips the "
+                "check)", self.rank, uri, saved, live)
+            return
+        raise StateMismatchError(
+            f"{uri}: criterion does not match the checkpoint: saved {saved}, live {live}; pass "
+            "reset_optimizer=True to restore the weights with a fresh optimizer")

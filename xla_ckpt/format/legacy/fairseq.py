@@ -14,6 +14,12 @@ stays an ``argparse.Namespace``; when the file has no ``cfg``, ``cfg`` becomes
 a *flat* ``dict`` copy of ``vars(args)`` (fairseq groups it with its dataclass
 registry, which needs fairseq itself); a ``cfg`` dict in newer files is kept
 as it is.
+
+The names the upgrade fills for the oldest layouts (``optimizer_name``
+``FairseqNAG``, ``criterion_name`` ``CrossEntropyCriterion``) are fairseq's;
+the trainer restore maps them onto torch (``FairseqNAG`` -> nesterov ``SGD``,
+see :mod:`xla_ckpt.trainer.fairseq_compat`; a criterion name is checked per
+``CheckpointerConfig.criterion_check``).
 """
 
 from __future__ import annotations
