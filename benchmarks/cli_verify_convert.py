@@ -16,6 +16,15 @@ Methods (same process, same bytes, median of ``--repeat``):
   convert          load_legacy + xla_ckpt.save (what `xla-ckpt convert` does)
   peer_torch_copy  torch.load(weights_only=True) + torch.save to a new file
 
+The same tensors as a PyTorch DCP checkpoint (``dcp.save``, no Namespace: DCP items must load
+with weights_only), read by xla_ckpt's DCP reader (byte ranges, no template state needed):
+
+  convert_dcp             `xla-ckpt convert DCP DST`: read_dcp + unflatten + xla_ckpt.save
+  peer_dcp_load_save      dcp.load into a preallocated template (no_dist) + the same
+                          xla_ckpt.save
+  export_dcp_pt           `xla-ckpt export DCP out.pt --format pt`: read_dcp + torch.save
+  peer_dcp_load_torch_save dcp.load into a preallocated template + torch.save
+
 Each line is JSON with ``seconds``, ``mib_s`` and ``ratio_vs_<peer>`` (peer seconds / these
 seconds: > 1 means the xla_ckpt method is faster).
 
@@ -40,10 +49,13 @@ sys.path.insert(0, os.path.dirname(HERE))
 import google_crc32c  # noqa: E402 - after the sys.path insert above
 import numpy as np  # noqa: E402 - after the sys.path insert above
 import torch  # noqa: E402 - after the sys.path insert above
+import torch.distributed.checkpoint as dcp  # noqa: E402 - after the sys.path insert above
 
 import xla_ckpt  # noqa: E402 - after the sys.path insert above
 from xla_ckpt.format import legacy  # noqa: E402 - after the sys.path insert above
-from xla_ckpt.io import read_manifest  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.io import read_manifest, resolve  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.io.export import export  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.io.opener import read_foreign  # noqa: E402 - after the sys.path insert above
 from xla_ckpt.io.verify import verify_checkpoint  # noqa: E402 - after the sys.path insert above
 from xla_ckpt.storage import open_storage  # noqa: E402 - after the sys.path insert above
 
@@ -128,13 +140,44 @@ def main() -> None:
                 obj = torch.load(pt, map_location="cpu", weights_only=True)
             torch.save(obj, os.path.join(tmp, "copy.pt"))
 
+        dcp_state = {"model": state["model"],
+                     "optim": {"step": torch.tensor(100.0), "lr": 1e-3, "betas": [0.9, 0.98]}}
+        dcp_dir = os.path.join(tmp, "dcp")
+        dcp.save(dcp_state, storage_writer=dcp.FileSystemWriter(dcp_dir), no_dist=True)
+
+        def template() -> dict:
+            return {"model": {k: torch.empty_like(v) for k, v in dcp_state["model"].items()},
+                    "optim": {"step": torch.empty(()), "lr": 0.0, "betas": [0.0, 0.0]}}
+
+        def convert_dcp():
+            got = read_foreign(resolve(dcp_dir))
+            xla_ckpt.save(got, os.path.join(tmp, "from_dcp"),
+                          metadata={"source_format": "dcp"})
+
+        def dcp_load_save():
+            target = template()
+            dcp.load(target, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
+            xla_ckpt.save(target, os.path.join(tmp, "from_dcp_peer"),
+                          metadata={"source_format": "dcp"})
+
+        def export_dcp_pt():
+            export(dcp_dir, os.path.join(tmp, "dcp.pt"), fmt="pt", overwrite=True)
+
+        def dcp_load_torch_save():
+            target = template()
+            dcp.load(target, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
+            torch.save(target, os.path.join(tmp, "dcp_peer.pt"))
+
         results = {name: timed(fn, args.repeat) for name, fn in [
             ("verify", verify), ("peer_crc_seq", crc_seq), ("peer_load", load),
             ("import_legacy", import_legacy), ("peer_torch_load", torch_load),
-            ("convert", convert), ("peer_torch_copy", torch_copy)]}
+            ("convert", convert), ("peer_torch_copy", torch_copy),
+            ("convert_dcp", convert_dcp), ("peer_dcp_load_save", dcp_load_save),
+            ("export_dcp_pt", export_dcp_pt), ("peer_dcp_load_torch_save", dcp_load_torch_save)]}
         st.close()
     peers = {"verify": ["peer_crc_seq", "peer_load"], "import_legacy": ["peer_torch_load"],
-             "convert": ["peer_torch_copy"]}
+             "convert": ["peer_torch_copy"], "convert_dcp": ["peer_dcp_load_save"],
+             "export_dcp_pt": ["peer_dcp_load_torch_save"]}
     for name, secs in results.items():
         line = {"method": name, "size_mib": round(nbytes / MiB), "seconds": round(secs, 4),
                 "mib_s": round(nbytes / MiB / secs, 1)}

@@ -9,6 +9,7 @@ no trace.
 
 import argparse
 import io
+import json
 import math
 import os
 from collections import OrderedDict
@@ -261,3 +262,147 @@ def test_bad_source_files_exit_1(cli, root, content, match):
 def test_missing_source_exits_2(cli, root):
     r = cli("convert", f"{root}/nope.pt", f"{root}/ck")
     assert r.code == 2 and r.err.startswith("xla-ckpt convert: error: ")
+
+
+# ---- a whole fairseq run folder, DCP and HF indexes ------------------------------------------
+
+def _fairseq_file(updates, epoch, loss):
+    torch.manual_seed(updates)
+    model = torch.nn.Linear(2, 2)
+    state = {"args": argparse.Namespace(arch="tiny", lr=[0.1]), "cfg": None,
+             "model": model.state_dict(),
+             "optimizer_history": [{"criterion_name": "CrossEntropyCriterion",
+                                    "optimizer_name": "Adam", "lr_scheduler_state": {"best": loss},
+                                    "num_updates": updates}],
+             "last_optimizer_state": {"state": {}, "param_groups": []},
+             "extra_state": {"train_iterator": {"epoch": epoch, "iterations_in_epoch": 1,
+                                                "version": 2},
+                             "val_loss": loss, "previous_training_time": 1.0}}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue(), state
+
+
+def _restore_with_manager(run, restore_file="checkpoint_last"):
+    from xla_ckpt.config import CheckpointConfig
+    from xla_ckpt.manager import CheckpointManager
+
+    cfg = CheckpointConfig(save_dir=run, handle_sigterm=False, async_save=False,
+                           save_interval_epochs=0, restore_file=restore_file, no_save=True)
+    with CheckpointManager(cfg) as mgr:
+        return mgr.restore_or_initialize()
+
+
+def test_a_fairseq_run_folder_converts_with_last_and_best_as_pointers(cli, root):
+    ep1, s1 = _fairseq_file(2, 1, 1.0)
+    ep2, s2 = _fairseq_file(4, 2, 1.5)
+    src = f"{root}/fairseq"
+    for name, data in (("checkpoint1.pt", ep1), ("checkpoint_2_4.pt", ep2),
+                       ("checkpoint_last.pt", ep2), ("checkpoint_best.pt", ep1)):
+        _put(src, name, data)
+    dst = f"{root}/run"
+    r = cli("convert", src, dst)
+    assert r.code == 0, r.err
+    lines = r.out.splitlines()
+    assert lines[0].startswith(f"converted run folder {src} -> {dst}: 2 checkpoints (")
+    assert lines[0].endswith(f"; xla_ckpt.load({dst}) -> checkpoint_2_4")
+    assert lines[1:] == [
+        "  checkpoint1.pt -> checkpoint1: converted, updates 2",
+        "  checkpoint_2_4.pt -> checkpoint_2_4: converted, updates 4",
+        ("  checkpoint_last.pt -> checkpoint_2_4 (checkpoint_last): same bytes as "
+         "checkpoint_2_4.pt, updates 4"),
+        ("  checkpoint_best.pt -> checkpoint1 (checkpoint_best): same bytes as checkpoint1.pt, "
+         "updates 2")]
+    assert sorted(n for n in listing(dst) if "/" not in n) == ["checkpoint_best.json",
+                                                               "checkpoint_last.json"]
+    with open_storage(dst) as st:
+        last = json.loads(st.read_bytes("checkpoint_last.json"))
+        best = json.loads(st.read_bytes("checkpoint_best.json"))
+    assert last == {"checkpoint": "checkpoint_2_4", "converted_from": f"{src}/checkpoint_last.pt",
+                    "epoch": 2, "num_updates": 4}
+    assert best == {"checkpoint": "checkpoint1", "converted_from": f"{src}/checkpoint_best.pt",
+                    "epoch": 1, "metric": "loss", "num_updates": 2, "value": 1.0}
+    # what fairseq would restore (checkpoint_last.pt), from every entry point
+    for uri in (dst, f"{dst}/checkpoint_last"):
+        got = xla_ckpt.load(uri)
+        for k, v in s2["model"].items():
+            assert torch.equal(got["model"][k], v)
+    res = _restore_with_manager(dst)
+    assert (res.checkpoint, res.num_updates, res.epoch) == ("checkpoint_2_4", 4, 2)
+    res = _restore_with_manager(dst, "checkpoint_best")
+    assert res.checkpoint == "checkpoint1"
+    assert torch.equal(res.state["model"]["weight"], s1["model"]["weight"])
+    # a rerun converts nothing again
+    r = cli("convert", src, dst, "--overwrite")
+    assert r.code == 0 and ": 0 checkpoints (" in r.out.splitlines()[0]
+    assert "  checkpoint1.pt -> checkpoint1: already converted, updates 2" in r.out
+    r = cli("convert", src, dst)
+    assert r.code == 2 and "checkpoint_last.json already exists; pass --overwrite" in r.err
+
+
+def test_a_last_that_copies_nothing_is_its_own_checkpoint(cli, tmp_path):
+    """--no-epoch-checkpoints runs: only checkpoint_last.pt (and best, its copy); in place."""
+    run = str(tmp_path / "run")
+    old, _ = _fairseq_file(2, 1, 2.0)
+    last, s_last = _fairseq_file(6, 3, 0.5)
+    _put(run, "checkpoint1.pt", old)
+    _put(run, "checkpoint_last.pt", last)
+    _put(run, "checkpoint_best.pt", last)
+    r = cli("convert", run, run)  # in place: the .pt files stay
+    assert r.code == 0, r.err
+    assert "  checkpoint_last.pt -> checkpoint_3_6 (checkpoint_last): converted, updates 6" in r.out
+    assert ("  checkpoint_best.pt -> checkpoint_3_6 (checkpoint_best): same bytes as "
+            "checkpoint_last.pt, updates 6") in r.out
+    assert sorted(n for n in listing(run) if "/" not in n) == [
+        "checkpoint1.pt", "checkpoint_best.json", "checkpoint_best.pt", "checkpoint_last.json",
+        "checkpoint_last.pt"]
+    got = xla_ckpt.load(run)
+    assert torch.equal(got["model"]["weight"], s_last["model"]["weight"])
+    assert _restore_with_manager(run).checkpoint == "checkpoint_3_6"
+
+
+def test_dcp_converts_both_ways(cli, root, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.randn(4, 3), "ids": torch.arange(4)},
+             "optim": {"step": torch.tensor(3.0), "lr": 0.25}}
+    local = tmp_path / "dcp"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(local)), no_dist=True)
+    with open_storage(root) as st:
+        for p in local.iterdir():
+            st.write_atomic(f"dcp/{p.name}", [p.read_bytes()])
+    r = cli("convert", f"{root}/dcp", f"{root}/ck")
+    assert r.code == 0, r.err
+    assert r.out.startswith(f"converted {root}/dcp (dcp) -> {root}/ck: 3 tensors, ")
+    from xla_ckpt.testing.asserts import assert_state_identical
+
+    assert_state_identical(xla_ckpt.load(f"{root}/ck"), state)
+    r = cli("convert", f"{root}/ck", f"{root}/dcp2", "--to", "dcp")
+    assert r.code == 0, r.err
+    back = tmp_path / "dcp2"
+    back.mkdir()
+    with open_storage(f"{root}/dcp2") as st:
+        for n in st.list(""):
+            (back / n).write_bytes(st.read_bytes(n))
+    target = {"model": {"w": torch.zeros(4, 3), "ids": torch.zeros(4, dtype=torch.int64)},
+              "optim": {"step": torch.tensor(0.0), "lr": 0.0}}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(str(back)), no_dist=True)
+    assert_state_identical(target, state)
+    r = cli("convert", f"{root}/ck", f"{root}/ck2")
+    assert r.code == 2 and "is already an xla_ckpt checkpoint" in r.err
+
+
+def test_a_sharded_hf_checkpoint_converts(cli, tmp_path):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=32,
+                                 max_position_embeddings=16))
+    model.save_pretrained(str(tmp_path / "hf"), max_shard_size="20KB")
+    r = cli("convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--layout", "model")
+    assert r.code == 0, r.err
+    assert "(hf_index)" in r.out
+    got = xla_ckpt.load(str(tmp_path / "ck"))["model"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k], v), k

@@ -29,7 +29,7 @@ from xla_ckpt.errors import (
 from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.io import resolve
 from xla_ckpt.io.catalog import write_pointer
-from xla_ckpt.io.resolve import LEGACY, XLA_CKPT
+from xla_ckpt.io.resolve import ACCEPTED, LEGACY, XLA_CKPT
 from xla_ckpt.manager import CheckpointManager
 from xla_ckpt.restore import restore
 from xla_ckpt.storage import StorageConfig, open_storage
@@ -115,8 +115,8 @@ def test_a_legacy_pt_is_recognised_and_imported(tmp_path):
     other.write_text("not a checkpoint at all")
     with pytest.raises(CheckpointNotFoundError) as e:
         xla_ckpt.load(str(other))
-    assert str(e.value) == (f"{other} is a file, neither a checkpoint folder nor a legacy "
-                            ".pt/safetensors file")
+    assert str(e.value) == (f"{other} is a file that is not a checkpoint (it starts with "
+                            f"b'not a ch'); xla_ckpt reads {ACCEPTED}")
     assert not isinstance(e.value, NothingCommittedError)
 
 
@@ -128,7 +128,9 @@ def test_nothing_committed_is_one_class_everywhere(tmp_path):
         uri = str(uri)
         with pytest.raises(NothingCommittedError) as e:
             xla_ckpt.load(uri)
-        assert str(e.value) == f"{uri}: no committed checkpoint here" and e.value.uri == uri
+        held = (f" (it holds 1 other object: events.txt; xla_ckpt reads {ACCEPTED})"
+                if uri.endswith("logs") else "")
+        assert str(e.value) == f"{uri}: no committed checkpoint here{held}" and e.value.uri == uri
         assert not isinstance(e.value, IncompleteCheckpointError)
         assert isinstance(e.value, FileNotFoundError)  # existing "start fresh" callers work
         with pytest.raises(NothingCommittedError):
@@ -218,11 +220,13 @@ def test_gcs_nothing_committed_bad_bucket_run_folder_and_a_save_between_reads(gc
     times = [1]
 
     def read_range(storage, name, offset, out, generation=None):
-        original(storage, name, offset, out, generation)
+        # The save lands as the first read of each data file starts (one read may cover the
+        # whole small file: the reader coalesces small blobs).
         if name.startswith("data-") and name not in seen and len(saves) < times[0]:
             seen.add(name)
             saves.append(xla_ckpt.save(state(40 + len(saves)), target,
                                        metadata={"num_updates": 40 + len(saves)}))
+        original(storage, name, offset, out, generation)
 
     monkeypatch.setattr(GCSStorage, "read_range", read_range)
     config = StorageConfig(max_workers=1)

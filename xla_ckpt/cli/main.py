@@ -21,7 +21,7 @@ import traceback
 from typing import Iterator, Sequence
 
 from xla_ckpt import __version__
-from xla_ckpt.cli import convert, demo, gc, inspect, ls, rm, train, verify
+from xla_ckpt.cli import convert, demo, export, gc, inspect, ls, rm, train, verify
 from xla_ckpt.cli.common import (
     EXIT_USAGE,
     UsageError,
@@ -32,7 +32,7 @@ from xla_ckpt.cli.common import (
 )
 from xla_ckpt.errors import XlaCkptError
 
-COMMANDS = (ls, inspect, verify, convert, rm, gc, demo, train)
+COMMANDS = (ls, inspect, verify, convert, rm, gc, export, demo, train)
 
 
 def common_options() -> argparse.ArgumentParser:
@@ -48,7 +48,7 @@ def common_options() -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xla-ckpt",
-        description="List, inspect, verify, convert and prune xla_ckpt checkpoints "
+        description="List, inspect, verify, convert, export and prune xla_ckpt checkpoints "
                     "(local paths or gs:// URIs).")
     parser.add_argument("--version", action="version", version=f"xla-ckpt {__version__}")
     parser.add_argument("--debug", action="store_true", help="print tracebacks and debug logs")

@@ -4,6 +4,8 @@ The format work (allow-listed unpickling, fairseq upgrade, hostile-input
 bounds) is :mod:`xla_ckpt.format.legacy`; this module only gets the bytes:
 a local file is opened and read by ``torch.load`` directly, a ``gs://``
 object is fetched with parallel byte-range reads through :mod:`xla_ckpt.storage`.
+:func:`convert_legacy_run` converts a whole fairseq run folder (its
+``checkpoint_last.pt`` / ``checkpoint_best.pt`` copies become pointers).
 
 For the trainer restore::
 
@@ -17,12 +19,22 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import os
+import re
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
+from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from xla_ckpt.format import typed
+from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.legacy import Layout, LegacyFile, load_legacy, sniff_format
+from xla_ckpt.format.manifest import MANIFEST_NAME
+from xla_ckpt.io.catalog import pointer_name, write_pointer
+from xla_ckpt.io.reader import read_manifest
+from xla_ckpt.io.writer import save
 from xla_ckpt.storage import Storage, StorageConfig, StorageURI, open_storage, parse_uri
+from xla_ckpt.storage.base import ObjectInfo
+from xla_ckpt.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +133,18 @@ def open_legacy_source(uri: str, *, config: StorageConfig | None = None,
         yield f
 
 
+def is_single_object(uri: str, *, config: StorageConfig | None = None) -> bool:
+    """True if ``uri`` names one existing object (a local file, a ``gs://`` object)."""
+    if parse_uri(uri).is_local:
+        return os.path.isfile(_local_path(uri))
+    try:
+        folder, name = split_uri(uri)
+    except CheckpointNotFoundError:
+        return False
+    with open_storage(folder, config) as st:
+        return st.exists(name)
+
+
 def is_legacy_file(uri: str, *, config: StorageConfig | None = None) -> bool:
     """True if ``uri`` names one object that is a torch.save/fairseq ``.pt`` or safetensors file.
 
@@ -176,3 +200,221 @@ def load_legacy_checkpoint(uri: str, *, config: StorageConfig | None = None) -> 
         CheckpointCorruptError: malformed, truncated or hostile file.
     """
     return load_legacy_file(uri, config=config).state
+
+
+# ---- a whole fairseq run folder ---------------------------------------------------------------
+
+FAIRSEQ_POINTERS = {"checkpoint_last.pt": "last", "checkpoint_best.pt": "best"}
+"""The fairseq files that are (byte-)copies of another checkpoint, and the pointer each becomes."""
+
+
+@dataclass
+class ConvertedFile:
+    """One ``.pt`` of a converted run folder.
+
+    Attributes:
+        source: its name in the source run folder (``checkpoint_2_500.pt``).
+        size: its size in bytes.
+        crc32c: crc32c of its bytes.
+        checkpoint: the checkpoint folder holding its state in the destination run folder.
+        copy_of: the source file with the same bytes that was converted instead (None: this
+            one was converted).
+        skipped: already converted there earlier (same source name, size and crc32c).
+        num_updates / epoch: from its fairseq state (None when not fairseq).
+    """
+
+    source: str
+    size: int
+    crc32c: int = 0
+    checkpoint: str = ""
+    copy_of: str | None = None
+    skipped: bool = False
+    num_updates: int | None = None
+    epoch: int | None = None
+
+
+@dataclass
+class RunConversion:
+    """What :func:`convert_legacy_run` did.
+
+    Attributes:
+        src / dst: the run folders.
+        files: every ``.pt`` of ``src``, in the order converted.
+        pointers: ``{"last" | "best": checkpoint folder}`` written in ``dst``.
+        latest: the checkpoint ``xla_ckpt.load(dst)`` now resolves to.
+        nbytes: tensor bytes written.
+    """
+
+    src: str
+    dst: str
+    files: list[ConvertedFile] = field(default_factory=list)
+    pointers: dict[str, str] = field(default_factory=dict)
+    latest: str = ""
+    nbytes: int = 0
+
+
+def legacy_run_files(src: Storage) -> list[str]:
+    """Names of the ``.pt`` files at the top of the folder ``src`` ([] for a single object)."""
+    if isinstance(src, LocalStorage) and not os.path.isdir(src.root):
+        return []
+    return [n for n in src.list("") if "/" not in n and n.endswith(".pt")]
+
+
+def object_crc32c(storage: Storage, name: str, info: ObjectInfo | None = None) -> int:
+    """crc32c of object ``name``, read in ``slice_size_bytes`` slices of one generation."""
+    info = info or storage.stat(name)
+    step = storage.config.slice_size_bytes
+    buf = bytearray(min(step, info.size))
+    crc = 0
+    for start in range(0, info.size, step):
+        view = memoryview(buf)[:min(step, info.size - start)]
+        storage.read_range(name, start, view, info.generation)
+        crc = crc32c(view, crc)
+    return crc
+
+
+def _folder_name(name: str) -> str:
+    return name[:-len(".pt")] if name.endswith(".pt") else name
+
+
+def convert_legacy_run(src: str, dst: str, *, layout: Layout = "auto",
+                       keep_numpy_scalars: bool = False, unsafe_trust_pickle: bool = False,
+                       overwrite: bool = False, config: StorageConfig | None = None,
+                       progress: Progress | None = None) -> RunConversion:
+    """Convert a fairseq run folder (``checkpoint1.pt``, ``checkpoint_2_500.pt``,
+    ``checkpoint_last.pt``, ``checkpoint_best.pt``, ...) into an xla_ckpt run folder.
+
+    Each distinct ``.pt`` (by size and crc32c) is converted once, into the folder named
+    after it (``checkpoint_2_500.pt`` -> ``checkpoint_2_500``).  fairseq writes
+    ``checkpoint_last.pt`` / ``checkpoint_best.pt`` as byte copies of the checkpoint just
+    saved: a copy becomes the ``checkpoint_last`` / ``checkpoint_best`` pointer to that
+    checkpoint (:func:`xla_ckpt.io.catalog.write_pointer`, the manager's format); one that
+    is a copy of nothing (``--no-epoch-checkpoints`` runs, rotated epochs) is converted as
+    its own checkpoint ``checkpoint_<epoch>_<num_updates>`` (``checkpoint_last_pt`` when
+    that is taken or unknown) and pointed at.  Pointers are written after every
+    checkpoint has committed, so ``xla_ckpt.load(dst)`` and
+    ``CheckpointManager.restore_or_initialize`` pick what fairseq would (``checkpoint_last``).
+    ``dst`` may be ``src`` itself (the ``.pt`` files are left alone).  Running it again
+    skips checkpoints already converted from the same bytes (resumable).
+
+    Raises:
+        CheckpointNotFoundError: ``src`` holds no ``.pt`` files.
+        ConfigError: a destination checkpoint folder (or pointer) exists from something
+            else and not ``overwrite``.
+        UnsafePickleError / CheckpointCorruptError: as :func:`load_legacy_file` (names the file).
+    """
+    from xla_ckpt.io.resolve import resolve  # noqa: PLC0415 - resolve imports this module
+
+    report = RunConversion(src=src, dst=dst)
+    with open_storage(src, config) as src_st, open_storage(dst, config) as dst_st:
+        names = legacy_run_files(src_st)
+        if not names:
+            raise CheckpointNotFoundError(f"{src_st.uri}: no .pt files at the top of this "
+                                          "folder; nothing to convert")
+        infos = {n: src_st.stat(n) for n in names}
+        files = {n: ConvertedFile(n, infos[n].size, object_crc32c(src_st, n, infos[n]))
+                 for n in names}
+        # Representatives: a regular checkpoint first, then checkpoint_last, then _best.
+        rank = {"checkpoint_last.pt": 1, "checkpoint_best.pt": 2}
+        ordered = sorted(names, key=lambda n: (rank.get(n, 0), _natural(n)))
+        first: dict[tuple[int, int], str] = {}
+        for n in ordered:
+            key = (files[n].size, files[n].crc32c)
+            if key in first:
+                files[n].copy_of = first[key]
+            else:
+                first[key] = n
+        used = {_folder_name(n) for n in ordered if n not in FAIRSEQ_POINTERS}
+        pointers = [n for n in FAIRSEQ_POINTERS if n in files]
+        if not overwrite:
+            for w in (FAIRSEQ_POINTERS[n] for n in pointers):
+                if dst_st.exists(pointer_name(w)):
+                    raise ConfigError(f"{dst_st.url(pointer_name(w))} already exists; pass "
+                                      "--overwrite to move it")
+        for n in ordered:
+            f = files[n]
+            if f.copy_of is not None:
+                continue
+            uri = src_st.url(n)
+            target = _folder_name(n) if n not in FAIRSEQ_POINTERS else ""
+            done = _converted_before(dst_st, target, f, uri) if target else None
+            if done is not None:
+                f.checkpoint, f.skipped = target, True
+                f.num_updates, f.epoch = done.get("num_updates"), done.get("epoch")
+                continue
+            legacy = load_legacy_file(uri, layout=layout, keep_numpy_scalars=keep_numpy_scalars,
+                                      unsafe_trust_pickle=unsafe_trust_pickle, config=config,
+                                      progress=progress)
+            md = dict(legacy.metadata)
+            f.num_updates, f.epoch = md.get("num_updates"), md.get("epoch")
+            if not target:
+                target = f"checkpoint_{f.epoch}_{f.num_updates}" \
+                    if f.epoch is not None and f.num_updates is not None else ""
+                if not target or target in used:
+                    target = _folder_name(n) + "_pt"
+                done = _converted_before(dst_st, target, f, uri)
+                if done is not None:
+                    f.checkpoint, f.skipped = target, True
+                    continue
+            used.add(target)
+            with dst_st.child(target) as ck:
+                if ck.exists(MANIFEST_NAME) and not overwrite:
+                    raise ConfigError(f"{ck.uri} already holds a committed checkpoint (not "
+                                      f"converted from {uri}); pass --overwrite to replace it")
+            md.update(converted_from=uri, source_size_bytes=f.size, source_crc32c=f.crc32c)
+            with dst_st.child(target) as ck:
+                manifest = save(legacy.state, ck.uri, metadata=md, storage=ck)
+            report.nbytes += manifest.nbytes
+            f.checkpoint = target
+            del legacy
+        for n in ordered:
+            copy_of = files[n].copy_of
+            if copy_of is not None:
+                orig = files[copy_of]
+                files[n].checkpoint = orig.checkpoint
+                files[n].num_updates, files[n].epoch = orig.num_updates, orig.epoch
+        for n in pointers:
+            f = files[n]
+            which = FAIRSEQ_POINTERS[n]
+            extra: dict[str, Any] = {"converted_from": src_st.url(n)}
+            if f.epoch is not None:
+                extra["epoch"] = f.epoch
+            if which == "best":
+                with dst_st.child(f.checkpoint) as ck:
+                    md = typed.decode(read_manifest(ck).metadata or {"$d": []}) \
+                        if ck.exists(MANIFEST_NAME) else {}
+                loss = md.get("loss") if isinstance(md, dict) else None
+                if isinstance(loss, float):
+                    extra.update(metric="loss", value=loss)
+            write_pointer(dst_st, which, f.checkpoint, num_updates=f.num_updates, **extra)
+            report.pointers[which] = f.checkpoint
+        report.files = [files[n] for n in ordered]
+        report.latest = resolve(dst_st).name
+    if "last" in report.pointers and report.latest != report.pointers["last"]:
+        logger.warning("%s: xla_ckpt.load picks %s, not %s (what checkpoint_last.pt held): it "
+                       "records more updates", dst, report.latest, report.pointers["last"])
+    return report
+
+
+def _converted_before(dst: Storage, name: str, f: ConvertedFile, uri: str) -> dict | None:
+    """The metadata of ``dst/name`` if it was converted from these very bytes; else None."""
+
+    with dst.child(name) as ck:
+        if not ck.exists(MANIFEST_NAME):
+            return None
+        try:
+            m = read_manifest(ck)
+        except (CheckpointCorruptError, CheckpointNotFoundError):
+            return None
+    md = typed.decode(m.metadata) if m.metadata is not None else None
+    if isinstance(md, dict) and md.get("source_crc32c") == f.crc32c and \
+            md.get("source_size_bytes") == f.size and \
+            str(md.get("converted_from", "")).rsplit("/", 1)[-1] == f.source:
+        return md
+    return None
+
+
+def _natural(name: str) -> list:
+    """Sort key putting ``checkpoint2`` before ``checkpoint10``."""
+
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]

@@ -12,7 +12,7 @@ applies the same rule collectively (:mod:`xla_ckpt.restore.api`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from xla_ckpt.errors import (
     CheckpointCorruptError,
@@ -23,9 +23,18 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.format.plan import MapLocation
-from xla_ckpt.io.legacy import load_legacy_file, split_uri
+from xla_ckpt.io.legacy import Progress, load_legacy_file, split_uri
 from xla_ckpt.io.reader import CheckpointReader
-from xla_ckpt.io.resolve import LEGACY, XLA_CKPT, Resolved, committed_manifest, resolve
+from xla_ckpt.io.resolve import (
+    DCP,
+    DCP_METADATA,
+    HF_INDEX,
+    LEGACY,
+    XLA_CKPT,
+    Resolved,
+    committed_manifest,
+    resolve,
+)
 from xla_ckpt.storage import StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)
@@ -34,9 +43,15 @@ T = TypeVar("T")
 
 
 def current_version(resolved: Resolved, config: StorageConfig | None = None) -> str:
-    """What is now at ``resolved.checkpoint``: its save id (or generation); ``"none"`` if gone."""
-    if resolved.kind == LEGACY:
-        folder, name = split_uri(resolved.checkpoint)
+    """What is now at ``resolved.checkpoint``: its save id (or generation); ``"none"`` if gone.
+
+    The generation is the legacy file's, the safetensors index's, or the DCP ``.metadata``'s.
+    """
+    if resolved.kind != XLA_CKPT:
+        if resolved.kind == DCP:
+            folder, name = resolved.checkpoint, DCP_METADATA
+        else:
+            folder, name = split_uri(resolved.checkpoint)
         with open_storage(folder, config) as st:
             try:
                 return str(st.stat(name).generation)
@@ -116,12 +131,13 @@ def open_reader(resolved: Resolved, config: StorageConfig | None = None) -> Chec
     The caller closes ``reader.storage``.
 
     Raises:
-        ConfigError: ``resolved`` is a legacy file (read it with :func:`read_items`).
+        ConfigError: ``resolved`` is another kind (a legacy file, an HF index, a DCP
+            folder: read it with :func:`read_items`).
     """
     if resolved.kind != XLA_CKPT or resolved.manifest is None:
-        raise ConfigError(f"{resolved.checkpoint} is a legacy .pt/safetensors file, not an "
-                          "xla_ckpt checkpoint folder; convert it with `xla-ckpt convert "
-                          f"{resolved.checkpoint} DST`")
+        raise ConfigError(f"{resolved.checkpoint} is {resolved.what}, not an xla_ckpt "
+                          "checkpoint folder; read it with xla_ckpt.load or convert it with "
+                          f"`xla-ckpt convert {resolved.checkpoint} DST`")
     return CheckpointReader(open_storage(resolved.checkpoint, config), resolved.manifest)
 
 
@@ -132,21 +148,24 @@ def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[st
 
     An xla_ckpt checkpoint is read with :class:`CheckpointReader` (crc32c checked);
     a legacy file is imported through the allow-list of :mod:`xla_ckpt.io.legacy`
-    (fairseq files upgraded to the current layout): it holds only the ``state``
-    item, and its tensors stay on CPU (``map_location`` must be None).
+    (fairseq files upgraded to the current layout), a sharded HF safetensors
+    checkpoint through :mod:`xla_ckpt.io.hf` (``{tensor name: tensor}``), a DCP
+    folder through :mod:`xla_ckpt.io.dcp` (nested back as it was given to ``dcp.save``).
+    Those hold only the ``state`` item, and their tensors stay on CPU (``map_location``
+    must be None).
 
     Raises:
         CheckpointCorruptError: the checkpoint has no item ``item``.
-        ConfigError: ``map_location`` with a legacy file.
+        ConfigError: ``map_location`` with a source that is not an xla_ckpt checkpoint.
     """
-    if resolved.kind == LEGACY:
+    if resolved.kind != XLA_CKPT:
         if map_location is not None:
-            raise ConfigError(f"{resolved.checkpoint}: map_location is not supported for a "
-                              "legacy .pt/safetensors file; move the tensors after loading")
+            raise ConfigError(f"{resolved.checkpoint}: map_location is not supported for "
+                              f"{resolved.what}; move the tensors after loading")
         if item != STATE_ITEM:
-            raise CheckpointCorruptError(f"{resolved.checkpoint}: a legacy file holds only "
+            raise CheckpointCorruptError(f"{resolved.checkpoint}: {resolved.what} holds only "
                                          f"the {STATE_ITEM!r} item, not {item!r}")
-        return {STATE_ITEM: load_legacy_file(resolved.checkpoint, config=config).state}
+        return {STATE_ITEM: read_foreign(resolved, config=config)}
     reader = open_reader(resolved, config)
     try:
         out = {item: reader.load(item, map_location)}
@@ -158,28 +177,74 @@ def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[st
         reader.storage.close()
 
 
+def read_foreign(resolved: Resolved, *, config: StorageConfig | None = None,
+                 progress: Progress | None = None) -> Any:
+    """The whole state of a resolved source that is not an xla_ckpt checkpoint; CPU tensors.
+
+    Legacy ``.pt``/safetensors: :func:`~xla_ckpt.io.legacy.load_legacy_file` (allow-list,
+    fairseq upgrade); HF index: :func:`~xla_ckpt.io.hf.load_hf_index`; DCP:
+    :func:`xla_ckpt.io.dcp.read_dcp`, nested by :func:`~xla_ckpt.io.dcp.unflatten_dcp_state`.
+    ``progress`` gets byte counts (legacy and HF).
+
+    Raises:
+        ConfigError: ``resolved`` is an xla_ckpt checkpoint (read it with :func:`read_items`).
+    """
+    if resolved.kind == LEGACY:
+        return load_legacy_file(resolved.checkpoint, config=config, progress=progress).state
+    if resolved.kind == HF_INDEX:
+        from xla_ckpt.io.hf import load_hf_index  # noqa: PLC0415 - hf imports legacy
+
+        return load_hf_index(resolved.checkpoint, config=config, progress=progress)
+    if resolved.kind == DCP:
+        from xla_ckpt.io.dcp import (  # noqa: PLC0415 - DCP support loads torch.distributed
+            read_dcp,
+            read_dcp_metadata,
+            unflatten_dcp_state,
+        )
+
+        mapping = read_dcp_metadata(resolved.checkpoint, config=config).mapping
+        return unflatten_dcp_state(read_dcp(resolved.checkpoint, config=config), mapping)
+    raise ConfigError(f"{resolved.checkpoint} is {resolved.what}; read it with read_items")
+
+
 def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
-         config: StorageConfig | None = None) -> Any:
+         config: StorageConfig | None = None, keys: Sequence[str] | str | None = None) -> Any:
     """Load the state saved by :func:`xla_ckpt.save` from ``uri`` (``xla_ckpt.load``).
 
     ``uri`` is a checkpoint folder, a run folder (its latest committed checkpoint), a
-    ``<run>/checkpoint_last`` / ``<run>/checkpoint_best`` pointer, or a legacy
-    ``.pt``/safetensors file (imported through the allow-list; CPU tensors).  Tensors
+    ``<run>/checkpoint_last`` / ``<run>/checkpoint_best`` pointer, a legacy
+    ``.pt``/safetensors file (imported through the allow-list; CPU tensors), an HF
+    ``model.safetensors.index.json`` (or a folder holding it or ``model.safetensors``:
+    ``{tensor name: tensor}``), or a PyTorch DCP checkpoint folder (the state nested as
+    it was given to ``dcp.save``: ``{"model": {...}, "optim": {...}}``); the rules are
+    :func:`xla_ckpt.io.resolve.resolve`'s.  Tensors
     come back on CPU (``map_location=None``, as ``torch.load``) with the saved dtype,
     shape, strides and aliasing; ``map_location`` may be a device, a ``{"cpu": device}``
     dict or a callable ``key -> device``.  Pickle-free for xla_ckpt checkpoints.
 
+    ``keys`` (a dotted key or prefix such as ``"model.encoder"``, or a list of them)
+    loads only those parts of the state, reading only the blobs that hold them
+    (:func:`xla_ckpt.io.partial.load_partial`).
+
     Raises:
+        UnknownKeyError: a key of ``keys`` matches nothing (names the closest keys).
         NothingCommittedError: nothing committed at ``uri`` (a ``CheckpointNotFoundError``,
             hence a ``FileNotFoundError``); :class:`UncommittedCheckpointError` when saves
             began there and none committed.
         CheckpointNotFoundError: a typo'd path (its parent folder is missing too), a file
-            that is not a checkpoint.
+            that is not a checkpoint (the message lists the kinds accepted), a run folder
+            holding only checkpoints of other kinds (named).
         CheckpointReplacedError: the checkpoint was replaced while it was read, twice.
         CheckpointCorruptError: truncated or malformed files, a data file missing (names
             the path, expected vs actual size), no item ``item``.
         IntegrityError: crc32c mismatch after bounded re-reads (names object and tensor).
     """
+    if keys is not None:
+        # Lazy: xla_ckpt.io.partial builds on this module.
+        from xla_ckpt.io.partial import load_partial  # noqa: PLC0415 - partial imports opener
+
+        return load_partial(uri, keys, map_location=map_location, config=config, item=item)
+
     def read(resolved: Resolved) -> Any:
         return read_items(resolved, item, map_location=map_location, config=config)[item]
 

@@ -15,27 +15,39 @@ Rules of :func:`resolve`, in this order:
    ``save_dir``, which it creates, may be absent on a first start.)
 2. **A single object** (a local file, a ``gs://`` object): a legacy
    ``torch.save``/fairseq ``.pt`` or safetensors file gives ``kind="legacy"``, for
-   the legacy importer (:mod:`xla_ckpt.io.legacy`); any other file is a
-   :class:`CheckpointNotFoundError` naming it.
+   the legacy importer (:mod:`xla_ckpt.io.legacy`); a safetensors index
+   (``*.safetensors.index.json``) gives ``kind="hf_index"`` (:mod:`xla_ckpt.io.hf`);
+   a DCP ``.metadata`` file gives ``kind="dcp"`` for its folder; any other file is a
+   :class:`CheckpointNotFoundError` naming it, what it starts with and the kinds
+   accepted (:data:`ACCEPTED`).
 3. **A folder holding** ``manifest.json`` (the commit marker): that checkpoint.
 4. **A folder holding data files** (``data-*``) **but no manifest**: a save began
    there and never committed: :class:`UncommittedCheckpointError` (nothing committed).
 5. ``<run>/checkpoint_last`` **or** ``<run>/checkpoint_best`` with nothing stored
    under that name: the pointer of the run folder ``<run>`` (the names the
-   manager's ``restore_file`` uses), as rule 6 with ``pointer``.
-6. **Anything else is a run folder**: with ``pointer="last"`` (the default) the
+   manager's ``restore_file`` uses), as rule 7 with ``pointer``.
+6. **A folder holding a foreign checkpoint at its top**: ``.metadata`` (the commit
+   marker of a PyTorch DCP checkpoint, also what torch_xla's ``CheckpointManager``
+   writes per step): ``kind="dcp"``; ``model.safetensors.index.json``: ``kind="hf_index"``;
+   ``model.safetensors`` (an HF model folder): ``kind="legacy"`` on that file.
+7. **Anything else is a run folder**: with ``pointer="last"`` (the default) the
    checkpoint the ``checkpoint_last`` pointer names, unless a newer one is
    committed (the pointer lags after a crash between commit and pointer
    update), else the newest committed one (by lease epoch, then ``num_updates``, then time);
    with ``pointer="best"`` the one ``checkpoint_best`` names, which must be
-   committed (else :class:`CheckpointNotFoundError`).
+   committed (else :class:`CheckpointNotFoundError`).  A run folder that holds no
+   xla_ckpt checkpoint but checkpoints of another kind (fairseq ``checkpoint_last.pt``,
+   DCP step folders, HF model folders) is a :class:`CheckpointNotFoundError` naming
+   them and saying how to read or convert them, never "nothing committed": a trainer
+   must not start from scratch next to a checkpoint it could not read.
 
 **Nothing committed** — the one answer on which a trainer or the manager starts
 from scratch — is :class:`NothingCommittedError` (a :class:`CheckpointNotFoundError`),
 raised here only, and only when storage answered that nothing was ever committed
 at the URI: the path is absent (its parent folder exists) or the folder/prefix is
-empty or holds no checkpoint (rule 6 finding none), or saves began there and none
-committed (:class:`UncommittedCheckpointError`, rule 4 and rule 6 with only
+empty or holds no checkpoint of any kind (rule 7 finding none; the message then names
+what the folder holds), or saves began there and none
+committed (:class:`UncommittedCheckpointError`, rule 4 and rule 7 with only
 incomplete checkpoint folders; an explicitly named incomplete folder counts as
 nothing committed, with that warning, in every entry point).  Not nothing
 committed, so errors: a run folder whose only commit markers cannot be read
@@ -63,12 +75,14 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
 from xla_ckpt.io.catalog import (
+    POINTERS,
     CheckpointEntry,
     choose_latest,
     list_checkpoints,
     pointer_name,
     read_pointer,
 )
+from xla_ckpt.io.fencing import LEASE_NAME
 from xla_ckpt.io.legacy import is_legacy_file, split_uri
 from xla_ckpt.io.writer import DATA_PREFIX
 from xla_ckpt.storage import RangeRead, Storage, StorageConfig, open_storage
@@ -80,6 +94,27 @@ XLA_CKPT = "xla_ckpt"
 """:attr:`Resolved.kind` of an xla_ckpt checkpoint folder."""
 LEGACY = "legacy"
 """:attr:`Resolved.kind` of a legacy ``.pt``/safetensors file."""
+HF_INDEX = "hf_index"
+""":attr:`Resolved.kind` of a sharded HF safetensors checkpoint (``checkpoint``: its index)."""
+DCP = "dcp"
+""":attr:`Resolved.kind` of a PyTorch DCP checkpoint folder (``checkpoint``: the folder)."""
+
+KINDS = {XLA_CKPT: "an xla_ckpt checkpoint folder",
+         LEGACY: "a legacy torch.save/fairseq .pt or safetensors file",
+         HF_INDEX: "a sharded HF safetensors checkpoint (model.safetensors.index.json)",
+         DCP: "a PyTorch DCP checkpoint folder (.metadata)"}
+"""What each :attr:`Resolved.kind` is, in words (for messages)."""
+
+ACCEPTED = ("an xla_ckpt checkpoint folder (manifest.json), a run folder of them, a legacy "
+            "torch.save/fairseq .pt, an HF model.safetensors or model.safetensors.index.json "
+            "(or a folder holding one), or a PyTorch DCP checkpoint folder (.metadata)")
+"""The kinds of source :func:`resolve` accepts, for "none of these" errors."""
+
+DCP_METADATA = ".metadata"
+"""The commit marker of a DCP checkpoint (written last by ``dcp.save``)."""
+
+_LEGACY_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
+_MAX_NAMED = 5  # objects named in a "found here" message
 
 POINTER_FORMS = {"checkpoint_last": "last", "checkpoint_best": "best"}
 """Last path segments that name a run folder's pointer (rule 5)."""
@@ -93,12 +128,14 @@ class Resolved:
 
     Attributes:
         uri: the URI resolved (as the storage normalised it).
-        checkpoint: URI of the checkpoint folder (or of the legacy file) to read.
-        kind: :data:`XLA_CKPT` or :data:`LEGACY`.
+        checkpoint: URI of what to read: the checkpoint folder (xla_ckpt, DCP), the legacy
+            file, or the safetensors index.
+        kind: :data:`XLA_CKPT`, :data:`LEGACY`, :data:`HF_INDEX` or :data:`DCP`
+            (:data:`KINDS` says each in words).
         run: the run folder when the checkpoint was chosen in one (latest or pointer).
-        manifest: the checkpoint's manifest, read and validated (None for legacy files).
+        manifest: the checkpoint's manifest, read and validated (None for other kinds).
         manifest_bytes: its bytes, as read (what ``decide`` sends to every rank).
-        generation: GCS generation of the manifest / legacy object (None locally).
+        generation: generation of the manifest / legacy object / index / DCP ``.metadata``.
     """
 
     uri: str
@@ -121,9 +158,14 @@ class Resolved:
     @property
     def version(self) -> tuple[str, str]:
         """(what identifies this version, its value): ``("save id", id)`` or a generation."""
-        if self.kind == LEGACY:
+        if self.kind != XLA_CKPT:
             return "generation", str(self.generation)
         return "save id", str(self.save_id)
+
+    @property
+    def what(self) -> str:
+        """:attr:`kind` in words (``"a PyTorch DCP checkpoint folder (.metadata)"``)."""
+        return KINDS.get(self.kind, self.kind)
 
 
 # ---- resolve ----------------------------------------------------------------------------------
@@ -137,7 +179,7 @@ def resolve(target: str | Storage, config: StorageConfig | None = None, *,
             (kept open; the caller owns it).
         config: storage knobs when ``target`` is a URI.
         pointer: ``"last"`` or ``"best"``: ``target`` is a run folder; follow that pointer
-            (rule 6).  Default: rules 1-6.
+            (rule 7).  Default: rules 1-7.
         missing_ok: an absent local path is nothing committed even if its parent folder is
             absent too (the manager's own ``save_dir``).
 
@@ -145,7 +187,8 @@ def resolve(target: str | Storage, config: StorageConfig | None = None, *,
         NothingCommittedError: nothing was ever committed there (the one start-fresh answer);
             :class:`UncommittedCheckpointError` when saves began there and none committed.
         CheckpointNotFoundError: not a fresh start: a typo'd path (parent folder absent), a
-            missing bucket, a file that is not a checkpoint, a missing or dangling pointer.
+            missing bucket, a file that is not a checkpoint, a missing or dangling pointer,
+            a run folder holding only checkpoints of another kind (named).
         CheckpointCorruptError: a commit marker is there but cannot be read.
         StorageError / StoragePermissionError / StorageURIError: from the storage.
     """
@@ -182,9 +225,34 @@ def _resolve(st: Storage, *, pointer: str | None, missing_ok: bool) -> Resolved:
         with open_storage(head, st.config) as run:
             if _list(run):
                 return _from_run(run, form, asked=st.uri)
+    foreign = _foreign_root(st, names)
+    if foreign is not None:
+        return foreign
     if not names:
         raise NothingCommittedError(f"{st.uri}: no committed checkpoint here", uri=st.uri)
     return _from_run(st, "last", asked=st.uri, names=names)
+
+
+def _foreign_root(st: Storage, names: list[str]) -> Resolved | None:
+    """Rule 6: a DCP checkpoint or an HF model folder at the root of ``st``; else None."""
+    if DCP_METADATA in names:
+        return _versioned(st, DCP_METADATA, DCP, st.uri)
+    from xla_ckpt.io.hf import INDEX_NAME, SINGLE_NAME  # noqa: PLC0415 - hf imports legacy
+
+    if INDEX_NAME in names:
+        return _versioned(st, INDEX_NAME, HF_INDEX, st.url(INDEX_NAME))
+    if SINGLE_NAME in names:
+        return _versioned(st, SINGLE_NAME, LEGACY, st.url(SINGLE_NAME))
+    return None
+
+
+def _versioned(st: Storage, name: str, kind: str, checkpoint: str) -> Resolved:
+    """A :class:`Resolved` of ``kind`` whose version is object ``name``'s generation."""
+    try:
+        generation = st.stat(name).generation
+    except CheckpointNotFoundError:
+        generation = None
+    return Resolved(uri=st.uri, checkpoint=checkpoint, kind=kind, generation=generation)
 
 
 def _check_path(st: Storage) -> None:
@@ -246,16 +314,35 @@ def _checkpoint(st: Storage, manifest: Manifest, data: bytes, generation: int | 
 
 def _single_object(st: Storage) -> Resolved:
     uri = st.uri
-    if is_legacy_file(uri, config=st.config):
-        folder, name = split_uri(uri)
+    folder, name = split_uri(uri)
+    from xla_ckpt.io.hf import is_index_name  # noqa: PLC0415 - hf imports legacy
+
+    if name == DCP_METADATA:  # the commit marker named itself: its folder
         with open_storage(folder, st.config) as parent:
-            try:
-                generation = parent.stat(name).generation
-            except CheckpointNotFoundError:
-                generation = None
-        return Resolved(uri=uri, checkpoint=uri, kind=LEGACY, generation=generation)
-    raise CheckpointNotFoundError(f"{uri} is a file, neither a checkpoint folder nor a legacy "
-                                  ".pt/safetensors file")
+            return _versioned(parent, name, DCP, parent.uri)
+    if is_index_name(name):
+        with open_storage(folder, st.config) as parent:
+            return _versioned(parent, name, HF_INDEX, uri)
+    if is_legacy_file(uri, config=st.config):
+        with open_storage(folder, st.config) as parent:
+            return _versioned(parent, name, LEGACY, uri)
+    raise CheckpointNotFoundError(
+        f"{uri} is a file that is not a checkpoint (it starts with {_prefix(st)!r}); "
+        f"xla_ckpt reads {ACCEPTED}")
+
+
+def _prefix(st: Storage) -> bytes:
+    """The first bytes of the single object ``st`` is rooted at (for messages)."""
+    folder, name = split_uri(st.uri)
+    try:
+        with open_storage(folder, st.config) as parent:
+            info = parent.stat(name)
+            buf = bytearray(min(8, info.size))
+            if buf:
+                parent.read_range(name, 0, memoryview(buf), info.generation)
+            return bytes(buf)
+    except Exception:  # noqa: BLE001 - only decorates the message being raised
+        return b""
 
 
 def _from_run(run: Storage, which: str, *, asked: str, names: list[str] | None = None,
@@ -309,13 +396,52 @@ def _nothing_committed(run: Storage, entries: list[CheckpointEntry], names: list
             f"{run.url(pointer_name('last'))} names {dangling!r}, but no checkpoint is committed "
             f"in {run.uri}: it was committed and then deleted. Restore another checkpoint, or "
             "remove the pointer to start from scratch")
+    others = foreign_checkpoints(names)
+    if others:
+        shown = ", ".join(f"{n} ({what})" for n, what in others[:_MAX_NAMED])
+        more = f" and {len(others) - _MAX_NAMED} more" if len(others) > _MAX_NAMED else ""
+        first = others[0][0]
+        raise CheckpointNotFoundError(
+            f"{run.uri} holds no xla_ckpt checkpoint, but checkpoints of another kind: "
+            f"{shown}{more}. Name one ({run.url(first)}; xla_ckpt.load reads it), or convert "
+            f"them with `xla-ckpt convert {run.uri} DST_RUN`; this is not read as 'no "
+            "checkpoint yet'")
     incomplete = sorted({n.split("/", 1)[0] for n in names
                          if n.count("/") == 1 and n.split("/", 1)[1].startswith(DATA_PREFIX)})
     if incomplete:
         raise UncommittedCheckpointError(
             f"{run.uri}: no committed checkpoint here (skipped incomplete: "
             f"{', '.join(incomplete[:5])})", uri=run.uri, incomplete=tuple(incomplete))
+    own = {LEASE_NAME, *(pointer_name(w) for w in POINTERS)}
+    other = [n for n in names if n not in own]
+    if other:
+        shown = ", ".join(other[:_MAX_NAMED]) + (", ..." if len(other) > _MAX_NAMED else "")
+        raise NothingCommittedError(
+            f"{run.uri}: no committed checkpoint here (it holds {len(other)} other "
+            f"object{'s' if len(other) != 1 else ''}: {shown}; xla_ckpt reads {ACCEPTED})",
+            uri=run.uri)
     raise NothingCommittedError(f"{run.uri}: no committed checkpoint here", uri=run.uri)
+
+
+def foreign_checkpoints(names: list[str]) -> list[tuple[str, str]]:
+    """``(name, kind in words)`` of the checkpoints of other kinds a run folder listing shows.
+
+    ``names`` is a recursive listing (:meth:`Storage.list`).  Found by name only: legacy
+    files at the top (``checkpoint_last.pt``, ``*.safetensors``, ...), and sub-folders
+    holding a DCP ``.metadata``, a safetensors index or ``model.safetensors``.
+    """
+    from xla_ckpt.io.hf import INDEX_NAME, SINGLE_NAME  # noqa: PLC0415 - hf imports legacy
+
+    found: dict[str, str] = {}
+    for n in names:
+        parts = n.split("/")
+        if len(parts) == 1 and n.endswith(_LEGACY_SUFFIXES):
+            found[n] = KINDS[LEGACY]
+        elif len(parts) == 2 and parts[1] == DCP_METADATA:
+            found[parts[0]] = KINDS[DCP]
+        elif len(parts) == 2 and parts[1] in (INDEX_NAME, SINGLE_NAME):
+            found.setdefault(parts[0], "an HF model folder")
+    return sorted(found.items())
 
 
 # ---- read, once more if replaced --------------------------------------------------------------

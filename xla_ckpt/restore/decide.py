@@ -25,7 +25,7 @@ from xla_ckpt.errors import (
     UncommittedCheckpointError,
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
-from xla_ckpt.io.resolve import LEGACY, resolve
+from xla_ckpt.io.resolve import XLA_CKPT, resolve
 from xla_ckpt.storage import StorageConfig
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ def _resolve(uri: str, config: StorageConfig | None) -> tuple[str, bytes]:
         what :func:`xla_ckpt.io.resolve.resolve` raises; ConfigError for a legacy file.
     """
     r = resolve(uri, config)
-    if r.kind == LEGACY:
-        raise ConfigError(f"{r.checkpoint} is a legacy .pt/safetensors file; restore() reads "
+    if r.kind != XLA_CKPT:
+        raise ConfigError(f"{r.checkpoint} is {r.what}; restore() reads "
                           f"xla_ckpt checkpoints: convert it with `xla-ckpt convert "
                           f"{r.checkpoint} DST`, or read it on one process with "
                           "xla_ckpt.trainer.SingleProcessRestorer")

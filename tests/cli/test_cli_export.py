@@ -1,0 +1,218 @@
+"""``xla-ckpt export``: .pt, HF safetensors and DCP, each checked with the consumer's own loader.
+
+CASES C23: an int64 and a bool buffer and a tied embedding/output weight keep their dtype,
+values and tie (kept in .pt; dropped after an equality check, recorded and re-tied by
+``from_pretrained`` in safetensors; written under each key in DCP); a fairseq .pt converted
+and exported back gives the same dict to ``torch.load(weights_only=True)``.
+"""
+
+import argparse
+import io
+import json
+import os
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from test_cli_convert import _put
+
+import xla_ckpt
+from xla_ckpt.testing.asserts import assert_state_identical
+
+torch.set_num_threads(1)
+
+
+def tied_state():
+    torch.manual_seed(0)
+    emb = torch.randn(10, 4)
+    return {"model": {"embed.weight": emb, "pos": torch.arange(6, dtype=torch.int64) - 3,
+                      "mask": torch.tensor([True, False, True]),
+                      "half": torch.tensor([1.0009765625, 3.14159], dtype=torch.bfloat16),
+                      "out.weight": emb},
+            "num_updates": 5}
+
+
+def test_c23_pt_keeps_dtypes_and_the_tie(cli, root, tmp_path):
+    xla_ckpt.save(tied_state(), f"{root}/ck")
+    r = cli("export", f"{root}/ck", f"{root}/out.pt", "--format", "pt")
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[0].startswith(
+        f"exported {root}/ck -> {root}/out.pt (pt): 4 tensors (bfloat16 1, bool 1, float32 1, "
+        "int64 1), 215 B, 1 file; ")  # 40 x 4 + 6 x 8 + 3 x 1 + 2 x 2 bytes
+    assert r.out.splitlines()[1] == "  tie: model.out.weight: kept tied to model.embed.weight"
+    local = tmp_path / "out.pt"
+    with xla_ckpt.storage.open_storage(root) as st:
+        local.write_bytes(st.read_bytes("out.pt"))
+    got = torch.load(str(local), weights_only=True)  # plain: no extra globals needed
+    assert_state_identical(got, tied_state())
+    assert got["model"]["out.weight"].data_ptr() == got["model"]["embed.weight"].data_ptr()
+    r = cli("export", f"{root}/ck", f"{root}/out.pt", "--format", "pt")
+    assert r.code == 2 and "out.pt already exists; pass overwrite=True (--overwrite)" in r.err
+
+
+def test_c23_safetensors_drops_the_tie_after_checking_it(cli, root, tmp_path):
+    xla_ckpt.save(tied_state(), f"{root}/ck")
+    r = cli("export", f"{root}/ck", f"{root}/hf", "--format", "safetensors")
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[1] == "  tie: out.weight: dropped, tied to embed.weight"
+    with xla_ckpt.storage.open_storage(f"{root}/hf") as st:
+        assert st.list("") == ["model.safetensors"]
+        (tmp_path / "model.safetensors").write_bytes(st.read_bytes("model.safetensors"))
+    path = str(tmp_path / "model.safetensors")
+    with safetensors.safe_open(path, "pt") as f:
+        assert f.metadata() == {"format": "pt", "out.weight": "embed.weight"}
+    got = safetensors.torch.load_file(path)
+    want = dict(tied_state()["model"])
+    del want["out.weight"]
+    assert_state_identical({k: got[k] for k in want}, want)
+    r = cli("export", f"{root}/ck", f"{root}/hf2", "--format", "safetensors", "--key", "")
+    assert r.code == 2 and "'num_updates' is a int, not a tensor" in r.err
+
+
+def test_c23_dcp_loads_back_with_dcp(cli, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    xla_ckpt.save(tied_state(), str(tmp_path / "ck"))
+    r = cli("export", str(tmp_path / "ck"), str(tmp_path / "dcp"), "--format", "dcp")
+    assert r.code == 0, r.err
+    assert ("  tie: model.out.weight: written as its own copy of memory shared with "
+            "model.embed.weight") in r.out
+    target = {"model": {k: torch.zeros_like(v) for k, v in tied_state()["model"].items()},
+              "num_updates": 0}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")), no_dist=True)
+    assert_state_identical(target, tied_state())
+    assert_state_identical(xla_ckpt.load(str(tmp_path / "dcp")), tied_state())
+
+
+def test_hf_from_pretrained_reads_the_sharded_export(cli, tmp_path):
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=32,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    sd = model.state_dict()
+    assert sd["lm_head.weight"].data_ptr() == sd["transformer.wte.weight"].data_ptr()
+    xla_ckpt.save({"model": sd, "num_updates": 3}, str(tmp_path / "ck"))
+    config.save_pretrained(str(tmp_path / "cfg"))
+    for shard in ("20KB", None):
+        dst = tmp_path / f"hf-{shard}"
+        argv = ["export", str(tmp_path / "ck"), str(dst), "--format", "safetensors",
+                "--hf-config", str(tmp_path / "cfg" / "config.json")]
+        r = cli(*argv, *(["--max-shard-size", shard] if shard else []))
+        assert r.code == 0, r.err
+        assert "  tie: lm_head.weight: dropped, tied to transformer.wte.weight" in r.out
+        names = sorted(os.listdir(dst))
+        if shard:
+            assert names == ["config.json", "model-00001-of-00002.safetensors",
+                             "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+            index = json.loads((dst / "model.safetensors.index.json").read_text())
+            assert index["metadata"]["total_size"] == sum(
+                v.numel() * v.element_size() for k, v in sd.items() if k != "lm_head.weight")
+        else:
+            assert names == ["config.json", "model.safetensors"]
+        loaded = AutoModelForCausalLM.from_pretrained(str(dst))
+        assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+        for k, v in sd.items():
+            assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def fairseq_current_layout():
+    """A fairseq checkpoint as fairseq's save_state writes it today (nothing to upgrade)."""
+    torch.manual_seed(1)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    return {
+        "args": argparse.Namespace(arch="lin", lr=[0.1], task="translation", seed=1),
+        "cfg": None,
+        "model": model.state_dict(),
+        "criterion": {},
+        "optimizer_history": [{"criterion_name": "CrossEntropyCriterion",
+                               "optimizer_name": "Adam",
+                               "lr_scheduler_state": {"best": 2.5}, "num_updates": 9}],
+        "task_state": {},
+        "extra_state": {"train_iterator": {"epoch": 2, "iterations_in_epoch": 4, "version": 2,
+                                           "shuffle": True},
+                        "val_loss": 2.5, "previous_training_time": 1.5,
+                        "metrics": {}},
+        "last_optimizer_state": opt.state_dict(),
+    }
+
+
+def test_fairseq_pt_round_trip_keeps_the_layout(cli, root, tmp_path):
+    original = fairseq_current_layout()
+    buf = io.BytesIO()
+    torch.save(original, buf)
+    src = _put(root, "checkpoint_last.pt", buf.getvalue())
+    assert cli("convert", src, f"{root}/ck").code == 0
+    assert isinstance(xla_ckpt.load(f"{root}/ck")["cfg"], dict)  # import made cfg from args
+    r = cli("export", f"{root}/ck", f"{root}/back.pt", "--format", "pt")
+    assert r.code == 0, r.err
+    assert ("  note: cfg: None (it was the flat copy of args made at import; fairseq rebuilds "
+            "cfg from args on load)") in r.out
+    assert r.out.splitlines()[-1] == ("  read it with: with torch.serialization.safe_globals("
+                                      "[argparse.Namespace]): torch.load(PATH, weights_only=True)")
+    with xla_ckpt.storage.open_storage(root) as st:
+        (tmp_path / "back.pt").write_bytes(st.read_bytes("back.pt"))
+    with pytest.raises(Exception, match="argparse.Namespace"):
+        torch.load(str(tmp_path / "back.pt"), weights_only=True)
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        got = torch.load(str(tmp_path / "back.pt"), weights_only=True)
+    assert list(got) == list(original)
+    assert vars(got["args"]) == vars(original["args"])
+    got["args"] = original["args"]
+    assert_state_identical(got, original)
+
+
+def test_export_reads_any_source(cli, tmp_path):
+    """A legacy .pt exported straight to safetensors (no convert step)."""
+    sd = {"w": torch.randn(2, 3), "i": torch.arange(3)}
+    torch.save({"model": sd}, str(tmp_path / "m.pt"))
+    r = cli("export", str(tmp_path / "m.pt"), str(tmp_path / "w.safetensors"), "--format",
+            "safetensors")
+    assert r.code == 0, r.err
+    got = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))  # sorted names
+    assert_state_identical({k: got[k] for k in sd}, sd)
+    r = cli("export", str(tmp_path / "m.pt"), str(tmp_path / "w2.safetensors"), "--format",
+            "safetensors", "--max-shard-size", "1KB")
+    assert r.code == 2 and "a single .safetensors file cannot be sharded" in r.err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_export_draws_progress_on_a_terminal(tmp_path, monkeypatch, capsys):
+    from xla_ckpt.cli.main import main
+
+    xla_ckpt.save({"model": {"w": torch.zeros(64, 1024)}}, str(tmp_path / "ck"))  # 256 KiB
+    term = _Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "w.pt"), "--format", "pt"]) == 0
+    assert "export" in term.getvalue() and "KiB" in term.getvalue()
+    assert "w.pt (pt): 1 tensors (float32 1), 256.0 KiB" in capsys.readouterr().out
+    term = _Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    assert main(["--no-progress", "export", str(tmp_path / "ck"), str(tmp_path / "w2.pt"),
+                 "--format", "pt"]) == 0
+    assert term.getvalue() == ""
+
+
+def test_a_fairseq_state_exports_to_dcp_with_args_as_a_dict(cli, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = fairseq_current_layout()
+    xla_ckpt.save(state, str(tmp_path / "ck"))
+    r = cli("export", str(tmp_path / "ck"), str(tmp_path / "dcp"), "--format", "dcp")
+    assert r.code == 0, r.err
+    assert ("  note: args: argparse.Namespace written as a dict (a DCP item must load with "
+            "torch.load(weights_only=True))") in r.out
+    got = xla_ckpt.load(str(tmp_path / "dcp"))
+    assert got["args"] == vars(state["args"])
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")), no_dist=True)
+    assert_state_identical(target["model"], dict(state["model"]))

@@ -1,0 +1,614 @@
+"""Export a checkpoint for other tools: a ``torch.save`` ``.pt``, HF safetensors, or PyTorch DCP.
+
+What ``xla-ckpt export URI DST --format pt|safetensors|dcp`` runs.  The source is
+anything :func:`xla_ckpt.load` reads (an xla_ckpt checkpoint or run folder, a legacy
+``.pt``, HF safetensors, a DCP folder); tensors are exported from CPU with their
+dtype, shape and values exactly (int64, bool, bf16 included; sizes are
+``numel * element_size``).
+
+* **pt** (:func:`export_pt`): one ``torch.save`` object at ``DST`` holding the whole
+  state, aliasing kept (tied weights stay one storage).  A fairseq-layout state keeps
+  its layout (``model``, ``args``/``cfg``, ``optimizer_history``, ``extra_state``,
+  ``last_optimizer_state``); a ``cfg`` that is only the flat copy of ``args`` made at
+  import (:mod:`xla_ckpt.format.legacy.fairseq`) goes back to ``None``, as fairseq
+  wrote it (fairseq rebuilds ``cfg`` from ``args`` when it loads).  ``torch.load(DST,
+  weights_only=True)`` reads it; a state holding ``argparse.Namespace`` (fairseq
+  ``args``) or numpy values needs those classes allowed, as for any fairseq file:
+  :attr:`ExportReport.safe_globals` names them (``with
+  torch.serialization.safe_globals([argparse.Namespace]): torch.load(...)``).
+* **safetensors** (:func:`export_safetensors`): the model weights (``state["model"]``,
+  or a state that is all tensors; :func:`select_weights`) as an HF model folder:
+  ``model.safetensors``, or with ``max_shard_size_bytes`` ``model-0000i-of-0000n.safetensors``
+  plus ``model.safetensors.index.json``, each with ``{"format": "pt"}`` metadata, so
+  ``transformers`` ``from_pretrained(DST)`` reads it (given a ``config.json``: pass
+  ``hf_config``).  safetensors holds no shared storage: a tensor that is the very same
+  view as an earlier one (a tied embedding/output weight) is dropped after
+  ``torch.equal`` confirms it, and recorded in the file metadata as
+  ``{dropped name: kept name}`` (``safetensors.torch.save_model`` semantics;
+  ``from_pretrained`` re-ties it); a tensor overlapping another in any other way is
+  written as its own copy.  Both are in :attr:`ExportReport.ties`.
+* **dcp** (:func:`export_dcp`): the whole state through :func:`xla_ckpt.io.dcp.write_dcp`
+  (``torch.distributed.checkpoint.load`` reads it back).
+
+Local paths and ``gs://`` alike; each object is written atomically.  Existing output is
+replaced only with ``overwrite=True``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import save as st_save
+
+from xla_ckpt.errors import CheckpointCorruptError, ConfigError
+from xla_ckpt.format.legacy import looks_like_fairseq
+from xla_ckpt.io.hf import INDEX_NAME, SINGLE_NAME
+from xla_ckpt.io.legacy import is_single_object, split_uri
+from xla_ckpt.storage import StorageConfig, open_storage
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("pt", "safetensors", "dcp")
+"""What :func:`export` writes."""
+
+Progress = Callable[[int], object]  # called with a byte count
+
+
+@dataclass(frozen=True)
+class Tie:
+    """Two names of overlapping tensor memory, and what the export did about it.
+
+    Attributes:
+        name: the later name (state order).
+        kept: the earlier name it overlaps.
+        action: ``"kept"`` (one storage in the output: pt), ``"dropped"`` (not written;
+            the same view, ``torch.equal`` checked; safetensors), ``"copied"`` (written as
+            its own tensor: an overlapping but different view, or a format without
+            aliasing).
+    """
+
+    name: str
+    kept: str
+    action: str
+
+    def describe(self) -> str:
+        what = {"kept": "kept tied to", "dropped": "dropped, tied to",
+                "copied": "written as its own copy of memory shared with"}[self.action]
+        return f"{self.name}: {what} {self.kept}"
+
+
+@dataclass
+class ExportReport:
+    """What an export wrote.
+
+    Attributes:
+        dst: the destination URI.
+        format: ``"pt"``, ``"safetensors"`` or ``"dcp"``.
+        files: URIs of the objects written (shards, index, config), in write order.
+        tensors: tensors written (a tie kept as one storage counts once).
+        nbytes: tensor bytes written (``numel * element_size`` each, a kept tie once).
+        dtypes: ``{dtype name: tensors of it}``.
+        ties: overlapping tensors found and what was done (:class:`Tie`).
+        safe_globals: for ``pt``: classes beyond torch's defaults that
+            ``torch.load(weights_only=True)`` must be allowed to read the file
+            (``"argparse.Namespace"``); empty when plain ``weights_only=True`` reads it.
+        notes: other changes made, in words (a synthesised fairseq ``cfg`` reset).
+    """
+
+    dst: str
+    format: str
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    nbytes: int = 0
+    dtypes: dict[str, int] = field(default_factory=dict)
+    ties: list[Tie] = field(default_factory=list)
+    safe_globals: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, t: torch.Tensor) -> None:
+        self.tensors += 1
+        self.nbytes += t.numel() * t.element_size()
+        name = str(t.dtype).removeprefix("torch.")
+        self.dtypes[name] = self.dtypes.get(name, 0) + 1
+
+
+# ---- tensors and ties -------------------------------------------------------------------------
+
+def _walk(obj: Any, path: str, out: list[tuple[str, Any]], depth: int = 0) -> None:
+    """``(dotted path, leaf)`` of every tensor and non-plain leaf under ``obj``."""
+    if depth > 100:
+        raise ConfigError(f"{path or '<state>'}: state nested more than 100 levels deep")
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _walk(v, f"{path}.{k}" if path else str(k), out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _walk(v, f"{path}.{i}" if path else str(i), out, depth + 1)
+    elif isinstance(obj, argparse.Namespace):
+        out.append((path, obj))
+        _walk(vars(obj), path, out, depth + 1)
+    elif isinstance(obj, (np.generic, np.ndarray, np.dtype)):
+        out.append((path, obj))
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range ``[start, end)`` of ``t``'s elements in memory (by data pointer)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.device == b.device)
+
+
+def find_ties(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, str, bool]]:
+    """``(name, earlier name, same view)`` for each tensor whose memory overlaps an earlier one's.
+
+    "Same view" (same data pointer, dtype, shape and strides) is a tie such as an
+    embedding shared with the output projection; anything else that overlaps is a view
+    of another tensor.  Tensors on different storages never overlap.  O(n log n).
+    """
+    spans = []
+    for name, t in tensors.items():
+        if t.numel() and t.device.type != "meta":
+            start, end = _span(t)
+            spans.append((start, end, name))
+    order = {name: i for i, name in enumerate(tensors)}
+    spans.sort()
+    out = []
+    open_: list[tuple[int, int, str]] = []  # spans that may still overlap the next ones
+    for start, end, name in spans:
+        open_ = [s for s in open_ if s[1] > start]
+        for _, _, other in open_:
+            first, later = sorted((other, name), key=order.__getitem__)
+            out.append((later, first, _same_view(tensors[first], tensors[later])))
+        open_.append((start, end, name))
+    # One entry per later name: the earliest name it overlaps.
+    best: dict[str, tuple[str, str, bool]] = {}
+    for later, first, same in out:
+        if later not in best or order[first] < order[best[later][1]]:
+            best[later] = (later, first, same)
+    return sorted(best.values(), key=lambda e: order[e[0]])
+
+
+# ---- choosing the weights ---------------------------------------------------------------------
+
+def select_weights(state: Any, key: str = "auto") -> dict[str, torch.Tensor]:
+    """The flat ``{name: tensor}`` model weights of ``state``, for safetensors.
+
+    Args:
+        key: ``"auto"``: ``state`` itself when every value is a tensor, else
+            ``state["model"]`` (fairseq and trainer layouts), else the keys of a flat DCP
+            state under ``model.`` (prefix removed).  Any other string: ``state[key]``, or
+            the flat keys under ``key + "."``.  ``""``: the whole state.  Nested dicts
+            below the choice are flattened with ``.``.
+
+    Raises:
+        ConfigError: nothing matches ``key`` (lists the top-level keys), or a value is
+            not a tensor (names it: safetensors holds tensors only; pass another ``key``).
+    """
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"the state is a {type(state).__name__}, not a dict of tensors; "
+                          "safetensors holds a flat dict of tensors")
+    chosen: Any
+    if key == "auto":
+        if state and all(isinstance(v, torch.Tensor) for v in state.values()):
+            chosen, where = state, "the state"
+        else:
+            chosen, where = _under(state, "model"), "state['model']"
+            if chosen is None:
+                raise ConfigError(
+                    "cannot tell which part of the state is the model weights: it is not all "
+                    "tensors and has no 'model' entry (top-level keys: "
+                    f"{_keys(state)}); pass --key NAME")
+    elif key == "":
+        chosen, where = state, "the state"
+    else:
+        chosen, where = _under(state, key), f"state[{key!r}]"
+        if chosen is None:
+            raise ConfigError(f"the state has no {key!r} entry (top-level keys: "
+                              f"{_keys(state)}); pass another --key")
+    leaves: list[tuple[str, Any]] = []
+    _walk_plain(chosen, "", leaves)
+    weights: dict[str, torch.Tensor] = {}
+    for name, v in leaves:
+        if not isinstance(v, torch.Tensor):
+            raise ConfigError(f"{where}: {name!r} is a {type(v).__name__}, not a tensor; "
+                              "safetensors holds tensors only: pass --key to choose the "
+                              "weights (e.g. --key model)")
+        weights[name] = v
+    if not weights:
+        raise ConfigError(f"{where} holds no tensors")
+    return weights
+
+
+def _under(state: Mapping, key: str) -> Any:
+    if key in state and isinstance(state[key], Mapping):
+        return state[key]
+    prefix = key + "."
+    flat = {k[len(prefix):]: v for k, v in state.items()
+            if isinstance(k, str) and k.startswith(prefix)}
+    return flat or None
+
+
+def _keys(state: Mapping) -> str:
+    names = [str(k) for k in state]
+    return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+
+
+def _walk_plain(obj: Any, path: str, out: list[tuple[str, Any]]) -> None:
+    if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
+        for k, v in obj.items():
+            _walk_plain(v, f"{path}.{k}" if path else str(k), out)
+    else:
+        out.append((path, obj))
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+def _check_absent(st: Any, names: list[str], overwrite: bool) -> None:
+    if overwrite:
+        return
+    there = [n for n in names if st.exists(n)]
+    if there:
+        raise ConfigError(f"{st.url(there[0])} already exists; pass overwrite=True "
+                          "(--overwrite) to replace it")
+
+
+def _plain_fairseq(state: Any, report: ExportReport) -> Any:
+    """Undo what import added to a fairseq state and fairseq itself does not write."""
+    if not (looks_like_fairseq(state) and isinstance(state.get("args"), argparse.Namespace)):
+        return state
+    cfg = state.get("cfg")
+    if isinstance(cfg, dict) and cfg == dict(vars(state["args"])):
+        state = dict(state)
+        state["cfg"] = None
+        report.notes.append("cfg: None (it was the flat copy of args made at import; fairseq "
+                            "rebuilds cfg from args on load)")
+    return state
+
+
+def _safe_globals(leaves: list[tuple[str, Any]]) -> list[str]:
+    names = set()
+    for _, v in leaves:
+        if isinstance(v, argparse.Namespace):
+            names.add("argparse.Namespace")
+        elif isinstance(v, np.ndarray):
+            names.update(("numpy.core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype"))
+        elif isinstance(v, (np.generic, np.dtype)):
+            names.update(("numpy.core.multiarray.scalar", "numpy.dtype"))
+    return sorted(names)
+
+
+def _separate_dtypes(state: Any, tensors: dict[str, torch.Tensor]
+                     ) -> tuple[Any, set[str]]:
+    """``state`` with its own memory for tensors whose storage other dtypes view too.
+
+    ``torch.save`` refuses one storage viewed as several dtypes (a reader may pack small
+    tensors into one buffer).  Those tensors are copied, one copy per distinct view, so a
+    tie (the very same view under two names) stays one tensor.  Returns the new state and
+    the paths copied.
+    """
+    dtypes: dict[int, set[torch.dtype]] = {}
+    for t in tensors.values():
+        dtypes.setdefault(t.untyped_storage().data_ptr(), set()).add(t.dtype)
+    mixed = {p for p, d in dtypes.items() if len(d) > 1}
+    if not mixed:
+        return state, set()
+    copies: dict[tuple, torch.Tensor] = {}
+    cloned: set[str] = set()
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in mixed:
+            return t
+        sig = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if sig not in copies:
+            copies[sig] = t.clone()
+        return copies[sig]
+
+    cloned = {p for p, t in tensors.items() if t.untyped_storage().data_ptr() in mixed}
+    return _map_tensors(state, own), cloned
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` rebuilt with ``fn(t)`` for every tensor (dicts keep their type and order)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            out[k] = _map_tensors(v, fn)
+        return out
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_map_tensors(v, fn) for v in obj)
+    if isinstance(obj, argparse.Namespace):
+        return argparse.Namespace(**{k: _map_tensors(v, fn) for k, v in vars(obj).items()})
+    return obj
+
+
+def export_pt(state: Any, dst: str, *, overwrite: bool = False,
+              config: StorageConfig | None = None,
+              progress: Progress | None = None) -> ExportReport:
+    """Write ``state`` as one ``torch.save`` file at ``dst`` (local path or ``gs://`` object).
+
+    The file is built in memory (one copy of the state) and written atomically.
+    See the module docstring for the fairseq layout and ``safe_globals``.
+
+    Raises:
+        ConfigError: ``dst`` exists and not ``overwrite``; a meta tensor (names it).
+    """
+    report = ExportReport(dst=dst, format="pt")
+    state = _plain_fairseq(state, report)
+    leaves: list[tuple[str, Any]] = []
+    _walk(state, "", leaves)
+    tensors = {p: t for p, t in leaves if isinstance(t, torch.Tensor)}
+    for p, t in tensors.items():
+        if t.device.type == "meta":
+            raise ConfigError(f"{p}: a meta tensor has no values to export")
+    state, cloned = _separate_dtypes(state, tensors)
+    ties = find_ties(tensors)
+    report.ties = [Tie(n, k, "copied" if not same and (n in cloned or k in cloned) else "kept")
+                   for n, k, same in ties]
+    once = {n for n, _, same in ties if same}  # written once, under the earlier name
+    for p, t in tensors.items():
+        if p not in once:
+            report.count(t)
+    report.safe_globals = _safe_globals(leaves)
+    folder, name = split_uri(dst)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    with open_storage(folder, config) as st:
+        _check_absent(st, [name], overwrite)
+        st.write_atomic(name, [buf.getbuffer()])
+    if progress:
+        progress(buf.tell())
+    report.files.append(dst)
+    return report
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"10MiB"`` -> 10_485_760, ``"4096"`` -> 4096 (bytes).
+
+    HF's ``max_shard_size`` convention (decimal ``KB``/``MB``/``GB``, binary ``KiB``...).
+
+    Raises:
+        ConfigError: not a size, or not positive.
+    """
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").upper() if m else ""
+    if unit and not unit.endswith("B"):
+        unit += "B"
+    if not m or unit not in _UNITS:
+        raise ConfigError(f"{text!r} is not a size in bytes (e.g. 5GB, 500MB, 10MiB, 4096)")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ConfigError(f"size {text!r} must be positive")
+    return n
+
+
+def plan_shards(weights: Mapping[str, torch.Tensor],
+                max_shard_size_bytes: int | None) -> list[list[str]]:
+    """Names per shard, in order: fill a shard until the next tensor would pass the limit.
+
+    HF ``save_pretrained``'s rule: a tensor larger than the limit gets a shard of its own.
+    Sizes are ``numel * element_size`` (not the storage's size, which a view may exceed).
+    """
+    if not max_shard_size_bytes:
+        return [list(weights)]
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in weights.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_size_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _own_memory(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and alone on its storage (what safetensors needs), copying only if not."""
+    if t.is_contiguous() and t.storage_offset() == 0 and \
+            t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.contiguous().clone()
+
+
+def export_safetensors(state: Any, dst: str, *, key: str = "auto",
+                       max_shard_size_bytes: int | None = None, hf_config: str | None = None,
+                       overwrite: bool = False, config: StorageConfig | None = None,
+                       progress: Progress | None = None) -> ExportReport:
+    """Write the model weights of ``state`` as HF safetensors (see the module docstring).
+
+    Args:
+        dst: an HF model folder (``model.safetensors``, or shards and an index, go in it),
+            or a file name ending in ``.safetensors`` (one file; no sharding).
+        key: which weights (:func:`select_weights`).
+        max_shard_size_bytes: shard above this many bytes of tensors per file (None: one
+            file).
+        hf_config: a ``config.json`` (or a folder holding one) copied into ``dst``, so
+            ``from_pretrained(dst)`` works; without it the caller supplies one.
+
+    Raises:
+        ConfigError: no weights (:func:`select_weights`), an existing output without
+            ``overwrite``, sharding asked for a single-file ``dst``, a meta tensor.
+        CheckpointNotFoundError: ``hf_config`` is missing.
+    """
+    report = ExportReport(dst=dst, format="safetensors")
+    weights = dict(select_weights(state, key))
+    for name, t in weights.items():
+        if t.device.type == "meta":
+            raise ConfigError(f"{name}: a meta tensor has no values to export")
+    dropped: dict[str, str] = {}
+    for name, first, same in find_ties(weights):
+        if same and torch.equal(weights[name], weights[first]):
+            dropped[name] = first
+            report.ties.append(Tie(name, first, "dropped"))
+        else:
+            report.ties.append(Tie(name, first, "copied"))
+    for name in dropped:
+        del weights[name]
+    single = dst.rstrip("/").endswith(".safetensors")
+    if single and max_shard_size_bytes:
+        raise ConfigError(f"{dst}: a single .safetensors file cannot be sharded; pass a folder "
+                          "as DST to write shards and an index")
+    shards = plan_shards(weights, max_shard_size_bytes)
+    if single:
+        folder, only = split_uri(dst)
+        names = [only]
+    else:
+        folder = dst
+        n = len(shards)
+        names = [SINGLE_NAME] if n == 1 else \
+            [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    config_doc = _read_hf_config(hf_config, config) if hf_config else None
+    with open_storage(folder, config) as st:
+        out = names + ([INDEX_NAME] if len(names) > 1 else []) + \
+            (["config.json"] if config_doc is not None else [])
+        _check_absent(st, out, overwrite)
+        weight_map: dict[str, str] = {}
+        for shard, file in zip(shards, names, strict=True):
+            part = {k: _own_memory(weights[k]) for k in shard}
+            meta = {"format": "pt"}
+            meta.update({d: k for d, k in dropped.items() if k in part})
+            data = st_save(part, metadata=meta)
+            st.write_atomic(file, [data])
+            for k, t in part.items():
+                report.count(t)
+                weight_map[k] = file
+            report.files.append(st.url(file))
+            if progress:
+                progress(len(data))
+            del part, data
+        if len(names) > 1:
+            index = {"metadata": {"total_size": report.nbytes},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            st.write_atomic(INDEX_NAME, [(json.dumps(index, indent=2) + "\n").encode("utf-8")])
+            report.files.append(st.url(INDEX_NAME))
+        if config_doc is not None:
+            st.write_atomic("config.json", [config_doc])
+            report.files.append(st.url("config.json"))
+    return report
+
+
+def _read_hf_config(path: str, config: StorageConfig | None) -> bytes:
+    """The bytes of ``path`` (a ``config.json``, or a folder holding one), checked to be JSON."""
+    if is_single_object(path, config=config):
+        folder, name = split_uri(path)
+        where = path
+    else:
+        folder, name = path, "config.json"
+        where = f"{path.rstrip('/')}/config.json"
+    with open_storage(folder, config) as st:
+        data = st.read_bytes(name)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointCorruptError(f"{where}: not a JSON config ({e})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointCorruptError(f"{where}: not a JSON object")
+    return data
+
+
+def _namespaces_as_dicts(obj: Any) -> Any:
+    """``obj`` with every ``argparse.Namespace`` replaced by the dict of its attributes."""
+    if isinstance(obj, argparse.Namespace):
+        return {k: _namespaces_as_dicts(v) for k, v in vars(obj).items()}
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            out[k] = _namespaces_as_dicts(v)
+        return out
+    if isinstance(obj, list):
+        return [_namespaces_as_dicts(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_namespaces_as_dicts(v) for v in obj)
+    return obj
+
+
+def export_dcp(state: Any, dst: str, *, overwrite: bool = False,
+               config: StorageConfig | None = None) -> ExportReport:
+    """Write ``state`` as a PyTorch DCP checkpoint folder (:func:`xla_ckpt.io.dcp.write_dcp`).
+
+    DCP has no aliasing: a tied tensor is written under each of its names (reported as
+    ``"copied"``), and ``dcp.load`` into a model with the tie fills the one storage.  An
+    ``argparse.Namespace`` (fairseq ``args``) is written as the dict of its attributes (a
+    DCP item must load with ``torch.load(weights_only=True)``; reported in ``notes``).
+
+    Raises:
+        CheckpointExistsError: ``dst`` already holds a DCP checkpoint and not ``overwrite``.
+        UnsupportedTypeError: a value ``torch.load(weights_only=True)`` cannot read back
+            (numpy values, other classes), names the key.
+    """
+    from xla_ckpt.io.dcp import write_dcp  # noqa: PLC0415 - DCP support loads torch.distributed
+
+    report = ExportReport(dst=dst, format="dcp")
+    leaves: list[tuple[str, Any]] = []
+    _walk(state, "", leaves)
+    tensors = {p: t for p, t in leaves if isinstance(t, torch.Tensor)}
+    for t in tensors.values():
+        report.count(t)
+    report.ties = [Tie(n, k, "copied") for n, k, _ in find_ties(tensors)]
+    spaces = [p for p, v in leaves if isinstance(v, argparse.Namespace)]
+    if spaces:
+        state = _namespaces_as_dicts(state)
+        report.notes.append(f"{', '.join(spaces)}: argparse.Namespace written as a dict (a DCP "
+                            "item must load with torch.load(weights_only=True))")
+    write_dcp(state, dst, config=config, overwrite=overwrite)
+    with open_storage(dst, config) as st:
+        report.files = [st.url(n) for n in st.list("")]
+    return report
+
+
+def export(uri: str, dst: str, *, fmt: str, key: str = "auto",
+           max_shard_size_bytes: int | None = None, hf_config: str | None = None,
+           overwrite: bool = False, config: StorageConfig | None = None,
+           progress: Progress | None = None) -> ExportReport:
+    """Load ``uri`` (anything :func:`xla_ckpt.load` reads) and export it as ``fmt``.
+
+    Args:
+        fmt: ``"pt"`` (:func:`export_pt`), ``"safetensors"`` (:func:`export_safetensors`;
+            ``key``, ``max_shard_size_bytes``, ``hf_config`` apply to it only) or ``"dcp"``
+            (:func:`export_dcp`).
+
+    Raises:
+        ConfigError: an unknown ``fmt``, or what the exporter raises.
+        and what :func:`xla_ckpt.load` raises.
+    """
+    if fmt not in FORMATS:
+        raise ConfigError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    if fmt != "safetensors" and (max_shard_size_bytes or hf_config or key != "auto"):
+        raise ConfigError("--max-shard-size, --hf-config and --key apply to --format "
+                          "safetensors only")
+    from xla_ckpt.io.opener import load  # noqa: PLC0415 - the opener imports most of io
+
+    state = load(uri, config=config)
+    if fmt == "pt":
+        return export_pt(state, dst, overwrite=overwrite, config=config, progress=progress)
+    if fmt == "safetensors":
+        return export_safetensors(state, dst, key=key, max_shard_size_bytes=max_shard_size_bytes,
+                                  hf_config=hf_config, overwrite=overwrite, config=config,
+                                  progress=progress)
+    return export_dcp(state, dst, overwrite=overwrite, config=config)
