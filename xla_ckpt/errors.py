@@ -272,3 +272,72 @@ class CheckpointReplacedError(DistributedError):
         self.uri = uri
         self.before = before
         self.after = after
+
+
+class StepNotFoundError(CheckpointNotFoundError):
+    """No committed checkpoint of the run folder records the asked step (its ``num_updates``).
+
+    Raised on every rank by ``CheckpointManager.restore(step=N)``; the message lists the
+    steps there are.  A :class:`CheckpointNotFoundError`, never the fresh-start
+    :class:`NothingCommittedError`.
+
+    Attributes:
+        step: the step asked for.
+        steps: the steps of the committed checkpoints there are (sorted).
+        run: the run folder.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, steps: tuple[int, ...] = (),
+                 run: str = "") -> None:
+        super().__init__(message)
+        self.step = step
+        self.steps = tuple(steps)
+        self.run = run
+
+
+class UnknownKeyError(XlaCkptError, KeyError):
+    """A partial restore named a key the checkpoint does not hold.
+
+    The message names the key and the closest keys the checkpoint does hold.
+
+    Attributes:
+        key: the key asked for.
+        closest: existing keys closest to it (may be empty).
+        checkpoint: the checkpoint read.
+    """
+
+    def __init__(self, message: str, *, key: str = "", closest: tuple[str, ...] = (),
+                 checkpoint: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+        self.closest = tuple(closest)
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class PartiallyOverwrittenError(IntegrityError):
+    """crc32c failed, after the bounded re-reads, in bytes read straight into live tensors.
+
+    Raised by in-place restores (:meth:`xla_ckpt.io.CheckpointReader.load` with ``into``):
+    the named tensors now hold bytes that did not pass the check.  Restore another
+    checkpoint into them, or re-initialise them, before using them.
+
+    Attributes:
+        keys: tensor keys whose live memory holds the unchecked bytes.
+    """
+
+    def __init__(self, message: str, *, path: str = "", key: str = "",
+                 keys: tuple[str, ...] = ()) -> None:
+        super().__init__(message, path=path, key=key)
+        self.keys = tuple(keys)
+
+
+class CheckpointExistsError(XlaCkptError, FileExistsError):
+    """A write would replace a committed checkpoint the caller did not ask to replace.
+
+    Raised by :func:`xla_ckpt.io.dcp.write_dcp` when the target folder already holds a DCP
+    ``.metadata`` and ``overwrite=False``; nothing was written.  The message names the URI
+    and says to pass ``overwrite=True`` or pick an empty folder.
+    """

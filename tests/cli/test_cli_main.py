@@ -88,8 +88,9 @@ def test_progress_bar_draws_only_when_enabled(monkeypatch):
     bar = common.progress_bar(2048, "verify", enabled=True)
     bar.update(1024)
     bar.update(1024)
+    bar.refresh()  # draws now (updates within mininterval are drawn lazily)
     bar.close()
-    assert "verify" in buf.getvalue() and "2.00k" in buf.getvalue()
+    assert "verify" in buf.getvalue() and "2.0/2.0 KiB" in buf.getvalue()
     buf.truncate(0)
     bar = common.progress_bar(2048, "verify")  # stderr is not a TTY here
     bar.update(2048)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import io
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, TypeAlias
+from typing import Any, Protocol, Sequence, TextIO, TypeAlias
 
 import numpy as np
 from tqdm import tqdm
@@ -28,7 +30,7 @@ from xla_ckpt.errors import (
     XlaCkptError,
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.io.resolve import LEGACY, resolve
+from xla_ckpt.io.resolve import XLA_CKPT, resolve
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 
 # What each command module's ``register(sub, parents)`` gets: the ``add_subparsers()`` action of
@@ -102,9 +104,9 @@ def resolve_checkpoint(uri: str, config: StorageConfig | None = None) -> Target:
     except NothingCommittedError as e:
         raise CheckpointNotFoundError(f"{e.uri}: no checkpoint here ({MANIFEST_NAME} not "
                                       "found)") from e
-    if resolved.kind == LEGACY:
-        raise UsageError(f"{uri} is a legacy .pt/safetensors file, not an xla_ckpt checkpoint "
-                         f"folder; import it with `xla-ckpt convert {uri} DST`")
+    if resolved.kind != XLA_CKPT:
+        raise UsageError(f"{uri} is {resolved.what}, not an xla_ckpt checkpoint folder; read it "
+                         f"with xla_ckpt.load or import it with `xla-ckpt convert {uri} DST`")
     st = open_storage(resolved.checkpoint, config)
     return Target(st, st.uri, run_uri=resolved.run)
 
@@ -114,6 +116,8 @@ class ProgressBar(Protocol):
 
     def update(self, n: int) -> object: ...
 
+    def refresh(self) -> object: ...
+
     def close(self) -> None: ...
 
 
@@ -121,20 +125,110 @@ class _NullBar:
     def update(self, n: int) -> None:
         pass
 
+    def refresh(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
+DEFAULT_TERMINAL_SIZE = (80, 24)
+"""(columns, rows) assumed when a terminal reports a size of 0 and COLUMNS/LINES are unset."""
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ.get(name, ""))
+    except ValueError:
+        return 0
+
+
+def terminal_size(file: TextIO) -> tuple[int, int]:
+    """``(columns, rows)`` of the terminal ``file`` writes to, never 0.
+
+    ``COLUMNS`` / ``LINES`` win when set to a positive number (as
+    :func:`shutil.get_terminal_size`); then the terminal's own answer; a terminal that
+    reports 0 (a fresh pty, some CI runners, ``stty cols 0``) or no terminal at all gives
+    :data:`DEFAULT_TERMINAL_SIZE`.  tqdm asks the terminal directly and, told 0 rows,
+    draws nothing at all: this is what :func:`progress_bar` gives it instead.
+    """
+    cols, rows = _env_int("COLUMNS"), _env_int("LINES")
+    if cols <= 0 or rows <= 0:
+        try:
+            size = os.get_terminal_size(file.fileno())
+            tc, tr = size.columns, size.lines
+        except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+            tc, tr = 0, 0
+        cols = cols if cols > 0 else (tc or DEFAULT_TERMINAL_SIZE[0])
+        rows = rows if rows > 0 else (tr or DEFAULT_TERMINAL_SIZE[1])
+    return cols, rows
+
+
+def _unit(total: float | None, n: float) -> tuple[str, int]:
+    """MiB, or KiB for work under 1 MiB (``0.0/0.0 MiB`` would say nothing)."""
+    size = total if total else n
+    return ("KiB", 2**10) if size < 2**20 else ("MiB", 2**20)
+
+
+_WITH_TOTAL = ("{desc}: {percentage:3.0f}%|{bar}| {n_units}/{total_units} {size_unit} "
+               "[{elapsed}<{remaining}, {rate_mib}]")
+_NO_TOTAL = "{desc}: {n_units} {size_unit} [{elapsed}, {rate_mib}]"
+
+
+class _MiBBar(tqdm):
+    """A tqdm byte counter that shows MiB (KiB below 1 MiB; binary, one decimal, as
+    ``human_bytes``) and MiB/s, and sizes itself by :func:`terminal_size`."""
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        d = dict(super().format_dict)
+        rate, total, n = d.get("rate"), d.get("total"), d.get("n") or 0
+        unit, div = _unit(total, n)
+        d["n_units"] = f"{n / div:.1f}"
+        d["total_units"] = f"{total / div:.1f}" if total else "?"
+        d["size_unit"] = unit
+        d["rate_mib"] = f"{rate / 2**20:.1f} MiB/s" if rate else "? MiB/s"
+        d["bar_format"] = _WITH_TOTAL if total else _NO_TOTAL
+        return d
+
+
+def _shape(file: TextIO) -> tuple[int, int]:
+    cols, rows = terminal_size(file)
+    return max(cols - 1, 1), max(rows - 1, 1)  # tqdm's own margin: never the last column
+
+
 def progress_bar(total_bytes: int | None, desc: str, *,
-                 enabled: bool | None = None) -> ProgressBar:
-    """A tqdm byte counter on stderr when it is a terminal (or ``enabled``), else a no-op."""
+                 enabled: bool | None = None, file: TextIO | None = None) -> ProgressBar:
+    """A byte counter on stderr in MiB (KiB below 1 MiB) and MiB/s when stderr is a terminal,
+    else a no-op.
+
+    Args:
+        total_bytes: bytes the work will count (None: unknown; no bar, a running count).
+        desc: the label (``"verify"``, ``"read"``).
+        enabled: True draws even when ``file`` is not a terminal; False never draws;
+            None (default) draws only on a terminal (``xla-ckpt --no-progress`` passes False).
+        file: where to draw (default ``sys.stderr``).
+
+    Returns:
+        A bar whose ``update(nbytes)`` counts bytes done and ``close()`` removes it
+        (``leave=False``).  The width follows the terminal, read by :func:`terminal_size`,
+        so a terminal that reports no width still gets a bar.
+    """
+    out = file if file is not None else sys.stderr
     if enabled is None:
-        enabled = sys.stderr.isatty()
+        try:
+            enabled = out.isatty()
+        except (AttributeError, ValueError):
+            enabled = False
     if not enabled:
         return _NullBar()
-
-    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                file=sys.stderr, leave=False, dynamic_ncols=True)
+    cols, rows = _shape(out)
+    bar = _MiBBar(total=total_bytes, desc=desc, unit="B", file=out, leave=False, ncols=cols,
+                  nrows=rows, dynamic_ncols=False, mininterval=0.1)
+    # Follow resizes through the same fallbacks: tqdm calls ``dynamic_ncols(file)`` on every
+    # refresh when it is a callable (what its own dynamic_ncols=True installs).
+    bar.dynamic_ncols = _shape  # type: ignore[assignment]  # tqdm stubs type it as the bool argument
+    return bar
 
 
 def human_bytes(n: int | float) -> str:

@@ -17,6 +17,7 @@ from xla_ckpt.comm import Dist
 from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.errors import CheckpointSaveError, DistributedError, FencedError
 from xla_ckpt.io.fencing import Lease, acquire_lease, lease_from_message, lease_message
+from xla_ckpt.manager.best import BestScore
 from xla_ckpt.manager.preemption import PreemptionNotice
 from xla_ckpt.manager.staging import StagingPool
 from xla_ckpt.restore import RestoreConfig
@@ -45,7 +46,8 @@ class ManagerBase:
     _notice: PreemptionNotice
     _preempt_agreed: bool
     _last_saved: tuple[str, int] | None  # (name, num_updates) of the newest save
-    _best: float | None  # coordinator: best metric among committed checkpoints
+    _best: float | None  # coordinator: best score among committed checkpoints
+    _scorer: BestScore  # what "best" means (config metric or best_fn; manager.best)
     _closed: bool
     restored_from: str | None
     _lease: Lease | None  # this incarnation's lease epoch (every rank; taken by rank 0)

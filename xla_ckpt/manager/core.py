@@ -39,8 +39,11 @@ The class is built from one part per concern, each in its module:
 :meth:`~CheckpointManager.after_update`, preemption), :mod:`~xla_ckpt.manager.saving`
 (the save path: :meth:`~CheckpointManager.save`, upload, commit, pointers, best-N,
 rotation, the in-flight save) and :mod:`~xla_ckpt.manager.restoring` (the restore path:
-:meth:`~CheckpointManager.restore_or_initialize`); :mod:`~xla_ckpt.manager.base` declares
-the state they share.  This module holds the constructor and the lifecycle.
+:meth:`~CheckpointManager.restore_or_initialize`, :meth:`~CheckpointManager.restore`,
+:meth:`~CheckpointManager.all_steps`, :meth:`~CheckpointManager.latest_step`,
+:meth:`~CheckpointManager.best_step`); :mod:`~xla_ckpt.manager.best` ranks checkpoints
+(the config's metric or a ``best_fn``); :mod:`~xla_ckpt.manager.base` declares the state
+they share.  This module holds the constructor and the lifecycle.
 """
 
 from __future__ import annotations
@@ -50,9 +53,10 @@ from types import TracebackType
 
 from xla_ckpt.comm import Dist, get_dist
 from xla_ckpt.config import CheckpointConfig
+from xla_ckpt.manager.best import RESERVED_METADATA, BestFn, BestScore
 from xla_ckpt.manager.preemption import PreemptionNotice
 from xla_ckpt.manager.restoring import RestorePath, RestoreResult
-from xla_ckpt.manager.saving import RESERVED_METADATA, StateArg
+from xla_ckpt.manager.saving import StateArg
 from xla_ckpt.manager.schedule import SaveSchedule, StepResult
 from xla_ckpt.manager.staging import StagingPool
 from xla_ckpt.restore import RestoreConfig
@@ -81,6 +85,15 @@ class CheckpointManager(SaveSchedule, RestorePath):
                                  metrics={"loss": valid_loss} if i == last else None)
         mgr.close()                                    # waits for the last save
 
+    Steps, as Orbax's and torch_xla's ``CheckpointManager`` (a step is the ``num_updates``
+    a committed checkpoint records; every call is collective, rank 0 decides)::
+
+        mgr.all_steps()                    # [500, 1000, 1500]
+        mgr.latest_step()                  # 1500 (what restore() / checkpoint_last pick)
+        mgr.best_step()                    # by best_fn / best_mode, else best_checkpoint_metric
+        r = mgr.restore(step=1000)         # RestoreResult on every rank
+        w = mgr.restore(keys=["model"])    # only the model's bytes are read
+
     Args:
         config: the schedule, retention, async and preemption knobs.
         dist: the job's :class:`xla_ckpt.comm.Dist` (only ``rank``, ``world_size``
@@ -90,12 +103,28 @@ class CheckpointManager(SaveSchedule, RestorePath):
             ``auto`` / ``all_ranks`` / ``broadcast``, bucket size, ZeRO sharding).
         storage: an already open storage rooted at the run folder (overrides
             ``config.save_dir``; the caller keeps ownership).
+        best_fn: ``best_fn(metrics) -> float`` (Orbax's ``best_fn``): the score of a
+            checkpoint from the metrics it was saved with, used for ``checkpoint_best``
+            and ``keep_best_checkpoints`` instead of ``config.best_checkpoint_metric``.
+            Called on rank 0 only; a checkpoint saved without metrics has no score; None
+            or a non-finite return means no score.  If it raises for the checkpoint
+            being saved, that save fails on every rank (nothing written); for an older
+            one at rotation, that checkpoint counts as unscored (WARNING).  See
+            :mod:`xla_ckpt.manager.best`.
+        best_mode: ``"min"`` or ``"max"``: which scores are better (Orbax's
+            ``best_mode``).  Default: ``"max"`` if
+            ``config.maximize_best_checkpoint_metric`` else ``"min"`` (fairseq).
+
+    Raises:
+        ConfigError: ``best_fn`` is not callable, or ``best_mode`` is not ``"min"``/``"max"``.
     """
 
     def __init__(self, config: CheckpointConfig, *, dist: Dist | None = None,
                  storage_config: StorageConfig | None = None,
                  restore_config: RestoreConfig | None = None,
-                 storage: Storage | None = None) -> None:
+                 storage: Storage | None = None, best_fn: BestFn | None = None,
+                 best_mode: str | None = None) -> None:
+        self._scorer = BestScore.from_config(config, best_fn, best_mode)
         self.config = config
         self.restore_config = restore_config or RestoreConfig()
         self.dist = dist if dist is not None else get_dist()

@@ -12,6 +12,16 @@ Fencing: before it resolves anything, rank 0 takes this incarnation's lease epoc
 with the decision, so from then on an older incarnation still running can neither
 commit over, point past nor rotate away what this one restores.
 
+Steps (Orbax / torch_xla ``CheckpointManager`` parity): a checkpoint's *step* is the
+``num_updates`` its manifest metadata records; :meth:`RestorePath.all_steps`,
+:meth:`RestorePath.latest_step` and :meth:`RestorePath.best_step` list them (rank 0
+lists the run folder, every rank gets the answer), and :meth:`RestorePath.restore`
+restores one (``step=None``: the latest) on every rank, optionally only some ``keys``
+of the state (:mod:`xla_ckpt.io.partial`).  Two committed checkpoints with one step (an
+epoch checkpoint and an update checkpoint of the same update, or an incarnation that
+saved that update again): the newest committed one by the catalog's order (lease
+epoch, then creation time) is restored, the same one on every rank.
+
 Fresh start: only ``checkpoint_last`` with nothing ever committed in the run
 folder (:class:`~xla_ckpt.errors.NothingCommittedError`; a ``save_dir`` that does
 not exist yet counts, the manager creates it), logged at WARNING.  A named
@@ -26,31 +36,71 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from xla_ckpt.comm.failures import describe_error
 from xla_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
+    CollectiveTimeoutError,
     ConfigError,
     DistributedError,
     IncompleteCheckpointError,
     NothingCommittedError,
+    StepNotFoundError,
     StorageError,
     StoragePermissionError,
     StorageURIError,
     UncommittedCheckpointError,
+    UnknownKeyError,
 )
-from xla_ckpt.io.catalog import pointer_name
+from xla_ckpt.format import typed
+from xla_ckpt.format.manifest import STATE_ITEM, Manifest, valid_file_name
+from xla_ckpt.io.catalog import CheckpointEntry, choose_latest, list_checkpoints, pointer_name
 from xla_ckpt.io.fencing import lease_from_message, lease_message
-from xla_ckpt.io.resolve import resolve
+from xla_ckpt.io.partial import Keys, PartialResult, read_partial, select_item
+from xla_ckpt.io.reader import CheckpointReader
+from xla_ckpt.io.resolve import committed_manifest, resolve
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.restore import Restored
 from xla_ckpt.restore import restore as restore_checkpoint
-from xla_ckpt.storage import parse_uri
+from xla_ckpt.storage import open_storage, parse_uri
 
 # Errors that reach every rank with their own type when rank 0 hits them resolving a restore.
 _SHARED_ERRORS = {c.__name__: c for c in (CheckpointNotFoundError, IncompleteCheckpointError,
                                           CheckpointCorruptError, StorageError,
                                           StoragePermissionError, StorageURIError,
                                           ConfigError)}
+# ... and those that also carry attributes (sent along by name), for the step/partial API.
+_SHARED_WITH_ATTRS: dict[str, tuple[type[Exception], tuple[str, ...]]] = {
+    "StepNotFoundError": (StepNotFoundError, ("step", "steps", "run")),
+    "UnknownKeyError": (UnknownKeyError, ("key", "closest", "checkpoint")),
+    "UncommittedCheckpointError": (UncommittedCheckpointError, ("uri", "incomplete")),
+    "NothingCommittedError": (NothingCommittedError, ("uri",)),
+}
+_SHOWN_STEPS = 20  # steps listed in a StepNotFoundError message
+
+
+@dataclass(frozen=True)
+class _StepDecision:
+    """Which checkpoint :meth:`RestorePath.restore` reads, as rank 0 decided it."""
+
+    uri: str
+    name: str  # its folder name in the run folder
+    manifest_bytes: bytes  # its manifest as rank 0 read it (partial restores only, else b"")
+    save_id: str
+
+
+def _steps(entries: list[CheckpointEntry]) -> list[int]:
+    return sorted({e.num_updates for e in entries if e.committed and e.num_updates >= 0})
+
+
+def _check_step(step: object) -> int | None:
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step must be an int >= 0 (a checkpoint's num_updates) or None for "
+                          f"the latest, got {step!r}")
+    return step
 
 
 @dataclass
@@ -66,7 +116,11 @@ class RestoreResult:
         metadata: the manifest's metadata summary (epoch, num_updates, metrics, ...).
         epoch / num_updates: from ``metadata`` (None if the saver did not record them).
         restored: the restore layer's :class:`xla_ckpt.restore.Restored` (strategy and why,
-            :class:`~xla_ckpt.restore.RestoreStats` with bytes read and seconds, shards).
+            :class:`~xla_ckpt.restore.RestoreStats` with bytes read and seconds, shards);
+            None for a partial restore.
+        partial: for :meth:`CheckpointManager.restore` with ``keys``: the
+            :class:`~xla_ckpt.io.partial.PartialResult` of this rank's read (selection,
+            bytes read, seconds); None otherwise.
     """
 
     state: Any
@@ -77,6 +131,7 @@ class RestoreResult:
     epoch: int | None = None
     num_updates: int | None = None
     restored: Restored | None = None
+    partial: PartialResult | None = None
 
 
 class RestorePath(ManagerBase):
@@ -157,6 +212,241 @@ class RestorePath(ManagerBase):
             self._last_saved = (name, result.num_updates)
         return result
 
+    # ---- steps (Orbax / torch_xla CheckpointManager parity) -----------------------------
+    def all_steps(self) -> list[int]:
+        """Steps (``num_updates``) of the committed checkpoints in the run folder, ascending,
+        each once.  Collective: rank 0 lists the run folder, every rank gets its answer.
+
+        Only committed checkpoints count (call :meth:`wait` first to include an async save
+        in flight); one without ``num_updates`` in its metadata (not written by a manager)
+        has no step.  Orbax ``all_steps()``, torch_xla ``all_steps()``.
+
+        Raises:
+            StorageError: listing failed on rank 0 (every rank; never read as "no steps").
+        """
+        self._check_open()
+        return [int(n) for n in self._on_rank0(lambda: _steps(list_checkpoints(self.run)),
+                                                "list the run folder")]
+
+    def latest_step(self) -> int | None:
+        """Step of the checkpoint :meth:`restore` (and ``restore_or_initialize`` with
+        ``checkpoint_last``) restores now, or None when no committed checkpoint has a step.
+        Collective (as :meth:`all_steps`).
+
+        That is the newest committed checkpoint by the run folder's order (lease epoch,
+        then ``num_updates``), following ``checkpoint_last`` unless it lags: normally
+        ``max(all_steps())``; after a newer incarnation resumed from an older step, that
+        incarnation's step.  Orbax ``latest_step()``.
+        """
+        self._check_open()
+        return self._on_rank0(self._latest_step, "list the run folder")
+
+    def best_step(self) -> int | None:
+        """Step of the best committed checkpoint by the manager's ranking (``best_fn`` /
+        ``best_mode``, else ``best_checkpoint_metric``; ties: the newer), or None when no
+        committed checkpoint has a score.  Collective (as :meth:`all_steps`).  Orbax
+        ``best_step()``.
+        """
+        self._check_open()
+
+        def best() -> int | None:
+            top = self._scorer.best_entries(
+                [e for e in list_checkpoints(self.run) if e.committed and e.num_updates >= 0], 1)
+            return top[0].num_updates if top else None
+
+        return self._on_rank0(best, "list the run folder")
+
+    def restore(self, step: int | None = None, *, keys: Keys = None,
+                map_location: Any = None) -> RestoreResult:
+        """Restore the checkpoint of ``step`` (None: the latest) on every rank.  Collective.
+
+        Orbax ``restore(step)`` / torch_xla ``restore(step, state_dict)``, with the one-resolver
+        rule (DESIGN decision 2): rank 0 lists the run folder and picks the checkpoint whose
+        metadata records ``num_updates == step`` (two such, e.g. ``checkpoint3`` and
+        ``checkpoint_3_900`` of the same update: the newest committed one, by lease epoch then
+        creation time, on every rank alike), or, for ``step=None``, the latest committed one
+        exactly as ``restore_or_initialize`` resolves ``checkpoint_last``; every rank restores
+        that one.  Unlike :meth:`restore_or_initialize` there is no fresh start: nothing
+        committed raises.  As there, this incarnation takes its lease first (unless
+        ``no_save``) and the restored checkpoint is never rotated away.
+
+        Args:
+            step: a step of :meth:`all_steps`, or None for :meth:`latest_step`'s checkpoint.
+            keys: restore only these keys of the replicated state (dotted paths such as
+                ``"model.encoder.layer.0"`` or ``"optimizer"``, see :mod:`xla_ckpt.io.partial`);
+                every rank then reads only the blobs those tensors live in, from storage
+                itself (``restore_config.strategy`` does not apply), and ``rank_state`` is
+                None.  None: the whole state and this rank's ``rank/<rank>`` item through
+                :func:`xla_ckpt.restore.restore` (the configured strategy).
+            map_location: where restored tensors go on this rank (as ``torch.load``).
+
+        Returns:
+            A :class:`RestoreResult` on every rank (``partial`` set when ``keys`` is given).
+
+        Raises:
+            StepNotFoundError: no committed checkpoint records ``step``; the message lists
+                the steps there are (a ``CheckpointNotFoundError``; every rank).
+            NothingCommittedError: ``step=None`` and nothing is committed (every rank).
+            UnknownKeyError: a key selects nothing; names it and the closest keys (every rank).
+            CheckpointReplacedError: the checkpoint was replaced during the read, twice.
+            DistributedError: a read failed on some rank; ``failures`` names them.
+            ConfigError: ``step`` is not an int >= 0 (before any collective).
+        """
+        self._check_open()
+        step = _check_step(step)
+        decision = self._decide(step, keys)
+        for attempt in range(2):
+            if keys is None:
+                try:
+                    result = self._read_checkpoint(decision.uri, decision.name, map_location)
+                except UncommittedCheckpointError as e:
+                    raise IncompleteCheckpointError(str(e)) from e
+                except NothingCommittedError as e:
+                    raise CheckpointNotFoundError(str(e)) from e
+                break
+            try:
+                result = self._read_partial(decision, keys, map_location)
+                break
+            except DistributedError as e:
+                if isinstance(e, CollectiveTimeoutError) or getattr(e, "collective_broken", False):
+                    raise
+                again = self._decide(step, keys)
+                if (again.uri, again.save_id) == (decision.uri, decision.save_id):
+                    raise  # not replaced: the read's own error
+                if attempt == 1:
+                    raise CheckpointReplacedError(
+                        f"{decision.uri} was replaced while reading (save id "
+                        f"{decision.save_id} -> {again.save_id}); retry or pause the other "
+                        "writer", e.failures, uri=decision.uri, before=decision.save_id,
+                        after=again.save_id) from e
+                if self.rank == 0:
+                    logger.warning("[rank %d] %s was replaced while reading (save id %s -> "
+                                   "%s); restoring %s once more", self.rank, decision.uri,
+                                   decision.save_id, again.save_id, again.uri)
+                decision = again
+        self.restored_from = decision.name  # a folder of the run folder: never rotated away
+        if result.num_updates is not None:
+            self._last_saved = (decision.name, result.num_updates)
+        return result
+
+    def _latest_step(self) -> int | None:
+        """Rank 0: :meth:`latest_step`."""
+        entries = list_checkpoints(self.run)
+        stepped = [e for e in entries if e.committed and e.num_updates >= 0]
+        name = choose_latest(self.run, entries)
+        chosen = next((e for e in stepped if e.name == name), None)
+        if chosen is None:
+            return stepped[-1].num_updates if stepped else None
+        return chosen.num_updates
+
+    def _decide(self, step: int | None, keys: Keys) -> _StepDecision:
+        """Every rank: rank 0's decision for :meth:`restore` (its lease and the best score so
+        far taken on the way)."""
+        uri, name, mbytes, best, lease, save_id = self._on_rank0(
+            lambda: self._decide_on_rank0(step, keys), "resolve the checkpoint to restore")
+        if lease is not None:
+            self._lease = lease_from_message(lease)
+        self._best = best
+        return _StepDecision(uri=uri, name=name, manifest_bytes=mbytes, save_id=save_id)
+
+    def _decide_on_rank0(self, step: int | None, keys: Keys) -> tuple:
+        """Rank 0: ``(uri, folder name, manifest bytes (partial only), best, lease, save id)``."""
+        lease = None
+        if self._lease is None and not self.config.no_save:
+            lease = lease_message(self._take_lease())
+        if step is None:
+            r = resolve(self.run, pointer="last", missing_ok=True)
+            uri, name, manifest, mbytes = r.checkpoint, r.name, r.manifest, r.manifest_bytes
+        else:
+            entries = [e for e in list_checkpoints(self.run) if e.committed]
+            matches = [e for e in entries if e.num_updates == step]
+            if not matches:
+                steps = _steps(entries)
+                shown = ", ".join(str(n) for n in steps[:_SHOWN_STEPS]) + \
+                    (f", ... ({len(steps)} in all, the last {steps[-1]})"
+                     if len(steps) > _SHOWN_STEPS else "")
+                raise StepNotFoundError(
+                    f"{self.run.uri}: no committed checkpoint at step {step} (num_updates); "
+                    f"steps there: {shown or 'none'}", step=step, steps=tuple(steps),
+                    run=self.run.uri)
+            chosen = matches[-1]  # oldest first: the newest committed of that step
+            if len(matches) > 1:
+                logger.info("[rank %d] step %d: %s committed; restoring the newest, %s",
+                            self.rank, step, ", ".join(e.name for e in matches), chosen.name)
+            with self.run.child(chosen.name) as child:
+                found = committed_manifest(child)
+                uri = child.uri
+            if found is None:
+                raise CheckpointNotFoundError(f"{uri}: deleted while the run folder was read "
+                                              "(is another job rotating it?)")
+            manifest, mbytes, _ = found
+            name = chosen.name
+        if manifest is None:
+            raise ConfigError(f"{uri} is not an xla_ckpt checkpoint folder")
+        if keys is not None:  # an unknown key fails here, on every rank alike
+            select_item(manifest.item(STATE_ITEM), keys, where=uri)
+        return (uri, name, mbytes if keys is not None else b"", self._read_best_value(), lease,
+                manifest.save_id)
+
+    def _read_partial(self, decision: _StepDecision, keys: Keys,
+                      map_location: Any) -> RestoreResult:
+        """Every rank reads its selection of ``decision``'s checkpoint; failures agreed on."""
+        uri, name = decision.uri, decision.name
+        got: PartialResult | None = None
+        err: Exception | None = None
+        manifest: Manifest | None = None
+        try:
+            manifest = Manifest.from_json_bytes(decision.manifest_bytes,
+                                                where=f"{uri} (manifest from rank 0)",
+                                                require_crc=True)
+            with open_storage(uri, self.run.config) as st:
+                got = read_partial(CheckpointReader(st, manifest), keys,
+                                   map_location=map_location)
+        except Exception as e:  # noqa: BLE001 - agreed on with every rank just below
+            err = e
+        causes = self._exchange(None if err is None else describe_error(err))
+        failures = {r: c for r, c in enumerate(causes) if c is not None}
+        if failures:
+            ranks = ", ".join(str(r) for r in sorted(failures))
+            raise DistributedError(f"partial restore of {uri} failed on rank(s) {ranks} of "
+                                   f"{self.world_size}", failures) from err
+        assert got is not None and manifest is not None
+        md = typed.decode(manifest.metadata) if manifest.metadata is not None else None
+        md = md if isinstance(md, dict) else {}
+        return RestoreResult(state=got.state, rank_state=None, checkpoint=name, uri=uri,
+                             metadata=md, epoch=md.get("epoch"),
+                             num_updates=md.get("num_updates"), restored=None, partial=got)
+
+    def _on_rank0(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn`` on rank 0 and give every rank its value, or its error.  Collective.
+
+        An error rank 0 hits is raised on rank 0 as it is and on the others as the same
+        class (the step/partial errors with their attributes) or, for any other, as a
+        :class:`DistributedError` naming rank 0 and the cause.
+        """
+        msg: Any = None
+        own: Exception | None = None
+        if self.rank == 0:
+            try:
+                msg = ("ok", fn())
+            except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised below
+                own = e
+                shared = _SHARED_WITH_ATTRS.get(type(e).__name__)
+                attrs = {a: getattr(e, a, None) for a in shared[1]} if shared else {}
+                msg = ("error", type(e).__name__, str(e), attrs)
+        msg = self._exchange(msg)[0]
+        if msg[0] == "ok":
+            return msg[1]
+        if own is not None:
+            raise own
+        _, cls_name, text, attrs = msg
+        if cls_name in _SHARED_WITH_ATTRS:
+            raise _SHARED_WITH_ATTRS[cls_name][0](text, **attrs)
+        cls = _SHARED_ERRORS.get(cls_name)
+        if cls is not None:
+            raise cls(text)
+        raise DistributedError(f"rank 0 could not {what}", {0: f"{cls_name}: {text}"})
+
     # ---- internals ----------------------------------------------------------------------
     def _resolve_restore(self) -> tuple[str | None, str, bool, float | None]:
         """Rank 0: (checkpoint URI or None, folder name, is it in the run folder, best metric).
@@ -191,12 +481,36 @@ class RestorePath(ManagerBase):
         return doc if isinstance(doc, dict) else {}
 
     def _read_best_value(self) -> float | None:
+        """Rank 0: the best score so far, from ``checkpoint_best`` (None: none yet).
+
+        Built-in ranking: the value the pointer records for ``best_checkpoint_metric``.
+        With a ``best_fn``: the function applied to the metrics of the checkpoint the
+        pointer names (a changed function re-ranks it).
+        """
         doc = self._pointer_doc("best")
+        if self._scorer.fn is not None:
+            return self._score_of(doc.get("checkpoint"))
         v = doc.get("value")
-        if doc.get("metric") == self.config.best_checkpoint_metric and \
+        if doc.get("metric") == self._scorer.label and \
                 isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             return float(v)
         return None
+
+    def _score_of(self, name: Any) -> float | None:
+        if not valid_file_name(name):
+            return None
+        try:
+            with self.run.child(name) as child:
+                found = committed_manifest(child)
+            if found is None:
+                return None
+            m = found[0]
+            return self._scorer.score(typed.decode(m.metadata) if m.metadata is not None
+                                      else None)
+        except Exception as e:  # noqa: BLE001 - no best so far: the next save may take it
+            logger.warning("[rank %d] could not score %s, named by checkpoint_best: %s: %s",
+                           self.rank, self.run.url(name), type(e).__name__, e)
+            return None
 
     def _read_checkpoint(self, uri: str, name: str, map_location: Any) -> RestoreResult:
         """Every rank restores ``uri`` with the configured strategy (xla_ckpt.restore.restore)."""

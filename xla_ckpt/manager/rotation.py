@@ -2,7 +2,8 @@
 
 fairseq keeps ``keep_interval_updates`` update checkpoints (``checkpoint_E_U``),
 ``keep_last_epochs`` epoch checkpoints (``checkpointE``) and
-``keep_best_checkpoints`` best ones by the metric.  Built on
+``keep_best_checkpoints`` best ones by the metric (or the manager's ``best_fn``:
+:mod:`xla_ckpt.manager.best`).  Built on
 :func:`xla_ckpt.io.retention.plan_deletions`, so its safety rules hold too:
 a folder is deleted only when every rule allows it, never one named by a
 pointer or in ``protect`` (the checkpoint being restored, the one just
@@ -33,13 +34,8 @@ from xla_ckpt.io.catalog import (
     read_pointer,
     read_versioned,
 )
-from xla_ckpt.io.retention import (
-    RetentionPolicy,
-    best_entries,
-    library_object,
-    metric_value,
-    plan_deletions,
-)
+from xla_ckpt.io.retention import RetentionPolicy, library_object, plan_deletions
+from xla_ckpt.manager.best import BestScore
 from xla_ckpt.manager.naming import checkpoint_kind
 from xla_ckpt.storage import Storage
 
@@ -47,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 def plan_rotation(entries: list[CheckpointEntry], cfg: CheckpointConfig,
-                  protect: Iterable[str] = (), *, own_epoch: int | None = None) -> list[str]:
+                  protect: Iterable[str] = (), *, own_epoch: int | None = None,
+                  scorer: BestScore | None = None) -> list[str]:
     """Names of committed checkpoint folders to delete, oldest first.  Pure.
 
     Args:
@@ -55,18 +52,18 @@ def plan_rotation(entries: list[CheckpointEntry], cfg: CheckpointConfig,
         protect: folder names never to delete (pointer targets, the restored one).
         own_epoch: the deleting incarnation's lease epoch: checkpoints of a newer epoch
             are never planned (None: no such limit).
+        scorer: how "best" is ranked for ``keep_best_checkpoints`` (default: the
+            config's ``best_checkpoint_metric``; see :mod:`xla_ckpt.manager.best`).
     """
+    scorer = scorer or BestScore.from_config(cfg)
     protect = set(protect)
     committed = [e for e in entries if e.committed]
     if own_epoch is not None:
         protect |= {e.name for e in committed if e.lease_epoch > own_epoch}
     if cfg.keep_best_checkpoints >= 0:
-        best = best_entries(committed, cfg.best_checkpoint_metric,
-                            cfg.maximize_best_checkpoint_metric, cfg.keep_best_checkpoints)
-        keep_best = {e.name for e in best}
+        keep_best = {e.name for e in scorer.best_entries(committed, cfg.keep_best_checkpoints)}
     else:
-        keep_best = {e.name for e in committed
-                     if metric_value(e, cfg.best_checkpoint_metric) is not None}
+        keep_best = {e.name for e in committed if scorer.score_entry(e) is not None}
     doomed: set[str] = set()
     for kind, keep in (("update", cfg.keep_interval_updates), ("epoch", cfg.keep_last_epochs)):
         if keep < 0:
@@ -122,7 +119,7 @@ def delete_checkpoint(run: Storage, name: str, *, own_epoch: int | None = None) 
 
 
 def rotate(run: Storage, cfg: CheckpointConfig, protect: Iterable[str] = (), *,
-           own_epoch: int | None = None) -> list[str]:
+           own_epoch: int | None = None, scorer: BestScore | None = None) -> list[str]:
     """List the run folder, delete what :func:`plan_rotation` allows; returns deleted names.
 
     Called by one rank (the coordinator), only after the newest save committed, and
@@ -132,7 +129,8 @@ def rotate(run: Storage, cfg: CheckpointConfig, protect: Iterable[str] = (), *,
     """
     entries = list_checkpoints(run)
     pointers = {p for p in (read_pointer(run, "last"), read_pointer(run, "best")) if p}
-    doomed = plan_rotation(entries, cfg, set(protect) | pointers, own_epoch=own_epoch)
+    doomed = plan_rotation(entries, cfg, set(protect) | pointers, own_epoch=own_epoch,
+                           scorer=scorer)
     deleted = []
     for name in doomed:
         if name in (read_pointer(run, "last"), read_pointer(run, "best")):

@@ -61,16 +61,13 @@ from xla_ckpt.io.writer import (
     write_item,
 )
 from xla_ckpt.manager.base import ManagerBase, logger
+from xla_ckpt.manager.best import RESERVED_METADATA
 from xla_ckpt.manager.naming import preemption_name
 from xla_ckpt.manager.rotation import rotate
 from xla_ckpt.manager.staging import stage_to_host
 from xla_ckpt.restore.save import _shard_layout as shard_layout
 from xla_ckpt.restore.sharding import shard_item, shard_state
 from xla_ckpt.storage import Storage
-
-#: Metadata keys the manager writes; metric names must differ from these.
-RESERVED_METADATA = ("epoch", "num_updates", "end_of_epoch", "preempted", "world_size",
-                     LEASE_EPOCH_KEY)
 
 StateArg = Any  # a state, or a zero-argument callable returning it
 MetricValues = Mapping[str, SupportsFloat]  # numbers, numpy scalars, one-element tensors
@@ -87,6 +84,7 @@ class _InFlight:
     commit: cf.Future | None = None  # rank 0 only
     manifest_written: bool = False
     staged_bytes: int = 0
+    score: float | None = None  # rank 0: its best score (manager.best), None for none
     t0: float = field(default_factory=time.perf_counter)
     buffers: list = field(default_factory=list)  # host staging buffers, reusable once uploaded
 
@@ -224,12 +222,19 @@ class SavePath(ManagerBase):
         # One save id for every rank's data files (rank 0 picks it), so a failed save's files
         # can be found and removed, and a commit removes the files of earlier saves.  With it
         # rank 0 says whether a newer incarnation holds the lease: then nobody writes.
-        save_id, newer = self._exchange((new_save_id(), self._newer_lease(lease))
-                                        if self.rank == 0 else None)[0]
+        # Rank 0 also scores the checkpoint for checkpoint_best (a best_fn that raises fails
+        # the save on every rank before anything is written).
+        save_id, newer, scored = self._exchange((new_save_id(), self._newer_lease(lease),
+                                                 self._score(name, metadata))
+                                                if self.rank == 0 else None)[0]
         if newer is not None:
             self._fenced = fenced_error(self.run, lease, newer[0], newer[1],
                                         what=f"to save {name}")
             self._raise_if_fenced()
+        if scored[0] == "error":
+            raise CheckpointSaveError(f"saving checkpoint {self.run.url(name)} failed: best_fn "
+                                      "raised on its metrics (nothing was written)",
+                                      {0: scored[1]})
         storage = self.run.child(name)
         buffers: list = []
         nbytes = 0
@@ -261,7 +266,7 @@ class SavePath(ManagerBase):
             upload = _failed_future(e)
         self._inflight = _InFlight(name=name, save_id=save_id, metadata=metadata,
                                    storage=storage, upload=upload, staged_bytes=nbytes, t0=t0,
-                                   buffers=buffers)
+                                   buffers=buffers, score=scored[1])
         self._last_saved = (name, num_updates)
         logger.debug("[rank %d] %s %s: %d bytes in %.3f s", self.rank,
                      "wrote" if block else "staged", name, nbytes, time.perf_counter() - t0)
@@ -324,11 +329,11 @@ class SavePath(ManagerBase):
         if not write_pointer(self.run, "last", fl.name, lease_epoch=lease.epoch,
                              epoch=md["epoch"], num_updates=md["num_updates"]):
             self._pointer_kept("last", fl.name, lease)
-        metric = self.config.best_checkpoint_metric
-        value = md.get(metric)
-        if isinstance(value, float) and math.isfinite(value) and self._is_better(value):
+        value = fl.score
+        if value is not None and math.isfinite(value) and self._is_better(value):
             if write_pointer(self.run, "best", fl.name, lease_epoch=lease.epoch,
-                             num_updates=md["num_updates"], metric=metric, value=value):
+                             num_updates=md["num_updates"], metric=self._scorer.label,
+                             value=value):
                 self._best = value
             else:
                 self._pointer_kept("best", fl.name, lease)
@@ -336,7 +341,7 @@ class SavePath(ManagerBase):
         try:
             rotate(self.run, self.config, protect={fl.name} | ({self.restored_from}
                                                               if self.restored_from else set()),
-                   own_epoch=lease.epoch)
+                   own_epoch=lease.epoch, scorer=self._scorer)
         except Exception as e:  # noqa: BLE001 - rotation failing must not fail training
             logger.warning("[rank %d] could not delete old checkpoints under %s: %s (will retry "
                            "after the next save)", self.rank, self.run.uri, e)
@@ -354,11 +359,18 @@ class SavePath(ManagerBase):
                     self.run.uri, named, name)
 
     def _is_better(self, value: float) -> bool:
-        if self._best is None:
-            return True
         # fairseq: ties go to the newer checkpoint.
-        return value >= self._best if self.config.maximize_best_checkpoint_metric \
-            else value <= self._best
+        return self._scorer.better(value, self._best)
+
+    def _score(self, name: str, metadata: dict) -> tuple[str, Any]:
+        """Rank 0: ``("ok", score or None)`` of the checkpoint being saved, or ``("error",
+        cause)`` when ``best_fn`` raised (:mod:`xla_ckpt.manager.best`)."""
+        try:
+            return "ok", self._scorer.score(metadata)
+        except Exception as e:  # noqa: BLE001 - the user's function: sent to every rank
+            logger.error("[rank %d] best_fn raised on the metrics of %s: %s: %s", self.rank,
+                         name, type(e).__name__, e)
+            return "error", f"{type(e).__name__}: {e}"
 
     def _sync(self, *, block: bool) -> list[str]:
         """Exchange preemption flags and save progress; advance the in-flight save.  Collective.
