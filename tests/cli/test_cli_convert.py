@@ -269,7 +269,7 @@ def test_missing_source_exits_2(cli, root):
 def _fairseq_file(updates, epoch, loss):
     torch.manual_seed(updates)
     model = torch.nn.Linear(2, 2)
-    state = {"args": argparse.Namespace(arch="tiny", lr=[0.1]), "cfg": None,
+    state: dict = {"args": argparse.Namespace(arch="tiny", lr=[0.1]), "cfg": None,
              "model": model.state_dict(),
              "optimizer_history": [{"criterion_name": "CrossEntropyCriterion",
                                     "optimizer_name": "Adam", "lr_scheduler_state": {"best": loss},

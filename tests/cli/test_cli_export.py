@@ -15,7 +15,7 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-from test_cli_convert import _put
+from test_cli_convert import _put  # type: ignore[import-not-found]  # a sibling test module on sys.path
 
 import xla_ckpt
 from xla_ckpt.testing.asserts import assert_state_identical
@@ -113,7 +113,8 @@ def test_hf_from_pretrained_reads_the_sharded_export(cli, tmp_path):
         else:
             assert names == ["config.json", "model.safetensors"]
         loaded = AutoModelForCausalLM.from_pretrained(str(dst))
-        assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+        wte = loaded.transformer.wte.weight  # type: ignore[union-attr,operator]  # HF attrs
+        assert loaded.lm_head.weight.data_ptr() == wte.data_ptr()
         for k, v in sd.items():
             assert torch.equal(loaded.state_dict()[k], v), k
 

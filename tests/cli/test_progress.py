@@ -69,7 +69,7 @@ def test_a_terminal_that_reports_no_size_still_gets_a_bar_in_mib(pty_pair, monke
         bar = progress_bar(4 * MiB, "verify", file=tty)  # enabled=None: it is a terminal
         for _ in range(4):
             bar.update(MiB)
-            bar.refresh()  # type: ignore[attr-defined]  # a tqdm bar here: draw each step now
+            bar.refresh()  # a tqdm bar here: draw each step now
         bar.close()
     drawn = frames(drain(master))
     assert drawn[0].startswith("verify:   0%|") and drawn[0].endswith("0.0/4.0 MiB [00:00<?, "
@@ -89,7 +89,7 @@ def test_columns_from_the_environment_win(pty_pair, monkeypatch):
         assert terminal_size(tty) == (60, 10)
         bar = progress_bar(None, "read", file=tty)  # unknown total: a running count
         bar.update(3 * MiB // 2)
-        bar.refresh()  # type: ignore[attr-defined]  # a tqdm bar here
+        bar.refresh()  # a tqdm bar here
         bar.close()
     drawn = frames(drain(master))
     assert drawn[-1].startswith("read: 1.5 MiB [00:00, ")
@@ -105,7 +105,7 @@ def test_a_sized_terminal_is_used_as_it_reports(pty_pair, monkeypatch):
         assert terminal_size(tty) == (100, 30)
         bar = progress_bar(MiB, "x", file=tty)
         bar.update(MiB)
-        bar.refresh()  # type: ignore[attr-defined]  # a tqdm bar here
+        bar.refresh()  # a tqdm bar here
         bar.close()
     assert max(len(f) for f in frames(drain(master))) == 99  # the whole width but one column
 
@@ -126,7 +126,7 @@ def test_not_a_terminal_draws_nothing_unless_forced():
     small = io.StringIO()  # under 1 MiB of work: KiB, not "0.0/0.0 MiB"
     bar = progress_bar(2048, "verify", enabled=True, file=small)
     bar.update(2048)
-    bar.refresh()  # type: ignore[attr-defined]  # a tqdm bar here
+    bar.refresh()  # a tqdm bar here
     bar.close()
     assert "| 2.0/2.0 KiB [" in small.getvalue()
 

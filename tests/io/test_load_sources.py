@@ -78,9 +78,9 @@ def test_broken_hf_indexes_are_named_errors(tmp_path):
                             "name next to the index (no '/', no '..')")
     _write_index(folder, {"a": "s1.safetensors", "b": "s2.safetensors"})
     safetensors.torch.save_file({"a": torch.ones(2)}, str(folder / "s1.safetensors"))
-    with pytest.raises(CheckpointNotFoundError) as e:
+    with pytest.raises(CheckpointNotFoundError) as e2:
         xla_ckpt.load(str(folder))
-    assert str(e.value).startswith(f"{index} names shard s2.safetensors, which is missing")
+    assert str(e2.value).startswith(f"{index} names shard s2.safetensors, which is missing")
     safetensors.torch.save_file({"c": torch.ones(2)}, str(folder / "s2.safetensors"))
     with pytest.raises(CheckpointCorruptError) as e:
         xla_ckpt.load(str(folder))
