@@ -10,6 +10,7 @@ import argparse
 import io
 import json
 import os
+from typing import Any
 
 import pytest
 import safetensors
@@ -113,8 +114,9 @@ def test_hf_from_pretrained_reads_the_sharded_export(cli, tmp_path):
         else:
             assert names == ["config.json", "model.safetensors"]
         loaded = AutoModelForCausalLM.from_pretrained(str(dst))
-        wte = loaded.transformer.wte.weight  # type: ignore[union-attr,operator]  # HF attrs
-        assert loaded.lm_head.weight.data_ptr() == wte.data_ptr()
+        wte: Any = loaded.transformer.wte.weight  # type: ignore[union-attr]  # HF module attrs
+        head: Any = loaded.lm_head.weight
+        assert head.data_ptr() == wte.data_ptr()
         for k, v in sd.items():
             assert torch.equal(loaded.state_dict()[k], v), k
 
