@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -150,6 +150,27 @@ def restore_fsdp_two_ways(path: str, exported: str) -> dict[str, Any]:
     return {"ours": ours, "theirs": theirs, "from_export": from_export, "params": params,
             "bytes_read": stats.bytes_read, "tensor_bytes_total": total,
             "requests": stats.requests}
+
+
+def restore_converted(converted: str) -> dict[str, Any]:
+    """2 ranks: ``xla_ckpt.restore`` of the xla_ckpt checkpoint ``xla-ckpt convert`` made from
+    the 4-rank DCP checkpoint (full tensors on every rank), applied to a fresh FSDP2 model and
+    optimizer with DCP's own ``set_state_dict(full_state_dict=True)``.
+
+    Returns the shards of the restored state, in the form of :func:`_shards`."""
+    from xla_ckpt.comm import get_dist
+    from xla_ckpt.restore import restore
+
+    _join()
+    state = restore(converted, dist=get_dist()).state
+    model, optim = _fsdp_model(seed=4)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(full_state_dict=True))
+    out = _shards(_flat_state(model, optim))
+    out["restored_values"] = {k: v for k, v in flatten_state_dict(state)[0].items()
+                              if not isinstance(v, torch.Tensor)}
+    dist.barrier()
+    return out
 
 
 def read_column_shards(path: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
+from xla_ckpt.cli.main import main as xla_ckpt_main
 from xla_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -201,6 +202,23 @@ def test_read_dcp_into_fsdp2_on_2_ranks_equals_dcp_load_and_reads_only_its_shard
         assert res["bytes_read"] < 0.6 * res["tensor_bytes_total"], (rank, res["bytes_read"])
     l1 = results[0]["theirs"]["tensors"]["model.l1.weight"]
     assert l1[1] == (5, W.IN_FEATURES)
+
+    # The other way in: `xla-ckpt convert` to an xla_ckpt checkpoint, restored on 2 ranks with
+    # xla_ckpt's restore() and applied with DCP's set_state_dict: the same shards as dcp.load.
+    converted = str(tmp_path / "converted")
+    assert xla_ckpt_main(["convert", path, converted]) == 0
+    for rank, res in enumerate(r.unwrap() for r in shared_pool(2, xla=False).run(
+            W.restore_converted, converted, timeout_s=240)):
+        theirs = results[rank]["theirs"]
+        assert list(res["tensors"]) == list(theirs["tensors"])
+        for k, (dtype, shape, bits) in theirs["tensors"].items():
+            assert res["tensors"][k][:2] == (dtype, shape), (rank, k)
+            assert torch.equal(res["tensors"][k][2], bits), (rank, k)
+        # what xla_ckpt restored is exactly what DCP saved (tuples stay tuples) ...
+        assert res["restored_values"] == theirs["values"]
+        # ... and DCP's set_state_dict hands the optimizer param_groups back with lists
+        assert res["values"] == {k: list(v) if isinstance(v, tuple) else v
+                                 for k, v in theirs["values"].items()}
 
 
 @pytest.mark.slow
