@@ -170,6 +170,7 @@ def test_verify_on_a_legacy_file_says_to_convert_it(cli, root):
         st.write_atomic("x.safetensors", [safetensors.torch.save({"w": torch.ones(2)})])
     r = cli("verify", f"{root}/x.safetensors")
     assert r.code == 2 and r.out == ""
-    assert r.err == (f"xla-ckpt verify: error: {root}/x.safetensors is a legacy .pt/safetensors "
-                     f"file, not an xla_ckpt checkpoint folder; import it with `xla-ckpt convert "
+    assert r.err == (f"xla-ckpt verify: error: {root}/x.safetensors is a legacy "
+                     "torch.save/fairseq .pt or safetensors file, not an xla_ckpt checkpoint "
+                     "folder; read it with xla_ckpt.load or import it with `xla-ckpt convert "
                      f"{root}/x.safetensors DST`\n")

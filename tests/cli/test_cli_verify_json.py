@@ -91,8 +91,9 @@ def test_legacy_file(cli, root):
     uri = f"{root}/x.safetensors"
     r, doc = run_json(cli, uri)
     assert_failure(r, doc, uri=uri, type_name="UsageError", code=2,
-                   message=(f"{uri} is a legacy .pt/safetensors file, not an xla_ckpt checkpoint "
-                            f"folder; import it with `xla-ckpt convert {uri} DST`"))
+                   message=(f"{uri} is a legacy torch.save/fairseq .pt or safetensors file, not "
+                            "an xla_ckpt checkpoint folder; read it with xla_ckpt.load or import "
+                            f"it with `xla-ckpt convert {uri} DST`"))
 
 
 @pytest.fixture
