@@ -1,7 +1,11 @@
 """``xla-ckpt ls`` and ``xla-ckpt inspect`` on local folders and ``gs://`` (emulator)."""
 
 import json
+import os
+import warnings
 
+import torch
+import torch.distributed.checkpoint as dcp
 from cli_helpers import make_run, training_state
 
 import xla_ckpt
@@ -155,3 +159,28 @@ def test_inspect_a_legacy_pt_shows_the_import(cli, root):
     assert doc["legacy"] == "torch_zip" and doc["tree"]["cfg"] is None  # raw: not upgraded
     assert doc["tree"]["model"]["bias"] == {"tensor": {"dtype": "float32", "shape": [3],
                                                        "nbytes": 12}}
+
+
+def test_ls_lists_checkpoints_of_another_kind_apart_with_their_kind(cli, tmp_path):
+    root = str(tmp_path / "run")
+    make_run(root, SPECS[:1], incomplete=["checkpoint_4_400"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=os.path.join(root, "100"), no_dist=True)
+    torch.save({"model": {}}, os.path.join(root, "checkpoint_last.pt"))
+    r = cli("ls", root)
+    assert r.code == 0
+    lines = r.out.splitlines()
+    assert lines[0] == f"{root}: 1 committed, 1 incomplete, 2 of another kind"
+    assert lines[3:] == [
+        "incomplete (no commit marker; never restored):", "  checkpoint_4_400",
+        ("of another kind (not written by xla_ckpt; rm/gc never delete them; xla_ckpt.load and "
+         "`xla-ckpt convert` read them):"),
+        "  100  (a PyTorch DCP checkpoint folder (.metadata))",
+        "  checkpoint_last.pt  (a legacy torch.save/fairseq .pt or safetensors file)"]
+    doc = json.loads(cli("ls", root, "--json").out)
+    assert doc["incomplete"] == [{"name": "checkpoint_4_400", "error": ""}]
+    assert doc["other_kinds"] == [
+        {"name": "100", "kind": "a PyTorch DCP checkpoint folder (.metadata)"},
+        {"name": "checkpoint_last.pt",
+         "kind": "a legacy torch.save/fairseq .pt or safetensors file"}]

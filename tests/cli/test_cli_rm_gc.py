@@ -5,6 +5,11 @@ Never deleted: a checkpoint a pointer names, the newest committed one, and
 first so an interrupted deletion leaves an incomplete folder.
 """
 
+import os
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
 from cli_helpers import exists, listing, make_run
 
 from xla_ckpt.format.manifest import MANIFEST_NAME
@@ -136,3 +141,39 @@ def test_delete_removes_the_commit_marker_first(tmp_path):
         n = delete_checkpoint(run, "checkpoint_1_100")
     assert n == 2 and order[0] == MANIFEST_NAME and order[1].startswith("data-")
     assert names(root) == [("checkpoint_2_200", True)]
+
+
+def _add_foreign(run_dir: str) -> None:
+    """A torch_xla/torchtitan DCP step folder and a fairseq ``.pt`` copied into a run folder."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=os.path.join(run_dir, "100"),
+                 no_dist=True)
+    torch.save({"model": {"w": torch.arange(4.0)}}, os.path.join(run_dir, "checkpoint_last.pt"))
+
+
+def test_rm_and_gc_never_delete_a_checkpoint_of_another_kind(cli, tmp_path):
+    root = str(tmp_path / "run")
+    make_run(root, SPECS[:2], last="checkpoint_2_200")
+    _add_foreign(root)
+    before = sorted(listing(f"{root}/100"))
+    assert before == [".metadata", "__0_0.distcp"]
+    r = cli("rm", root, "100", "checkpoint_last.pt", "checkpoint_1_100")
+    assert r.code == 1 and r.err == ""
+    assert r.out.splitlines()[:3] == [
+        "deleted checkpoint_1_100",
+        ("kept 100: 100 is a PyTorch DCP checkpoint folder (.metadata), which xla_ckpt did not "
+         "write; rm and gc delete only what xla_ckpt wrote. Left alone: remove it by hand if "
+         "you mean to (xla_ckpt.load and `xla-ckpt convert` read it)"),
+        ("kept checkpoint_last.pt: checkpoint_last.pt is a legacy torch.save/fairseq .pt or "
+         "safetensors file, which xla_ckpt did not write; rm and gc delete only what xla_ckpt "
+         "wrote. Left alone: remove it by hand if you mean to (xla_ckpt.load and `xla-ckpt "
+         "convert` read it)")]
+    r = cli("rm", f"{root}/100")
+    assert r.code == 1 and r.out.splitlines()[0].startswith("kept 100: 100 is a PyTorch DCP")
+    r = cli("gc", root, "--keep-last", "1", "--incomplete")
+    assert r.code == 0
+    assert r.out.splitlines()[0].startswith("kept 100: 100 is a PyTorch DCP checkpoint folder")
+    assert "deleted" not in r.out
+    assert sorted(listing(f"{root}/100")) == before and exists(root, "checkpoint_last.pt")
+    assert not exists(root, "lease.json")  # rm/gc take no lease

@@ -182,3 +182,39 @@ def test_xla_ckpt_load_with_keys_is_the_partial_load(ckpt):
     assert torch.equal(got["model"]["encoder.layer.1.weight"], layer(1, "weight"))
     with pytest.raises(UnknownKeyError, match="model.encoder.layer.99"):
         xla_ckpt.load(ckpt, keys=["model.encoder.layer.99"])
+
+
+def test_an_empty_key_list_is_refused_not_a_sentinel(ckpt):
+    for empty in ([], ()):
+        with pytest.raises(ValueError) as ei:
+            xla_ckpt.load(ckpt, keys=empty)
+        assert str(ei.value) == "keys is empty; pass None to load everything"
+        with pytest.raises(ValueError, match="^keys is empty; pass None to load everything$"):
+            select_state(make_state(), empty)
+
+
+def test_a_key_under_another_selected_key_counts_as_found(ckpt):
+    got = load_partial(ckpt, ["model", "model.encoder.layer.2"])
+    assert list(got) == ["model"] and len(got["model"]) == 2 * LAYERS + 1
+    assert torch.equal(got["model"]["encoder.layer.2.bias"], layer(2, "bias"))
+    both = load_partial(ckpt, ["optimizer.param_groups", "optimizer"])
+    assert both["optimizer"]["param_groups"][1] == {"lr": 0.2, "params": [1]}
+    with pytest.raises(UnknownKeyError) as ei:  # naming nothing is still an error
+        load_partial(ckpt, ["model", "model.encoder.layer.99"])
+    assert ei.value.key == "model.encoder.layer.99"
+
+
+def test_a_dotted_key_splits_at_container_boundaries_first(tmp_path):
+    """``"model"`` selects state["model"] only, not a top-level state["model.extra"]; a key
+    with no container boundary to split at still matches inside a dict key."""
+    uri = str(tmp_path / "ck")
+    state = {"model": {"w": torch.arange(3.0), "layer.1.w": torch.ones(2)},
+             "model.extra": torch.zeros(2), "model.extra2": 7, "opt": 1}
+    xla_ckpt.save(state, uri)
+    got = xla_ckpt.load(uri, keys="model")
+    assert list(got) == ["model"] and list(got["model"]) == ["w", "layer.1.w"]
+    assert list(select_state(state, "model.extra")) == ["model.extra"]
+    layer_1 = select_state(state, "model.layer.1")
+    assert layer_1 == {"model": {"layer.1.w": state["model"]["layer.1.w"]}}
+    flat = {"model.w": 1, "model.b": 2, "other": 3}  # no state["model"]: matches inside keys
+    assert select_state(flat, "model") == {"model.w": 1, "model.b": 2}

@@ -6,12 +6,15 @@ same checkpoint or raises the same error) runs on 2 real gloo ranks.
 """
 
 import os
+import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from manager_helpers import committed, folders, make_cfg, pointer
 
 from xla_ckpt.errors import (
+    CheckpointNotFoundError,
     CheckpointReplacedError,
     CheckpointSaveError,
     ConfigError,
@@ -92,6 +95,39 @@ def test_empty_run_folder_has_no_steps_and_restore_never_starts_fresh(tmp_path):
             mgr.restore(step=0)
 
 
+def _foreign(run_dir: str, kind: str) -> str:
+    """Put a checkpoint of another kind into ``run_dir``; its name in the run folder."""
+    os.makedirs(run_dir, exist_ok=True)
+    if kind == "dcp":  # torch_xla / torchtitan style: <run>/<step>/.metadata
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"w": torch.arange(4.0)}, checkpoint_id=os.path.join(run_dir, "100"),
+                     no_dist=True)
+        return "100"
+    torch.save({"model": {"w": torch.arange(4.0)}, "optimizer_history": [],
+                "extra_state": {}, "last_optimizer_state": None},
+               os.path.join(run_dir, "checkpoint_last.pt"))
+    return "checkpoint_last.pt"
+
+
+@pytest.mark.parametrize("kind", ["dcp", "fairseq"])
+def test_step_queries_next_to_a_foreign_checkpoint_raise_what_restore_raises(tmp_path, kind):
+    """The Orbax idiom ``if mgr.latest_step() is None: start fresh`` must not skip a checkpoint
+    of another kind: every step query raises restore()'s CheckpointNotFoundError."""
+    run_dir = str(tmp_path / "run")
+    name = _foreign(run_dir, kind)
+    with CheckpointManager(make_cfg(run_dir, no_save=True)) as mgr:
+        with pytest.raises(CheckpointNotFoundError) as restored:
+            mgr.restore()
+        assert not isinstance(restored.value, NothingCommittedError)
+        assert f"holds no xla_ckpt checkpoint, but checkpoints of another kind: {name} (" in \
+            str(restored.value)
+        for query in (mgr.latest_step, mgr.all_steps, mgr.best_step):
+            with pytest.raises(CheckpointNotFoundError) as e:
+                query()
+            assert type(e.value) is type(restored.value) and str(e.value) == str(restored.value)
+
+
 @pytest.mark.parametrize("order", ["update-first", "epoch-first"])
 def test_two_checkpoints_of_one_step_restore_the_newest_committed(run_dir, order):
     names = ["checkpoint_1_6", "checkpoint1"]
@@ -128,6 +164,12 @@ def test_partial_restore_reads_only_the_selected_tensors(run_dir):
             mgr.restore(step=4, keys=["model.weight"])
         assert ei.value.key == "model.weight" and ei.value.closest[0] == "model.w"
         assert ei.value.checkpoint == os.path.join(run_dir, "checkpoint_1_4")
+        for empty in ([], ()):  # never the internal "nothing selected" marker as the state
+            with pytest.raises(ValueError) as ev:
+                mgr.restore(step=2, keys=empty)
+            assert str(ev.value) == "keys is empty; pass None to load everything"
+        both = mgr.restore(step=2, keys=["model", "model.w"])  # a key under another: found
+        assert list(both.state) == ["model"] and list(both.state["model"]) == ["w", "b"]
 
 
 @pytest.mark.parametrize("replacements", [1, 2])

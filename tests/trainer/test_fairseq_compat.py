@@ -153,11 +153,17 @@ def test_fairseq_adam_resumes_into_adamw_and_steplr(tmp_path, caplog, era):
     assert extra["train_iterator"] == {"epoch": 2, "iterations_in_epoch": 3, "version": 2}
     assert (extra["val_loss"], extra["previous_training_time"]) == (2.5, 12.5)
     assert "loss_scale" not in extra
+    factor = 1 / math.sqrt(1 - BETAS[1] ** (NUM_UPDATES + 1))
     assert [r.getMessage() for r in caplog.records] == [(
         f"rank 0: {path}: criterion does not match the checkpoint: saved {SAVED_CRITERION}, live "
         "CrossEntropyLoss; the live criterion has no parameters, so no criterion state is "
         "restored and training continues (criterion_check='warn'; 'strict' refuses, 'off' skips "
-        "the check)")]
+        "the check)"), (
+        f"rank 0: {path}: FairseqAdam state restored exactly into torch.optim.AdamW, but the "
+        "update rule differs: fairseq adds eps before the bias correction, torch after it, so "
+        "the next steps equal fairseq's with eps / sqrt(1 - beta2**t) in place of eps "
+        f"(x{factor:.4g} at the next step, t=8, with beta2=0.98; it tends to 1 as t grows); "
+        "this matters only where sqrt(exp_avg_sq) is not much larger than eps")]
     # the schedule continues at last_epoch = num_updates
     sched = ckpt.lr_scheduler
     assert (sched.last_epoch, sched.get_last_lr()) == (NUM_UPDATES, [lr_after(step_lr, 7)])
@@ -546,3 +552,65 @@ def test_fairseq_sgd_is_torch_sgd_and_restores_by_name(tmp_path):
     assert sched.get_last_lr() == [pytest.approx(closed_form, rel=1e-12)]
     model, opt = by_hand(saved, sgd, sgd_state, sched.get_last_lr()[0])
     assert_same_next_step(ckpt, model, opt)
+
+
+def test_fp16_optimizer_saved_before_its_first_step_restores_an_empty_state(tmp_path):
+    path = str(tmp_path / "checkpoint_last.pt")
+    flat = {"state": {}, "param_groups": [{"lr": LR, "betas": BETAS, "eps": 1e-8,
+                                           "weight_decay": 0.01, "amsgrad": False,
+                                           "params": [0]}], "loss_scale": 128.0}
+    fairseq_file(path, make_model(), era="cfg", optimizer_name="FP16Optimizer",
+                 optim_state=flat, fp16=True)
+    ckpt = live(adamw)
+    extra = ckpt.load_checkpoint(path)
+
+    assert extra["loss_scale"] == 128.0
+    assert ckpt.optimizer.state_dict()["state"] == {}
+    groups = ckpt.optimizer.param_groups
+    assert len(groups) == 1 and len(groups[0]["params"]) == 4
+    assert (groups[0]["betas"], groups[0]["eps"], groups[0]["weight_decay"]) == (BETAS, 1e-8, 0.01)
+
+
+def test_fairseq_state_keys_no_param_group_lists_are_refused(tmp_path):
+    path = str(tmp_path / "checkpoint_last.pt")
+    params = list(make_model().parameters())
+    optim_state = adam_state(params)
+    optim_state["state"] = {str(k): v for k, v in optim_state["state"].items()}
+    fairseq_file(path, make_model(), era="cfg", optimizer_name="FairseqAdam",
+                 optim_state=optim_state)
+    with pytest.raises(StateMismatchError) as e:
+        live(adamw).load_checkpoint(path)
+    assert str(e.value).startswith(
+        f"{path}: the saved optimizer state holds 4 key(s) that no saved param group lists "
+        "('0', '1', '2', '3'; the param groups list [0, 1, 2, 3]); their state would be "
+        "silently dropped.")
+
+
+def test_fairseq_adam_update_rule_differs_from_torch_exactly_by_the_eps_placement():
+    """The documented difference, as numbers: fairseq's Adam step (fairseq/optim/adam.py) on
+    the restored state equals torch AdamW's step with eps / sqrt(1 - beta2**t), not with eps."""
+    torch.manual_seed(0)
+    t, lr, (b1, b2), eps = NUM_UPDATES, 1e-3, BETAS, 1e-3  # a large eps makes it visible
+    p0 = torch.randn(64, dtype=torch.float64)
+    grad = torch.randn(64, dtype=torch.float64) * 1e-3
+    m0 = torch.randn(64, dtype=torch.float64) * 1e-3
+    v0 = torch.rand(64, dtype=torch.float64) * 1e-6
+
+    m = m0 * b1 + (1 - b1) * grad
+    v = v0 * b2 + (1 - b2) * grad * grad
+    fairseq_p = p0 - lr * math.sqrt(1 - b2 ** (t + 1)) / (1 - b1 ** (t + 1)) * m / (v.sqrt() + eps)
+
+    def torch_step(eps_used: float) -> torch.Tensor:
+        p = torch.nn.Parameter(p0.clone())
+        opt = torch.optim.AdamW([p], lr=lr, betas=(b1, b2), eps=eps_used, weight_decay=0.0)
+        opt.load_state_dict({"state": {0: {"step": torch.tensor(float(t)), "exp_avg": m0.clone(),
+                                           "exp_avg_sq": v0.clone()}},
+                             "param_groups": [{**opt.state_dict()["param_groups"][0],
+                                               "params": [0]}]})
+        p.grad = grad.clone()
+        opt.step()
+        return p.detach()
+
+    assert not torch.allclose(torch_step(eps), fairseq_p, rtol=1e-6, atol=0)
+    assert torch.allclose(torch_step(eps / math.sqrt(1 - b2 ** (t + 1))), fairseq_p, rtol=1e-12,
+                          atol=0)

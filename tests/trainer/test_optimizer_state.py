@@ -166,3 +166,52 @@ def test_overrides_replace_param_group_values():
     load_optimizer_state(opt, saved, overrides={"lr": 0.5, "betas": (0.5, 0.6)})
     g = opt.param_groups[0]
     assert (g["lr"], g["betas"], g["eps"]) == (0.5, (0.5, 0.6), 1e-8)
+
+
+def test_state_keys_that_no_param_group_lists_are_refused_naming_them():
+    """A stray key (DCP/JSON flattening turns int ids into '0', '1') would be kept by torch as
+    dead state and the parameters would restart from zero moments: refused, never silent."""
+    model, ckpt = trained()
+    saved = ckpt.optimizer.state_dict()
+    stringified = {"state": {str(k): v for k, v in saved["state"].items()},
+                   "param_groups": saved["param_groups"]}
+    fresh = adam(torch.nn.Linear(2, 2).parameters())
+    with pytest.raises(StateMismatchError) as e:
+        load_optimizer_state(fresh, stringified, where="/ckpt/x")
+    assert str(e.value) == (
+        "/ckpt/x: the saved optimizer state holds 2 key(s) that no saved param group lists "
+        "('0', '1'; the param groups list [0, 1]); their state would be silently dropped. The "
+        "keys are parameter ids written as strings (DCP and JSON flattening stringify int "
+        "keys); convert them back with {int(k): v for k, v in state_dict['state'].items()} or "
+        "read the checkpoint with xla_ckpt.load, which restores them. Otherwise pass "
+        "reset_optimizer=True to start the optimizer afresh (the model weights are still "
+        "restored)")
+    assert fresh.state == {}  # nothing half-loaded
+
+    unlisted = {"state": {**saved["state"], 7: saved["state"][0]},
+                "param_groups": saved["param_groups"]}
+    with pytest.raises(StateMismatchError, match=r"holds 1 key\(s\) that no saved param group "
+                                                 r"lists \(7; the param groups list \[0, 1\]\)"):
+        load_optimizer_state(fresh, unlisted)
+
+
+class _OwnStateSGD(torch.optim.SGD):
+    """An optimizer outside torch.optim that keeps an entry of its own in ``state``."""
+
+
+_OwnStateSGD.__module__ = "my_project.optim"
+
+
+def test_an_optimizer_of_its_own_keeps_non_id_state_keys_but_not_stray_ids():
+    model = torch.nn.Linear(2, 2)
+    opt = _OwnStateSGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.state["ema_decay"] = 0.99  # torch keeps non-tensor keys of optimizer.state as they are
+    saved = opt.state_dict()
+    assert saved["state"] == {"ema_decay": 0.99}
+    fresh = _OwnStateSGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+    load_optimizer_state(fresh, saved)
+    assert fresh.state["ema_decay"] == 0.99
+    with pytest.raises(StateMismatchError, match=r"holds 1 key\(s\) that no saved param group "
+                                                 r"lists \('0'; the param groups list \[0, 1\]\)"):
+        load_optimizer_state(fresh, {"state": {"0": {"momentum_buffer": torch.zeros(2, 2)}},
+                                     "param_groups": saved["param_groups"]})

@@ -4,7 +4,11 @@ Columns: NAME, EPOCH, STEP (the saver's ``step`` metadata, else
 ``iterations_in_epoch``: the step within the epoch), UPDATES (``num_updates``),
 LOSS, SIZE (bytes of data files), SAVED (UTC) and POINTERS (``last``/``best``
 when a pointer names it).  Folders without a commit marker are listed apart:
-a restore never uses them.
+a restore never uses them.  Checkpoints of another kind in the run folder (a
+PyTorch DCP step folder with its ``.metadata``, an HF model folder, a fairseq
+``checkpoint_last.pt``) are listed apart too, with their kind: they are not
+incomplete saves, ``rm``/``gc`` never delete them, ``xla_ckpt.load`` and
+``xla-ckpt convert`` read them.
 
 In-flight objects that interrupted uploads of this library left (upload parts
 named ``<file>.tmp-<upload id>-part-<n>``, which no other listing shows) are
@@ -35,7 +39,7 @@ from xla_ckpt.cli.common import (
 )
 from xla_ckpt.cli.rm import add_grace_option, describe_upload, exact_bytes, human_age
 from xla_ckpt.errors import CheckpointNotFoundError
-from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, list_checkpoints, read_pointer
+from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, list_run, read_pointer
 from xla_ckpt.io.prune import in_flight_uploads
 from xla_ckpt.io.retention import InFlightUpload, check_grace
 from xla_ckpt.storage import open_storage, parse_uri
@@ -77,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     grace_s = check_grace(args.grace)
     now = time.time()
     with open_storage(args.uri) as st:
-        entries = list_checkpoints(st)
+        entries, others = list_run(st)
         pointers = {w: read_pointer(st, w) for w in POINTERS}
         uploads = in_flight_uploads(st)
         uri = st.uri
@@ -88,15 +92,17 @@ def run(args: argparse.Namespace) -> int:
         if name is not None:
             named.setdefault(name, []).append(which)
     committed = [e for e in entries if e.committed]
-    incomplete = [e for e in entries if not e.committed]
+    incomplete = [e for e in entries if not e.committed and not e.kind]
     if args.json:
         doc = _as_json(uri, committed, incomplete, pointers, named)
+        doc["other_kinds"] = [{"name": n, "kind": kind} for n, kind in others]
         doc["in_flight_grace_s"] = grace_s
         doc["in_flight"] = [_upload_json(u, now, grace_s) for u in uploads]
         print(json.dumps(jsonable(doc), indent=2, sort_keys=True))
         return EXIT_OK
     n_stale = sum(len(u.objects) for u in stale)
     print(f"{uri}: {len(committed)} committed, {len(incomplete)} incomplete"
+          + (f", {len(others)} of another kind" if others else "")
           + (f", {n_stale} in flight ({exact_bytes(sum(u.nbytes for u in stale))})"
              if stale else ""))
     if committed:
@@ -114,6 +120,11 @@ def run(args: argparse.Namespace) -> int:
         print("incomplete (no commit marker; never restored):")
         for e in incomplete:
             print(f"  {e.name}" + (f"  ({e.error})" if e.error else ""))
+    if others:
+        print("of another kind (not written by xla_ckpt; rm/gc never delete them; "
+              "xla_ckpt.load and `xla-ckpt convert` read them):")
+        for n, kind in others:
+            print(f"  {n}  ({kind})")
     if stale:
         print(f"in flight (left by interrupted uploads, older than {human_age(grace_s)}; "
               "`xla-ckpt gc --in-flight` deletes them):")

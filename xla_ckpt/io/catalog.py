@@ -78,6 +78,11 @@ class CheckpointEntry:
         metadata: the typed-decoded metadata summary the saver passed.
         nbytes: bytes of its data files (listed size if not committed).
         error: why a folder with a manifest is still not usable (corrupt manifest).
+        kind: ``""`` for a folder of this library; otherwise, in words, the checkpoint of
+            another kind the folder holds without an xla_ckpt manifest (``"a PyTorch DCP
+            checkpoint"``, ``"an HF model folder"``; :func:`xla_ckpt.io.resolve.
+            foreign_checkpoints`).  Such a folder is not committed, but it is not an
+            incomplete save either: ``ls`` lists it apart and ``rm``/``gc`` never delete it.
     """
 
     name: str
@@ -86,6 +91,7 @@ class CheckpointEntry:
     metadata: Any = None
     nbytes: int = 0
     error: str = ""
+    kind: str = ""
 
     @property
     def num_updates(self) -> int:
@@ -116,11 +122,25 @@ def list_checkpoints(run: Storage) -> list[CheckpointEntry]:
 
     Order: :attr:`CheckpointEntry.sort_key` (lease epoch, num_updates, then time).
 
-    Folders without a commit marker are returned with ``committed=False``.
+    Folders without a commit marker are returned with ``committed=False``; those holding a
+    checkpoint of another kind (a DCP ``.metadata``, an HF model) have ``kind`` set.
     """
+    return list_run(run)[0]
+
+
+def list_run(run: Storage) -> tuple[list[CheckpointEntry], list[tuple[str, str]]]:
+    """One listing of ``run``: :func:`list_checkpoints`'s entries, and ``(name, kind in
+    words)`` of every checkpoint of another kind in it (folders, as in the entries'
+    ``kind``, and top-level files such as a fairseq ``checkpoint_last.pt``), sorted by name.
+    """
+    from xla_ckpt.io.resolve import foreign_checkpoints  # noqa: PLC0415 - resolve imports us
+
+    names = run.list("")
+    foreign = foreign_checkpoints(names)
+    foreign_kind = dict(foreign)
     folders: dict[str, int] = {}
     has_manifest: set[str] = set()
-    for name in run.list(""):
+    for name in names:
         if "/" not in name:
             continue
         folder, rest = name.split("/", 1)
@@ -132,8 +152,8 @@ def list_checkpoints(run: Storage) -> list[CheckpointEntry]:
     out = []
     for folder in folders:
         if folder not in has_manifest:
-            size = 0
-            out.append(CheckpointEntry(folder, committed=False, nbytes=size))
+            out.append(CheckpointEntry(folder, committed=False,
+                                       kind=foreign_kind.get(folder, "")))
             continue
         try:
             m = read_manifest(run.child(folder))
@@ -142,7 +162,9 @@ def list_checkpoints(run: Storage) -> list[CheckpointEntry]:
             continue
         md = typed.decode(m.metadata) if m.metadata is not None else None
         out.append(CheckpointEntry(folder, True, m, md, m.nbytes))
-    return sorted(out, key=lambda e: e.sort_key)
+    committed = {e.name for e in out if e.committed}
+    return (sorted(out, key=lambda e: e.sort_key),
+            [(n, kind) for n, kind in foreign if n not in committed])
 
 
 def read_versioned(storage: Storage, name: str) -> tuple[bytes, int | None] | None:

@@ -343,6 +343,12 @@ def unflatten_dcp_state(flat: Mapping[str, Any],
             attached to ``flat`` (:attr:`DcpState.mapping`), else pass
             ``read_dcp_metadata(uri).mapping``.  A key it lacks stays at the top level under
             its flat name (so does every key of a checkpoint whose planner recorded none).
+
+    Returns:
+        The nested state.  Dict keys come back as DCP stored them (strings), except the
+        ``state`` keys of an optimizer state dict (a mapping with ``state`` and
+        ``param_groups`` whose ``params`` are ints), which become the int parameter ids
+        ``optimizer.state_dict()`` had (DCP records only their string form).
     """
     from torch.distributed.checkpoint._nested_dict import (  # noqa: PLC0415 - torch.distributed
         unflatten_state_dict,
@@ -351,7 +357,45 @@ def unflatten_dcp_state(flat: Mapping[str, Any],
     if mapping is None:
         mapping = getattr(flat, "mapping", None) or {}
     full = {k: tuple(mapping.get(k, (k,))) for k in flat}
-    return unflatten_state_dict(dict(flat), full)
+    nested = unflatten_state_dict(dict(flat), full)
+    _restore_optimizer_int_keys(nested)
+    return nested
+
+
+def _restore_optimizer_int_keys(obj: Any) -> None:
+    """Give every optimizer state dict in ``obj`` back its int parameter-id keys, in place.
+
+    DCP's flattening writes every dict key as a string (``_traverse.traverse_state_dict``:
+    ``path + (str(k),)``), and ``.metadata``'s ``planner_data`` records the stringified path,
+    so the types are lost on disk; ``dcp.load`` gets them back only because it fills a
+    template.  Without one, an ``optimizer.state_dict()`` would come back with ``state`` keys
+    ``'0', '1'`` that ``Optimizer.load_state_dict`` keeps as dead entries (the parameters'
+    state silently lost).  A mapping with a ``state`` dict and ``param_groups`` whose
+    ``params`` are ints is an optimizer state dict: each ``state`` key that is the decimal
+    form of one of those ids becomes that int.  Keys that are not (FQN-keyed optimizer state
+    such as ``get_optimizer_state_dict`` writes) stay as they are.
+    """
+    if isinstance(obj, list):
+        for v in obj:
+            _restore_optimizer_int_keys(v)
+        return
+    if not isinstance(obj, dict):
+        return
+    state, groups = obj.get("state"), obj.get("param_groups")
+    if isinstance(state, dict) and isinstance(groups, list) and state and all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
+        ids = {pid for g in groups for pid in g["params"]
+               if isinstance(pid, int) and not isinstance(pid, bool)}
+        if ids and not any(isinstance(k, int) for k in state):
+            def as_id(k: Any) -> Any:
+                if isinstance(k, str) and k.isdigit() and str(int(k)) == k and int(k) in ids:
+                    return int(k)
+                return k
+            converted = {as_id(k): v for k, v in state.items()}
+            state.clear()
+            state.update(converted)
+    for v in obj.values():
+        _restore_optimizer_int_keys(v)
 
 
 def _check_known(src: _Source, keys: list[str]) -> None:

@@ -7,7 +7,11 @@ A **key** names a node of the saved state by its path, in one of two forms:
   state; ``"model.encoder.layer.0"`` selects ``state["model"]["encoder.layer.0.weight"]``
   and ``...bias`` (a model state_dict's own keys hold dots too) but not
   ``encoder.layer.01.weight``; an exact state_dict key such as
-  ``"model.encoder.layer.0.weight"`` selects that one tensor;
+  ``"model.encoder.layer.0.weight"`` selects that one tensor.  A dotted key splits at
+  container boundaries first: where a container holds a node the key names exactly or
+  lies under (``state["model"]`` for ``"model"``), the key does not also select a
+  sibling whose own dict key merely starts with it (``state["model.extra"]``); it matches
+  inside a dict key only where no container boundary fits;
 * bracketed, as error messages print keys: ``"state['model']['encoder.weight']"``
   (useful when a dict key itself holds a dot ambiguously).
 
@@ -15,7 +19,10 @@ Every key selects the subtree below the node(s) it names.  The result keeps the 
 structure, pruned to the selected nodes: dicts keep only the selected keys (in saved
 order, ``OrderedDict`` ``_metadata`` kept), a Namespace only the selected attributes,
 and a list or tuple only partly selected comes back as a dict ``{index: value}`` (so an
-index keeps its meaning).  A key that selects nothing raises
+index keeps its meaning).  A key under another selected key (``["model",
+"model.layer.2"]``) is selected with it and counts as found if it names something there.
+An empty key list raises ``ValueError`` (pass None for everything).  A key that selects
+nothing raises
 :class:`~xla_ckpt.errors.UnknownKeyError` naming it and the closest keys there are.
 
 Reading: the selection is made on the manifest's typed state (no tensor bytes), then
@@ -93,10 +100,24 @@ class _Key:
             return self.text.startswith(typed.format_path(path) + "[")
         return not path or self.text.startswith(dotted_name(path) + ".")
 
+    def on_boundary(self, path: tuple) -> bool:
+        """The node at ``path`` is this key's node or one of its containers: the key splits
+        at ``path``'s container boundaries (not inside one of its dict keys)."""
+        if self.bracketed:
+            return True
+        name = dotted_name(path)
+        return name == self.text or self.text.startswith(name + ".")
+
 
 def dotted_name(path: Sequence[Any]) -> str:
     """A key path joined with dots: ``("model", "enc.weight")`` -> ``model.enc.weight``."""
     return ".".join(str(p) for p in path)
+
+
+def check_keys(keys: Keys) -> None:
+    """Refuse malformed ``keys`` before any I/O or collective (ValueError, as
+    :func:`select_state`): an empty sequence, an empty or non-string key."""
+    _parse_keys(keys)
 
 
 def _parse_keys(keys: Keys) -> list[_Key] | None:
@@ -104,6 +125,9 @@ def _parse_keys(keys: Keys) -> list[_Key] | None:
         return None
     if isinstance(keys, str):
         keys = [keys]
+    keys = list(keys)
+    if not keys:
+        raise ValueError("keys is empty; pass None to load everything")
     out = []
     for k in keys:
         if not isinstance(k, str) or not k.strip() or k in (".", "state"):
@@ -143,15 +167,26 @@ def _prune(node: Any, path: tuple, keys: list[_Key], matched: set[str]) -> Any:
     taken = [k for k in keys if k.covers(path)]
     if taken:
         matched.update(k.text for k in taken)
+        # A key below this node is selected with it: it counts as matched if it names
+        # something here (["model", "model.layer.2"]); one naming nothing still fails.
+        inner = [k for k in keys if k not in taken and k.below(path)]
+        if inner:
+            _prune(node, path, inner, matched)
         return node
     if not any(k.below(path) for k in keys):
         return _MISSING
     children = _children(node)
     if children is None:
         return _MISSING
+    items = list(children)
+    # A key that splits at a container boundary here ("model" and state["model"]) does not
+    # also select a sibling whose own dict key merely starts with it (state["model.extra"]).
+    split = {k for k in keys if not k.bracketed
+             and any(k.on_boundary(path + (part,)) for part, _ in items)}
     kept = []
-    for part, child in children:
-        got = _prune(child, path + (part,), keys, matched)
+    for part, child in items:
+        p = path + (part,)
+        got = _prune(child, p, [k for k in keys if k not in split or k.on_boundary(p)], matched)
         if got is not _MISSING:
             kept.append((part, got))
     return _rebuild(node, kept) if kept else _MISSING

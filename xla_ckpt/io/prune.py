@@ -10,6 +10,9 @@ Rules, whatever the caller asks:
   before its data files, so an interrupted deletion leaves an *incomplete*
   folder that readers already ignore, never a committed folder with missing
   data;
+* a checkpoint of another kind (a DCP folder with its ``.metadata``, an HF model folder,
+  a ``.pt`` file; :attr:`CheckpointEntry.kind`) is never deleted, not even when named
+  (``xla-ckpt rm``): it is refused, naming its kind;
 * :func:`collect_garbage` deletes only what this library provably wrote
   (:func:`xla_ckpt.io.retention.library_object`): an incomplete folder holding
   anything else (a ``.pt``, a DCP folder, files copied from another run) is left
@@ -34,7 +37,13 @@ from typing import Iterable
 
 from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, list_checkpoints, read_pointer
+from xla_ckpt.io.catalog import (
+    POINTERS,
+    CheckpointEntry,
+    list_checkpoints,
+    list_run,
+    read_pointer,
+)
 from xla_ckpt.io.retention import (
     DEFAULT_IN_FLIGHT_GRACE_S,
     InFlightUpload,
@@ -160,10 +169,20 @@ def _foreign(run: Storage, name: str) -> list[str]:
     return [obj for obj in run.child(name).list("") if not library_object(f"{name}/{obj}")]
 
 
+def foreign_refusal(name: str, kind: str) -> str:
+    """Why ``rm``/``gc`` keep ``name``, a checkpoint of another kind (``kind`` in words)."""
+    return (f"{name} is {kind}, which xla_ckpt did not write; rm and gc delete only what "
+            "xla_ckpt wrote. Left alone: remove it by hand if you mean to (xla_ckpt.load and "
+            "`xla-ckpt convert` read it)")
+
+
 def _delete_all(run: Storage, names: Iterable[str], entries: list[CheckpointEntry],
                 result: RemovalResult, *, only_ours: bool = False) -> RemovalResult:
     by_name = {e.name: e for e in entries}
     for name in names:
+        if name in by_name and by_name[name].kind:
+            result.refused[name] = foreign_refusal(name, by_name[name].kind)
+            continue
         # Re-read pointers just before deleting: a concurrent save may have moved one here.
         live = protection(run, entries)
         if name in live:
@@ -201,11 +220,13 @@ def remove_checkpoints(run: Storage, names: Iterable[str], *, dry_run: bool = Fa
     not a save in flight).  A named folder's in-flight objects go too once their
     write is older than ``grace_s`` (the rule ``gc`` applies); a folder holding
     nothing but younger ones is refused, saying so.  Unknown names are refused
-    ("no such checkpoint").
+    ("no such checkpoint"), and so is a checkpoint of another kind (a DCP folder, an HF
+    model folder, a ``.pt`` file: :func:`foreign_refusal`).
     """
     grace_s = check_grace(grace_s)
     now = time.time() if now is None else now
-    entries = list_checkpoints(run)
+    entries, foreign = list_run(run)
+    foreign_kind = dict(foreign)
     known = {e.name for e in entries}
     result = RemovalResult(dry_run=dry_run, grace_s=grace_s)
     wanted: list[str] = []
@@ -214,7 +235,9 @@ def remove_checkpoints(run: Storage, names: Iterable[str], *, dry_run: bool = Fa
         if name in wanted or name in in_flight:
             continue
         uploads = in_flight_uploads(run, name) if name and "/" not in name.strip("/") else []
-        if name in known:
+        if name.strip("/") in foreign_kind:
+            result.refused[name] = foreign_refusal(name, foreign_kind[name.strip("/")])
+        elif name in known:
             wanted.append(name)
             in_flight[name] = uploads
         elif uploads:

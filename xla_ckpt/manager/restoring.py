@@ -55,9 +55,9 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM, Manifest, valid_file_name
-from xla_ckpt.io.catalog import CheckpointEntry, choose_latest, list_checkpoints, pointer_name
+from xla_ckpt.io.catalog import CheckpointEntry, list_checkpoints, pointer_name
 from xla_ckpt.io.fencing import lease_from_message, lease_message
-from xla_ckpt.io.partial import Keys, PartialResult, read_partial, select_item
+from xla_ckpt.io.partial import Keys, PartialResult, check_keys, read_partial, select_item
 from xla_ckpt.io.reader import CheckpointReader
 from xla_ckpt.io.resolve import committed_manifest, resolve
 from xla_ckpt.manager.base import ManagerBase, logger
@@ -223,9 +223,15 @@ class RestorePath(ManagerBase):
 
         Raises:
             StorageError: listing failed on rank 0 (every rank; never read as "no steps").
+            CheckpointNotFoundError / CheckpointCorruptError: nothing committed here is
+                readable although the folder is not empty, exactly when :meth:`restore`
+                raises them: checkpoints of another kind (a DCP step folder, a fairseq
+                ``checkpoint_last.pt``; named), a dangling ``checkpoint_last``, an
+                unreadable commit marker (every rank; never read as "no steps", so
+                ``if mgr.latest_step() is None: start fresh`` cannot skip them).
         """
         self._check_open()
-        return [int(n) for n in self._on_rank0(lambda: _steps(list_checkpoints(self.run)),
+        return [int(n) for n in self._on_rank0(lambda: _steps(self._committed_entries()),
                                                 "list the run folder")]
 
     def latest_step(self) -> int | None:
@@ -237,6 +243,10 @@ class RestorePath(ManagerBase):
         then ``num_updates``), following ``checkpoint_last`` unless it lags: normally
         ``max(all_steps())``; after a newer incarnation resumed from an older step, that
         incarnation's step.  Orbax ``latest_step()``.
+
+        Raises:
+            StorageError / CheckpointNotFoundError / CheckpointCorruptError: as
+            :meth:`all_steps` (None only when :meth:`restore` would find nothing committed).
         """
         self._check_open()
         return self._on_rank0(self._latest_step, "list the run folder")
@@ -246,12 +256,16 @@ class RestorePath(ManagerBase):
         ``best_mode``, else ``best_checkpoint_metric``; ties: the newer), or None when no
         committed checkpoint has a score.  Collective (as :meth:`all_steps`).  Orbax
         ``best_step()``.
+
+        Raises:
+            StorageError / CheckpointNotFoundError / CheckpointCorruptError: as
+            :meth:`all_steps`.
         """
         self._check_open()
 
         def best() -> int | None:
             top = self._scorer.best_entries(
-                [e for e in list_checkpoints(self.run) if e.committed and e.num_updates >= 0], 1)
+                [e for e in self._committed_entries() if e.num_updates >= 0], 1)
             return top[0].num_updates if top else None
 
         return self._on_rank0(best, "list the run folder")
@@ -291,9 +305,12 @@ class RestorePath(ManagerBase):
             CheckpointReplacedError: the checkpoint was replaced during the read, twice.
             DistributedError: a read failed on some rank; ``failures`` names them.
             ConfigError: ``step`` is not an int >= 0 (before any collective).
+            ValueError: ``keys`` is empty (pass None for everything) or holds an empty or
+                non-string key (before any collective).
         """
         self._check_open()
         step = _check_step(step)
+        check_keys(keys)  # an empty or malformed key list fails on every rank alike, first
         decision = self._decide(step, keys)
         for attempt in range(2):
             if keys is None:
@@ -329,15 +346,38 @@ class RestorePath(ManagerBase):
             self._last_saved = (decision.name, result.num_updates)
         return result
 
+    def _committed_entries(self, entries: list[CheckpointEntry] | None = None
+                           ) -> list[CheckpointEntry]:
+        """Rank 0: the committed checkpoints of the run folder (``entries``: a listing of it).
+
+        None committed: raises what :meth:`restore` raises unless that is "nothing committed"
+        (checkpoints of another kind, a dangling pointer, an unreadable commit marker), so
+        the step queries never answer "no steps" where a restore would fail.
+        """
+        if entries is None:
+            entries = list_checkpoints(self.run)
+        committed = [e for e in entries if e.committed]
+        if not committed:
+            try:
+                resolve(self.run, pointer="last", missing_ok=True)
+            except NothingCommittedError:  # UncommittedCheckpointError too: truly no steps
+                pass
+        return committed
+
     def _latest_step(self) -> int | None:
-        """Rank 0: :meth:`latest_step`."""
-        entries = list_checkpoints(self.run)
-        stepped = [e for e in entries if e.committed and e.num_updates >= 0]
-        name = choose_latest(self.run, entries)
-        chosen = next((e for e in stepped if e.name == name), None)
-        if chosen is None:
-            return stepped[-1].num_updates if stepped else None
-        return chosen.num_updates
+        """Rank 0: :meth:`latest_step`: the step of what the one resolver picks for
+        ``restore()`` (so the two never disagree), else the newest committed step."""
+        try:
+            r = resolve(self.run, pointer="last", missing_ok=True)
+        except NothingCommittedError:  # UncommittedCheckpointError too: no steps
+            return None
+        md = typed.decode(r.manifest.metadata) if r.manifest is not None and \
+            r.manifest.metadata is not None else None
+        step = md.get("num_updates") if isinstance(md, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            return step
+        stepped = [e for e in list_checkpoints(self.run) if e.committed and e.num_updates >= 0]
+        return stepped[-1].num_updates if stepped else None
 
     def _decide(self, step: int | None, keys: Keys) -> _StepDecision:
         """Every rank: rank 0's decision for :meth:`restore` (its lease and the best score so

@@ -7,10 +7,12 @@ live ``torch.optim.AdamW`` therefore never matches by name.  With
 ``CheckpointerConfig.fairseq_compat`` (on by default) the restore looks the
 saved name up in :data:`FAIRSEQ_OPTIMIZERS`, checks that the live optimizer
 is one of the torch classes it maps to, and rewrites the saved state into the
-live optimizer's layout (:func:`adapt_fairseq_optimizer_state`).  What cannot
-map exactly is refused with one :class:`~xla_ckpt.errors.StateMismatchError`
-naming the checkpoint, the key and ``reset_optimizer=True``; nothing is
-approximated.
+live optimizer's layout (:func:`adapt_fairseq_optimizer_state`).  A *state*
+that cannot map exactly is refused with one
+:class:`~xla_ckpt.errors.StateMismatchError` naming the checkpoint, the key
+and ``reset_optimizer=True``; every state tensor restored is exact.  One
+difference of the *update rule* remains and is logged (WARNING, rank 0, once
+per restore), not refused: see ``FairseqAdam`` below.
 
 The map (saved ``optimizer_name`` -> live torch optimizer: what changes):
 
@@ -21,6 +23,16 @@ The map (saved ``optimizer_name`` -> live torch optimizer: what changes):
   FusedAdam's fp16 stats (``exp_avg_scale``, ``exp_avg_sq_scale``) are
   unscaled to fp32.  ``adaptive_adam=True``, ``bias_correction=False``,
   ``max_grad_norm > 0`` and ``eps_inside_sqrt=True`` are refused.
+  **Not bit-identical afterwards:** fairseq adds ``eps`` before the bias
+  correction, torch after it.  fairseq steps by
+  ``lr * sqrt(1 - beta2**t) / (1 - beta1**t) * m / (sqrt(v) + eps)``, torch by
+  ``lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)``, so torch's
+  step equals fairseq's with ``eps`` replaced by ``eps / sqrt(1 - beta2**t)``
+  (x1.58 at ``t=1000``, x1.0025 at ``t=10000`` for ``beta2=0.999``; it tends to 1
+  as ``t`` grows).  The difference matters only where ``sqrt(v)`` is not much
+  larger than ``eps`` (rarely updated embedding rows); torch then steps a little
+  further.  :attr:`FairseqOptimizerState.notes` carries it, with the factor at
+  the next step, and the restore logs it.
 * ``FairseqAdamW`` -> ``AdamW`` or ``Adam``: as ``FairseqAdam`` (fairseq itself
   registers no such class; the name is accepted for trainers that save it).
 * ``FairseqCPUAdam`` (DeepSpeed CPU Adam in AdamW mode) -> ``AdamW`` or
@@ -63,6 +75,7 @@ model (a widening cast).
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -70,6 +83,7 @@ from typing import Any, Optional
 import torch
 
 from xla_ckpt.errors import StateMismatchError
+from xla_ckpt.trainer.optimizer_state import check_saved_state_keys
 
 __all__ = [
     "FAIRSEQ_OPTIMIZERS", "FAIRSEQ_OPTIMIZER_WRAPPERS", "FairseqOptimizerMap",
@@ -154,6 +168,9 @@ class FairseqOptimizerState:
         fairseq_name: the fairseq optimizer whose state it is (the wrapped one for wrappers).
         loss_scale: the FP16 wrappers' dynamic loss scale (float), or None.
         flat_params_split: the state held flattened fp32 master parameters and was split.
+        notes: how the live optimizer's next updates differ from fairseq's although the
+            state restored exactly (the Adam ``eps`` placement, module docstring); the
+            restore logs each at WARNING on rank 0.
     """
 
     state_dict: dict
@@ -161,6 +178,7 @@ class FairseqOptimizerState:
     fairseq_name: str
     loss_scale: Optional[float] = None
     flat_params_split: bool = False
+    notes: tuple[str, ...] = ()
 
 
 def fairseq_optimizer_map(saved_name: Any) -> Optional[FairseqOptimizerMap]:
@@ -278,15 +296,37 @@ def adapt_fairseq_optimizer_state(saved_name: str, optimizer: torch.optim.Optimi
     if unknown_top:
         raise StateMismatchError(f"{loc}the saved optimizer state has key {unknown_top[0]!r}, "
                                  f"which no torch optimizer holds; {_RESET}")
+    check_saved_state_keys(sd["state"], [pid for g in sd["param_groups"] if isinstance(g, Mapping)
+                                         for pid in g.get("params", ())], loc, _RESET)
     sd, split = _unflatten(sd, optimizer, loc, where)
     live_group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    notes: tuple[str, ...] = ()
     if row.layout == "adam":
         sd = _adam_to_torch(sd, optimizer, live_group, loc, where)
+        notes = (_adam_eps_note(sd, shown, live_name),)
     elif row.layout == "nag":
         sd = _nag_to_torch(sd, live_group, loc, where)
     return FairseqOptimizerState(state_dict=sd, saved_name=saved_name,
                                  fairseq_name=row.fairseq_name, loss_scale=loss_scale,
-                                 flat_params_split=split)
+                                 flat_params_split=split, notes=notes)
+
+
+def _adam_eps_note(sd: dict, shown: str, live_name: str) -> str:
+    """The Adam ``eps`` placement difference, with the factor at the saved step."""
+    steps = [st.get("step") for st in sd["state"].values() if isinstance(st, Mapping)]
+    t = next((float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps
+              if isinstance(s, (int, float, torch.Tensor)) and not isinstance(s, bool)), None)
+    group = sd["param_groups"][0] if sd["param_groups"] else {}
+    betas = group.get("betas")
+    beta2 = float(betas[1]) if isinstance(betas, (tuple, list)) and len(betas) == 2 else None
+    at = ""
+    if t is not None and t > 0 and beta2 is not None and 0 <= beta2 < 1:
+        at = (f" (x{1.0 / math.sqrt(1.0 - beta2 ** (t + 1)):.4g} at the next step, t={t + 1:g}, "
+              f"with beta2={beta2:g}; it tends to 1 as t grows)")
+    return (f"{shown} state restored exactly into torch.optim.{live_name}, but the update rule "
+            "differs: fairseq adds eps before the bias correction, torch after it, so the next "
+            f"steps equal fairseq's with eps / sqrt(1 - beta2**t) in place of eps{at}; this "
+            "matters only where sqrt(exp_avg_sq) is not much larger than eps")
 
 
 def _unflatten(sd: dict, optimizer: torch.optim.Optimizer, loc: str,
@@ -298,6 +338,14 @@ def _unflatten(sd: dict, optimizer: torch.optim.Optimizer, loc: str,
     if len(saved_ids) == len(live):
         return sd, False
     flat = {pid: st for pid, st in sd["state"].items() if pid in saved_ids}
+    if not any(isinstance(v, torch.Tensor) for st in flat.values() if isinstance(st, Mapping)
+               for v in st.values()) and len(saved_ids) == 1 and len(saved_groups) == 1 \
+            and len(optimizer.param_groups) == 1:
+        # One flat fp32 master parameter saved before its first step (state {}): nothing to
+        # split; its group's hyperparameters apply to every live parameter.
+        group = {k: v for k, v in saved_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(live)))
+        return {"state": {}, "param_groups": [group]}, True
     sizes: list[int] = []
     for pid in saved_ids:
         st = flat.get(pid, {})

@@ -8,7 +8,11 @@ become fp16.  :func:`load_optimizer_state` wraps it:
 
 * the optimizer must hold the module's live parameters (an optimizer built
   before ``model.to(xla_device)`` holds stale CPU copies; refused);
-* the saved param groups must match in number and size, and per-parameter
+* the saved param groups must match in number and size, every saved state key
+  must be a parameter id some saved param group lists (torch would keep a stray
+  key such as DCP's stringified ``'0'`` as dead state and the parameter would
+  restart from zero moments: a silent loss, refused; an optimizer outside
+  ``torch.optim`` may keep entries of its own under non-id keys), and per-parameter
   state must fit its parameter's shape (a model whose parameters changed
   order would otherwise fail at the first step with a cryptic error); otherwise
   :class:`~xla_ckpt.errors.StateMismatchError` suggesting ``reset_optimizer``;
@@ -67,6 +71,44 @@ def _param_list(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
+def _id_like(key: Any) -> bool:
+    return (isinstance(key, int) and not isinstance(key, bool)) or \
+        (isinstance(key, str) and key.isdigit())
+
+
+def check_saved_state_keys(saved_state: Mapping[Any, Any], saved_ids: list[Any], loc: str,
+                           suggestion: str, *, builtin: bool = True) -> None:
+    """Raise StateMismatchError naming the saved ``state`` keys that no saved param group lists.
+
+    ``Optimizer.load_state_dict`` keeps such a key as a dead entry, so the parameter it was
+    meant for restarts from empty state: a silent loss.  For an optimizer outside
+    ``torch.optim`` (``builtin=False``), whose ``state`` may hold entries of its own under
+    other keys (torch keeps non-tensor keys of ``optimizer.state`` as they are), only
+    parameter-id-like keys (ints, decimal strings) are refused.  ``loc`` prefixes the
+    message (the checkpoint), ``suggestion`` ends it.
+    """
+    listed = set(saved_ids)
+    stray = [k for k in saved_state if k not in listed and (builtin or _id_like(k))]
+    if not stray:
+        return
+    shown = ", ".join(repr(k) for k in stray[:8]) + (", ..." if len(stray) > 8 else "")
+    hint = ""
+    if any(isinstance(k, str) and k.isdigit() and int(k) in listed for k in stray):
+        hint = (" The keys are parameter ids written as strings (DCP and JSON flattening "
+                "stringify int keys); convert them back with "
+                "{int(k): v for k, v in state_dict['state'].items()} or read the checkpoint "
+                "with xla_ckpt.load, which restores them.")
+    raise StateMismatchError(
+        f"{loc}the saved optimizer state holds {len(stray)} key(s) that no saved param group "
+        f"lists ({shown}; the param groups list {_ids_text(saved_ids)}); their state "
+        f"would be silently dropped.{hint} Otherwise {suggestion}")
+
+
+def _ids_text(ids: list[Any]) -> str:
+    shown = ", ".join(repr(i) for i in ids[:8])
+    return f"[{shown}{', ...' if len(ids) > 8 else ''}]"
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], *,
                          overrides: Mapping[str, Any] | None = None,
                          saved_param_dtypes: Mapping[int, torch.dtype] | None = None,
@@ -84,8 +126,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
         where: checkpoint URI for messages.
 
     Raises:
-        StateMismatchError: group count/size or state shape mismatch; the
-            message suggests ``reset_optimizer=True``.
+        StateMismatchError: group count/size or state shape mismatch, or a
+            saved state key that no saved param group lists (names the keys and
+            the checkpoint); the message suggests ``reset_optimizer=True``.
     """
     loc = f"{where}: " if where else ""
     suggestion = ("pass reset_optimizer=True to start the optimizer afresh (the model weights are "
@@ -106,9 +149,11 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
                 f"{loc}param group {i} holds {len(sg['params'])} parameters in the checkpoint and "
                 f"{len(lg['params'])} in the live optimizer; {suggestion}")
 
-    params = _param_list(optimizer)
-    builtin = type(optimizer).__module__.startswith("torch.optim")
     saved_ids = [pid for g in saved_groups for pid in g["params"]]
+    builtin = type(optimizer).__module__.startswith("torch.optim")
+    check_saved_state_keys(saved_state, saved_ids, loc, suggestion, builtin=builtin)
+
+    params = _param_list(optimizer)
     by_id = dict(zip(saved_ids, params, strict=True))
     pid_of = {id(p): pid for pid, p in zip(saved_ids, params, strict=True)}
     saved_dtypes: dict[tuple[int, str], torch.dtype] = {}
