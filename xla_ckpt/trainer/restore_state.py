@@ -218,6 +218,8 @@ class RestoreState(TrainingSurface):
                             else f"; loss_scale {adapted.loss_scale:g} in extra_state",
                             "; flat fp32 master state split per parameter"
                             if adapted.flat_params_split else "")
+                for note in adapted.notes:  # once per restore, rank 0 only
+                    logger.warning("rank %d: %s: %s", self.rank, uri, note)
         num_updates = last.get(K.NUM_UPDATES, 0)
         sched = self.lr_scheduler
         lr_follows_sched = False
