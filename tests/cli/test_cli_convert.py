@@ -21,6 +21,7 @@ import torch
 from cli_helpers import exists, listing
 
 import xla_ckpt
+from xla_ckpt.io.catalog import write_pointer
 from xla_ckpt.io.legacy import load_legacy_checkpoint
 from xla_ckpt.storage import open_storage
 from xla_ckpt.trainer import Checkpointer
@@ -158,10 +159,85 @@ def test_convert_refuses_to_replace_a_committed_checkpoint_without_overwrite(cli
     assert cli("convert", src, f"{root}/ck").code == 0
     r = cli("convert", src, f"{root}/ck")
     assert r.code == 2
-    assert r.err == (f"xla-ckpt convert: error: {root}/ck already holds a committed checkpoint; "
-                     "pass --overwrite to replace it\n")
+    assert r.err == (f"xla-ckpt convert: error: {root}/ck already holds a committed xla_ckpt "
+                     "checkpoint (manifest.json); pass --overwrite (overwrite=True) to replace "
+                     "it, or choose an empty DST\n")
     r = cli("convert", src, f"{root}/ck", "--overwrite", "--layout", "raw")
     assert r.code == 0 and "cfg" not in xla_ckpt.load(f"{root}/ck")
+
+
+def _dcp_at(root, tmp_path, name, state):
+    import torch.distributed.checkpoint as dcp
+
+    local = tmp_path / f"local-{name}"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(local)), no_dist=True)
+    with open_storage(root) as st:
+        for p in local.iterdir():
+            st.write_atomic(f"{name}/{p.name}", [p.read_bytes()])
+    return f"{root}/{name}"
+
+
+def test_convert_and_export_never_write_over_a_checkpoint_of_another_kind(cli, root, tmp_path):
+    """Defect 4/18: any committed checkpoint at DST (DCP, xla_ckpt, HF, .pt) is refused with
+    exit code 2 naming --overwrite; --overwrite never mixes two kinds; DST inside SRC never."""
+    data, _ = fairseq_pt(steps=1)
+    src = _put(root, "a.pt", data)
+    dcp_state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}}
+    d = _dcp_at(root, tmp_path, "dcp", dcp_state)
+    for extra in ((), ("--overwrite",)):
+        r = cli("convert", src, d, *extra)
+        assert r.code == 2, r.err
+        assert "holds a PyTorch DCP checkpoint (.metadata)" in r.err
+    from xla_ckpt.testing.asserts import assert_state_identical
+
+    assert_state_identical(xla_ckpt.load(d), dcp_state)  # not shadowed by a manifest
+    assert cli("convert", src, f"{root}/ck").code == 0
+    data2, _ = fairseq_pt(steps=2)
+    src2 = _put(root, "b.pt", data2)
+    r = cli("convert", src2, f"{root}/ck", "--to", "dcp")
+    assert r.code == 2 and r.err == (
+        f"xla-ckpt convert: error: {root}/ck already holds a committed xla_ckpt checkpoint "
+        "(manifest.json); pass --overwrite (overwrite=True) to replace it, or choose an empty "
+        "DST\n")
+    r = cli("convert", src2, f"{root}/ck", "--to", "dcp", "--overwrite")
+    assert r.code == 2 and "--overwrite replaces only output of the same kind" in r.err
+    for fmt in ("dcp", "safetensors", "pt"):
+        for dst in (f"{root}/ck", f"{root}/ck/inner"):
+            r = cli("export", f"{root}/ck", dst, "--format", fmt, "--key", "model") \
+                if fmt == "safetensors" else cli("export", f"{root}/ck", dst, "--format", fmt)
+            assert r.code == 2 and "is the source" in r.err and "or inside it" in r.err, r.err
+    with open_storage(f"{root}/ck") as st:
+        assert sorted(n for n in st.list("") if not n.startswith("data-")) == ["manifest.json"]
+    # a .pt at DST (pt export) and a run folder of .pt files (convert) are checkpoints too
+    r = cli("export", f"{root}/ck", src, "--format", "pt")
+    assert r.code == 2 and "already holds" in r.err and "--overwrite" in r.err
+    assert _put(root, "run/checkpoint1.pt", data)
+    r = cli("convert", src2, f"{root}/run")
+    assert r.code == 2 and "holds a run folder of checkpoints (checkpoint1.pt)" in r.err
+
+
+def test_dcp_export_over_a_dcp_folder_exits_2_naming_overwrite(cli, root, tmp_path):
+    xla_ckpt.save({"model": {"w": torch.ones(2)}}, f"{root}/ck")
+    d = _dcp_at(root, tmp_path, "dcp", {"model": {"w": torch.zeros(2)}})
+    for argv in (("export", f"{root}/ck", d, "--format", "dcp"),
+                 ("convert", f"{root}/ck", d, "--to", "dcp")):
+        r = cli(*argv)
+        assert r.code == 2 and r.err.endswith(
+            f"{d} already holds a PyTorch DCP checkpoint (.metadata); pass --overwrite "
+            "(overwrite=True) to replace it, or choose an empty DST\n"), r.err
+    r = cli("export", f"{root}/ck", d, "--format", "dcp", "--overwrite")
+    assert r.code == 0, r.err
+    assert torch.equal(xla_ckpt.load(d)["model"]["w"], torch.ones(2))
+
+
+def test_layout_model_refuses_a_fairseq_pt(cli, root):
+    data, _ = fairseq_pt(steps=1)
+    src = _put(root, "a.pt", data)
+    r = cli("convert", src, f"{root}/ck", "--layout", "model")
+    assert r.code == 2 and "is a fairseq checkpoint" in r.err and "--layout fairseq or auto" \
+        in r.err
+    with open_storage(root) as st:
+        assert not any(n.startswith("ck/") for n in st.list(""))
 
 
 def test_plain_state_dict_with_model_layout(cli, root):
@@ -336,8 +412,18 @@ def test_a_fairseq_run_folder_converts_with_last_and_best_as_pointers(cli, root)
     r = cli("convert", src, dst, "--overwrite")
     assert r.code == 0 and ": 0 checkpoints (" in r.out.splitlines()[0]
     assert "  checkpoint1.pt -> checkpoint1: already converted, updates 2" in r.out
+    # ... also without --overwrite: the pointers already name what they would (defect 16)
     r = cli("convert", src, dst)
-    assert r.code == 2 and "checkpoint_last.json already exists; pass --overwrite" in r.err
+    assert r.code == 0, r.err
+    assert ": 0 checkpoints (" in r.out.splitlines()[0]
+    with open_storage(dst) as st:
+        assert json.loads(st.read_bytes("checkpoint_last.json")) == last
+        # a pointer moved elsewhere is not moved back without --overwrite
+        write_pointer(st, "last", "checkpoint1")
+    r = cli("convert", src, dst)
+    assert r.code == 2
+    assert ("checkpoint_last.json already exists and names 'checkpoint1', not 'checkpoint_2_4' "
+            "(what checkpoint_last.pt holds); pass --overwrite to move it") in r.err
 
 
 def test_a_last_that_copies_nothing_is_its_own_checkpoint(cli, tmp_path):
@@ -406,3 +492,71 @@ def test_a_sharded_hf_checkpoint_converts(cli, tmp_path):
     got = xla_ckpt.load(str(tmp_path / "ck"))["model"]
     for k, v in model.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+def test_a_restarted_fairseq_run_restores_what_checkpoint_last_pt_held(cli, root):
+    """Defect 6: the run was restarted from checkpoint3 (300 updates); checkpoint4/5 (400,
+    500) are its abandoned branch.  fairseq restores checkpoint_last.pt = checkpoint3."""
+    files = {n: _fairseq_file(u, e, 1.0) for n, u, e in
+             (("checkpoint3.pt", 300, 3), ("checkpoint4.pt", 400, 4), ("checkpoint5.pt", 500, 5))}
+    src, dst = f"{root}/fairseq", f"{root}/out"
+    for n, (data, _) in files.items():
+        _put(src, n, data)
+    _put(src, "checkpoint_last.pt", files["checkpoint3.pt"][0])
+    r = cli("convert", src, dst)
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[0].endswith(f"xla_ckpt.load({dst}) -> checkpoint3")
+    want = files["checkpoint3.pt"][1]["model"]["weight"]
+    for uri in (dst, f"{dst}/checkpoint_last"):
+        assert torch.equal(xla_ckpt.load(uri)["model"]["weight"], want), uri
+    res = _restore_with_manager(dst)
+    assert (res.checkpoint, res.num_updates) == ("checkpoint3", 300)
+    assert torch.equal(res.state["model"]["weight"], want)
+
+
+def test_parts_of_a_sharded_fairseq_checkpoint_are_refused(cli, root):
+    """Defect 5: FSDP / model-parallel parts are one rank's slice each, never a checkpoint."""
+    data, _ = _fairseq_file(2, 1, 1.0)
+    for names in (("checkpoint_last-shard0.pt", "checkpoint_last-shard1.pt"),
+                  ("checkpoint1-model_part-0.pt", "checkpoint1-model_part-1.pt"),
+                  ("checkpoint_2_4-rank-0.pt",)):
+        src = f"{root}/run-{len(names)}-{names[0][:12]}"
+        for n in names:
+            _put(src, n, data)
+        r = cli("convert", src, f"{src}-out")
+        assert r.code == 2, r.err
+        verb = "are" if len(names) > 1 else "is"
+        assert (f"{', '.join(sorted(names))} {verb} one rank's part of a sharded fairseq "
+                "checkpoint") in r.err
+        assert "consolidate_fsdp_shards" in r.err
+        r = cli("convert", f"{src}/{names[0]}", f"{src}-one")
+        assert r.code == 2 and f"{names[0]} is one rank's part" in r.err
+        with pytest.raises(xla_ckpt.errors.ConfigError, match="one rank's part"):
+            xla_ckpt.load(f"{src}/{names[0]}")
+        with open_storage(root) as st:
+            assert not any(n.startswith(f"{src.rsplit('/', 1)[-1]}-") for n in st.list(""))
+
+
+def test_a_run_of_dcp_step_folders_gets_a_real_next_step(cli, root, tmp_path):
+    """Defect 17: not `xla-ckpt convert RUN DST_RUN` again (the command that failed)."""
+    for step in (100, 200):
+        _dcp_at(root, tmp_path, f"run/{step}", {"model": {"w": torch.full((2,), float(step))}})
+    r = cli("convert", f"{root}/run", f"{root}/out")
+    assert r.code == 2
+    assert (f"or convert each one into a run folder, e.g. `xla-ckpt convert {root}/run/100 "
+            "DST_RUN/checkpoint_100`; this is not read as 'no checkpoint yet'") in r.err
+    assert f"`xla-ckpt convert {root}/run DST_RUN`" not in r.err
+    r = cli("convert", f"{root}/run/100", f"{root}/out/checkpoint_100")
+    assert r.code == 0, r.err
+    assert torch.equal(xla_ckpt.load(f"{root}/out")["model"]["w"], torch.full((2,), 100.0))
+
+
+def test_export_pt_onto_a_folder_is_a_usage_error(cli, root):
+    xla_ckpt.save({"w": torch.ones(2)}, f"{root}/ck")
+    with open_storage(root) as st:
+        st.write_atomic("folder/notes.txt", [b"x"])
+    for extra in ((), ("--overwrite",)):
+        r = cli("export", f"{root}/ck", f"{root}/folder", "--format", "pt", *extra)
+        assert r.code == 2 and r.err == (
+            f"xla-ckpt export: error: {root}/folder is a folder; --format pt writes one file: "
+            f"name a file such as {root}/folder/checkpoint.pt\n"), r.err

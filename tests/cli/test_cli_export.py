@@ -49,7 +49,8 @@ def test_c23_pt_keeps_dtypes_and_the_tie(cli, root, tmp_path):
     assert_state_identical(got, tied_state())
     assert got["model"]["out.weight"].data_ptr() == got["model"]["embed.weight"].data_ptr()
     r = cli("export", f"{root}/ck", f"{root}/out.pt", "--format", "pt")
-    assert r.code == 2 and "out.pt already exists; pass overwrite=True (--overwrite)" in r.err
+    assert r.code == 2 and "out.pt" in r.err and "already holds" in r.err
+    assert "pass --overwrite (overwrite=True) to replace it" in r.err
 
 
 def test_c23_safetensors_drops_the_tie_after_checking_it(cli, root, tmp_path):
@@ -219,3 +220,78 @@ def test_a_fairseq_state_exports_to_dcp_with_args_as_a_dict(cli, tmp_path):
     target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
     dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")), no_dist=True)
     assert_state_identical(target["model"], dict(state["model"]))
+
+
+def test_the_printed_torch_load_recipe_reads_numpy_values_on_numpy_2(tmp_path):
+    """Defect 15: the safe_globals printed for a .pt holding numpy values are exactly what
+    torch.load(weights_only=True) needs (numpy 2: numpy.dtypes.<X>DType classes too)."""
+    import importlib
+
+    import numpy as np
+
+    from xla_ckpt.cli.export import summary
+    from xla_ckpt.io.export import export_pt
+
+    state = {"best_loss": np.float32(1.5), "lr": np.float64(0.25), "step": np.int64(7),
+             "half": np.dtype("float16"), "ids": np.arange(3, dtype=np.int32),
+             "args": argparse.Namespace(lr=0.1), "w": torch.ones(2)}
+    dst = str(tmp_path / "out.pt")
+    report = export_pt(state, dst)
+    if np.__version__.startswith("2."):
+        assert {"numpy.dtypes.Float32DType", "numpy.dtypes.Float64DType",
+                "numpy.dtypes.Int64DType", "numpy.dtypes.Float16DType",
+                "numpy.dtypes.Int32DType"} <= set(report.safe_globals)
+    assert "argparse.Namespace" in report.safe_globals
+    line = summary("SRC", report, 1.0).splitlines()[-1]
+    assert line == ("  read it with: with torch.serialization.safe_globals(["
+                    f"{', '.join(report.safe_globals)}]): torch.load(PATH, weights_only=True)")
+
+    def resolve(name):
+        module, _, attr = name.rpartition(".")
+        return getattr(importlib.import_module(module), attr)
+
+    with torch.serialization.safe_globals([resolve(n) for n in report.safe_globals]):
+        got = torch.load(dst, weights_only=True)
+    assert got["best_loss"] == np.float32(1.5) and got["best_loss"].dtype == np.float32
+    assert got["step"] == 7 and got["half"] == np.dtype("float16")
+    assert np.array_equal(got["ids"], np.arange(3, dtype=np.int32))
+    assert vars(got["args"]) == {"lr": 0.1} and torch.equal(got["w"], torch.ones(2))
+    # a directory as DST is a usage error naming a file to pass, not "[Errno 21]"
+    with pytest.raises(xla_ckpt.errors.ConfigError, match="is a folder; --format pt writes "
+                       "one file"):
+        export_pt(state, str(tmp_path), overwrite=True)
+
+
+def _hf_files(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith((".safetensors", ".json")))
+
+
+def test_safetensors_export_over_an_earlier_export_leaves_no_stale_file(cli, tmp_path):
+    """Defect 3: --overwrite replaces the earlier export whole (no old shard, index or
+    model.safetensors left for from_pretrained to load); without it the folder is refused."""
+    torch.manual_seed(0)
+    old = {"model": {f"layer{i}.weight": torch.randn(16, 16) for i in range(6)}}
+    new = {"model": {f"layer{i}.weight": torch.randn(16, 16) + 10 for i in range(6)}}
+    xla_ckpt.save(old, str(tmp_path / "old"))
+    xla_ckpt.save(new, str(tmp_path / "new"))
+    out = tmp_path / "hf"
+    r = cli("export", str(tmp_path / "old"), str(out), "--format", "safetensors",
+            "--max-shard-size", "1KB")
+    assert r.code == 0, r.err
+    assert len([n for n in _hf_files(out) if n.startswith("model-")]) == 6
+    r = cli("export", str(tmp_path / "new"), str(out), "--format", "safetensors")
+    assert r.code == 2 and f"{out} already holds HF safetensors weights" in r.err
+    assert "pass --overwrite" in r.err
+    r = cli("export", str(tmp_path / "new"), str(out), "--format", "safetensors", "--overwrite")
+    assert r.code == 0, r.err
+    assert _hf_files(out) == ["model.safetensors"]
+    assert_state_identical(xla_ckpt.load(str(out)), new["model"])
+    # and back to shards: model.safetensors goes, the new index names only new shards
+    r = cli("export", str(tmp_path / "old"), str(out), "--format", "safetensors",
+            "--max-shard-size", "3KB", "--overwrite")
+    assert r.code == 0, r.err
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert _hf_files(out) == sorted([*shards, "model.safetensors.index.json"])
+    assert len(shards) == 3 and all(s.endswith("-of-00003.safetensors") for s in shards)
+    assert_state_identical(xla_ckpt.load(str(out)), old["model"])

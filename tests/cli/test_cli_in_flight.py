@@ -204,8 +204,10 @@ def test_gc_deletes_only_what_this_library_wrote_in_the_run_folder(cli, root, re
     lines = r.out.splitlines()
     assert [ln for ln in lines if ln.startswith("deleted ")][:3] == [
         "deleted checkpoint_9_900", "deleted checkpoint_1_100", "deleted checkpoint_2_200"]
-    assert ("kept dcp_step_5: holds 2 object(s) xla_ckpt did not write (e.g. .metadata); left "
-            "alone, remove it by hand") in lines
+    assert ("kept dcp_step_5: dcp_step_5 is a PyTorch DCP checkpoint folder (.metadata), which "
+            "xla_ckpt did not write; rm and gc delete only what xla_ckpt wrote. Left alone: "
+            "remove it by hand if you mean to (xla_ckpt.load and `xla-ckpt convert` read it)"
+            ) in lines
     assert ("kept lightning: holds 1 object(s) xla_ckpt did not write (e.g. epoch=3.ckpt); left "
             "alone, remove it by hand") in lines
     assert "left 1 object(s) xla_ckpt did not write in checkpoint_1_100 (e.g. notes.txt)" in lines

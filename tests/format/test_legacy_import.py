@@ -278,6 +278,40 @@ def test_sniff_format():
     assert sniff_format(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":1}") == "safetensors"
 
 
+def _safetensors_with_header_length(n: int, rng) -> tuple[bytes, dict]:
+    """A real safetensors file (``safetensors.torch.save``) whose header is exactly ``n`` bytes."""
+    import string
+    for length in range(1, n):
+        name = "".join(rng.choice(list(string.ascii_letters + "._/")) for _ in range(length))
+        tensors = {name: torch.arange(4.0)}
+        data = safetensors.torch.save(tensors)
+        if int.from_bytes(data[:8], "little") == n:
+            return data, tensors
+    raise AssertionError(f"no name gives a {n}-byte header")
+
+
+@pytest.mark.parametrize("n", range(128, 1409, 256))
+def test_safetensors_whose_header_length_starts_like_a_pickle_is_read_as_safetensors(
+        tmp_path, n):
+    # Header lengths 128, 384, ..., 1408 start with b"\x80" and a byte <= 5: a pickle's
+    # PROTO opcode.  They are safetensors files all the same (HF sharded saves hit this).
+    import random
+    data, tensors = _safetensors_with_header_length(n, random.Random(n))
+    assert data[0] == 0x80 and data[1] <= 5 and data[8:9] == b"{"
+    assert sniff_format(data[:16], size=len(data)) == "safetensors"
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(data)
+    assert is_legacy_file(str(path))
+    got = xla_ckpt.load(str(path))
+    assert list(got) == list(tensors)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    # A pre-1.6 torch.save file still sniffs as one.
+    old = _save({"w": torch.arange(3.0)}, zip_format=False)
+    assert sniff_format(old[:16], size=len(old)) == "torch_legacy"
+    # A header length larger than the file is not safetensors (a pickle test follows).
+    assert sniff_format(data[:16], size=n) == "torch_legacy"
+
+
 # ---- by URI (io layer) ----------------------------------------------------------------
 
 

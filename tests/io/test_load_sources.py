@@ -117,8 +117,10 @@ def test_none_of_these_is_a_clear_error(tmp_path):
     assert str(e.value) == (
         f"{run} holds no xla_ckpt checkpoint, but checkpoints of another kind: 200 (a PyTorch "
         "DCP checkpoint folder (.metadata)), checkpoint_last.pt (a legacy torch.save/fairseq .pt "
-        f"or safetensors file). Name one ({run}/200; xla_ckpt.load reads it), or convert them "
-        f"with `xla-ckpt convert {run} DST_RUN`; this is not read as 'no checkpoint yet'")
+        f"or safetensors file). Name one ({run}/200; xla_ckpt.load reads it), or convert the run "
+        f"folder with `xla-ckpt convert {run} DST_RUN`, or convert each one into a run folder, "
+        f"e.g. `xla-ckpt convert {run}/200 DST_RUN/checkpoint_200`; this is not read as 'no "
+        "checkpoint yet'")
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "a.txt").write_text("a")
@@ -145,3 +147,32 @@ def test_gcs_index_and_dcp(gcs_uri, tmp_path):
         assert sorted(got) == sorted(ref)
         assert_state_identical({k: got[k] for k in ref}, ref)
     assert_state_identical(xla_ckpt.load(f"{gcs_uri}/dcp"), {"model": ref})
+
+
+@pytest.mark.parametrize("map_location", ["cpu", torch.device("cpu"), {"cpu": "cpu"},
+                                          lambda key: "cpu", "meta", {"cpu": "meta"}])
+def test_map_location_applies_to_every_source_kind(tmp_path, map_location):
+    """Defect 14: a .pt, an HF folder and a DCP folder take map_location as an xla_ckpt
+    checkpoint does: CPU ones keep the tensors (and a tie) as read; another device gets them
+    moved there after loading."""
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.arange(6.0).reshape(2, 3)
+    torch.save({"model": {"w": w, "tied": w}, "step": 3}, str(tmp_path / "a.pt"))
+    (tmp_path / "hf").mkdir()
+    safetensors.torch.save_file({"w": w}, str(tmp_path / "hf" / "model.safetensors"))
+    dcp.save({"model": {"w": w}}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")),
+             no_dist=True)
+    device = "meta" if "meta" in str(map_location) else "cpu"
+    for uri, path in ((tmp_path / "a.pt", ("model", "w")), (tmp_path / "hf", ("w",)),
+                      (tmp_path / "dcp", ("model", "w"))):
+        got = xla_ckpt.load(str(uri), map_location=map_location)
+        t = got
+        for k in path:
+            t = t[k]
+        assert t.device.type == device, uri
+        assert t.shape == (2, 3) and t.dtype == torch.float32
+        if device == "cpu":
+            assert torch.equal(t, w)
+    got = xla_ckpt.load(str(tmp_path / "a.pt"), map_location=map_location)
+    assert got["model"]["tied"] is got["model"]["w"] and got["step"] == 3

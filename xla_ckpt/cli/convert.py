@@ -14,8 +14,14 @@ distinct file (by size and crc32c) is converted once, into the folder named afte
 it; ``checkpoint_last.pt`` / ``checkpoint_best.pt``, byte copies of another file
 in fairseq, become the ``checkpoint_last`` / ``checkpoint_best`` pointers to it (a
 copy of nothing is converted as its own checkpoint), so ``xla_ckpt.load(DST)`` and
-the CheckpointManager restore what fairseq would.  DST may be SRC itself.  A rerun
-skips what was already converted from the same bytes.
+the CheckpointManager restore what fairseq would: the checkpoint checkpoint_last.pt
+held, even when a checkpoint with more updates is there (the stale branch of a run
+restarted from an earlier checkpoint).  A pointer written by convert records no
+lease epoch, and only a newer checkpoint saved by a CheckpointManager outranks it.
+DST may be SRC itself.  A rerun skips what was already converted from the same
+bytes (and finds the pointers already right).  Parts of a sharded fairseq
+checkpoint (checkpoint_last-shard0.pt, -model_part-N, -rank-N) are refused: merge
+them first.
 
 ``.pt`` files are unpickled with ``torch.load(weights_only=True)`` and an
 explicit allow-list (argparse.Namespace, numpy scalars/dtypes/arrays, tensors);
@@ -26,8 +32,14 @@ Layouts: ``auto`` (default) upgrades fairseq checkpoints to the current fairseq
 layout (optimizer_history, train_iterator, ...) and keeps anything else as it
 is; ``fairseq`` insists on a fairseq checkpoint; ``raw`` keeps the object as it
 is; ``model`` stores it as ``{"model": ...}`` (a bare state_dict or HF weights,
-ready for the trainer restore).  A committed checkpoint at DST is replaced
-only with ``--overwrite`` (atomically: the old one stays until the new commits).
+ready for the trainer restore; a fairseq .pt is refused: use fairseq or auto).
+
+DST must not be SRC or inside it (a fairseq run folder may be converted in
+place), and a DST that holds a checkpoint of any kind
+(manifest.json, DCP .metadata, HF weights, a .pt, a run folder of them) is refused
+unless --overwrite; --overwrite replaces only a checkpoint of the kind written
+(atomically: the old one stays until the new commits).  Exit code 2 for all of
+these.
 """
 
 from __future__ import annotations
@@ -49,7 +61,7 @@ from xla_ckpt.cli.export import summary
 from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.io import save
 from xla_ckpt.io.catalog import is_checkpoint
-from xla_ckpt.io.export import export
+from xla_ckpt.io.export import check_destination, export
 from xla_ckpt.io.legacy import (
     convert_legacy_run,
     is_single_object,
@@ -93,10 +105,8 @@ def run(args: argparse.Namespace) -> int:
         is_run = bool(legacy_run_files(src)) and not is_checkpoint(src)
     if is_run:
         return _run_folder(args)
+    check_destination(args.src, args.dst, writes="xla_ckpt", overwrite=args.overwrite)
     with open_storage(args.dst) as dst:
-        if is_checkpoint(dst) and not args.overwrite:
-            raise UsageError(f"{dst.uri} already holds a committed checkpoint; pass --overwrite "
-                             "to replace it")
         resolved = _resolve_src(args.src)
         if resolved.kind == XLA_CKPT:
             raise UsageError(f"{resolved.checkpoint} is already an xla_ckpt checkpoint; write "

@@ -18,8 +18,13 @@ and gs:// URIs both ways.
                into DST so AutoModel.from_pretrained(DST) works; else supply it.
   dcp          the whole state as a torch.distributed.checkpoint folder.
 
-Existing output is replaced only with --overwrite.  Every tie found and what was
-done with it is printed.
+DST must not be URI or inside it.  A DST that holds a checkpoint of any kind
+(manifest.json, DCP .metadata, HF weights, a file) is refused unless --overwrite,
+which replaces only output of the kind written: a .pt file, a DCP folder, or an
+earlier HF export, whose model.safetensors, index and shards are all removed (the
+entry points first, so an interrupted export is never a mix of old and new
+weights).  Exit code 2 for all of these.  Every tie found and what was done with
+it is printed.
 """
 
 from __future__ import annotations

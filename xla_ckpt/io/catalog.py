@@ -303,10 +303,24 @@ def choose_latest(run: Storage, entries: list[CheckpointEntry]) -> str | None:
     none newer (by :attr:`CheckpointEntry.sort_key`: lease epoch, then num_updates) is
     committed; otherwise the newest committed checkpoint (the pointer lags after a
     crash between commit and pointer update).
+
+    One exception: a pointer written by ``xla-ckpt convert`` of a fairseq run folder
+    (it records ``converted_from`` and no lease epoch) is what fairseq would restore
+    (``checkpoint_last.pt``).  It is followed while it names a committed checkpoint,
+    and only a newer checkpoint saved by a manager incarnation (lease epoch >= 1,
+    necessarily saved after the conversion) outranks it; converted checkpoints (no
+    lease epoch) never do, however many updates they record (the stale branch of a
+    run restarted from an earlier checkpoint).
     """
     committed = [e for e in entries if e.committed]
-    ptr = read_pointer(run, "last")
+    doc, _ = read_pointer_doc(run, "last")
+    ptr = doc.get("checkpoint") if doc is not None else None
+    ptr = ptr if valid_file_name(ptr) else None
     chosen = next((e for e in committed if e.name == ptr), None)
+    if chosen is not None and doc is not None and epoch_of(doc) == 0 \
+            and "converted_from" in doc:
+        managed = [e for e in committed if e.lease_epoch > 0 and e.sort_key > chosen.sort_key]
+        return managed[-1].name if managed else chosen.name
     if chosen is not None:
         newest = committed[-1]
         # The pointer lags (a crash between commit and pointer update): newest committed wins.

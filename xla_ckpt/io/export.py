@@ -30,8 +30,10 @@ dtype, shape and values exactly (int64, bool, bf16 included; sizes are
 * **dcp** (:func:`export_dcp`): the whole state through :func:`xla_ckpt.io.dcp.write_dcp`
   (``torch.distributed.checkpoint.load`` reads it back).
 
-Local paths and ``gs://`` alike; each object is written atomically.  Existing output is
-replaced only with ``overwrite=True``.
+Local paths and ``gs://`` alike; each object is written atomically.  A destination
+holding a checkpoint of any kind is refused unless ``overwrite=True`` replaces one of the
+kind being written; the source itself (or a folder inside it) is never a destination
+(:func:`check_destination`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import argparse
 import io
 import json
 import logging
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,11 +52,11 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
-from xla_ckpt.errors import CheckpointCorruptError, ConfigError
+from xla_ckpt.errors import CheckpointCorruptError, ConfigError, OutputExistsError
 from xla_ckpt.format.legacy import looks_like_fairseq
 from xla_ckpt.io.hf import INDEX_NAME, SINGLE_NAME
 from xla_ckpt.io.legacy import is_single_object, split_uri
-from xla_ckpt.storage import StorageConfig, open_storage
+from xla_ckpt.storage import StorageConfig, open_storage, parse_uri
 
 logger = logging.getLogger(__name__)
 
@@ -260,13 +263,114 @@ def _walk_plain(obj: Any, path: str, out: list[tuple[str, Any]]) -> None:
 
 # ---- writing ----------------------------------------------------------------------------------
 
+OUTPUT_KINDS = {"xla_ckpt": "a committed xla_ckpt checkpoint (manifest.json)",
+                "dcp": "a PyTorch DCP checkpoint (.metadata)",
+                "hf": "HF safetensors weights",
+                "file": "a file",
+                "run": "a run folder of checkpoints"}
+"""What :func:`destination_holds` finds at a destination, in words."""
+
+_HF_WEIGHTS = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
+
+
+def _is_hf_weight_file(name: str) -> bool:
+    """``model.safetensors``, ``model-00001-of-00003.safetensors`` or the index."""
+    return name == INDEX_NAME or bool(_HF_WEIGHTS.match(name))
+
+
+def destination_holds(dst: str, config: StorageConfig | None = None
+                      ) -> tuple[str, str] | None:
+    """``(kind, description)`` of the checkpoint or output already at ``dst``; None if none.
+
+    Kinds (:data:`OUTPUT_KINDS`): ``"file"`` (``dst`` is one object), ``"xla_ckpt"``
+    (``manifest.json`` at its top), ``"dcp"`` (``.metadata``), ``"hf"`` (``*.safetensors``
+    or ``model.safetensors.index.json`` at its top), ``"run"`` (sub-folders holding a
+    checkpoint of any kind, or ``.pt``/``.bin``/... files at its top).  Other objects
+    (a ``config.json``, logs) do not count.
+    """
+    from xla_ckpt.format.manifest import MANIFEST_NAME  # noqa: PLC0415 - keep imports light
+    from xla_ckpt.io.resolve import DCP_METADATA, foreign_checkpoints  # noqa: PLC0415 - cycle
+
+    if parse_uri(dst).is_local:
+        path = os.path.abspath(os.path.expanduser(parse_uri(dst).path))
+        if os.path.isfile(path):
+            return "file", f"a file ({path})"
+        if not os.path.isdir(path):
+            return None
+    with open_storage(dst, config) as st:
+        names = st.list("")
+        if names == [""]:
+            return "file", f"an object ({st.uri})"
+        top = [n for n in names if "/" not in n]
+        if MANIFEST_NAME in top:
+            return "xla_ckpt", OUTPUT_KINDS["xla_ckpt"]
+        if DCP_METADATA in top:
+            return "dcp", OUTPUT_KINDS["dcp"]
+        hf = [n for n in top if n == INDEX_NAME or n.endswith(".safetensors")]
+        if hf:
+            more = ", ..." if len(hf) > 3 else ""
+            return "hf", f"{OUTPUT_KINDS['hf']} ({', '.join(hf[:3])}{more})"
+        subs = sorted({n.split("/", 1)[0] for n in names
+                       if n.count("/") == 1 and n.split("/", 1)[1] == MANIFEST_NAME})
+        found = [n for n, _ in foreign_checkpoints(names)] + subs
+        if found:
+            shown = ", ".join(sorted(found)[:3]) + (", ..." if len(found) > 3 else "")
+            return "run", f"{OUTPUT_KINDS['run']} ({shown})"
+    return None
+
+
+def _canonical(uri: str) -> str:
+    target = parse_uri(uri)
+    if target.is_local:
+        return os.path.realpath(os.path.expanduser(target.path)).rstrip("/") or "/"
+    return str(target).rstrip("/")
+
+
+def check_destination(src: str | None, dst: str, *, writes: str, overwrite: bool,
+                      config: StorageConfig | None = None, same_ok: bool = False) -> None:
+    """Refuse a ``convert`` / ``export`` destination before anything is read or written.
+
+    Rules, in order:
+
+    1. ``dst`` is ``src`` or inside it (``src`` a checkpoint, run folder or file): refused,
+       with or without ``overwrite`` (``same_ok``: a fairseq run folder converted in
+       place, whose ``.pt`` files are left alone).
+    2. ``dst`` already holds a checkpoint of any kind (:func:`destination_holds`): refused
+       unless ``overwrite``; with ``overwrite`` only one of the kind being written
+       (``writes``: a key of :data:`OUTPUT_KINDS`) is replaced; another kind is refused
+       (it would be shadowed or mixed: an xla_ckpt manifest next to a DCP ``.metadata``
+       hides it), so remove it first or choose another ``dst``.
+
+    Raises:
+        ConfigError: rule 1.
+        OutputExistsError: rule 2 (a ConfigError: exit code 2 on the command line).
+    """
+    if src is not None and not same_ok:
+        s, d = _canonical(src), _canonical(dst)
+        if d == s or d.startswith(s.rstrip("/") + "/"):
+            raise ConfigError(f"{dst} is the source {src} or inside it; write to another "
+                              "folder (the source is never written)")
+    held = destination_holds(dst, config)
+    if held is None:
+        return
+    kind, what = held
+    if not overwrite:
+        raise OutputExistsError(f"{dst} already holds {what}; pass --overwrite "
+                                "(overwrite=True) to replace it, or choose an empty DST")
+    if kind != writes:
+        raise OutputExistsError(
+            f"{dst} holds {what}, and this writes {OUTPUT_KINDS[writes]}: --overwrite replaces "
+            "only output of the same kind (the two would shadow each other); remove it first "
+            "or choose another DST")
+
+
 def _check_absent(st: Any, names: list[str], overwrite: bool) -> None:
     if overwrite:
         return
     there = [n for n in names if st.exists(n)]
     if there:
-        raise ConfigError(f"{st.url(there[0])} already exists; pass overwrite=True "
-                          "(--overwrite) to replace it")
+        raise OutputExistsError(f"{st.url(there[0])} already exists; pass --overwrite "
+                                "(overwrite=True) to replace it")
 
 
 def _plain_fairseq(state: Any, report: ExportReport) -> Any:
@@ -282,15 +386,20 @@ def _plain_fairseq(state: Any, report: ExportReport) -> Any:
     return state
 
 
-def _safe_globals(leaves: list[tuple[str, Any]]) -> list[str]:
-    names = set()
+def _safe_globals(leaves: list[tuple[str, Any]], data: bytes | memoryview) -> list[str]:
+    """The globals ``torch.load(weights_only=True)`` must be allowed to read ``data``.
+
+    What the pickle names (``torch.serialization.get_unsafe_globals_in_checkpoint``:
+    ``argparse.Namespace``, ``numpy._core.multiarray.scalar`` on numpy 2, ...) plus the
+    dtype class of every numpy value (``numpy.dtypes.Float32DType``): on numpy 2 the
+    unpickler builds it while it rebuilds a ``numpy.dtype`` and refuses it unless allowed.
+    """
+    names = set(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
     for _, v in leaves:
-        if isinstance(v, argparse.Namespace):
-            names.add("argparse.Namespace")
-        elif isinstance(v, np.ndarray):
-            names.update(("numpy.core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype"))
-        elif isinstance(v, (np.generic, np.dtype)):
-            names.update(("numpy.core.multiarray.scalar", "numpy.dtype"))
+        dtype = v if isinstance(v, np.dtype) else getattr(v, "dtype", None) \
+            if isinstance(v, (np.generic, np.ndarray)) else None
+        if isinstance(dtype, np.dtype) and type(dtype).__module__ == "numpy.dtypes":
+            names.add(f"numpy.dtypes.{type(dtype).__name__}")
     return sorted(names)
 
 
@@ -342,6 +451,21 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
+def _check_pt_destination(dst: str, *, overwrite: bool, config: StorageConfig | None) -> None:
+    """``dst`` must name a file: an existing folder (or ``gs://`` prefix) is refused."""
+    target = parse_uri(dst)
+    if target.is_local:
+        folder = os.path.isdir(os.path.abspath(os.path.expanduser(target.path)))
+    else:
+        with open_storage(dst, config) as st:
+            names = st.list("")
+        folder = bool(names) and names != [""]
+    if folder:
+        raise ConfigError(f"{dst} is a folder; --format pt writes one file: name a file "
+                          f"such as {dst.rstrip('/')}/checkpoint.pt")
+    check_destination(None, dst, writes="file", overwrite=overwrite, config=config)
+
+
 def export_pt(state: Any, dst: str, *, overwrite: bool = False,
               config: StorageConfig | None = None,
               progress: Progress | None = None) -> ExportReport:
@@ -351,8 +475,10 @@ def export_pt(state: Any, dst: str, *, overwrite: bool = False,
     See the module docstring for the fairseq layout and ``safe_globals``.
 
     Raises:
-        ConfigError: ``dst`` exists and not ``overwrite``; a meta tensor (names it).
+        OutputExistsError: ``dst`` exists and not ``overwrite`` (a ConfigError).
+        ConfigError: ``dst`` is a folder; a meta tensor (names it).
     """
+    _check_pt_destination(dst, overwrite=overwrite, config=config)
     report = ExportReport(dst=dst, format="pt")
     state = _plain_fairseq(state, report)
     leaves: list[tuple[str, Any]] = []
@@ -369,10 +495,10 @@ def export_pt(state: Any, dst: str, *, overwrite: bool = False,
     for p, t in tensors.items():
         if p not in once:
             report.count(t)
-    report.safe_globals = _safe_globals(leaves)
     folder, name = split_uri(dst)
     buf = io.BytesIO()
     torch.save(state, buf)
+    report.safe_globals = _safe_globals(leaves, buf.getbuffer())
     with open_storage(folder, config) as st:
         _check_absent(st, [name], overwrite)
         st.write_atomic(name, [buf.getbuffer()])
@@ -451,11 +577,23 @@ def export_safetensors(state: Any, dst: str, *, key: str = "auto",
         hf_config: a ``config.json`` (or a folder holding one) copied into ``dst``, so
             ``from_pretrained(dst)`` works; without it the caller supplies one.
 
+    With ``overwrite`` an earlier export in the folder is replaced whole: its
+    ``model.safetensors`` and ``model.safetensors.index.json`` are removed first (an
+    interrupted export then leaves a folder ``from_pretrained`` refuses, never a mix of
+    old and new weights), and its shards that the new export did not rewrite after the
+    new files are written.  Without ``overwrite`` a folder holding HF weights (or any
+    other checkpoint, :func:`check_destination`) is refused.
+
     Raises:
-        ConfigError: no weights (:func:`select_weights`), an existing output without
-            ``overwrite``, sharding asked for a single-file ``dst``, a meta tensor.
+        OutputExistsError: a checkpoint or earlier output at ``dst`` without ``overwrite``,
+            or one of another kind (:func:`check_destination`).
+        ConfigError: no weights (:func:`select_weights`), sharding asked for a single-file
+            ``dst``, a meta tensor.
         CheckpointNotFoundError: ``hf_config`` is missing.
     """
+    single = dst.rstrip("/").endswith(".safetensors")
+    check_destination(None, dst, writes="file" if single else "hf", overwrite=overwrite,
+                      config=config)
     report = ExportReport(dst=dst, format="safetensors")
     weights = dict(select_weights(state, key))
     for name, t in weights.items():
@@ -470,7 +608,6 @@ def export_safetensors(state: Any, dst: str, *, key: str = "auto",
             report.ties.append(Tie(name, first, "copied"))
     for name in dropped:
         del weights[name]
-    single = dst.rstrip("/").endswith(".safetensors")
     if single and max_shard_size_bytes:
         raise ConfigError(f"{dst}: a single .safetensors file cannot be sharded; pass a folder "
                           "as DST to write shards and an index")
@@ -488,6 +625,13 @@ def export_safetensors(state: Any, dst: str, *, key: str = "auto",
         out = names + ([INDEX_NAME] if len(names) > 1 else []) + \
             (["config.json"] if config_doc is not None else [])
         _check_absent(st, out, overwrite)
+        stale = [] if single else [n for n in st.list("") if _is_hf_weight_file(n)]
+        # The entry points of an earlier export go first, so an interrupted export leaves
+        # a folder that from_pretrained refuses, never old and new weights mixed.
+        for old in (SINGLE_NAME, INDEX_NAME):
+            if old in stale:
+                st.delete(old)
+                report.notes.append(f"removed {old} of the earlier export")
         weight_map: dict[str, str] = {}
         for shard, file in zip(shards, names, strict=True):
             part = {k: _own_memory(weights[k]) for k in shard}
@@ -507,6 +651,10 @@ def export_safetensors(state: Any, dst: str, *, key: str = "auto",
                      "weight_map": dict(sorted(weight_map.items()))}
             st.write_atomic(INDEX_NAME, [(json.dumps(index, indent=2) + "\n").encode("utf-8")])
             report.files.append(st.url(INDEX_NAME))
+        for old in stale:
+            if old not in names and old not in (SINGLE_NAME, INDEX_NAME):
+                st.delete(old)
+                report.notes.append(f"removed {old} of the earlier export")
         if config_doc is not None:
             st.write_atomic("config.json", [config_doc])
             report.files.append(st.url("config.json"))
@@ -558,12 +706,14 @@ def export_dcp(state: Any, dst: str, *, overwrite: bool = False,
     DCP item must load with ``torch.load(weights_only=True)``; reported in ``notes``).
 
     Raises:
-        CheckpointExistsError: ``dst`` already holds a DCP checkpoint and not ``overwrite``.
+        OutputExistsError: ``dst`` already holds a checkpoint and not ``overwrite``, or
+            one of another kind (:func:`check_destination`).
         UnsupportedTypeError: a value ``torch.load(weights_only=True)`` cannot read back
             (numpy values, other classes), names the key.
     """
     from xla_ckpt.io.dcp import write_dcp  # noqa: PLC0415 - DCP support loads torch.distributed
 
+    check_destination(None, dst, writes="dcp", overwrite=overwrite, config=config)
     report = ExportReport(dst=dst, format="dcp")
     leaves: list[tuple[str, Any]] = []
     _walk(state, "", leaves)
@@ -594,7 +744,9 @@ def export(uri: str, dst: str, *, fmt: str, key: str = "auto",
             (:func:`export_dcp`).
 
     Raises:
-        ConfigError: an unknown ``fmt``, or what the exporter raises.
+        ConfigError: an unknown ``fmt``; ``dst`` is ``uri`` or inside it; or what the
+            exporter raises.
+        OutputExistsError: ``dst`` holds a checkpoint (:func:`check_destination`).
         and what :func:`xla_ckpt.load` raises.
     """
     if fmt not in FORMATS:
@@ -604,6 +756,9 @@ def export(uri: str, dst: str, *, fmt: str, key: str = "auto",
                           "safetensors only")
     from xla_ckpt.io.opener import load  # noqa: PLC0415 - the opener imports most of io
 
+    writes = {"pt": "file", "dcp": "dcp"}.get(fmt) or \
+        ("file" if dst.rstrip("/").endswith(".safetensors") else "hf")
+    check_destination(uri, dst, writes=writes, overwrite=overwrite, config=config)
     state = load(uri, config=config)
     if fmt == "pt":
         return export_pt(state, dst, overwrite=overwrite, config=config, progress=progress)

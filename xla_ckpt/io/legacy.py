@@ -24,12 +24,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigError,
+    OutputExistsError,
+)
 from xla_ckpt.format import typed
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.legacy import Layout, LegacyFile, load_legacy, sniff_format
 from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.io.catalog import pointer_name, write_pointer
+from xla_ckpt.io.catalog import pointer_name, read_pointer, write_pointer
 from xla_ckpt.io.reader import read_manifest
 from xla_ckpt.io.writer import save
 from xla_ckpt.storage import Storage, StorageConfig, StorageURI, open_storage, parse_uri
@@ -163,12 +168,39 @@ def is_legacy_file(uri: str, *, config: StorageConfig | None = None) -> bool:
         prefix = bytearray(min(16, info.size))
         if prefix:
             storage.read_range(name, 0, memoryview(prefix), info.generation)
-        sniff_format(bytes(prefix), where=uri)
+        sniff_format(bytes(prefix), where=uri, size=info.size)
         return True
     except (CheckpointNotFoundError, CheckpointCorruptError):
         return False
     finally:
         storage.close()
+
+
+_FAIRSEQ_PART = re.compile(r"-(?:shard\d+|model_part-\d+|rank-\d+)(?=-|\.pt$)")
+
+
+def fairseq_part_files(names: list[str]) -> list[str]:
+    """The names that are one rank's part of a fairseq checkpoint, not a whole checkpoint.
+
+    fairseq writes FSDP (``--ddp-backend fully_sharded`` without
+    ``--use-sharded-state`` consolidation) and model-parallel checkpoints as one file per
+    rank: ``checkpoint_last-shard0.pt``, ``checkpoint5-model_part-1.pt``,
+    ``checkpoint_2_500-rank-3.pt`` (``checkpoint_suffix`` in fairseq's
+    ``checkpoint_utils``); each holds only its rank's slice of the model and optimizer.
+    """
+    return sorted(n for n in names
+                  if n.endswith(".pt") and _FAIRSEQ_PART.search(os.path.basename(n)))
+
+
+def _refuse_parts(parts: list[str], where: str) -> None:
+    if parts:
+        shown = ", ".join(parts[:5]) + (", ..." if len(parts) > 5 else "")
+        raise ConfigError(
+            f"{where}: {shown} {'are' if len(parts) > 1 else 'is'} one rank's part of a "
+            "sharded fairseq checkpoint (FSDP -shardN / model-parallel -model_part-N / "
+            "-rank-N), not a whole checkpoint; merge the parts first (for FSDP, fairseq's "
+            "consolidate_fsdp_shards in fairseq/distributed/fully_sharded_data_parallel.py) "
+            "and convert the merged .pt")
 
 
 def load_legacy_file(uri: str, *, layout: Layout = "auto", keep_numpy_scalars: bool = False,
@@ -178,8 +210,11 @@ def load_legacy_file(uri: str, *, layout: Layout = "auto", keep_numpy_scalars: b
 
     Raises:
         CheckpointNotFoundError: no such object.
+        ConfigError: the file is one rank's part of a sharded fairseq checkpoint
+            (:func:`fairseq_part_files`).
         UnsafePickleError / CheckpointCorruptError / MetaTensorError: as ``load_legacy``.
     """
+    _refuse_parts(fairseq_part_files([uri.rstrip("/").rsplit("/", 1)[-1]]), uri)
     with open_legacy_source(uri, config=config, progress=progress) as src:
         return load_legacy(src, where=uri, layout=layout, keep_numpy_scalars=keep_numpy_scalars,
                            unsafe_trust_pickle=unsafe_trust_pickle)
@@ -293,16 +328,25 @@ def convert_legacy_run(src: str, dst: str, *, layout: Layout = "auto",
     its own checkpoint ``checkpoint_<epoch>_<num_updates>`` (``checkpoint_last_pt`` when
     that is taken or unknown) and pointed at.  Pointers are written after every
     checkpoint has committed, so ``xla_ckpt.load(dst)`` and
-    ``CheckpointManager.restore_or_initialize`` pick what fairseq would (``checkpoint_last``).
+    ``CheckpointManager.restore_or_initialize`` pick what fairseq would (``checkpoint_last``):
+    the pointers record ``converted_from`` and no lease epoch, and the resolver follows such
+    a ``checkpoint_last`` even where a converted checkpoint records more updates (the stale
+    branch of a run restarted from an earlier checkpoint;
+    :func:`xla_ckpt.io.catalog.choose_latest`).  Parts of a sharded fairseq
+    checkpoint (:func:`fairseq_part_files`) are refused before anything is read.
     ``dst`` may be ``src`` itself (the ``.pt`` files are left alone).  Running it again
     skips checkpoints already converted from the same bytes (resumable).
 
     Raises:
         CheckpointNotFoundError: ``src`` holds no ``.pt`` files.
-        ConfigError: a destination checkpoint folder (or pointer) exists from something
-            else and not ``overwrite``.
+        ConfigError: ``src`` holds parts of a sharded fairseq checkpoint
+            (:func:`fairseq_part_files`; named).
+        OutputExistsError: a destination checkpoint folder (or a pointer naming another
+            checkpoint) exists from something else and not ``overwrite``; ``dst`` holds a
+            checkpoint at its top (an xla_ckpt manifest, DCP ``.metadata``, HF weights).
         UnsafePickleError / CheckpointCorruptError: as :func:`load_legacy_file` (names the file).
     """
+    from xla_ckpt.io.export import destination_holds  # noqa: PLC0415 - export imports this
     from xla_ckpt.io.resolve import resolve  # noqa: PLC0415 - resolve imports this module
 
     report = RunConversion(src=src, dst=dst)
@@ -311,6 +355,13 @@ def convert_legacy_run(src: str, dst: str, *, layout: Layout = "auto",
         if not names:
             raise CheckpointNotFoundError(f"{src_st.uri}: no .pt files at the top of this "
                                           "folder; nothing to convert")
+        _refuse_parts(fairseq_part_files(names), src_st.uri)
+        held = destination_holds(dst_st.uri, config)
+        if held is not None and held[0] != "run":
+            raise OutputExistsError(
+                f"{dst_st.uri} holds {held[1]} at its top, and a run folder conversion writes "
+                "checkpoint folders and pointers beside it (it would be shadowed); choose "
+                "another DST")
         infos = {n: src_st.stat(n) for n in names}
         files = {n: ConvertedFile(n, infos[n].size, object_crc32c(src_st, n, infos[n]))
                  for n in names}
@@ -326,11 +377,6 @@ def convert_legacy_run(src: str, dst: str, *, layout: Layout = "auto",
                 first[key] = n
         used = {_folder_name(n) for n in ordered if n not in FAIRSEQ_POINTERS}
         pointers = [n for n in FAIRSEQ_POINTERS if n in files]
-        if not overwrite:
-            for w in (FAIRSEQ_POINTERS[n] for n in pointers):
-                if dst_st.exists(pointer_name(w)):
-                    raise ConfigError(f"{dst_st.url(pointer_name(w))} already exists; pass "
-                                      "--overwrite to move it")
         for n in ordered:
             f = files[n]
             if f.copy_of is not None:
@@ -359,8 +405,9 @@ def convert_legacy_run(src: str, dst: str, *, layout: Layout = "auto",
             used.add(target)
             with dst_st.child(target) as ck:
                 if ck.exists(MANIFEST_NAME) and not overwrite:
-                    raise ConfigError(f"{ck.uri} already holds a committed checkpoint (not "
-                                      f"converted from {uri}); pass --overwrite to replace it")
+                    raise OutputExistsError(f"{ck.uri} already holds a committed checkpoint "
+                                            f"(not converted from {uri}); pass --overwrite to "
+                                            "replace it")
             md.update(converted_from=uri, source_size_bytes=f.size, source_crc32c=f.crc32c)
             with dst_st.child(target) as ck:
                 manifest = save(legacy.state, ck.uri, metadata=md, storage=ck)
@@ -373,6 +420,15 @@ def convert_legacy_run(src: str, dst: str, *, layout: Layout = "auto",
                 orig = files[copy_of]
                 files[n].checkpoint = orig.checkpoint
                 files[n].num_updates, files[n].epoch = orig.num_updates, orig.epoch
+        if not overwrite:  # a pointer naming what it would name anyway is fine (a rerun)
+            for n in pointers:
+                w = FAIRSEQ_POINTERS[n]
+                there = read_pointer(dst_st, w)
+                if dst_st.exists(pointer_name(w)) and there != files[n].checkpoint:
+                    raise OutputExistsError(
+                        f"{dst_st.url(pointer_name(w))} already exists and names {there!r}, "
+                        f"not {files[n].checkpoint!r} (what {n} holds); pass --overwrite to "
+                        "move it")
         for n in pointers:
             f = files[n]
             which = FAIRSEQ_POINTERS[n]

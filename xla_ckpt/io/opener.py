@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence, TypeVar
 
+import torch
+
 from xla_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -22,7 +24,7 @@ from xla_ckpt.errors import (
     NothingCommittedError,
 )
 from xla_ckpt.format.manifest import STATE_ITEM
-from xla_ckpt.format.plan import MapLocation
+from xla_ckpt.format.plan import MapLocation, resolve_device
 from xla_ckpt.io.legacy import Progress, load_legacy_file, split_uri
 from xla_ckpt.io.reader import CheckpointReader
 from xla_ckpt.io.resolve import (
@@ -151,21 +153,18 @@ def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[st
     (fairseq files upgraded to the current layout), a sharded HF safetensors
     checkpoint through :mod:`xla_ckpt.io.hf` (``{tensor name: tensor}``), a DCP
     folder through :mod:`xla_ckpt.io.dcp` (nested back as it was given to ``dcp.save``).
-    Those hold only the ``state`` item, and their tensors stay on CPU (``map_location``
-    must be None).
+    Those hold only the ``state`` item; their tensors are read on CPU and then placed as
+    ``map_location`` says (:func:`place_tensors`), as for an xla_ckpt checkpoint.
 
     Raises:
         CheckpointCorruptError: the checkpoint has no item ``item``.
-        ConfigError: ``map_location`` with a source that is not an xla_ckpt checkpoint.
     """
     if resolved.kind != XLA_CKPT:
-        if map_location is not None:
-            raise ConfigError(f"{resolved.checkpoint}: map_location is not supported for "
-                              f"{resolved.what}; move the tensors after loading")
         if item != STATE_ITEM:
             raise CheckpointCorruptError(f"{resolved.checkpoint}: {resolved.what} holds only "
                                          f"the {STATE_ITEM!r} item, not {item!r}")
-        return {STATE_ITEM: read_foreign(resolved, config=config)}
+        state = read_foreign(resolved, config=config)
+        return {STATE_ITEM: place_tensors(state, map_location)}
     reader = open_reader(resolved, config)
     try:
         out = {item: reader.load(item, map_location)}
@@ -175,6 +174,47 @@ def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[st
         return out
     finally:
         reader.storage.close()
+
+
+def place_tensors(state: Any, map_location: MapLocation) -> Any:
+    """``state`` with each tensor moved to the device ``map_location`` gives for its key.
+
+    ``map_location`` as :func:`load` takes it (a device, ``{"cpu": device}``, a callable
+    ``dotted key -> device``; :func:`~xla_ckpt.format.plan.resolve_device`).  Tensors
+    already there (CPU for ``None``, ``"cpu"``, ``torch.device("cpu")``,
+    ``{"cpu": "cpu"}``) are returned as they are, without a copy; the very same tensor
+    under two keys moves once and stays one tensor (a tie).  Dicts keep their type and
+    order; lists and tuples are rebuilt only when something under them moved.
+    """
+    if map_location is None:
+        return state
+    moved: dict[int, torch.Tensor] = {}
+
+    def walk(obj: Any, key: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            dev = resolve_device(map_location, key)
+            if dev is None or obj.device == dev or (dev.type == obj.device.type == "cpu"):
+                return obj
+            if id(obj) not in moved:
+                moved[id(obj)] = obj.to(dev)
+            return moved[id(obj)]
+        if isinstance(obj, dict):
+            out = {k: walk(v, f"{key}.{k}" if key else str(k)) for k, v in obj.items()}
+            if all(out[k] is obj[k] for k in obj):
+                return obj
+            if type(obj) is not dict:
+                typed_out = type(obj)()
+                typed_out.update(out)
+                return typed_out
+            return out
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            items = [walk(v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(obj)]
+            if all(a is b for a, b in zip(items, obj, strict=True)):
+                return obj
+            return type(obj)(items)
+        return obj
+
+    return walk(state, "")
 
 
 def read_foreign(resolved: Resolved, *, config: StorageConfig | None = None,
@@ -220,7 +260,8 @@ def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
     :func:`xla_ckpt.io.resolve.resolve`'s.  Tensors
     come back on CPU (``map_location=None``, as ``torch.load``) with the saved dtype,
     shape, strides and aliasing; ``map_location`` may be a device, a ``{"cpu": device}``
-    dict or a callable ``key -> device``.  Pickle-free for xla_ckpt checkpoints.
+    dict or a callable ``key -> device``, for every kind of source (a foreign one is read
+    on CPU, then moved: :func:`place_tensors`).  Pickle-free for xla_ckpt checkpoints.
 
     ``keys`` (a dotted key or prefix such as ``"model.encoder"``, or a list of them)
     loads only those parts of the state, reading only the blobs that hold them

@@ -34,6 +34,9 @@ Rules of :func:`resolve`, in this order:
    checkpoint the ``checkpoint_last`` pointer names, unless a newer one is
    committed (the pointer lags after a crash between commit and pointer
    update), else the newest committed one (by lease epoch, then ``num_updates``, then time);
+   a pointer ``xla-ckpt convert`` wrote (``converted_from``, no lease epoch) is
+   outranked only by a newer checkpoint a manager saved (:func:`~xla_ckpt.io.catalog
+   .choose_latest`);
    with ``pointer="best"`` the one ``checkpoint_best`` names, which must be
    committed (else :class:`CheckpointNotFoundError`).  A run folder that holds no
    xla_ckpt checkpoint but checkpoints of another kind (fairseq ``checkpoint_last.pt``,
@@ -401,11 +404,20 @@ def _nothing_committed(run: Storage, entries: list[CheckpointEntry], names: list
         shown = ", ".join(f"{n} ({what})" for n, what in others[:_MAX_NAMED])
         more = f" and {len(others) - _MAX_NAMED} more" if len(others) > _MAX_NAMED else ""
         first = others[0][0]
+        files = [n for n, what in others if what == KINDS[LEGACY] and n.endswith(".pt")]
+        folders = [n for n, what in others if "/" not in n and n not in files]
+        steps = []
+        if files:  # fairseq .pt files: the run folder converts as a whole
+            steps.append(f"convert the run folder with `xla-ckpt convert {run.uri} DST_RUN`")
+        if folders or not files:  # DCP / HF folders (and lone safetensors): one by one
+            one = folders[0] if folders else first
+            out = one if one.startswith("checkpoint") else f"checkpoint_{one}"
+            steps.append(f"convert each one into a run folder, e.g. `xla-ckpt convert "
+                         f"{run.url(one)} DST_RUN/{out}`")
         raise CheckpointNotFoundError(
             f"{run.uri} holds no xla_ckpt checkpoint, but checkpoints of another kind: "
-            f"{shown}{more}. Name one ({run.url(first)}; xla_ckpt.load reads it), or convert "
-            f"them with `xla-ckpt convert {run.uri} DST_RUN`; this is not read as 'no "
-            "checkpoint yet'")
+            f"{shown}{more}. Name one ({run.url(first)}; xla_ckpt.load reads it), or "
+            f"{', or '.join(steps)}; this is not read as 'no checkpoint yet'")
     incomplete = sorted({n.split("/", 1)[0] for n in names
                          if n.count("/") == 1 and n.split("/", 1)[1].startswith(DATA_PREFIX)})
     if incomplete:

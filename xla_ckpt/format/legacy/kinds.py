@@ -82,20 +82,29 @@ def _as_file(source: Source) -> tuple[BinaryIO, int]:
     return f, size
 
 
-def sniff_format(prefix: bytes, *, where: str = "<bytes>") -> Kind:
+def sniff_format(prefix: bytes, *, where: str = "<bytes>", size: int | None = None) -> Kind:
     """Which kind of file starts with ``prefix`` (its first >= 16 bytes).
+
+    Tested in this order: a zip-format ``torch.save`` file (``PK\\x03\\x04``); a
+    safetensors file (an 8-byte little-endian header length ``N`` with
+    ``0 < N <= MAX_HEADER_BYTES`` and ``8 + N <= size`` when ``size`` (bytes) is given,
+    then ``{`` at byte 8); a pre-1.6 ``torch.save`` pickle (``\\x80`` then a protocol
+    byte <= 5).  Safetensors comes before the pickle test because a header length of
+    128, 384, 640, ... bytes starts with those very two bytes; a pickle never has ``{``
+    at byte 8 with a plausible length before it (``torch.save`` writes its magic number
+    there).
 
     Raises:
         CheckpointCorruptError: not a torch.save, fairseq or safetensors file.
     """
     if prefix[:4] == b"PK\x03\x04":
         return "torch_zip"
+    if len(prefix) >= 9 and prefix[8:9] == b"{":
+        (n,) = struct.unpack("<Q", prefix[:8])
+        if 0 < n <= MAX_HEADER_BYTES and (size is None or 8 + n <= size):
+            return "safetensors"  # the header itself is checked on load
     if prefix[:1] == b"\x80" and len(prefix) >= 2 and prefix[1] <= 5:
         return "torch_legacy"
-    if len(prefix) >= 9:
-        (n,) = struct.unpack("<Q", prefix[:8])
-        if prefix[8:9] == b"{" and n > 0:  # the header length itself is checked on load
-            return "safetensors"
     raise CheckpointCorruptError(
         f"{where}: not a torch.save/fairseq .pt file or a safetensors file (starts with "
         f"{bytes(prefix[:8])!r}); pass an xla_ckpt checkpoint folder, a .pt or a .safetensors file")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from xla_ckpt.errors import CheckpointCorruptError
+from xla_ckpt.errors import CheckpointCorruptError, ConfigError
 from xla_ckpt.format.legacy.fairseq import (
     fairseq_metadata,
     looks_like_fairseq,
@@ -59,11 +59,12 @@ def load_legacy(source: Source, *, where: str = "<bytes>", layout: Layout = "aut
         UnsafePickleError: a pickle global outside :data:`ALLOWED_GLOBALS`.
         CheckpointCorruptError: malformed, truncated or hostile input.
         MetaTensorError: a meta tensor (names its key).
+        ConfigError: ``layout="model"`` on a fairseq checkpoint (pass ``"fairseq"``/``"auto"``).
     """
     if layout not in ("auto", "fairseq", "raw", "model"):
         raise ValueError(f"layout must be auto, fairseq, raw or model, not {layout!r}")
     f, size = _as_file(source)
-    kind = sniff_format(f.read(16), where=where)
+    kind = sniff_format(f.read(16), where=where, size=size)
     f.seek(0)
     md: dict = {"source_format": kind}
     if kind == "safetensors":
@@ -81,5 +82,10 @@ def load_legacy(source: Source, *, where: str = "<bytes>", layout: Layout = "aut
         md.update(fairseq_metadata(obj))
         fairseq = True
     elif layout == "model":
+        if looks_like_fairseq(obj):
+            raise ConfigError(f"{where}: is a fairseq checkpoint (model, optimizer_history, "
+                              "extra_state, ...), not a bare state_dict: --layout model would "
+                              "store the whole fairseq dict under 'model'; pass --layout "
+                              "fairseq or auto (layout='fairseq'/'auto')")
         obj = {"model": obj}
     return LegacyFile(state=obj, kind=kind, fairseq=fairseq, metadata=md)

@@ -184,7 +184,7 @@ def load_torch_file(source: Source, *, where: str = "<bytes>",
         CheckpointCorruptError: truncated, malformed or hostile bytes (names ``where``).
     """
     f, size = _as_file(source)
-    kind = sniff_format(f.read(16), where=where)
+    kind = sniff_format(f.read(16), where=where, size=size)
     f.seek(0)
     if kind == "safetensors":
         raise CheckpointCorruptError(f"{where}: is a safetensors file, not a torch.save file")
