@@ -4,6 +4,7 @@ are read (counted by the reader and, on gs://, by the bytes the server sent)."""
 import argparse
 import os
 from collections import OrderedDict
+from typing import Any
 
 import pytest
 import torch
@@ -185,6 +186,7 @@ def test_xla_ckpt_load_with_keys_is_the_partial_load(ckpt):
 
 
 def test_an_empty_key_list_is_refused_not_a_sentinel(ckpt):
+    empty: list | tuple
     for empty in ([], ()):
         with pytest.raises(ValueError) as ei:
             xla_ckpt.load(ckpt, keys=empty)
@@ -208,13 +210,13 @@ def test_a_dotted_key_splits_at_container_boundaries_first(tmp_path):
     """``"model"`` selects state["model"] only, not a top-level state["model.extra"]; a key
     with no container boundary to split at still matches inside a dict key."""
     uri = str(tmp_path / "ck")
-    state = {"model": {"w": torch.arange(3.0), "layer.1.w": torch.ones(2)},
+    state: dict[str, Any] = {"model": {"w": torch.arange(3.0), "layer.1.w": torch.ones(2)},
              "model.extra": torch.zeros(2), "model.extra2": 7, "opt": 1}
     xla_ckpt.save(state, uri)
     got = xla_ckpt.load(uri, keys="model")
     assert list(got) == ["model"] and list(got["model"]) == ["w", "layer.1.w"]
     assert list(select_state(state, "model.extra")) == ["model.extra"]
-    layer_1 = select_state(state, "model.layer.1")
+    layer_1: Any = select_state(state, "model.layer.1")
     assert layer_1 == {"model": {"layer.1.w": state["model"]["layer.1.w"]}}
     flat = {"model.w": 1, "model.b": 2, "other": 3}  # no state["model"]: matches inside keys
     assert select_state(flat, "model") == {"model.w": 1, "model.b": 2}

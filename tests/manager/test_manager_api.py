@@ -164,6 +164,7 @@ def test_partial_restore_reads_only_the_selected_tensors(run_dir):
             mgr.restore(step=4, keys=["model.weight"])
         assert ei.value.key == "model.weight" and ei.value.closest[0] == "model.w"
         assert ei.value.checkpoint == os.path.join(run_dir, "checkpoint_1_4")
+        empty: list | tuple
         for empty in ([], ()):  # never the internal "nothing selected" marker as the state
             with pytest.raises(ValueError) as ev:
                 mgr.restore(step=2, keys=empty)

@@ -205,12 +205,12 @@ _OwnStateSGD.__module__ = "my_project.optim"
 def test_an_optimizer_of_its_own_keeps_non_id_state_keys_but_not_stray_ids():
     model = torch.nn.Linear(2, 2)
     opt = _OwnStateSGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt.state["ema_decay"] = 0.99  # torch keeps non-tensor keys of optimizer.state as they are
+    opt.state["ema_decay"] = 0.99  # type: ignore[index]  # torch keeps non-tensor keys of optimizer.state as they are
     saved = opt.state_dict()
     assert saved["state"] == {"ema_decay": 0.99}
     fresh = _OwnStateSGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
     load_optimizer_state(fresh, saved)
-    assert fresh.state["ema_decay"] == 0.99
+    assert fresh.state["ema_decay"] == 0.99  # type: ignore[index]  # a non-param key
     with pytest.raises(StateMismatchError, match=r"holds 1 key\(s\) that no saved param group "
                                                  r"lists \('0'; the param groups list \[0, 1\]\)"):
         load_optimizer_state(fresh, {"state": {"0": {"momentum_buffer": torch.zeros(2, 2)}},

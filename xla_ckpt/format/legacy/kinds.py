@@ -92,7 +92,8 @@ def sniff_format(prefix: bytes, *, where: str = "<bytes>", size: int | None = No
     byte <= 5).  Safetensors comes before the pickle test because a header length of
     128, 384, 640, ... bytes starts with those very two bytes; a pickle never has ``{``
     at byte 8 with a plausible length before it (``torch.save`` writes its magic number
-    there).
+    there).  Anything else with ``{`` at byte 8 is taken for a safetensors file whose
+    header length is impossible, which its own check then names.
 
     Raises:
         CheckpointCorruptError: not a torch.save, fairseq or safetensors file.
@@ -105,6 +106,8 @@ def sniff_format(prefix: bytes, *, where: str = "<bytes>", size: int | None = No
             return "safetensors"  # the header itself is checked on load
     if prefix[:1] == b"\x80" and len(prefix) >= 2 and prefix[1] <= 5:
         return "torch_legacy"
+    if len(prefix) >= 9 and prefix[8:9] == b"{":
+        return "safetensors"  # an impossible header length: the safetensors check names it
     raise CheckpointCorruptError(
         f"{where}: not a torch.save/fairseq .pt file or a safetensors file (starts with "
         f"{bytes(prefix[:8])!r}); pass an xla_ckpt checkpoint folder, a .pt or a .safetensors file")
