@@ -341,3 +341,15 @@ class CheckpointExistsError(XlaCkptError, FileExistsError):
     ``.metadata`` and ``overwrite=False``; nothing was written.  The message names the URI
     and says to pass ``overwrite=True`` or pick an empty folder.
     """
+
+
+class OutputExistsError(CheckpointExistsError, ConfigError):
+    """``convert`` / ``export`` would write where a checkpoint or an earlier output already is.
+
+    Raised by :func:`xla_ckpt.io.export.check_destination` before anything is written: the
+    destination holds a checkpoint of any kind (an xla_ckpt manifest, a DCP ``.metadata``,
+    HF safetensors weights, a ``.pt`` file, a run folder of them) and ``overwrite`` was not
+    passed, or it holds one of another kind than the one being written (never replaced).
+    A usage error on the command line (exit code 2); the message names the destination,
+    what it holds, and ``--overwrite``.
+    """

@@ -237,3 +237,32 @@ def test_gcs_nothing_committed_bad_bucket_run_folder_and_a_save_between_reads(gc
         xla_ckpt.load(target, config=config)
     assert str(e.value) == (f"{target} was replaced while reading (save id {saves[1].save_id} -> "
                             f"{saves[2].save_id}); retry or pause the other writer")
+
+
+def test_a_pointer_written_by_a_tool_is_outranked_only_by_a_manager_save(tmp_path):
+    """Defect 6's rule: a checkpoint_last pointer xla-ckpt convert wrote (converted_from, no
+    lease epoch) is followed even when checkpoints with more updates (and no lease epoch)
+    are committed; a newer checkpoint a manager saved (lease epoch >= 1) outranks it; any
+    other pointer lags only after a crash (the newest committed wins)."""
+    run = tmp_path / "run"
+    for name, n in (("checkpoint3", 300), ("checkpoint4", 400), ("checkpoint5", 500)):
+        xla_ckpt.save(state(n), str(run / name), metadata={"num_updates": n})
+    with open_storage(str(run)) as st:
+        write_pointer(st, "last", "checkpoint3", num_updates=300, converted_from="x.pt")
+        for uri in (str(run), str(run / "checkpoint_last")):
+            assert resolve(uri).name == "checkpoint3", uri
+            assert_state_identical(xla_ckpt.load(uri), state(300))
+        # the manager resumed from it and saved 350 with lease epoch 1; its pointer update
+        # was lost (a crash): the manager's save is newer than the tool's pointer
+        xla_ckpt.save(state(350), str(run / "checkpoint_3_350"),
+                      metadata={"num_updates": 350, "lease_epoch": 1})
+        assert resolve(str(run)).name == "checkpoint_3_350"
+        # the manager's pointer (with an epoch) is never outranked by epoch-less checkpoints
+        write_pointer(st, "last", "checkpoint_3_350", lease_epoch=1, num_updates=350)
+        assert resolve(str(run / "checkpoint_last")).name == "checkpoint_3_350"
+        # a pointer naming what is not committed is ignored: the newest committed wins
+        write_pointer(st, "last", "gone", converted_from="x.pt")
+        assert resolve(str(run)).name == "checkpoint_3_350"
+        # an operator's pointer (no converted_from) lags as a manager's does
+        write_pointer(st, "last", "checkpoint3")
+        assert resolve(str(run)).name == "checkpoint_3_350"

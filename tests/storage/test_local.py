@@ -267,3 +267,27 @@ def test_without_file_locks_plain_writes_go_on_and_conditional_ones_are_refused(
         assert st.read_bytes("ck/o") == b"plain"
         st.delete("ck/o")
     assert _all_files(str(tmp_path)) == []
+
+
+def test_a_write_goes_out_in_large_writes_with_small_buffers_gathered(tmp_path, monkeypatch):
+    monkeypatch.setattr(local, "WRITE_GROUP_BYTES", 4096)
+    monkeypatch.setattr(local, "GATHER_BELOW_BYTES", 100)
+    sizes: list[int] = []
+    real_write = os.write
+
+    def write(fd, data):
+        if TMP_MARK in os.readlink(f"/proc/self/fd/{fd}"):
+            sizes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    data = os.urandom(10_000)
+    pieces: list[memoryview | bytes] = [data[:1], b"", data[1:50], memoryview(data)[50:9000],
+                                        memoryview(bytearray(data[9000:]))]
+    info = LocalStorage(str(tmp_path)).write_atomic("a/b", pieces)
+    assert info.size == len(data)
+    with open(tmp_path / "a" / "b", "rb") as f:
+        assert f.read() == data
+    # two small buffers in one write; a large one cut into groups; then the last one
+    assert sizes == [50, 4096, 4096, 8950 - 8192, 1000]
+    assert not [t for t in threading.enumerate() if t.name == "xla_ckpt-writeback"]

@@ -257,3 +257,49 @@ def test_meta_model_names_buffers_the_checkpoint_cannot_fill(caplog):
         ("model was on the meta device; materialised on cpu, but inv_freq are not in the "
          "checkpoint (non-persistent buffers) and hold uninitialised memory: initialise them "
          "after the restore")]
+
+
+# ---- in place (issue 16): checks against the manifest before any byte is read ----------------
+
+def _saved_model_records(tmp_path, state):
+    from xla_ckpt.io import CheckpointReader
+    from xla_ckpt.trainer.module_load import saved_records
+
+    xla_ckpt.save({"model": state}, str(tmp_path / "ck"))
+    reader = CheckpointReader.open(str(tmp_path / "ck"))
+    return saved_records(reader.manifest.item("state"))["model"]
+
+
+def test_in_place_targets_are_the_live_tensors_by_manifest_key(tmp_path):
+    from xla_ckpt.trainer.module_load import in_place_targets
+
+    live = torch.nn.Linear(2, 2)
+    targets = in_place_targets(live, _saved_model_records(tmp_path, linear_state(0)))
+    assert sorted(targets) == ["state['model']['bias']", "state['model']['weight']"]
+    assert targets["state['model']['weight']"].data_ptr() == live.weight.data_ptr()
+
+
+@pytest.mark.parametrize("case", ["prefix", "meta", "narrowing", "missing_key"])
+def test_in_place_targets_none_when_the_ordinary_path_must_decide(tmp_path, case):
+    from xla_ckpt.trainer.module_load import in_place_targets
+
+    state = linear_state(0, prefix="module." if case == "prefix" else "")
+    if case == "missing_key":
+        del state["bias"]
+    records = _saved_model_records(tmp_path, state)
+    live = torch.nn.Linear(2, 2)
+    if case == "meta":
+        live = torch.nn.Linear(2, 2, device="meta")
+    if case == "narrowing":
+        live = live.to(torch.bfloat16)
+    assert in_place_targets(live, records, strip_prefixes=True) == {}
+
+
+def test_in_place_targets_skip_keys_a_policy_casts(tmp_path):
+    from xla_ckpt.trainer.module_load import in_place_targets
+
+    records = _saved_model_records(tmp_path, linear_state(0))
+    live = torch.nn.Linear(2, 2)
+    live.bias.data = live.bias.data.to(torch.bfloat16)
+    assert sorted(in_place_targets(live, records, dtype_policy="cast")) == [
+        "state['model']['weight']"]

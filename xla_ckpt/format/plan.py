@@ -20,13 +20,13 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 
 from xla_ckpt.errors import CheckpointCorruptError, MetaTensorError
 from xla_ckpt.format import typed
-from xla_ckpt.format.crc import crc32c
+from xla_ckpt.format.crc import crc32c_chunks, crc32c_concat
 from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize, safetensors_code
 from xla_ckpt.format.manifest import DEFAULT_CHUNK_SIZE_BYTES, BlobRecord, Item, TensorRecord
 
@@ -42,9 +42,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def chunk_crcs(buf: memoryview, chunk_size: int) -> tuple[int, ...]:
-    if len(buf) <= chunk_size:
-        return ()
-    return tuple(crc32c(buf[i:i + chunk_size]) for i in range(0, len(buf), chunk_size))
+    """crc32c of each ``chunk_size``-byte chunk of ``buf``; empty when it fits in one chunk."""
+    return crc32c_chunks(buf, chunk_size)[1]
 
 
 @dataclass
@@ -181,11 +180,37 @@ def _dense_blob(plan: ItemPlan, t: torch.Tensor, key: str) -> TensorRecord:
 
 
 def blob_record(planned: PlannedBlob, file: str, offset: int,
-                chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -> BlobRecord:
-    """Checksum a planned blob and record where the writer put it."""
+                chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES, *,
+                piece_crcs: Sequence[int] | None = None) -> BlobRecord:
+    """Checksum a planned blob and record where the writer put it.
+
+    ``piece_crcs``: the crc32c of each piece of :func:`blob_pieces` (computed by a writer
+    that checksums while it writes); the blob's bytes are then not read again.  Without
+    it the blob is checksummed here, each byte once.
+    """
     buf = tensor_bytes(planned.data)
-    return BlobRecord(file=file, offset=offset, length=len(buf), crc32c=crc32c(buf),
-                      chunk_size=chunk_size_bytes, chunk_crc32c=chunk_crcs(buf, chunk_size_bytes))
+    n = len(buf)
+    if piece_crcs is None:
+        whole, chunks = crc32c_chunks(buf, chunk_size_bytes)
+    else:
+        want = max(1, -(-n // chunk_size_bytes)) if n else 0
+        if len(piece_crcs) != want:
+            raise ValueError(f"blob {planned.name!r}: {len(piece_crcs)} piece crc32c values for "
+                             f"{want} pieces of {n} bytes")
+        chunks = tuple(piece_crcs) if n > chunk_size_bytes else ()
+        whole = crc32c_concat(piece_crcs, chunk_size_bytes, n) if n else 0
+    return BlobRecord(file=file, offset=offset, length=n, crc32c=whole,
+                      chunk_size=chunk_size_bytes, chunk_crc32c=chunks)
+
+
+def blob_pieces(planned: PlannedBlob, chunk_size_bytes: int) -> list[memoryview]:
+    """A blob's bytes cut at its crc32c chunk boundaries (zero-copy views; none if empty).
+
+    Writers that checksum while they write hand these to storage in order; their crc32c
+    values are the blob's ``chunk_crc32c`` (see :func:`blob_record`).
+    """
+    buf = tensor_bytes(planned.data)
+    return [buf[i:i + chunk_size_bytes] for i in range(0, len(buf), chunk_size_bytes)]
 
 
 MapLocation = Any  # None | str | torch.device | dict | callable, like torch.load

@@ -4,11 +4,20 @@ Single writer::
 
     save(state, "gs://bucket/run/checkpoint_10")
 
-Several writers (each rank writes its own item, one coordinator commits)::
+Several writers (each rank writes its own items, one coordinator commits)::
 
-    part = write_item(storage, save_id, rank_item(rank), rank_state)   # every rank
-    parts = exchange(part)                                             # dist layer
-    commit(storage, save_id, parts, metadata=..., world_size=...)      # coordinator only
+    mine = write_items(storage, save_id, [(rank_item(rank), rank_state)])  # every rank
+    parts = exchange(mine)                                                # dist layer
+    commit(storage, save_id, parts, metadata=..., world_size=...)         # coordinator only
+
+One writer's items share one data file (one object, one fsync); the manifest names
+each blob's file and byte range, so checkpoints with one file per item (what earlier
+versions wrote) load the same.  Each byte goes out in one pass: a helper thread
+crc32c-checksums every chunk just ahead of the storage write (no separate checksum
+pass, no copy of the state), and the local backend writes in large sequential writes
+while write-back of what it already wrote runs (:mod:`xla_ckpt.storage.local`).
+Durability is unchanged: every data file is fsynced and renamed before the manifest
+is written, the manifest is fsynced, renamed, and its folder fsynced.
 
 Data file names carry the save id, so saving over an existing checkpoint never
 touches the bytes its committed manifest points at; files of the replaced save
@@ -25,13 +34,17 @@ concurrent saves to one path exactly one commits and the other raises.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, Generator, Iterable, Mapping, Sequence, overload
 
 from xla_ckpt.errors import CheckpointNotFoundError, PreconditionFailedError
 from xla_ckpt.format import typed
+from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.manifest import (
     DEFAULT_CHUNK_SIZE_BYTES,
     MANIFEST_NAME,
@@ -40,7 +53,7 @@ from xla_ckpt.format.manifest import (
     Manifest,
     rank_item,
 )
-from xla_ckpt.format.plan import blob_record, plan_item, tensor_bytes
+from xla_ckpt.format.plan import PlannedBlob, blob_pieces, blob_record, plan_item
 from xla_ckpt.format.safetensors_layout import build_header
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 
@@ -71,30 +84,186 @@ class WrittenItem:
         return {"name": self.name, "item": self.item.to_json(), "files": self.files}
 
 
+CHECKSUM_AHEAD_BYTES = 16 * 1024 * 1024
+"""How far (bytes) the checksum thread of :func:`write_items` may run ahead of the storage
+write: far enough to keep both busy, near enough that the bytes are still in cache when the
+write copies them."""
+
+
+class _ChecksummedPieces(Sequence[memoryview]):
+    """The pieces of one data file, each crc32c-checksummed before storage is handed it.
+
+    ``pieces[i]`` is checksummed (unless ``check[i]`` is false: the header) by the time
+    ``self[i]`` returns, so every byte the storage writes was checksummed as it was then.
+    Iterating runs the checksums on one helper thread up to :data:`CHECKSUM_AHEAD_BYTES`
+    ahead of the consumer (the native crc32c releases the GIL), so checksumming overlaps
+    the write instead of adding a pass over the state; indexing computes a missing value
+    on the caller's thread.  :meth:`crcs` gives every value (computing what the consumer
+    never touched).
+    """
+
+    def __init__(self, pieces: list[memoryview], check: list[bool]) -> None:
+        self._pieces = pieces
+        self._check = check
+        self._crcs: list[int | None] = [None] * len(pieces)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    @overload
+    def __getitem__(self, i: int) -> memoryview: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[memoryview]: ...
+
+    def __getitem__(self, i: int | slice) -> memoryview | Sequence[memoryview]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        self._ensure(i)
+        return self._pieces[i]
+
+    def _ensure(self, i: int) -> None:
+        if self._check[i] and self._crcs[i] is None:
+            value = crc32c(self._pieces[i])
+            with self._lock:
+                self._crcs[i] = value
+
+    def _batches(self) -> list[range]:
+        """Runs of consecutive pieces of about 1 MiB or more each (one task per run)."""
+        out: list[range] = []
+        start, acc = 0, 0
+        for i, p in enumerate(self._pieces):
+            acc += len(p)
+            if acc >= 2**20:
+                out.append(range(start, i + 1))
+                start, acc = i + 1, 0
+        if start < len(self._pieces):
+            out.append(range(start, len(self._pieces)))
+        return out
+
+    def _run(self, batch: range) -> None:
+        for i in batch:
+            self._ensure(i)
+
+    def __iter__(self) -> Generator[memoryview, None, None]:
+        batches = self._batches()
+        if len(batches) < 2:
+            for i in range(len(self)):
+                yield self[i]
+            return
+        sizes = [sum(len(self._pieces[j]) for j in b) for b in batches]
+        with ThreadPoolExecutor(1, thread_name_prefix="xla_ckpt-crc32c") as pool:
+            pending: deque[Future[None]] = deque()
+            nxt = 0
+            ahead = 0  # bytes submitted to the checksum thread and not yet handed out
+            try:
+                for k, batch in enumerate(batches):
+                    while nxt < len(batches) and (nxt <= k or ahead < CHECKSUM_AHEAD_BYTES):
+                        pending.append(pool.submit(self._run, batches[nxt]))
+                        ahead += sizes[nxt]
+                        nxt += 1
+                    pending.popleft().result()
+                    ahead -= sizes[k]
+                    for i in batch:
+                        yield self[i]
+            finally:
+                for fut in pending:
+                    fut.cancel()
+
+    def crcs(self, start: int, stop: int) -> list[int]:
+        """crc32c of pieces ``[start, stop)`` (each computed now if it was not yet)."""
+        out = []
+        for i in range(start, stop):
+            self._ensure(i)
+            value = self._crcs[i]
+            assert value is not None  # _ensure filled it
+            out.append(value)
+        return out
+
+
+def write_items(storage: Storage, save_id: str, items: Sequence[tuple[str, Any]], *,
+                chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -> list[WrittenItem]:
+    """Write several items of one writer as one safetensors-layout data file (atomically).
+
+    The items' blobs lie one after another in one file named after the first item
+    (``data-<save id>-<item>.safetensors``), so a writer saving its replicated state and
+    its ``rank/<r>`` item makes one object (one upload, one fsync), not one per item; the
+    manifest records each blob's file and byte range as before (format unchanged).
+    Each byte is read once on the way out: a helper thread crc32c-checksums each chunk
+    of ``chunk_size_bytes`` just ahead of the storage write (see :class:`_ChecksummedPieces`),
+    and the blob's whole crc32c is combined from its chunks.
+
+    Any rank may call this for the items it owns.  Nothing is committed until
+    :func:`commit` writes the manifest.  Tensors are read from their memory while the
+    write runs: the caller must not change them until it returns (the async save path
+    passes a staged copy, :mod:`xla_ckpt.manager.staging`).
+
+    Args:
+        items: ``(item name, state)`` pairs, at least one, names unique.
+
+    Returns:
+        One :class:`WrittenItem` per item, in order (every one lists the shared file).
+
+    Raises:
+        ValueError: no items, or a name given twice.
+        MetaTensorError, UnsupportedTypeError: a state cannot be saved (names the key).
+        StorageError: the backend failed.
+    """
+    names = [n for n, _ in items]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"write_items needs at least one item and unique names, got {names}")
+    t0 = time.perf_counter()
+    plans = [plan_item(state, chunk_size_bytes=chunk_size_bytes) for _, state in items]
+    fname = data_file_name(save_id, names[0])
+    labelled: list[PlannedBlob] = []
+    for (name, _), plan in zip(items, plans, strict=True):
+        prefix = "" if len(items) == 1 or name == STATE_ITEM else f"{name}/"
+        labelled.extend(replace(b, name=prefix + b.name) if prefix else b for b in plan.blobs)
+    meta = {"format": "pt", "xla_ckpt_save_id": save_id, "xla_ckpt_item": names[0]}
+    if len(items) > 1:
+        meta["xla_ckpt_items"] = ",".join(names)
+    header, offsets = build_header(labelled, meta)
+    pieces: list[memoryview] = [memoryview(header)]
+    spans: list[tuple[int, int]] = []  # each blob's pieces in ``pieces``
+    for b in labelled:
+        first = len(pieces)
+        pieces.extend(blob_pieces(b, chunk_size_bytes))
+        spans.append((first, len(pieces)))
+    stream = _ChecksummedPieces(pieces, [False] + [True] * (len(pieces) - 1))
+    info = storage.write_atomic(fname, stream)
+    written: list[WrittenItem] = []
+    k = 0
+    for name, plan in zip(names, plans, strict=True):
+        blobs = []
+        for b in plan.blobs:
+            lo, hi = spans[k]
+            blobs.append(blob_record(b, fname, offsets[k], chunk_size_bytes,
+                                     piece_crcs=stream.crcs(lo, hi)))
+            k += 1
+        written.append(WrittenItem(name, Item(state=plan.state, tensors=plan.tensors,
+                                              blobs=blobs), {fname: info.size}))
+    dt = time.perf_counter() - t0
+    logger.debug("wrote %s (%d bytes, items %s) in %.3f s (%.1f MiB/s)", storage.url(fname),
+                 info.size, names, dt, info.size / max(dt, 1e-9) / 2**20)
+    return written
+
+
 def write_item(storage: Storage, save_id: str, item_name: str, state: Any, *,
                chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -> WrittenItem:
     """Write one item's tensors as one safetensors-layout data file (atomically).
 
     Any rank may call this for the item it owns.  Nothing is committed until
-    :func:`commit` writes the manifest.
+    :func:`commit` writes the manifest.  :func:`write_items` with one item.
 
     Raises:
         MetaTensorError, UnsupportedTypeError: the state cannot be saved (names the key).
         StorageError: the backend failed.
     """
-    t0 = time.perf_counter()
-    plan = plan_item(state, chunk_size_bytes=chunk_size_bytes)
-    fname = data_file_name(save_id, item_name)
-    header, offsets = build_header(plan.blobs, {"format": "pt", "xla_ckpt_save_id": save_id,
-                                                "xla_ckpt_item": item_name})
-    blobs = [blob_record(b, fname, off, chunk_size_bytes)
-             for b, off in zip(plan.blobs, offsets, strict=True)]
-    info = storage.write_atomic(fname, [header] + [tensor_bytes(b.data) for b in plan.blobs])
-    item = Item(state=plan.state, tensors=plan.tensors, blobs=blobs)
-    dt = time.perf_counter() - t0
-    logger.debug("wrote %s (%d bytes, %d tensors) in %.3f s (%.1f MiB/s)", storage.url(fname),
-                 info.size, len(plan.tensors), dt, info.size / max(dt, 1e-9) / 2**20)
-    return WrittenItem(item_name, item, {fname: info.size})
+    return write_items(storage, save_id, [(item_name, state)],
+                       chunk_size_bytes=chunk_size_bytes)[0]
 
 
 def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
@@ -172,7 +341,9 @@ def save(state: Any, uri: str, *, metadata: Any = None,
         uri: checkpoint folder.
         metadata: small summary (step, epoch, ...) shown by ``xla-ckpt ls``.
         rank_states: optional per-rank private state, stored as items
-            ``rank/<r>`` (see :func:`xla_ckpt.format.manifest.rank_item`).
+            ``rank/<r>`` (see :func:`xla_ckpt.format.manifest.rank_item`).  The data
+            files are those :func:`xla_ckpt.restore.save_distributed` writes: one per
+            rank, rank 0's item in the state's file.
         config: storage knobs (parallelism, slice size, retries).
 
     Returns:
@@ -196,9 +367,14 @@ def save(state: Any, uri: str, *, metadata: Any = None,
             seen = 0
         save_id = new_save_id()
         try:
-            parts = [write_item(st, save_id, STATE_ITEM, state)]
-            for r, rs in sorted((rank_states or {}).items()):
-                parts.append(write_item(st, save_id, rank_item(r), rs))
+            # The files save_distributed writes: one per rank, rank 0's holding the state
+            # too (one object, one fsync for a single-process trainer's save).
+            ranks = sorted((rank_states or {}).items())
+            first = [(rank_item(r), rs) for r, rs in ranks if r == 0]
+            parts = write_items(st, save_id, [(STATE_ITEM, state)] + first)
+            for r, rs in ranks:
+                if r != 0:
+                    parts += write_items(st, save_id, [(rank_item(r), rs)])
             try:
                 return commit(st, save_id, parts, metadata=metadata, if_generation_match=seen)
             except PreconditionFailedError as e:

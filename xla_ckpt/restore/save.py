@@ -9,7 +9,7 @@ Layout of what it writes (one checkpoint folder, one manifest)::
 
 Steps, every rank in the same order: agree on the sharded-tensor layout
 (each rank's shard sizes, exchanged); rank 0 picks the save id; every rank
-writes its data file (:func:`xla_ckpt.io.write_item`); one agreement step
+writes its items into one data file (:func:`xla_ckpt.io.writer.write_items`); one agreement step
 (a failed write anywhere -> every rank raises, rank 0 deletes the stray
 files); the written item records travel to rank 0, which writes the
 manifest — the commit marker — with :func:`xla_ckpt.io.commit`; the
@@ -39,7 +39,8 @@ from xla_ckpt.format.manifest import (
     TensorRecord,
     rank_item,
 )
-from xla_ckpt.io import WrittenItem, commit, discard, new_save_id, write_item
+from xla_ckpt.io import WrittenItem, commit, discard, new_save_id
+from xla_ckpt.io.writer import write_items
 from xla_ckpt.restore.sharding import shard_item, shard_state
 from xla_ckpt.storage import StorageConfig, open_storage
 
@@ -131,17 +132,16 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
     storage = open_storage(uri, storage_config)
     try:
         def write() -> bytes:
-            parts: list[WrittenItem] = []
+            # This rank's items go into one data file (one object, one fsync).
+            mine: list[tuple[str, Any]] = []
             if dist.rank == 0:
-                parts.append(write_item(storage, save_id, STATE_ITEM, state,
-                                        chunk_size_bytes=chunk_size_bytes))
+                mine.append((STATE_ITEM, state))
             if rank_state is not None:
-                parts.append(write_item(storage, save_id, rank_item(dist.rank), rank_state,
-                                        chunk_size_bytes=chunk_size_bytes))
+                mine.append((rank_item(dist.rank), rank_state))
             if flat:
-                parts.append(write_item(storage, save_id, shard_item(dist.rank),
-                                        shard_state(flat, bounds, numels),
-                                        chunk_size_bytes=chunk_size_bytes))
+                mine.append((shard_item(dist.rank), shard_state(flat, bounds, numels)))
+            parts = (write_items(storage, save_id, mine, chunk_size_bytes=chunk_size_bytes)
+                     if mine else [])
             return json.dumps([p.to_json() for p in parts], separators=(",", ":")).encode()
 
         try:

@@ -22,6 +22,19 @@ the criterion.  In order:
    (non-persistent) are named in a warning because they hold no values;
 6. ``module.load_state_dict(strict=True)`` copies the CPU tensors onto each
    parameter's own device (custom ``_load_from_state_dict`` hooks still run).
+
+**In place.**  :func:`in_place_targets` runs the same key, shape and dtype
+checks against the *manifest's* records, before any byte is read, and returns
+the live tensors that can take the saved bytes straight from storage
+(``CheckpointReader.load(..., into=...)``): CPU, plain tensors/Parameters,
+saved dtype, shape and strides, no wrapper prefix to strip, a module not on
+the meta device.  When any check would fail it returns no target at all, so
+the ordinary path raises its usual error with every live tensor untouched.
+The state read that way holds views of the live memory, and step 6 then
+copies nothing (``copy_`` of a tensor onto itself returns at once) while
+hooks still run.  Tensors it leaves out (other devices such as XLA or CUDA
+targets, dtype casts, the ``"keep"`` policy, tensor subclasses, tied live
+tensors that were separate at save) take the ordinary path.
 """
 
 from __future__ import annotations
@@ -33,6 +46,9 @@ from typing import Any, Mapping
 import torch
 
 from xla_ckpt.errors import ConfigError, StateMismatchError
+from xla_ckpt.format import typed
+from xla_ckpt.format.dtypes import dtype_from_name
+from xla_ckpt.format.manifest import Item, TensorRecord
 from xla_ckpt.trainer.prefixes import best_prefix_strip, describe_prefix_hint, strip_state_dict
 
 logger = logging.getLogger(__name__)
@@ -199,3 +215,57 @@ def load_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any], *,
             t.data = torch.empty(t.shape, dtype=state_dict[k].dtype, device=t.device)
     module.load_state_dict(state_dict, strict=True)
     return report
+
+
+def saved_records(item: Item) -> Any:
+    """The item's typed state with a :class:`TensorRecord` in place of every tensor (no bytes read).
+
+    What :func:`in_place_targets` checks a module against before a restore reads anything.
+    """
+    return typed.decode(item.state, lambda i: item.tensors[i])
+
+
+def in_place_targets(module: torch.nn.Module, saved: Any, *,
+                     dtype_policy: str = "error",
+                     strip_prefixes: bool = False) -> dict[str, torch.Tensor]:
+    """Live tensors of ``module`` that a restore may fill in place, by manifest tensor key.
+
+    Args:
+        module: the live (unwrapped) module.
+        saved: the module's entry of :func:`saved_records` (state_dict key ->
+            :class:`TensorRecord`), e.g. ``saved_records(item)["model"]``.
+        dtype_policy / strip_prefixes: as :func:`load_module_state`; a key whose
+            saved dtype differs from the live one is never a target.
+
+    Returns:
+        ``{TensorRecord.key: live tensor}``; empty when the keys differ (strict),
+        a shape differs, a narrowing cast would be refused, a prefix would have
+        to be stripped, or the module is on the meta device: then the
+        ordinary path reads into fresh memory and :func:`load_module_state`
+        raises its error with nothing overwritten.  Called on the rank that
+        reads, before the read starts; raises nothing itself.
+    """
+    check_dtype_policy(dtype_policy)
+    if not isinstance(saved, Mapping) or _has_meta(module):
+        return {}
+    live = _tensors_of(module)
+    expected = list(module.state_dict().keys())
+    if set(expected) != set(saved) or (strip_prefixes and best_prefix_strip(list(saved),
+                                                                            expected)):
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for k in expected:
+        rec, t = saved[k], live.get(k)
+        if not isinstance(rec, TensorRecord):
+            return {}
+        if t is None:
+            continue
+        if tuple(rec.shape) != tuple(t.shape):
+            return {}
+        dtype = dtype_from_name(rec.dtype, where=rec.key)
+        if dtype != t.dtype:
+            if dtype_policy == "error" and is_narrowing(dtype, t.dtype):
+                return {}
+            continue
+        out[rec.key] = t.detach()
+    return out
