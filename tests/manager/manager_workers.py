@@ -89,14 +89,16 @@ def _touch(path: str, text: str = "") -> None:
 
 
 def holding(st, folder: str, events_dir: str, rank: int, *, held_state: bool = False):
-    """``st`` (any backend), whose rank-file writes (every data file with ``held_state``) into
-    checkpoint folder ``folder`` wait for ``<events>/go-upload``; its child storages too."""
+    """``st`` (any backend), whose data-file writes holding a ``rank/<r>`` item (every data
+    file with ``held_state``) into checkpoint folder ``folder`` wait for
+    ``<events>/go-upload``; its child storages too.  A writer's items share one data file
+    (:func:`xla_ckpt.io.writer.write_items`): rank 0's rank item is in its ``-state`` file."""
     base = type(st)
 
     class Held(base):  # type: ignore[misc, valid-type]  # a subclass of the backend's class
         def write_atomic(self, name, buffers, **kw):
             if self.uri.rstrip("/").endswith("/" + folder) and name.startswith("data-") \
-                    and ("-rank-" in name or held_state):
+                    and ("-rank-" in name or held_state or (rank == 0 and "-state" in name)):
                 _touch(os.path.join(events_dir, f"uploading-{rank}"), str(os.getpid()))
                 _wait_for(os.path.join(events_dir, "go-upload"))
             return super().write_atomic(name, buffers, **kw)

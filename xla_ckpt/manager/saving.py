@@ -58,7 +58,7 @@ from xla_ckpt.io.writer import (
     discard,
     new_save_id,
     remove_other_data_files,
-    write_item,
+    write_items,
 )
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.manager.best import RESERVED_METADATA
@@ -276,15 +276,16 @@ class SavePath(ManagerBase):
 
     def _upload_job(self, storage: Storage, save_id: str, state: Any, rank_state: Any,
                     shards: Any) -> list[WrittenItem]:
-        """Write this rank's items (each a state, or None for none); returns what was written."""
-        parts = []
+        """Write this rank's items (each a state, or None for none) as one data file (one
+        object, one fsync: :func:`~xla_ckpt.io.writer.write_items`); returns what was written."""
+        items: list[tuple[str, Any]] = []
         if state is not None:
-            parts.append(write_item(storage, save_id, STATE_ITEM, state))
+            items.append((STATE_ITEM, state))
         if rank_state is not None:
-            parts.append(write_item(storage, save_id, rank_item(self.rank), rank_state))
+            items.append((rank_item(self.rank), rank_state))
         if shards is not None:
-            parts.append(write_item(storage, save_id, shard_item(self.rank), shards))
-        return parts
+            items.append((shard_item(self.rank), shards))
+        return write_items(storage, save_id, items) if items else []
 
     def _newer_lease(self, lease: Lease) -> tuple[int, dict] | None:
         """Rank 0: ``(epoch, owner)`` of the run folder's lease if newer than ``lease``."""
