@@ -30,11 +30,15 @@ WORLD = 4
 
 
 BLOBS = 4
+#: Each tensor is one 4 MiB crc32c chunk, so 4 MiB slices read the data file in at least four
+#: sequential requests with one worker (the reader coalesces adjacent small blobs into one).
+NUMEL = 1 << 20
+READS = StorageConfig(max_workers=1, slice_size_bytes=4 << 20)
 
 
 def race_state(value: float) -> dict:
-    """Four tensors (four blobs: four sequential reads with one worker)."""
-    return {f"t{i}": torch.full((256,), value + i) for i in range(BLOBS)}
+    """Four 4 MiB tensors (four blobs: several sequential reads with one worker)."""
+    return {f"t{i}": torch.full((NUMEL,), value + i) for i in range(BLOBS)}
 
 
 def restore_while_replaced(uri: str, kind: Kind, strategy: str, saver_rank: int,
@@ -54,7 +58,7 @@ def restore_while_replaced(uri: str, kind: Kind, strategy: str, saver_rank: int,
     if d.rank == saver_rank:
         LocalStorage.read_range = read_range  # type: ignore[method-assign]  # the fault hook
     try:
-        r = restore(uri, dist=d, strategy=strategy, storage_config=StorageConfig(max_workers=1))
+        r = restore(uri, dist=d, strategy=strategy, storage_config=READS)
     finally:
         LocalStorage.read_range = original  # type: ignore[method-assign]  # undo the fault
     return {"save_id": r.manifest.save_id, "checkpoint": r.checkpoint,
