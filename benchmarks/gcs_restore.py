@@ -11,7 +11,7 @@ and prints one JSON line per method:
   b  fairseq-style: blob.download_as_bytes() then torch.load(BytesIO)
   c  transfer_manager.download_chunks_concurrently (threads) to a file, then torch.load(mmap=True)
   d  PyTorch DCP FsspecReader over gcsfs into preallocated tensors
-  e  ceiling: the same ranged GETs as (a) (same slices, same threads), bytes discarded
+  e  ceiling: the same ranged GETs as (a) (its span plan, same threads), bytes discarded
   f  Orbax defaults (OCDBT, compression) over TensorStore's GCS driver, into jax.Array (CPU)
   g  Orbax with use_ocdbt=False (one TensorStore array per tensor), into jax.Array (CPU)
   h  GCS Connector for PyTorch: DatafluxCheckpoint.reader() then torch.load
@@ -287,18 +287,25 @@ def child(method: str, spec: dict) -> dict:
         import threading
 
         from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
+        from xla_ckpt.io.reader import _shared_pool, host_arenas, plan_spans
+        from xla_ckpt.storage import StorageConfig
         from xla_ckpt.storage.gcs import DEFAULT_CONFIG, GCSStorage
 
-        st = GCSStorage(f"gs://{bucket}/{prefix}/xla", DEFAULT_CONFIG)
+        cfg = DEFAULT_CONFIG  # the config (a) reads with, sweeps included
+        if spec.get("max_workers") or spec.get("slice_mib"):
+            cfg = StorageConfig(max_workers=spec.get("max_workers") or DEFAULT_CONFIG.max_workers,
+                                slice_size_bytes=(spec.get("slice_mib") or
+                                                  DEFAULT_CONFIG.slice_size_bytes // MiB) * MiB)
+        st = GCSStorage(f"gs://{bucket}/{prefix}/xla", cfg)
         manifest = Manifest.from_json_bytes(st.read_bytes(MANIFEST_NAME), where="bench")
         item = manifest.item("state")
-        step = DEFAULT_CONFIG.slice_size_bytes
-        slices = []
-        for rec in item.blobs:  # the same slices CheckpointReader issues
-            s = max(rec.chunk_size, step // rec.chunk_size * rec.chunk_size) if rec.chunk_crc32c \
-                else rec.length
-            for off in range(0, rec.length, s):
-                slices.append((rec.file, rec.offset + off, min(s, rec.length - off)))
+        # The same GETs CheckpointReader.load issues: its span plan over its fresh arenas,
+        # longest first (io/reader.py read_into); only the (offset, length) of each is kept.
+        spans = plan_spans(item, host_arenas(item, range(len(item.blobs))), cfg.slice_size_bytes)
+        slices = [(sp.file, sp.offset, sp.length)
+                  for sp in sorted(spans, key=lambda sp: -sp.length)]
+        del spans  # the arenas: (e) discards its bytes
+        step = max(n for _, _, n in slices)
         gens = {f: st.stat(f).generation for f in {s[0] for s in slices}}
         local = threading.local()
 
@@ -309,7 +316,7 @@ def child(method: str, spec: dict) -> dict:
             st.read_range(name, off, memoryview(buf)[:n], gens[name])
 
         def load():
-            pool = st._executor()
+            pool = _shared_pool(cfg.max_workers)  # the pool (a) reads with
             for f in [pool.submit(fetch, *s) for s in slices]:
                 f.result()
             return None

@@ -9,14 +9,17 @@ every method once, round-robin, and each line gives the median and every run):
   save_torch         fairseq-style with the same durability: torch.save(trainer.state_dict()) to
                      a temp name, fsync, rename, fsync of the folder
   restore_xla_ckpt   Checkpointer.load_checkpoint into a fresh trainer (fairseq semantics, crc32c)
-  restore_xla_ckpt_in_place
-                     the same, with the model read straight into its live parameters
-                     (module_load.in_place_targets + CheckpointReader.load(into=...)), passed as
-                     the Checkpointer's restorer: the wiring proposed for the default restorer
+                     with its default restorer, which reads the model and criterion straight
+                     into their live parameters (module_load.in_place_targets +
+                     CheckpointReader.load(into=...)); the check after the clock asserts every
+                     model tensor was a target
+  restore_xla_ckpt_copy
+                     the same with a restorer that takes no targets (fresh memory, then
+                     load_state_dict copies): the path of XLA/CUDA models, casts and prefixes
   restore_torch      fairseq-style: torch.load + model/criterion/optimizer load_state_dict
   read_xla_ckpt      xla_ckpt.load alone (what the restore reads before applying it)
-  read_xla_ckpt_mmap CheckpointReader.load(mmap=True): tensors are checked views of private maps
-                     of the data files (no copy; see its docstring for what that trades)
+  read_xla_ckpt_mmap xla_ckpt.load(mmap=True): tensors are checked views of private maps of the
+                     data files (no copy; see its docstring for what that trades)
   torch_load         torch.load alone (the peer of both reads)
 
 Each line is JSON with ``seconds`` (median), ``runs``, ``cpu_seconds`` (median user + system
@@ -61,21 +64,18 @@ from xla_ckpt.format.crc import crc32c  # noqa: E402 - after set_num_threads
 from xla_ckpt.format.manifest import STATE_ITEM  # noqa: E402 - after set_num_threads
 from xla_ckpt.format.plan import materialize_item, tensor_bytes  # noqa: E402 - after set_num_threads
 from xla_ckpt.io import reader  # noqa: E402 - after set_num_threads
-from xla_ckpt.io.opener import open_reader, read_checkpoint  # noqa: E402 - after set_num_threads
-from xla_ckpt.io.resolve import Resolved, resolve  # noqa: E402 - after set_num_threads
+from xla_ckpt.io.opener import open_reader  # noqa: E402 - after set_num_threads
+from xla_ckpt.io.resolve import resolve  # noqa: E402 - after set_num_threads
 from xla_ckpt.testing.asserts import assert_state_identical  # noqa: E402 - after set_num_threads
 from xla_ckpt.trainer import Checkpointer, Metrics  # noqa: E402 - after set_num_threads
-from xla_ckpt.trainer.module_load import (  # noqa: E402 - after set_num_threads
-    in_place_targets,
-    saved_records,
-)
+from xla_ckpt.trainer.sources import SingleProcessRestorer  # noqa: E402 - after set_num_threads
 
 EXTRA = {"train_iterator": {"epoch": 1, "iterations_in_epoch": 7, "version": 2}, "val_loss": 1.5}
 PEERS = {"save_xla_ckpt": "save_torch", "restore_xla_ckpt": "restore_torch",
-         "restore_xla_ckpt_in_place": "restore_torch", "read_xla_ckpt": "torch_load",
+         "restore_xla_ckpt_copy": "restore_torch", "read_xla_ckpt": "torch_load",
          "read_xla_ckpt_mmap": "torch_load"}
 ORDER = ["save_xla_ckpt", "save_torch", "restore_torch", "restore_xla_ckpt",
-         "restore_xla_ckpt_in_place", "torch_load", "read_xla_ckpt", "read_xla_ckpt_mmap"]
+         "restore_xla_ckpt_copy", "torch_load", "read_xla_ckpt", "read_xla_ckpt_mmap"]
 
 
 def make(seed: int, restorer: Callable[[str], Any] | None = None) -> Checkpointer:
@@ -93,22 +93,12 @@ def make(seed: int, restorer: Callable[[str], Any] | None = None) -> Checkpointe
         metrics=Metrics(), args=argparse.Namespace(arch="minilm", lr=[1e-4]), restorer=restorer)
 
 
-def in_place_restorer(model: torch.nn.Module) -> Callable[[str], Any]:
-    """A restorer that reads the model's tensors straight into ``model``'s live parameters.
+def copying_restorer() -> Callable[[str], Any]:
+    """The default restorer without in-place targets: fresh buffers, then load_state_dict."""
+    inner = SingleProcessRestorer()
 
-    Strict key/shape/dtype checks against the manifest run before any byte is read
-    (``in_place_targets`` returns no target when one would fail).
-    """
-    def restorer(uri: str) -> tuple[Any, None]:
-        def read(resolved: Resolved) -> tuple[Any, None]:
-            reader = open_reader(resolved)
-            try:
-                item = reader.manifest.item(STATE_ITEM)
-                into = in_place_targets(model, saved_records(item).get("model"))
-                return reader.load(STATE_ITEM, into=into), None
-            finally:
-                reader.storage.close()
-        return read_checkpoint(uri, read)
+    def restorer(uri: str) -> Any:
+        return inner(uri)
     return restorer
 
 
@@ -148,8 +138,7 @@ class Bench:
         self.pt = os.path.join(tmp, "checkpoint_1_1.pt")
         self.dst = make(1)
         self.fresh = make(2)
-        self.in_place = make(3)
-        self.in_place.restorer = in_place_restorer(self.in_place.model)
+        self.copy = make(3, restorer=copying_restorer())
         self.last: Any = None
 
     def method(self, name: str) -> Callable[[], None]:
@@ -178,18 +167,14 @@ class Bench:
     def restore_xla_ckpt(self) -> None:
         self.fresh.load_checkpoint(self.folder)
 
-    def restore_xla_ckpt_in_place(self) -> None:
-        self.in_place.load_checkpoint(self.folder)
+    def restore_xla_ckpt_copy(self) -> None:
+        self.copy.load_checkpoint(self.folder)
 
     def read_xla_ckpt(self) -> None:
         self.last = xla_ckpt.load(self.folder)
 
     def read_xla_ckpt_mmap(self) -> None:
-        reader = open_reader(resolve(self.folder))
-        try:
-            self.last = reader.load(STATE_ITEM, mmap=True)
-        finally:
-            reader.storage.close()
+        self.last = xla_ckpt.load(self.folder, mmap=True)
 
     def torch_load(self) -> None:
         self.last = torch.load(self.pt, map_location="cpu", weights_only=False)
@@ -197,7 +182,16 @@ class Bench:
     def check(self, name: str) -> None:
         """Bitwise check of what ``name`` restored (outside the clock)."""
         target = {"restore_torch": self.dst, "restore_xla_ckpt": self.fresh,
-                  "restore_xla_ckpt_in_place": self.in_place}.get(name)
+                  "restore_xla_ckpt_copy": self.copy}.get(name)
+        if name == "restore_xla_ckpt":
+            reader = open_reader(resolve(self.folder))
+            try:
+                targets = self.fresh._in_place_targets(reader.manifest.item(STATE_ITEM))
+            finally:
+                reader.storage.close()
+            n_model = len(self.fresh.model.state_dict())
+            assert sum("['model']" in k for k in targets) == n_model, \
+                "the default restore did not read the model in place"
         if target is not None:
             assert_state_identical({"model": target.model.state_dict(),
                                     "optimizer": target.optimizer.state_dict()}, self.want)
@@ -284,7 +278,7 @@ def breakdown(bench: Bench, repeat: int) -> dict[str, float]:
         reader.storage.close()
         clock("load_total", xla_ckpt.load, bench.folder)
         clock("trainer_restore_total", bench.restore_xla_ckpt)
-        clock("trainer_restore_in_place_total", bench.restore_xla_ckpt_in_place)
+        clock("trainer_restore_copy_total", bench.restore_xla_ckpt_copy)
     return {k: round(statistics.median(v), 4) for k, v in parts.items()}
 
 

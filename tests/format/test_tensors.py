@@ -161,3 +161,32 @@ def test_c13_data_file_opens_with_safetensors(local_dir):
         assert f.metadata()["format"] == "pt"
     assert len(names) == len(AWKWARD_KEYS) and "__metadata__" not in names
     assert values == [float(i) for i in range(len(AWKWARD_KEYS))]
+
+
+def test_lone_non_contiguous_tensors_keep_their_strides_as_torch_save_does(local_dir, tmp_path):
+    state = {"transposed": torch.arange(12.0).reshape(3, 4).t(),        # the reported case
+             "columns": torch.arange(24.0).reshape(4, 6)[:, ::2],       # sliced with a step
+             "expanded": torch.arange(3.0).expand(4, 3),                # a zero stride
+             "permuted": torch.arange(24, dtype=torch.int64).reshape(2, 3, 4).permute(2, 0, 1)}
+    torch.save(state, tmp_path / "peer.pt")
+    peer = torch.load(tmp_path / "peer.pt", weights_only=True)
+    got = round_trip(state, local_dir)
+    for k, t in state.items():
+        assert torch.equal(got[k], t), k
+        assert got[k].stride() == t.stride() == peer[k].stride(), k
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape
+    assert got["transposed"].stride() == (1, 4) and got["columns"].stride() == (6, 2)
+    assert got["expanded"].stride() == (0, 1)
+    # each written as the storage span covering it: 48 + 23*4 + 12 + 192 bytes, one header
+    assert data_bytes(local_dir) < 48 + 92 + 12 + 192 + 1024
+
+
+def test_a_lone_view_spread_thin_is_written_densely_and_named(local_dir, caplog):
+    thin = torch.arange(1000.0).reshape(10, 100)[:, ::50]                # 20 of 951 elements
+    with caplog.at_level("INFO", logger="xla_ckpt.format.plan"):
+        got = round_trip({"thin": thin}, local_dir)["thin"]
+    assert torch.equal(got, thin) and got.stride() == (2, 1)             # contiguous copy
+    assert data_bytes(local_dir) < 80 + 1024                             # not the 3.8 KB span
+    assert [r.getMessage() for r in caplog.records if r.name == "xla_ckpt.format.plan"] == [
+        ("wrote 1 strided tensor(s) as contiguous copies, because the storage span covering "
+         "each is more than 2x its own bytes; they load with contiguous strides: state['thin']")]

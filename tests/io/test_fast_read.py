@@ -8,7 +8,12 @@ import pytest
 import torch
 
 import xla_ckpt
-from xla_ckpt.errors import IntegrityError, PartiallyOverwrittenError, StateMismatchError
+from xla_ckpt.errors import (
+    ConfigError,
+    IntegrityError,
+    PartiallyOverwrittenError,
+    StateMismatchError,
+)
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.io import CheckpointReader, commit, new_save_id, write_item
 from xla_ckpt.io.reader import (
@@ -373,3 +378,55 @@ def test_a_forked_child_reads_with_its_own_threads(tmp_path):
     p.start()
     p.join(60)
     assert p.exitcode == 0 and q.get(timeout=1) == 1          # not stuck on the parent's threads
+
+
+# ---- strided targets (issue 16 defect: strides of lone non-contiguous tensors) ----------------
+
+def test_into_fills_a_transposed_target_in_place_and_keeps_a_sliced_one_apart(tmp_path):
+    saved = {"tr": torch.arange(12.0).reshape(3, 4).t(),
+             "col": torch.arange(24.0).reshape(4, 6)[:, ::2]}
+    save_chunked(str(tmp_path / "ck"), saved)
+    tr = torch.zeros(3, 4).t()                         # same strides (1, 4): one dense span
+    base = torch.full((4, 6), -7.0)
+    col = base[:, ::2]                                 # same strides (6, 2); gaps hold base's
+    reader = CheckpointReader.open(str(tmp_path / "ck"))
+    try:
+        got = reader.load(into={"state['tr']": tr, "state['col']": col})
+    finally:
+        reader.storage.close()
+    assert got["tr"].data_ptr() == tr.data_ptr() and got["tr"].stride() == (1, 4)
+    assert torch.equal(tr, saved["tr"])                # read straight into the live tensor
+    # the column slice's blob covers base's other columns too: never read into base
+    assert got["col"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    assert got["col"].stride() == (6, 2) and torch.equal(got["col"], saved["col"])
+    assert torch.equal(base, torch.full((4, 6), -7.0))
+
+
+# ---- xla_ckpt.load(mmap=True) ------------------------------------------------------------------
+
+def test_xla_ckpt_load_mmap_is_bitwise_and_private(tmp_path):
+    state = mixed_state()
+    save_chunked(str(tmp_path / "ck"), state)
+    files = {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()}
+    got = xla_ckpt.load(str(tmp_path / "ck"), mmap=True)
+    assert_state_identical(got, state)
+    assert got["model"]["emb"].data_ptr() == got["model"]["out"].data_ptr()   # tie kept
+    got["model"]["big"].mul_(-1.0)                     # copy-on-write: pages become private
+    got["opt"]["m"].zero_()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()} == files
+    assert_state_identical(xla_ckpt.load(str(tmp_path / "ck"), mmap=True), state)
+
+
+def test_xla_ckpt_load_mmap_refuses_what_it_cannot_map(tmp_path, gcs_uri):
+    xla_ckpt.save({"w": torch.ones(3)}, gcs_uri)
+    with pytest.raises(ConfigError, match="mmap=True needs a checkpoint on a local file system"):
+        xla_ckpt.load(gcs_uri, mmap=True)
+    pt = str(tmp_path / "legacy.pt")
+    torch.save({"w": torch.ones(3)}, pt)
+    with pytest.raises(ConfigError, match=r"legacy\.pt is .*: mmap=True maps only the data files "
+                                          "of a local xla_ckpt checkpoint"):
+        xla_ckpt.load(pt, mmap=True)
+    xla_ckpt.save({"w": torch.ones(3)}, str(tmp_path / "ck"))
+    with pytest.raises(ConfigError, match="cannot be combined with keys="):
+        xla_ckpt.load(str(tmp_path / "ck"), mmap=True, keys="w")
+    assert torch.equal(xla_ckpt.load(gcs_uri)["w"], torch.ones(3))   # without mmap: fine

@@ -303,3 +303,79 @@ def test_in_place_targets_skip_keys_a_policy_casts(tmp_path):
     live.bias.data = live.bias.data.to(torch.bfloat16)
     assert sorted(in_place_targets(live, records, dtype_policy="cast")) == [
         "state['model']['weight']"]
+
+
+# ---- tied weights a checkpoint omits (HF model.safetensors drops lm_head.weight) --------------
+
+def tiny_gpt2(seed: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=8, n_layer=1, n_head=2,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def converted_gpt2(tmp_path) -> tuple[torch.nn.Module, str]:
+    """A tiny GPT2 saved by HF (no lm_head.weight in model.safetensors), converted with the CLI."""
+    from safetensors import safe_open
+
+    from xla_ckpt.cli.main import main
+
+    src = tiny_gpt2(0)
+    src.save_pretrained(str(tmp_path / "hf"))
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" not in names and "transformer.wte.weight" in names
+    dst = str(tmp_path / "C")
+    assert main(["convert", str(tmp_path / "hf"), dst, "--layout", "model",
+                 "--no-progress"]) == 0
+    return src, dst
+
+
+def test_hf_gpt2_tied_lm_head_restores_through_its_partner(tmp_path, caplog):
+    from xla_ckpt.trainer import Checkpointer
+
+    src, ck_uri = converted_gpt2(tmp_path)
+    model = tiny_gpt2(1)
+    ck = Checkpointer(model=model, build_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    with caplog.at_level(logging.INFO, logger="xla_ckpt.trainer.module_load"):
+        assert ck.load_checkpoint(ck_uri) == {"train_iterator": {"epoch": 1,
+                                                                 "iterations_in_epoch": 0}}
+    assert model.lm_head.weight is model.transformer.wte.weight          # still tied
+    assert_state_identical(dict(model.state_dict()), dict(src.state_dict()))
+    assert [r.getMessage() for r in caplog.records] == [
+        (f"{ck_uri}: 1 model key(s) absent from the checkpoint are tied to saved ones (the "
+         "same live tensor) and take their values: lm_head.weight = transformer.wte.weight")]
+
+
+def test_tied_key_report_and_a_genuinely_missing_key_is_still_strict(tmp_path):
+    src = tiny_gpt2(0)
+    saved = {k: v for k, v in src.state_dict().items() if k != "lm_head.weight"}
+    report = load_module_state(tiny_gpt2(1), saved)
+    assert report.tied_keys == {"lm_head.weight": "transformer.wte.weight"}
+    del saved["transformer.ln_f.bias"]
+    live = tiny_gpt2(1)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(StateMismatchError, match=r"Missing keys \(1\): transformer\.ln_f\.bias\. "
+                                                 r"Unexpected keys \(0\)"):
+        load_module_state(live, saved)
+    assert_state_identical(dict(live.state_dict()), before)
+    untied = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+    state = untied.state_dict()
+    del state["b.weight"]                               # same shape as a.weight, but not tied
+    with pytest.raises(StateMismatchError, match=r"Missing keys \(1\): b\.weight"):
+        load_module_state(untied, state)
+
+
+def test_in_place_targets_fill_a_tied_key_through_its_saved_partner(tmp_path):
+    from xla_ckpt.trainer.module_load import in_place_targets
+
+    state = {k: v for k, v in tiny_gpt2(0).state_dict().items() if k != "lm_head.weight"}
+    live = tiny_gpt2(1)
+    targets = in_place_targets(live, _saved_model_records(tmp_path, state))
+    assert len(targets) == len(state)
+    assert targets["state['model']['transformer.wte.weight']"].data_ptr() == \
+        live.lm_head.weight.data_ptr()
+    del state["transformer.ln_f.bias"]
+    assert in_place_targets(live, _saved_model_records(tmp_path / "b", state)) == {}

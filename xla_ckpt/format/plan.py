@@ -9,7 +9,12 @@ Save side (:func:`plan_item`):
   naming its key (C11);
 * tensors that share one storage are written once, as one blob covering the
   bytes they use, and come back as views of one buffer (aliasing restored); a
-  lone view of a much larger storage is written compactly (no bloat).
+  lone view of a much larger storage is written compactly (no bloat);
+* a lone non-contiguous tensor (transposed, sliced with a step, expanded with
+  a zero stride) is written as the span of its storage that covers it, so it
+  comes back with its strides (as ``torch.save`` keeps them), unless that span
+  is more than :data:`SPAN_MAX_FACTOR` times its bytes: then it is written as
+  a contiguous copy and comes back contiguous (logged at INFO, naming it).
 
 Load side (:func:`materialize_item`): blob buffers (``uint8`` CPU tensors)
 become the recorded strided views, then the typed tree is decoded.
@@ -31,6 +36,13 @@ from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize, safete
 from xla_ckpt.format.manifest import DEFAULT_CHUNK_SIZE_BYTES, BlobRecord, Item, TensorRecord
 
 logger = logging.getLogger(__name__)
+
+
+SPAN_MAX_FACTOR = 2
+"""A tensor (or a group of views of one storage) is written as the byte span of its storage
+that covers it, keeping its strides as ``torch.save`` does, when that span is at most this many
+times the bytes the tensor(s) use; a lone view spread thinner is written as a contiguous copy
+(its strides then become contiguous; logged at INFO)."""
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -123,6 +135,7 @@ def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -
         groups.setdefault(gkey, []).append(i)
 
     records: list[TensorRecord | None] = [None] * len(host)
+    densified: list[str] = []
     for members in groups.values():
         spans = []
         for i in members:
@@ -135,10 +148,14 @@ def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -
         lo = min(s for s, _ in spans)
         hi = max(e for _, e in spans)
         used = sum(host[i].numel() * host[i].element_size() for i in members)
-        compact = len(members) == 1 and (not host[members[0]].is_contiguous() or hi - lo > used)
-        if compact or hi - lo > 2 * used and len(members) > 1 and _disjoint(spans):
-            # A lone strided view, or views spread thinly over a big storage:
-            # write each tensor densely rather than the whole span.
+        if len(members) == 1 and hi - lo > SPAN_MAX_FACTOR * used:
+            # A lone strided view spread thinly over its storage (x[:, ::8]): write it densely.
+            records[members[0]] = _dense_blob(plan, host[members[0]], found[members[0]][1])
+            densified.append(found[members[0]][1])
+            continue
+        if hi - lo > SPAN_MAX_FACTOR * used and len(members) > 1 and _disjoint(spans):
+            # Views spread thinly over a big storage: write each tensor densely rather than
+            # the whole span.
             for i in members:
                 records[i] = _dense_blob(plan, host[i], found[i][1])
             continue
@@ -156,6 +173,11 @@ def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -
                                       dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()))
     plan.tensors = [r for r in records if r is not None]
     assert len(plan.tensors) == len(host)
+    if densified:
+        logger.info("wrote %d strided tensor(s) as contiguous copies, because the storage span "
+                    "covering each is more than %dx its own bytes; they load with contiguous "
+                    "strides: %s%s", len(densified), SPAN_MAX_FACTOR, ", ".join(densified[:5]),
+                    f" (+{len(densified) - 5} more)" if len(densified) > 5 else "")
     return plan
 
 

@@ -38,6 +38,7 @@ from xla_ckpt.io.resolve import (
     resolve,
 )
 from xla_ckpt.storage import StorageConfig, open_storage
+from xla_ckpt.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +145,8 @@ def open_reader(resolved: Resolved, config: StorageConfig | None = None) -> Chec
 
 
 def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[str, ...] = (),
-               map_location: MapLocation = None,
-               config: StorageConfig | None = None) -> dict[str, Any]:
+               map_location: MapLocation = None, config: StorageConfig | None = None,
+               mmap: bool = False) -> dict[str, Any]:
     """Read ``item`` and those of the ``optional`` items there are: ``{item name: state}``.
 
     An xla_ckpt checkpoint is read with :class:`CheckpointReader` (crc32c checked);
@@ -156,9 +157,17 @@ def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[st
     Those hold only the ``state`` item; their tensors are read on CPU and then placed as
     ``map_location`` says (:func:`place_tensors`), as for an xla_ckpt checkpoint.
 
+    ``mmap``: tensors are checked views of private maps of the data files, as :func:`load`
+    describes; local xla_ckpt checkpoints only.
+
     Raises:
         CheckpointCorruptError: the checkpoint has no item ``item``.
+        ConfigError: ``mmap=True`` for a source that is not a local xla_ckpt checkpoint.
     """
+    if mmap and resolved.kind != XLA_CKPT:
+        raise ConfigError(f"{resolved.checkpoint} is {resolved.what}: mmap=True maps only the "
+                          "data files of a local xla_ckpt checkpoint; load it without mmap, or "
+                          f"convert it first (`xla-ckpt convert {resolved.checkpoint} DST`)")
     if resolved.kind != XLA_CKPT:
         if item != STATE_ITEM:
             raise CheckpointCorruptError(f"{resolved.checkpoint}: {resolved.what} holds only "
@@ -167,10 +176,14 @@ def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[st
         return {STATE_ITEM: place_tensors(state, map_location)}
     reader = open_reader(resolved, config)
     try:
-        out = {item: reader.load(item, map_location)}
+        if mmap and not isinstance(reader.storage, LocalStorage):
+            raise ConfigError(f"{resolved.checkpoint}: mmap=True needs a checkpoint on a local "
+                              "file system (memory maps of its data files); this one is on "
+                              f"{type(reader.storage).__name__}: load it without mmap")
+        out = {item: reader.load(item, map_location, mmap=mmap)}
         for it in optional:
             if it in reader.manifest.items:
-                out[it] = reader.load(it, map_location)
+                out[it] = reader.load(it, map_location, mmap=mmap)
         return out
     finally:
         reader.storage.close()
@@ -248,7 +261,8 @@ def read_foreign(resolved: Resolved, *, config: StorageConfig | None = None,
 
 
 def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
-         config: StorageConfig | None = None, keys: Sequence[str] | str | None = None) -> Any:
+         config: StorageConfig | None = None, keys: Sequence[str] | str | None = None,
+         mmap: bool = False) -> Any:
     """Load the state saved by :func:`xla_ckpt.save` from ``uri`` (``xla_ckpt.load``).
 
     ``uri`` is a checkpoint folder, a run folder (its latest committed checkpoint), a
@@ -267,7 +281,20 @@ def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
     loads only those parts of the state, reading only the blobs that hold them
     (:func:`xla_ckpt.io.partial.load_partial`).
 
+    ``mmap=True`` (a local xla_ckpt checkpoint only, as ``torch.load(mmap=True)``): CPU
+    tensors are views of private (copy-on-write) memory maps of the data files instead of
+    fresh copies: no copy and no fresh memory, pages are read in by the kernel, and every
+    byte is still crc32c-checked before this returns.  Writing a tensor copies the pages it
+    touches into this process; the file never changes.  The trade-off: pages not yet
+    written follow the file, so a process that writes a data file *in place* would change
+    the tensors, and one that truncates it would make touching them raise ``SIGBUS``.
+    xla_ckpt itself never writes a data file in place (a save writes new files and renames;
+    rotation deletes, which leaves mapped pages readable), so this holds for files only
+    xla_ckpt writes.  Keep the default (fresh copies) when other tools may rewrite them.
+
     Raises:
+        ConfigError: ``mmap=True`` for a ``gs://`` checkpoint, a foreign source (legacy
+            ``.pt``, HF, DCP) or together with ``keys``.
         UnknownKeyError: a key of ``keys`` matches nothing (names the closest keys).
         NothingCommittedError: nothing committed at ``uri`` (a ``CheckpointNotFoundError``,
             hence a ``FileNotFoundError``); :class:`UncommittedCheckpointError` when saves
@@ -280,6 +307,9 @@ def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
             the path, expected vs actual size), no item ``item``.
         IntegrityError: crc32c mismatch after bounded re-reads (names object and tensor).
     """
+    if keys is not None and mmap:
+        raise ConfigError("xla_ckpt.load: mmap=True reads whole items; it cannot be combined "
+                          f"with keys={keys!r} (load {uri} without mmap, or without keys)")
     if keys is not None:
         # Lazy: xla_ckpt.io.partial builds on this module.
         from xla_ckpt.io.partial import load_partial  # noqa: PLC0415 - partial imports opener
@@ -287,6 +317,7 @@ def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
         return load_partial(uri, keys, map_location=map_location, config=config, item=item)
 
     def read(resolved: Resolved) -> Any:
-        return read_items(resolved, item, map_location=map_location, config=config)[item]
+        return read_items(resolved, item, map_location=map_location, config=config,
+                          mmap=mmap)[item]
 
     return read_checkpoint(uri, read, config=config)

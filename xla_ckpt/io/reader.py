@@ -881,7 +881,22 @@ def _fits_in_place(t: torch.Tensor, rec: TensorRecord) -> bool:
             and t.layout == torch.strided and not t.is_quantized and not t.is_conj()
             and not t.is_neg() and t.numel() > 0 and dtype_name(t.dtype) == rec.dtype
             and tuple(t.shape) == rec.shape and tuple(t.stride()) == rec.stride
-            and t.is_contiguous())
+            and _dense_layout(t))
+
+
+def _dense_layout(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once (contiguous or permuted).
+
+    A transposed tensor qualifies; a tensor sliced with a step (gaps between its elements,
+    which may belong to other live tensors) or expanded (a zero stride) does not.
+    """
+    expected = 1
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz > 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def in_place_buffers(item: Item, into: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -890,8 +905,9 @@ def in_place_buffers(item: Item, into: Mapping[str, torch.Tensor]) -> dict[int, 
     ``into`` maps tensor keys (``TensorRecord.key``) to existing tensors.  A
     blob qualifies when every tensor record of it has a target that
     :func:`_fits_in_place` (CPU, plain tensor or Parameter, saved dtype,
-    shape and contiguous strides), the targets sit in one storage at the
-    saved distances (tied weights: the same tensor for several keys), they
+    shape and strides, elements filling their span: contiguous or permuted),
+    the targets sit in one storage at the saved distances (tied weights: the
+    same tensor for several keys), they
     cover every byte of the blob (nothing else in that storage is
     overwritten), and no other blob's targets overlap that memory.  Every
     other blob is left out (the caller reads it into fresh memory).

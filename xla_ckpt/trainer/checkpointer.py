@@ -13,7 +13,14 @@ nothing else: no training loop, no data.  Restore order, as in fairseq:
    scratch.  Any other failure raises (a typo'd path whose parent folder is
    missing too, a data file gone mid-read, a checkpoint replaced twice while read);
 2. model: strict load (:func:`~xla_ckpt.trainer.module_load.load_module_state`),
-   criterion too when it has parameters;
+   criterion too when it has parameters.  With a restorer that takes
+   ``targets=`` (the default does), an xla_ckpt checkpoint's model and
+   criterion tensors are read straight into the live CPU parameters when the
+   strict key, shape and dtype checks pass against its manifest before any byte
+   is read (:func:`~xla_ckpt.trainer.module_load.in_place_targets`); the load
+   then copies nothing and its hooks still run.  Otherwise (XLA/CUDA modules,
+   casts, prefixes to strip, meta modules) it reads into fresh memory and
+   copies, raising its strict errors with nothing overwritten;
 3. unless ``reset_optimizer`` (and when the checkpoint holds optimizer
    state): rebuild the optimizer over the live parameters, check the
    criterion class name against the last ``optimizer_history`` entry
@@ -150,7 +157,10 @@ class Checkpointer(SaveState, RestoreState):
         criterion_check: shorthand for ``config.criterion_check`` (``"strict"``,
             ``"warn"``, ``"off"``); None keeps the config's.
         restorer: ``fn(uri) -> (state, rank_state | None)`` or a ``Restored``;
-            default :class:`~xla_ckpt.trainer.sources.SingleProcessRestorer`.
+            default :class:`~xla_ckpt.trainer.sources.SingleProcessRestorer`.  One
+            that takes the keyword ``targets`` is passed the in-place targets
+            (:meth:`SingleProcessRestorer.__call__
+            <xla_ckpt.trainer.sources.SingleProcessRestorer.__call__>`).
         saver: ``fn(state, uri, *, metadata, rank_state)``; default
             :class:`~xla_ckpt.trainer.sources.SingleProcessSaver`.
         device: where a model built on the meta device is materialised

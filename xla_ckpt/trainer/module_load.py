@@ -85,6 +85,9 @@ class ModuleLoadReport:
         kept_dtype_keys: keys whose live tensor took the saved dtype (policy ``"keep"``).
         materialized_device: device a meta-device module was materialised on, or None.
         saved_dtypes: saved dtype of every key (after prefix stripping).
+        tied_keys: keys absent from the checkpoint whose live tensor is tied to a
+            saved key's (HF ``model.safetensors`` omits ``lm_head.weight`` tied to
+            ``transformer.wte.weight``): missing key -> the saved key it took.
     """
 
     stripped_prefixes: tuple[str, ...] = ()
@@ -92,6 +95,38 @@ class ModuleLoadReport:
     kept_dtype_keys: list[str] = field(default_factory=list)
     materialized_device: torch.device | None = None
     saved_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    tied_keys: dict[str, str] = field(default_factory=dict)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one tensor: the same object, or the same bytes and layout."""
+    if a is b:
+        return True
+    if a.is_meta or b.is_meta or a.device != b.device or a.numel() == 0:
+        return False
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+            and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+            and tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride())
+
+
+def tied_partners(live: Mapping[str, torch.Tensor], missing: list[str],
+                  saved: set[str]) -> dict[str, str]:
+    """Missing key -> a saved key whose live tensor is the same (a tied weight), where one is.
+
+    ``live``: state_dict key -> live parameter/buffer.  A module built on the meta
+    device ties by object identity only (meta tensors have no memory to compare).
+    """
+    out: dict[str, str] = {}
+    for k in missing:
+        t = live.get(k)
+        if t is None:
+            continue
+        for other in sorted(saved):
+            u = live.get(other)
+            if u is not None and _same_memory(t, u):
+                out[k] = other
+                break
+    return out
 
 
 def _tensors_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -152,6 +187,16 @@ def load_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any], *,
     exp_set, saved_set = set(expected), set(saved_keys)
     missing = [k for k in expected if k not in saved_set]
     unexpected = [k for k in saved_keys if k not in exp_set]
+    tied = tied_partners(live, missing, saved_set)
+    if tied:
+        missing = [k for k in missing if k not in tied]
+    if tied and not missing and not unexpected:
+        state_dict = {**state_dict, **{k: state_dict[p] for k, p in tied.items()}}
+        saved_set |= set(tied)
+        report.tied_keys = dict(tied)
+        logger.info("%s%d %s key(s) absent from the checkpoint are tied to saved ones (the same "
+                    "live tensor) and take their values: %s", loc, len(tied), what,
+                    _listing([f"{k} = {p}" for k, p in tied.items()]))
     if missing or unexpected:
         hint = describe_prefix_hint(saved_keys, expected)
         raise StateMismatchError(
@@ -250,9 +295,12 @@ def in_place_targets(module: torch.nn.Module, saved: Any, *,
         return {}
     live = _tensors_of(module)
     expected = list(module.state_dict().keys())
-    if set(expected) != set(saved) or (strip_prefixes and best_prefix_strip(list(saved),
-                                                                            expected)):
+    missing = [k for k in expected if k not in saved]
+    tied = tied_partners(live, missing, set(saved)) if missing else {}
+    if set(expected) - set(tied) != set(saved) or (
+            strip_prefixes and best_prefix_strip(list(saved), expected)):
         return {}
+    expected = [k for k in expected if k not in tied]  # filled through their saved partner
     out: dict[str, torch.Tensor] = {}
     for k in expected:
         rec, t = saved[k], live.get(k)

@@ -24,17 +24,20 @@ import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
+import torch
+
 from xla_ckpt.errors import NothingCommittedError, StateMismatchError, UncommittedCheckpointError
+from xla_ckpt.format.manifest import Item
 from xla_ckpt.trainer import keys as K
 from xla_ckpt.trainer.fairseq_compat import (
     adapt_fairseq_optimizer_state,
     is_fairseq_optimizer_name,
 )
 from xla_ckpt.trainer.lr_scheduler import is_fairseq_style, load_lr_scheduler_state
-from xla_ckpt.trainer.module_load import load_module_state
+from xla_ckpt.trainer.module_load import in_place_targets, load_module_state, saved_records
 from xla_ckpt.trainer.optimizer_state import check_live_params, load_optimizer_state
 from xla_ckpt.trainer.prefixes import unwrap_module
-from xla_ckpt.trainer.sources import unpack_restored
+from xla_ckpt.trainer.sources import accepts_targets, unpack_restored
 from xla_ckpt.trainer.training_surface import TrainingSurface, has_parameters, logger
 
 
@@ -169,10 +172,44 @@ class RestoreState(TrainingSurface):
                         self.rank, uri, epoch, self.get_num_updates(), time.perf_counter() - t0)
         return extra_state
 
+    def _in_place_targets(self, item: Item) -> dict[str, torch.Tensor]:
+        """Live model (and criterion) tensors the restorer may fill in place, by tensor key.
+
+        :func:`~xla_ckpt.trainer.module_load.in_place_targets` against the manifest's
+        records: none for a module whose strict, shape or dtype checks would fail (the
+        ordinary path then raises with nothing overwritten), on the meta device, or
+        whose keys need a prefix stripped; only CPU tensors qualify.  When the model
+        gets none, the criterion gets none either: the model's load comes first and may
+        raise, and then the criterion must still be as it was.
+        """
+        saved = saved_records(item)
+        if not isinstance(saved, Mapping):
+            return {}
+        targets: dict[str, torch.Tensor] = {}
+        modules = [(self.model, K.MODEL)]
+        if has_parameters(self.criterion):
+            modules.append((self.criterion, K.CRITERION))
+        for module, key in modules:
+            entry = saved.get(key)
+            if module is None or not isinstance(entry, Mapping):
+                continue
+            got = in_place_targets(unwrap_module(module), entry,
+                                   dtype_policy=self.config.dtype_policy,
+                                   strip_prefixes=self.config.strip_prefixes)
+            if key == K.MODEL and not got and entry:
+                # The model goes the ordinary way (maybe to raise its strict error, which
+                # fairseq's order raises before the criterion is touched): so does the criterion.
+                return {}
+            targets.update(got)
+        return targets
+
     def _restore(self, uri: str) -> Any:
         """What the restorer read, or None (logged at WARNING) when nothing is committed."""
         try:
-            restored = self.restorer(uri)
+            if accepts_targets(self.restorer):
+                restored = self.restorer(uri, targets=self._in_place_targets)
+            else:
+                restored = self.restorer(uri)
         except UncommittedCheckpointError as e:
             logger.warning("rank %d: ignoring %s; no existing checkpoint is used", self.rank, e)
             return None

@@ -15,7 +15,8 @@ The defaults here serve a single process: :class:`SingleProcessRestorer`
 resolves ``uri`` with the one resolver (:mod:`xla_ckpt.io.resolve`: a
 checkpoint folder, a run folder's latest committed checkpoint, a pointer) and
 reads with :class:`xla_ckpt.io.CheckpointReader` (CPU tensors, crc32c
-checked), once more if the checkpoint was replaced while it was read, or,
+checked; with ``targets`` the trainer's live CPU parameters are filled in
+place), once more if the checkpoint was replaced while it was read, or,
 when ``uri`` names a legacy fairseq/``torch.save`` ``.pt`` file, imports it
 through the allow-list of :mod:`xla_ckpt.io.legacy` (CASES C4);
 :class:`SingleProcessSaver` writes with :func:`xla_ckpt.io.save`, keeping
@@ -27,13 +28,16 @@ strategies from ``xla_ckpt.restore`` instead, e.g.::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+import inspect
+from typing import Any, Callable, Mapping, Optional, Protocol
+
+import torch
 
 from xla_ckpt.errors import ConfigError
-from xla_ckpt.format.manifest import STATE_ITEM, rank_item
+from xla_ckpt.format.manifest import STATE_ITEM, Item, rank_item
 from xla_ckpt.io import save
-from xla_ckpt.io.opener import read_checkpoint, read_items
-from xla_ckpt.io.resolve import LEGACY, Resolved
+from xla_ckpt.io.opener import open_reader, read_checkpoint, read_items
+from xla_ckpt.io.resolve import LEGACY, XLA_CKPT, Resolved
 from xla_ckpt.storage import StorageConfig
 
 
@@ -42,7 +46,22 @@ class Saver(Protocol):
                  rank_state: Any | None) -> Any: ...
 
 
-Restorer = Callable[[str], Any]
+Restorer = Callable[..., Any]
+"""``restorer(uri)``; one that also takes ``targets=`` (:func:`accepts_targets`) may fill live
+tensors in place."""
+
+Targets = Callable[[Item], Mapping[str, torch.Tensor]]
+"""The manifest's ``state`` item -> live tensors to read into, by tensor key."""
+
+
+def accepts_targets(restorer: Any) -> bool:
+    """Whether ``restorer`` takes the keyword ``targets`` (as :class:`SingleProcessRestorer`)."""
+    try:
+        params = inspect.signature(restorer).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    p = params.get("targets")
+    return p is not None and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
 
 
 class SingleProcessRestorer:
@@ -61,8 +80,18 @@ class SingleProcessRestorer:
         self.config = config
         self.legacy = legacy
 
-    def __call__(self, uri: str) -> tuple[Any, Any | None]:
+    def __call__(self, uri: str, *, targets: Optional[Targets] = None) -> tuple[Any, Any | None]:
         """Returns ``(state, rank_state or None)`` with CPU tensors.
+
+        ``targets``: for an xla_ckpt checkpoint, called with the manifest's ``state``
+        item before any byte is read; it returns live tensors by tensor key
+        (``TensorRecord.key``) that the read fills in place
+        (:meth:`~xla_ckpt.io.CheckpointReader.load` ``into=``; the trainer passes
+        :func:`~xla_ckpt.trainer.module_load.in_place_targets` of its model and
+        criterion).  The state returned then holds views of those tensors.  If the
+        checkpoint is replaced while it is read, it is resolved again, ``targets``
+        is called again with the new manifest and the read starts over.  Ignored for
+        other kinds of source (legacy ``.pt``, HF, DCP).
 
         Raises:
             NothingCommittedError: nothing committed at ``uri`` (the trainer starts fresh);
@@ -80,8 +109,17 @@ class SingleProcessRestorer:
             if resolved.kind == LEGACY and not self.legacy:
                 raise ConfigError(f"{resolved.checkpoint} is a legacy .pt/safetensors file and "
                                   "this restorer was built with legacy=False")
-            got = read_items(resolved, STATE_ITEM, optional=(own,), config=self.config)
-            return got[STATE_ITEM], got.get(own)
+            if targets is None or resolved.kind != XLA_CKPT:
+                got = read_items(resolved, STATE_ITEM, optional=(own,), config=self.config)
+                return got[STATE_ITEM], got.get(own)
+            reader = open_reader(resolved, self.config)
+            try:
+                into = targets(reader.manifest.item(STATE_ITEM))
+                state = reader.load(STATE_ITEM, into=into)
+                rank_state = reader.load(own) if own in reader.manifest.items else None
+                return state, rank_state
+            finally:
+                reader.storage.close()
 
         return read_checkpoint(uri, read, config=self.config)
 
