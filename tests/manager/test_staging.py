@@ -97,3 +97,18 @@ def test_pool_reuses_buffers_of_the_last_snapshot():
     third = stage_to_host({"x": torch.ones(3)}, pool)
     pool.release(third.buffers)
     assert pool.nbytes == 12
+
+
+def test_lone_non_contiguous_tensors_keep_their_strides_as_the_sync_save_does():
+    base = torch.arange(12.0).reshape(3, 4)
+    thin = torch.arange(64.0).reshape(8, 8)[:, ::8]  # spread over 8x its bytes: copied densely
+    state = {"t": base.t(), "perm": torch.arange(24.0).reshape(2, 3, 4).permute(2, 0, 1),
+             "expanded": torch.tensor([1.0, 2.0]).expand(3, 2), "thin": thin}
+    staged = stage_to_host(state).state
+    for key in ("t", "perm", "expanded"):
+        assert staged[key].stride() == state[key].stride(), key
+        assert torch.equal(staged[key], state[key]), key
+        assert staged[key].untyped_storage().data_ptr() != state[key].untyped_storage().data_ptr()
+    assert staged["thin"].is_contiguous() and torch.equal(staged["thin"], thin)
+    base[0, 0] = 99.0  # the snapshot is a copy taken at the call
+    assert staged["t"][0, 0] == 0.0

@@ -32,6 +32,7 @@ import torch
 
 from xla_ckpt.errors import MetaTensorError
 from xla_ckpt.format import typed
+from xla_ckpt.format.plan import SPAN_MAX_FACTOR
 
 
 class StagingPool:
@@ -131,12 +132,24 @@ def _host_copies(tensors: list[torch.Tensor], pool: StagingPool
         groups.setdefault(ptr, []).append(i)
     for members in groups.values():
         if len(members) == 1:
-            out[members[0]] = _copy_dense(tensors[members[0]], pool, buffers)
+            t = tensors[members[0]]
+            # A lone non-contiguous tensor keeps its strides, as the synchronous save does
+            # (xla_ckpt.format.plan: its storage span when at most SPAN_MAX_FACTOR x its bytes).
+            keep = not t.is_contiguous() and _span_bytes(t) <= SPAN_MAX_FACTOR * t.numel() * \
+                t.element_size()
+            out[members[0]] = (_copy_shared([t], pool, buffers)[0] if keep
+                               else _copy_dense(t, pool, buffers))
             continue
         for i, t in zip(members, _copy_shared([tensors[i] for i in members], pool, buffers),
                         strict=True):
             out[i] = t
     return out, buffers, xla_bytes  # type: ignore[return-value]  # every slot is filled above
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage span ``t`` covers (from its first to its last element)."""
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
 
 
 def _copy_dense(t: torch.Tensor, pool: StagingPool, buffers: list) -> torch.Tensor:
