@@ -116,12 +116,7 @@ class LocalStorage(Storage):
                    generation: int | None = None) -> None:
         path = self._path(name)
         want = len(out)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path}: no such file") from None
-        except PermissionError as e:
-            raise StoragePermissionError(f"{path}: {e.strerror}") from None
+        fd = _open_for_reading(path)
         try:
             got = 0
             while got < want:
@@ -152,12 +147,7 @@ class LocalStorage(Storage):
             StoragePermissionError / StorageError: it cannot be opened or mapped.
         """
         path = self._path(name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path}: no such file") from None
-        except PermissionError as e:
-            raise StoragePermissionError(f"{path}: {e.strerror}") from None
+        fd = _open_for_reading(path)
         try:
             actual = os.fstat(fd).st_size
             if actual < size:
@@ -470,6 +460,16 @@ def _write_all(fd: int, buffers: Iterable[memoryview | bytes]) -> int:
     finally:
         wb.close()
     return size
+
+
+def _open_for_reading(path: str) -> int:
+    """``os.open(path, O_RDONLY)`` with the backend's errors (not found, permission)."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such file") from None
+    except PermissionError as e:
+        raise StoragePermissionError(f"{path}: {e.strerror}") from None
 
 
 def _fsync_dir(folder: str) -> None:
