@@ -295,3 +295,27 @@ def test_safetensors_export_over_an_earlier_export_leaves_no_stale_file(cli, tmp
     assert _hf_files(out) == sorted([*shards, "model.safetensors.index.json"])
     assert len(shards) == 3 and all(s.endswith("-of-00003.safetensors") for s in shards)
     assert_state_identical(xla_ckpt.load(str(out)), old["model"])
+
+
+def test_convert_draws_read_and_write_progress_on_a_terminal(tmp_path, monkeypatch, capsys):
+    from xla_ckpt.cli.main import main
+
+    torch.save({"model": {"w": torch.zeros(64, 1024)}}, str(tmp_path / "old.pt"))  # 256 KiB
+    term = _Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    assert main(["convert", str(tmp_path / "old.pt"), str(tmp_path / "ck")]) == 0
+    drawn = term.getvalue()
+    assert "\rread: " in drawn and "\rwrite: " in drawn and "KiB" in drawn
+    assert torch.equal(xla_ckpt.load(str(tmp_path / "ck"))["model"]["w"], torch.zeros(64, 1024))
+    capsys.readouterr()
+
+
+def test_save_progress_counts_every_byte_of_every_data_file_once(tmp_path):
+    counted: list[int] = []
+    state = {"w": torch.randn(300, 1024), "b": torch.ones(3), "step": 7}  # 1.2 MiB + a tiny blob
+    xla_ckpt.io.save(state, str(tmp_path / "ck"), rank_states={0: {"r": torch.ones(2)},
+                                                                1: {"r": torch.zeros(5)}},
+                     progress=counted.append)
+    sizes = [os.path.getsize(p) for p in (tmp_path / "ck").glob("data-*.safetensors")]
+    assert len(sizes) == 2  # rank 0's items share the state's file; rank 1 has its own
+    assert sum(counted) == sum(sizes) and all(n > 0 for n in counted)

@@ -135,7 +135,11 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
         t1 = time.perf_counter()
         metadata["converted_from"] = resolved.checkpoint
-        manifest = save(state, dst.uri, metadata=metadata, storage=dst)
+        wbar = progress_bar(None, "write", enabled=False if args.no_progress else None)
+        try:
+            manifest = save(state, dst.uri, metadata=metadata, storage=dst, progress=wbar.update)
+        finally:
+            wbar.close()
         t2 = time.perf_counter()
     tensors = sum(len(i.tensors) for i in manifest.items.values())
     print(f"converted {args.src} ({kind}) -> {dst.uri}: {tensors} tensors, "

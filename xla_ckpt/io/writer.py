@@ -40,7 +40,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Generator, Iterable, Mapping, Sequence, overload
+from typing import Any, Callable, Generator, Iterable, Mapping, Sequence, overload
 
 from xla_ckpt.errors import CheckpointNotFoundError, PreconditionFailedError
 from xla_ckpt.format import typed
@@ -102,11 +102,14 @@ class _ChecksummedPieces(Sequence[memoryview]):
     never touched).
     """
 
-    def __init__(self, pieces: list[memoryview], check: list[bool]) -> None:
+    def __init__(self, pieces: list[memoryview], check: list[bool],
+                 progress: Callable[[int], object] | None = None) -> None:
         self._pieces = pieces
         self._check = check
         self._crcs: list[int | None] = [None] * len(pieces)
         self._lock = threading.Lock()
+        self._progress = progress
+        self._handed = [False] * len(pieces) if progress is not None else []
 
     def __len__(self) -> int:
         return len(self._pieces)
@@ -123,6 +126,9 @@ class _ChecksummedPieces(Sequence[memoryview]):
         if i < 0:
             i += len(self)
         self._ensure(i)
+        if self._progress is not None and not self._handed[i]:
+            self._handed[i] = True  # each piece counted once, however often storage asks
+            self._progress(len(self._pieces[i]))
         return self._pieces[i]
 
     def _ensure(self, i: int) -> None:
@@ -185,7 +191,8 @@ class _ChecksummedPieces(Sequence[memoryview]):
 
 
 def write_items(storage: Storage, save_id: str, items: Sequence[tuple[str, Any]], *,
-                chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -> list[WrittenItem]:
+                chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
+                progress: Callable[[int], object] | None = None) -> list[WrittenItem]:
     """Write several items of one writer as one safetensors-layout data file (atomically).
 
     The items' blobs lie one after another in one file named after the first item
@@ -203,6 +210,8 @@ def write_items(storage: Storage, save_id: str, items: Sequence[tuple[str, Any]]
 
     Args:
         items: ``(item name, state)`` pairs, at least one, names unique.
+        progress: called with the bytes of each piece as it is handed to the storage
+            (each piece once), e.g. a progress bar's ``update``.
 
     Returns:
         One :class:`WrittenItem` per item, in order (every one lists the shared file).
@@ -232,7 +241,7 @@ def write_items(storage: Storage, save_id: str, items: Sequence[tuple[str, Any]]
         first = len(pieces)
         pieces.extend(blob_pieces(b, chunk_size_bytes))
         spans.append((first, len(pieces)))
-    stream = _ChecksummedPieces(pieces, [False] + [True] * (len(pieces) - 1))
+    stream = _ChecksummedPieces(pieces, [False] + [True] * (len(pieces) - 1), progress)
     info = storage.write_atomic(fname, stream)
     written: list[WrittenItem] = []
     k = 0
@@ -325,7 +334,8 @@ def discard(storage: Storage, save_id: str) -> None:
 
 def save(state: Any, uri: str, *, metadata: Any = None,
          rank_states: Mapping[int, Any] | None = None,
-         config: StorageConfig | None = None, storage: Storage | None = None) -> Manifest:
+         config: StorageConfig | None = None, storage: Storage | None = None,
+         progress: Callable[[int], object] | None = None) -> Manifest:
     """Save ``state`` as a checkpoint folder at ``uri`` (local path or ``gs://``), atomically.
 
     Called by one process.  Saving over an existing checkpoint replaces it, if no
@@ -345,6 +355,8 @@ def save(state: Any, uri: str, *, metadata: Any = None,
             files are those :func:`xla_ckpt.restore.save_distributed` writes: one per
             rank, rank 0's item in the state's file.
         config: storage knobs (parallelism, slice size, retries).
+        progress: called with bytes as the data files are handed to the storage (e.g.
+            :func:`xla_ckpt.cli.common.progress_bar`'s ``update``).
 
     Returns:
         The committed :class:`Manifest`.
@@ -371,10 +383,10 @@ def save(state: Any, uri: str, *, metadata: Any = None,
             # too (one object, one fsync for a single-process trainer's save).
             ranks = sorted((rank_states or {}).items())
             first = [(rank_item(r), rs) for r, rs in ranks if r == 0]
-            parts = write_items(st, save_id, [(STATE_ITEM, state)] + first)
+            parts = write_items(st, save_id, [(STATE_ITEM, state)] + first, progress=progress)
             for r, rs in ranks:
                 if r != 0:
-                    parts += write_items(st, save_id, [(rank_item(r), rs)])
+                    parts += write_items(st, save_id, [(rank_item(r), rs)], progress=progress)
             try:
                 return commit(st, save_id, parts, metadata=metadata, if_generation_match=seen)
             except PreconditionFailedError as e:
