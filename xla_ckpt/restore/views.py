@@ -1,0 +1,171 @@
+"""What a live tensor value holds of its global tensor: the boxes a rank saves or restores.
+
+One description for every kind of tensor a training state holds, so save-by-owner and
+restore-by-byte-range deal only with boxes (:class:`~xla_ckpt.format.chunks.Box`):
+
+* a plain tensor (CPU, CUDA or XLA): one box covering the whole tensor, held by every rank
+  (``replicated``);
+* a ``DTensor`` (FSDP2, tensor parallel, HSDP): the box of its local shard, from
+  ``compute_local_shape_and_global_offset`` (torch's own rule, uneven and empty shards
+  included); replicated across the mesh dims with a ``Replicate()`` placement;
+* a torch_xla ``XLAShardedTensor`` (SPMD): one box per addressable device shard, from its
+  ``local_shards``' ``indices`` (:mod:`xla_ckpt.restore.spmd`).  It is checked *before*
+  DTensor because it subclasses DTensor and its ``placements`` are wrong for named axes.
+
+Which rank calls what: every rank describes its own values; nothing here communicates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TypeGuard
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from xla_ckpt.format.chunks import Box
+from xla_ckpt.restore import spmd
+
+
+@dataclass
+class LocalShard:
+    """One box of a global tensor held by this process.
+
+    For a save, ``tensor`` is a readable tensor of shape ``box.sizes`` (this process's copy;
+    any device, the writer moves it to host).  For a restore it is the CPU destination of
+    shape ``box.sizes``: the live memory itself when possible (a CPU DTensor's local
+    tensor), else a staging tensor that :attr:`ShardedValue.finish` copies into place.
+    ``replica_id``: which copy this is among processes/devices holding the same box (0 for
+    the first), informational.
+    """
+
+    box: Box
+    tensor: torch.Tensor
+    replica_id: int = 0
+
+
+@dataclass
+class ShardedValue:
+    """What one value of a state tree holds of its global tensor on this rank.
+
+    Attributes:
+        global_shape: shape of the global tensor (elements).
+        dtype: its dtype.
+        shards: this rank's boxes (none when its shard is empty).
+        kind: ``"plain"``, ``"dtensor"`` or ``"xla"``.
+        placement: human-readable placement (``"Shard(0) on mesh (4,)"``, ``"replicated"``),
+            compared across ranks by the structure agreement and kept in the manifest.
+        replicated: every rank holds the whole tensor (a plain tensor, or all ``Replicate()``).
+        finish: for a restore, called once every shard's ``tensor`` is filled (copies staged
+            values into the live tensor, or ``load_local_shards_`` on XLA); ``None`` when the
+            shards are the live memory.
+    """
+
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    shards: list[LocalShard]
+    kind: str
+    placement: str
+    replicated: bool
+    finish: Callable[[], None] | None = field(default=None)
+
+    @property
+    def local_nbytes(self) -> int:
+        return sum(s.box.numel for s in self.shards) * self.dtype.itemsize
+
+
+def _is_xla_sharded(value: Any) -> bool:
+    cls = type(value)
+    return cls.__name__ == "XLAShardedTensor" and cls.__module__.startswith("torch_xla")
+
+
+def _is_dtensor(value: Any) -> TypeGuard[DTensor]:
+    return isinstance(value, DTensor)
+
+
+def is_sharded(value: Any) -> bool:
+    """True for a ``DTensor`` or a torch_xla ``XLAShardedTensor``."""
+    return _is_xla_sharded(value) or _is_dtensor(value)
+
+
+def describe_placements(mesh_shape: Sequence[int], placements: Sequence[Any]) -> str:
+    """``"Shard(0),Replicate() on mesh (2, 2)"``: what the structure agreement compares."""
+    return f"{','.join(str(p) for p in placements)} on mesh {tuple(int(s) for s in mesh_shape)}"
+
+
+def _dtensor_box(value: Any) -> tuple[Box, str, bool]:
+    shape = tuple(int(s) for s in value.shape)
+    local_shape, offsets = compute_local_shape_and_global_offset(
+        shape, value.device_mesh, value.placements)
+    box = Box(tuple(int(o) for o in offsets), tuple(int(s) for s in local_shape))
+    placement = describe_placements(value.device_mesh.shape, value.placements)
+    replicated = all(isinstance(p, Replicate) for p in value.placements)
+    return box, placement, replicated
+
+
+def for_save(value: torch.Tensor, *, owned_devices: Sequence[int] | None = None
+             ) -> ShardedValue:
+    """What this rank holds of ``value`` for a save (its boxes and readable tensors).
+
+    ``owned_devices``: torch_xla SPMD only; the global device ids whose shards this
+    process writes (multi-host emulation; default every addressable device).
+
+    Raises:
+        ValueError: a DTensor whose local tensor does not have the shape DTensor's own
+            rule gives (a hand-built DTensor with inconsistent metadata), naming both.
+    """
+    if _is_xla_sharded(value):
+        return spmd.for_save(value, owned_devices=owned_devices)
+    if _is_dtensor(value):
+        box, placement, replicated = _dtensor_box(value)
+        local = value.to_local()
+        if tuple(local.shape) != box.sizes:
+            raise ValueError(f"DTensor local shard has shape {tuple(local.shape)}, but its "
+                             f"placements {placement} give {box.sizes}")
+        shards = [LocalShard(box, local.detach())] if box.numel else []
+        return ShardedValue(tuple(int(s) for s in value.shape), value.dtype, shards, "dtensor",
+                            placement, replicated)
+    box = Box.whole(value.shape)
+    shards = [LocalShard(box, value.detach())] if box.numel else []
+    return ShardedValue(tuple(int(s) for s in value.shape), value.dtype, shards, "plain",
+                        "replicated", True)
+
+
+def _destination(live: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A CPU tensor to fill for ``live`` (itself when it is dense CPU memory) and the copy-back."""
+    if live.device.type == "cpu" and live.is_contiguous():
+        return live, None
+    staged = torch.empty(tuple(live.shape), dtype=live.dtype)
+
+    def finish() -> None:
+        with torch.no_grad():
+            live.copy_(staged)
+
+    return staged, finish
+
+
+def for_restore(value: torch.Tensor) -> ShardedValue:
+    """The boxes this rank must fill to restore ``value`` in place, with CPU destinations.
+
+    A CPU plain tensor or CPU DTensor is filled in place (its local tensor is the
+    destination, no copy); anything else (CUDA, XLA, non-contiguous) gets a CPU staging
+    tensor per box and :attr:`ShardedValue.finish` copies it into the live tensor.
+    """
+    if _is_xla_sharded(value):
+        return spmd.for_restore(value)
+    if _is_dtensor(value):
+        box, placement, replicated = _dtensor_box(value)
+        local = value.to_local()
+        if tuple(local.shape) != box.sizes:
+            raise ValueError(f"DTensor local shard has shape {tuple(local.shape)}, but its "
+                             f"placements {placement} give {box.sizes}")
+        dest, finish = _destination(local.detach())
+        shards = [LocalShard(box, dest)] if box.numel else []
+        return ShardedValue(tuple(int(s) for s in value.shape), value.dtype, shards, "dtensor",
+                            placement, replicated, finish)
+    dest, finish = _destination(value.detach())
+    box = Box.whole(value.shape)
+    shards = [LocalShard(box, dest)] if box.numel else []
+    return ShardedValue(tuple(int(s) for s in value.shape), value.dtype, shards, "plain",
+                        "replicated", True, finish)
