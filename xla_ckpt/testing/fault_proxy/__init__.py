@@ -8,12 +8,18 @@ not make it faster; this proxy models the real service in front of it:
 * every client connection is served by its own thread (HTTP/1.1 keep-alive);
 * each response body is fetched from the emulator at full speed, then sent to
   the client after ``first_byte_latency_s`` and at most ``stream_mib_s`` per
-  connection (and ``total_mib_s`` across all of them, the VM's NIC);
+  connection, ``host_mib_s`` per client source address (one emulated host's
+  network link) and ``total_mib_s`` across all of them (the service's aggregate);
+* emulated hosts each connect from their own loopback address,
+  ``127.0.0.(10+h)`` (:func:`host_address`; :func:`bind_session` or
+  ``proxy.storage(uri, source_address=...)`` bind a client to it), and the bytes
+  served are counted per source address (:meth:`FaultProxy.bytes_served_by_address`);
 * faults from a deterministic queue (:meth:`FaultProxy.inject`) or a seeded
   random schedule (:meth:`FaultProxy.random_faults`) replace or damage
   responses: HTTP 503/429 (with ``Retry-After``) or any status, a connection
   reset after ``k`` body bytes (TCP RST or FIN), a short body (Content-Length
-  cut, Content-Range kept), flipped bytes;
+  cut, Content-Range kept), flipped bytes, a body that stalls mid-way; a rule can
+  target one emulated host (:func:`from_address`);
 * counters (:attr:`FaultProxy.stats`) and a request log
   (:meth:`FaultProxy.records`) let tests assert what went over the wire: the
   ``Range`` header of a resumed request, how many requests an error caused,
@@ -26,7 +32,8 @@ not make it faster; this proxy models the real service in front of it:
         storage = proxy.storage(emu.uri("run/ck"))
 
 Modules: :mod:`.shaping` (the latency/throughput model), :mod:`.faults`
-(faults, request matchers, the request log), :mod:`.proxy` (:class:`FaultProxy`),
+(faults, request matchers, the request log), :mod:`.hosts` (emulated hosts' source
+addresses), :mod:`.proxy` (:class:`FaultProxy`),
 :mod:`.handler` (the HTTP server that forwards, shapes and damages), and
 ``python -m xla_ckpt.testing.fault_proxy`` (:mod:`.__main__`) to serve one by hand.
 """
@@ -39,11 +46,20 @@ from xla_ckpt.testing.fault_proxy.faults import (
     RequestRecord,
     any_request,
     downloads,
+    from_address,
     requests_to,
     uploads,
+)
+from xla_ckpt.testing.fault_proxy.hosts import (
+    HOST_ADDRESS_BASE,
+    SourceAddressAdapter,
+    bind_session,
+    host_address,
 )
 from xla_ckpt.testing.fault_proxy.proxy import FaultProxy
 from xla_ckpt.testing.fault_proxy.shaping import MiB, Shaping
 
-__all__ = ["Fault", "FaultProxy", "Matcher", "MiB", "ProxyStats", "RequestInfo", "RequestRecord",
-           "Shaping", "any_request", "downloads", "requests_to", "uploads"]
+__all__ = ["HOST_ADDRESS_BASE", "Fault", "FaultProxy", "Matcher", "MiB", "ProxyStats",
+           "RequestInfo", "RequestRecord", "Shaping", "SourceAddressAdapter", "any_request",
+           "bind_session", "downloads", "from_address", "host_address", "requests_to",
+           "uploads"]

@@ -2,7 +2,7 @@
 
 :class:`Fault` (built with its class methods) is one injected fault; a
 :data:`Matcher` (:func:`downloads`, :func:`uploads`, :func:`requests_to`,
-:func:`any_request` or any callable) picks the requests it applies to, from
+:func:`from_address`, :func:`any_request` or any callable) picks the requests it applies to, from
 the :class:`RequestInfo` of each.  :class:`RequestRecord` and
 :class:`ProxyStats` are what :class:`~xla_ckpt.testing.fault_proxy.FaultProxy`
 logs and counts.
@@ -22,17 +22,19 @@ class Fault:
 
     Attributes:
         kind: ``"status"``, ``"reset"``, ``"short"``, ``"flip"`` (a response
-            body byte) or ``"flip_request"`` (a request body byte, e.g. of an
-            upload, before it is forwarded).
+            body byte), ``"stall"`` (the body stops for ``stall_s`` seconds
+            after ``after_bytes``, then goes on) or ``"flip_request"`` (a request
+            body byte, e.g. of an upload, before it is forwarded).
         status: HTTP status sent instead of the real answer (``status``).
         retry_after: ``Retry-After`` header value to send with it, if any.
-        after_bytes: ``reset``: body bytes sent before the connection drops
-            (None: random in ``[0, body length)``).
+        after_bytes: ``reset``: body bytes sent before the connection drops;
+            ``stall``: before the pause (None: random in ``[0, body length)``).
         rst: ``reset``: drop with a TCP RST (True) or an orderly FIN (False).
         drop_bytes: ``short``: body bytes left out at the end, Content-Length
             cut to match, Content-Range kept (None: random).
         flip_at: ``flip``: body byte index to invert (None: random);
             ``flip_request``: request body byte index (None: the middle).
+        stall_s: ``stall``: seconds the body stops (cut short when the proxy stops).
     """
 
     kind: str
@@ -42,6 +44,7 @@ class Fault:
     rst: bool = True
     drop_bytes: int | None = None
     flip_at: int | None = None
+    stall_s: float = 0.0
 
     @classmethod
     def error(cls, status: int = 503, *, retry_after: str | float | None = None) -> "Fault":
@@ -64,9 +67,17 @@ class Fault:
     def flip_request(cls, at: int | None = None) -> "Fault":
         return cls(kind="flip_request", flip_at=at)
 
+    @classmethod
+    def stall(cls, seconds: float, after_bytes: int | None = None) -> "Fault":
+        """The body stops for ``seconds`` after ``after_bytes`` bytes (a stalled reader's
+        stream), then the rest follows if the client is still there."""
+        if seconds < 0:
+            raise ValueError(f"Fault.stall: seconds must be >= 0, got {seconds}")
+        return cls(kind="stall", after_bytes=after_bytes, stall_s=float(seconds))
+
     @property
     def needs_body(self) -> bool:
-        return self.kind in ("reset", "short", "flip")
+        return self.kind in ("reset", "short", "flip", "stall")
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,7 @@ class RequestInfo:
     object_name: str   # decoded object name for object URLs, else ""
     is_download: bool  # a media GET (alt=media or /download/)
     is_upload: bool
+    client_address: str = ""  # the connection's source IP (emulated host h: 127.0.0.(10+h))
 
 
 @dataclass
@@ -93,6 +105,7 @@ class RequestRecord:
         body_bytes: response body bytes actually sent to the client.
         fault: kind of fault injected ("" for none).
         request_body: the request body when it is JSON (compose, metadata), else None.
+        client_address: source IP of the client connection (an emulated host's address).
     """
 
     method: str
@@ -105,16 +118,28 @@ class RequestRecord:
     body_bytes: int = 0
     fault: str = ""
     request_body: object = None
+    client_address: str = ""
 
 
 @dataclass
 class ProxyStats:
-    """Counters of what the proxy served (read under :meth:`FaultProxy.snapshot`)."""
+    """Counters of what the proxy served (read under :meth:`FaultProxy.snapshot`).
+
+    Attributes:
+        requests, connections: counts.
+        bytes_served: response body bytes sent to clients, in all.
+        faults: injected faults by kind.
+        bytes_by_address: response body bytes sent, per client source address
+            (``{"127.0.0.10": n, ...}``; sums to ``bytes_served``).
+        connections_by_address: client connections accepted, per source address.
+    """
 
     requests: int = 0
     connections: int = 0
     bytes_served: int = 0
     faults: Counter[str] = field(default_factory=Counter)
+    bytes_by_address: Counter[str] = field(default_factory=Counter)
+    connections_by_address: Counter[str] = field(default_factory=Counter)
 
 
 Matcher = Callable[[RequestInfo], bool]
@@ -137,6 +162,12 @@ def requests_to(object_contains: str = "", method: str | None = None,
     return lambda r: (object_contains in r.object_name
                       and (method is None or r.method == method)
                       and (rx is None or bool(rx.search(r.path))))
+
+
+def from_address(address: str, match: Matcher | None = None) -> Matcher:
+    """Match requests from client source address ``address`` (one emulated host) that
+    ``match`` (default: any) accepts."""
+    return lambda r: r.client_address == address and (match is None or match(r))
 
 
 def any_request(_r: RequestInfo) -> bool:

@@ -3,7 +3,9 @@
 :class:`_Handler` reads a request, classifies it (:class:`RequestInfo`: object
 name, download or upload), asks its :class:`~.proxy.FaultProxy` for a fault,
 forwards the request to the emulator and sends the answer back, shaped
-(:class:`~.shaping.Shaping`) and damaged as the fault says.
+(:class:`~.shaping.Shaping`: per connection, per client source address, in all) and
+damaged as the fault says.  Body bytes are counted per client source address
+(:attr:`~.faults.ProxyStats.bytes_by_address`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from xla_ckpt.testing.fault_proxy.faults import Fault, RequestInfo, RequestRecord
-from xla_ckpt.testing.fault_proxy.shaping import MiB
 
 if TYPE_CHECKING:
     from xla_ckpt.testing.fault_proxy.proxy import FaultProxy
@@ -57,6 +58,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         p = self.server.proxy
         with p._lock:
             p.stats.connections += 1
+            p.stats.connections_by_address[self._address] += 1
             p._conns.add(self.connection)
 
     def finish(self) -> None:
@@ -70,6 +72,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         logger.debug("proxy: " + format, *args)
+
+    @property
+    def _address(self) -> str:
+        """Source IP of this client connection (an emulated host's own loopback address)."""
+        return str(self.client_address[0])
 
     def do_GET(self) -> None:
         self._proxy()
@@ -85,8 +92,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         info = RequestInfo(self.command, path, split.query, self.headers.get("Range"),
                            _object_name(path, split.query),
                            _is_download(self.command, path, split.query),
-                           _is_upload(self.command, path))
-        rec = RequestRecord(self.command, path, split.query, info.range, info.object_name, info)
+                           _is_upload(self.command, path), self._address)
+        rec = RequestRecord(self.command, path, split.query, info.range, info.object_name, info,
+                            client_address=self._address)
         if body and (self.headers.get("Content-Type") or "").startswith("application/json"):
             try:
                 rec.request_body = json.loads(body)
@@ -155,6 +163,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         n = len(payload)
         length = n
         cut = None  # bytes after which the connection drops
+        pause = None  # bytes after which the body stalls
         if fault is not None and n > 0:
             if fault.kind == "flip":
                 at = fault.flip_at if fault.flip_at is not None else p._randint(0, n - 1)
@@ -168,6 +177,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             elif fault.kind == "reset":
                 cut = fault.after_bytes if fault.after_bytes is not None else p._randint(0, n - 1)
                 cut = min(max(cut, 0), n)
+            elif fault.kind == "stall":
+                at = fault.after_bytes if fault.after_bytes is not None else p._randint(0, n - 1)
+                pause = min(max(at, 0), length)
         if fault is not None and n > 0:
             rec.fault = fault.kind
             with p._lock:
@@ -182,33 +194,55 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = memoryview(payload)[:length]
         if cut is not None:
             body = body[:cut]
-        sent = self._send_shaped(body)
-        rec.body_bytes = sent
+        if pause is not None and fault is not None:
+            if self._send_shaped(body[:pause], rec) == pause \
+                    and not p._stopping.wait(fault.stall_s):
+                self._send_shaped(body[pause:], rec)
+        else:
+            self._send_shaped(body, rec)
         if cut is not None and fault is not None:  # a cut is only ever set by a reset fault
             self._drop(fault.rst)
 
-    def _send_shaped(self, body: memoryview) -> int:
+    def _send_shaped(self, body: memoryview, rec: RequestRecord | None = None) -> int:
+        """Send ``body`` under the proxy's shaping; returns the bytes sent.
+
+        Each chunk is counted (``stats``, ``rec.body_bytes``) just before it goes to the
+        socket, so a client that has read some bytes always finds them counted; a chunk
+        whose send fails is taken back out.
+        """
         p = self.server.proxy
-        rate = p.shaping.stream_mib_s * MiB if p.shaping.stream_mib_s else None
-        t0 = time.monotonic()
+        shaper = p._shaper
+        address = self._address
+        t0 = shaper.now()
         sent = 0
         try:
             self.wfile.flush()
-            while sent < len(body):
-                chunk = body[sent:sent + _SEND_CHUNK_BYTES]
-                wait = p._total.reserve(len(chunk)) if p._total is not None else 0.0
-                if rate is not None:
-                    wait = max(wait, t0 + sent / rate - time.monotonic())
-                if wait > 0:
-                    time.sleep(wait)
-                self.connection.sendall(chunk)
-                sent += len(chunk)
         except OSError:
             self.close_connection = True
-        finally:
-            with p._lock:
-                p.stats.bytes_served += sent
+            return 0
+        while sent < len(body):
+            chunk = body[sent:sent + _SEND_CHUNK_BYTES]
+            n = len(chunk)
+            wait = shaper.wait_s(address, n, stream_start=t0, stream_sent=sent)
+            if wait > 0:
+                time.sleep(wait)
+            self._count(address, n, rec)
+            try:
+                self.connection.sendall(chunk)
+            except OSError:
+                self._count(address, -n, rec)
+                self.close_connection = True
+                break
+            sent += n
         return sent
+
+    def _count(self, address: str, n: int, rec: RequestRecord | None) -> None:
+        p = self.server.proxy
+        with p._lock:
+            p.stats.bytes_served += n
+            p.stats.bytes_by_address[address] += n
+            if rec is not None:
+                rec.body_bytes += n
 
     def _drop(self, rst: bool) -> None:
         self.close_connection = True
@@ -241,7 +275,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Retry-After", fault.retry_after)
         self.send_header("Content-Length", str(len(msg)))
         self.end_headers()
-        rec.body_bytes = self._send_shaped(memoryview(msg))
+        self._send_shaped(memoryview(msg), rec)
 
     def _send_simple(self, status: int, msg: bytes) -> None:
         self.send_response_only(status)

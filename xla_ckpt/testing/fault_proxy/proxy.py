@@ -21,7 +21,8 @@ from xla_ckpt.testing.fault_proxy.faults import (
     downloads,
 )
 from xla_ckpt.testing.fault_proxy.handler import _Handler, _Server
-from xla_ckpt.testing.fault_proxy.shaping import MiB, Shaping, _TokenBucket
+from xla_ckpt.testing.fault_proxy.hosts import bind_session
+from xla_ckpt.testing.fault_proxy.shaping import Shaping, _Shaper
 
 if TYPE_CHECKING:
     from xla_ckpt.storage.base import StorageConfig
@@ -35,9 +36,13 @@ class FaultProxy:
 
     Args:
         upstream: ``http://host:port`` of the emulator.
-        shaping: latency/throughput model; None for none.
+        shaping: latency/throughput model; None for none.  May be replaced later
+            (``proxy.shaping = Shaping(...)``), e.g. on the ``fault_proxy`` fixture.
         seed: seed of the random fault schedule and of random fault positions.
-        host: address to bind (loopback).
+        host: address to bind (loopback).  Clients may connect from any loopback
+            source address; emulated host ``h`` uses ``127.0.0.(10+h)``
+            (:func:`~xla_ckpt.testing.fault_proxy.host_address`), and ``host_mib_s``
+            shaping and :meth:`bytes_served_by_address` are per source address.
 
     Thread-safe: rules may be added while requests are served.
     """
@@ -47,7 +52,8 @@ class FaultProxy:
         u = urlsplit(upstream if "://" in upstream else f"http://{upstream}")
         self.upstream_host = u.hostname or "127.0.0.1"
         self.upstream_port = u.port or 80
-        self.shaping = shaping or Shaping()
+        self._shaper = _Shaper(shaping or Shaping())
+        self._stopping = threading.Event()
         self.stats = ProxyStats()
         self._bind = host
         self._rng = random.Random(seed)
@@ -55,11 +61,19 @@ class FaultProxy:
         self._rules: list[_Rule] = []
         self._random: _RandomRule | None = None
         self._records: list[RequestRecord] = []
-        self._total = _TokenBucket(self.shaping.total_mib_s * MiB) if self.shaping.total_mib_s \
-            else None
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
+
+    @property
+    def shaping(self) -> Shaping:
+        """The latency/throughput model in force."""
+        return self._shaper.shaping
+
+    @shaping.setter
+    def shaping(self, shaping: Shaping) -> None:
+        """Replace the model; the caps' schedules and per-address counts start afresh."""
+        self._shaper = _Shaper(shaping)
 
     # ---- lifecycle ---------------------------------------------------------------------
     @property
@@ -76,6 +90,7 @@ class FaultProxy:
     def start(self) -> "FaultProxy":
         if self._server is not None:
             return self
+        self._stopping.clear()
         self._server = _Server((self._bind, 0), _Handler, self)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         kwargs={"poll_interval": 0.1},
@@ -87,6 +102,7 @@ class FaultProxy:
         """Stop serving and drop every open client connection."""
         if self._server is None:
             return
+        self._stopping.set()  # ends injected stalls
         self._server.shutdown()
         self._server.server_close()
         with self._lock:
@@ -110,12 +126,23 @@ class FaultProxy:
         """Environment for a (child) process whose GCS traffic should go through this proxy."""
         return {"STORAGE_EMULATOR_HOST": self.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
-    def storage(self, uri: str, config: "StorageConfig | None" = None) -> "GCSStorage":
-        """A :class:`~xla_ckpt.storage.gcs.GCSStorage` for ``uri`` that goes through this proxy."""
-        # Lazy: the GCS client stack (requests, google-auth) is not needed by the proxy or its CLI.
+    def storage(self, uri: str, config: "StorageConfig | None" = None, *,
+                source_address: str | None = None) -> "GCSStorage":
+        """A :class:`~xla_ckpt.storage.gcs.GCSStorage` for ``uri`` that goes through this proxy.
+
+        ``source_address``: bind its client sockets to this loopback address (an emulated
+        host's, :func:`~xla_ckpt.testing.fault_proxy.host_address`), so the proxy counts and
+        shapes its traffic as that host's.
+        """
+        # Lazy: the GCS client stack (google-auth, google-cloud-storage) is not needed by the
+        # proxy or its CLI.
         from xla_ckpt.storage.gcs import GCSStorage  # noqa: PLC0415 - heavy, needed here only
 
-        return GCSStorage(uri, config, endpoint=self.url)
+        storage = GCSStorage(uri, config, endpoint=self.url)
+        if source_address is not None:
+            bind_session(storage._conn.session, source_address,
+                         pool_maxsize=max(32, 2 * storage.config.max_workers))
+        return storage
 
     # ---- faults --------------------------------------------------------------------------
     def inject(self, *faults: Fault, match: Matcher = any_request, times: int = 1) -> None:
@@ -157,8 +184,18 @@ class FaultProxy:
     def snapshot(self) -> ProxyStats:
         """A copy of the counters."""
         with self._lock:
-            return ProxyStats(self.stats.requests, self.stats.connections,
-                              self.stats.bytes_served, Counter(self.stats.faults))
+            st = self.stats
+            return ProxyStats(st.requests, st.connections, st.bytes_served, Counter(st.faults),
+                              Counter(st.bytes_by_address), Counter(st.connections_by_address))
+
+    def bytes_served_by_address(self) -> dict[str, int]:
+        """Response body bytes sent so far, per client source address (``{"127.0.0.10": n}``).
+
+        With emulated hosts bound to ``127.0.0.(10+h)`` this is the bytes each host fetched
+        from storage; the values sum to ``snapshot().bytes_served``.
+        """
+        with self._lock:
+            return dict(self.stats.bytes_by_address)
 
     def reset_log(self) -> None:
         """Forget logged requests and zero the counters."""

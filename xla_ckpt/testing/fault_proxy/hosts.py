@@ -1,0 +1,73 @@
+"""Emulated hosts on one machine: each has its own loopback source address.
+
+Emulated host ``h`` (the launcher's group rank / host id) binds its client sockets to
+``127.0.0.(10+h)`` (:func:`host_address`); the whole 127.0.0.0/8 block is loopback on
+Linux, so no set-up is needed.  The proxy then sees one source address per host: it
+shapes each host's traffic under ``Shaping.host_mib_s`` (that host's network link) and
+counts the bytes served to each (:meth:`FaultProxy.bytes_served_by_address`).
+
+:func:`bind_session` makes a ``requests`` session (the transport of the
+google-cloud-storage client and of :class:`~xla_ckpt.storage.gcs.GCSStorage`) connect from
+such an address; :meth:`FaultProxy.storage` takes ``source_address=`` for the common case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import requests
+import requests.adapters
+
+#: Host ``h`` uses ``127.0.0.(HOST_ADDRESS_BASE + h)``; 127.0.0.1 stays the default address.
+HOST_ADDRESS_BASE = 10
+MAX_EMULATED_HOSTS = 255 - HOST_ADDRESS_BASE
+
+
+def host_address(host_id: int) -> str:
+    """The loopback source address of emulated host ``host_id``: ``127.0.0.(10+host_id)``.
+
+    Raises:
+        ValueError: ``host_id`` is not an integer in ``[0, 245)``.
+    """
+    if not isinstance(host_id, int) or isinstance(host_id, bool) \
+            or not 0 <= host_id < MAX_EMULATED_HOSTS:
+        raise ValueError(f"emulated host id must be an integer in [0, {MAX_EMULATED_HOSTS}), "
+                         f"got {host_id!r}")
+    return f"127.0.0.{HOST_ADDRESS_BASE + host_id}"
+
+
+class SourceAddressAdapter(requests.adapters.HTTPAdapter):
+    """A ``requests`` transport adapter whose connections all leave from ``address``.
+
+    Args:
+        address: local IP to bind before connecting (port chosen by the kernel).
+        **kwargs: :class:`requests.adapters.HTTPAdapter` arguments (``pool_maxsize``...).
+    """
+
+    def __init__(self, address: str, **kwargs: Any) -> None:
+        self.source_address = (address, 0)
+        super().__init__(**kwargs)
+
+    def init_poolmanager(self, connections: int, maxsize: int, block: bool = False,
+                         **pool_kwargs: Any) -> None:
+        pool_kwargs["source_address"] = self.source_address
+        super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
+
+
+def bind_session(session: requests.Session, address: str, *,
+                 pool_maxsize: int = 32) -> requests.Session:
+    """Mount a :class:`SourceAddressAdapter` for ``http://`` and ``https://`` on ``session``.
+
+    Every later connection of ``session`` leaves from ``address`` (e.g.
+    ``host_address(h)``); connections already open are dropped with the old adapters.
+    ``max_retries=0`` as in :mod:`xla_ckpt.storage.gcs` (retries are the caller's).
+    Returns ``session``.
+    """
+    adapter = SourceAddressAdapter(address, pool_connections=8, pool_maxsize=pool_maxsize,
+                                   max_retries=0)
+    for prefix in ("http://", "https://"):
+        old = session.adapters.get(prefix)
+        session.mount(prefix, adapter)
+        if old is not None and old is not adapter:
+            old.close()
+    return session
