@@ -353,3 +353,14 @@ class OutputExistsError(CheckpointExistsError, ConfigError):
     A usage error on the command line (exit code 2); the message names the destination,
     what it holds, and ``--overwrite``.
     """
+
+
+class ShardedStateError(XlaCkptError, ValueError):
+    """A state holding sharded tensors (``DTensor``, torch_xla SPMD) was passed where it cannot
+    be saved as it is.
+
+    Raised by :func:`xla_ckpt.save` for a ``DTensor`` when ``torch.distributed`` is not
+    initialised (its other shards live on other ranks: every rank saves together, see
+    :func:`xla_ckpt.restore.save_distributed`), or with options that only a single writer
+    has (``rank_states``, ``storage``).  The message names the key and what to do.
+    """

@@ -5,6 +5,11 @@ is shown, as a restore would choose it).  Only the manifest is read: no
 tensor bytes move.  A legacy ``.pt``/safetensors file is shown as
 ``xla-ckpt convert`` would import it (read whole, through the allow-list).
 
+A sharded checkpoint (manifest version 2) shows its global tensors in the state tree with
+their global shape, dtype, number of chunks and placement at save
+(``float32[10, 6]  240 B  (4 chunks, Shard(0) on mesh (4,))``); the ``chunks/<rank>``
+items that hold the chunks' bytes are summed up in one line.
+
 The summary covers the fairseq layout: model and criterion tensors, optimizer
 (class from ``optimizer_history``, param groups, learning rates, per-parameter
 state), lr scheduler state, ``num_updates``, the train iterator position (also
@@ -36,6 +41,7 @@ from xla_ckpt.cli.common import (
 )
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format import typed
+from xla_ckpt.format.chunks import CHUNK_ITEM_PREFIX, GlobalTensor
 from xla_ckpt.format.dtypes import dtype_from_name, itemsize
 from xla_ckpt.format.manifest import STATE_ITEM, Item, Manifest, TensorRecord
 from xla_ckpt.io.legacy import is_legacy_file, load_legacy_file
@@ -57,7 +63,11 @@ def register(sub: Subparsers, parents: Parents) -> None:
 
 
 class TensorInfo:
-    """What the manifest says about one tensor (shown in place of its bytes)."""
+    """What the manifest says about one tensor (shown in place of its bytes).
+
+    For a global (chunked) tensor, ``chunks`` is its number of saved chunks and
+    ``placement`` how it was sharded at save; ``chunks`` is None for a plain record.
+    """
 
     def __init__(self, rec: TensorRecord) -> None:
         self.key = rec.key
@@ -65,6 +75,18 @@ class TensorInfo:
         self.shape = rec.shape
         self.numel = rec.numel
         self.nbytes = rec.numel * itemsize(dtype_from_name(rec.dtype))
+        self.chunks: int | None = None
+        self.placement = ""
+        self.chunk_items: tuple[str, ...] = ()
+
+    @classmethod
+    def of_global(cls, gt: GlobalTensor) -> "TensorInfo":
+        """Description of a global tensor of a version-2 manifest (its chunk table)."""
+        info = cls(TensorRecord(gt.key, 0, 0, gt.dtype, gt.shape, (1,) * len(gt.shape)))
+        info.chunks = len(gt.chunks)
+        info.placement = gt.placement
+        info.chunk_items = tuple(sorted({c.item for c in gt.chunks}))
+        return info
 
     @classmethod
     def of(cls, t: torch.Tensor, key: str = "") -> "TensorInfo":
@@ -73,18 +95,33 @@ class TensorInfo:
                                 tuple(t.stride())))
 
     def describe(self) -> str:
-        return f"{self.dtype}[{', '.join(map(str, self.shape))}]  {human_bytes(self.nbytes)}"
+        text = f"{self.dtype}[{', '.join(map(str, self.shape))}]  {human_bytes(self.nbytes)}"
+        if self.chunks is None:
+            return text
+        where = f", {self.placement}" if self.placement else ""
+        return f"{text}  ({self.chunks} chunk{'' if self.chunks == 1 else 's'}{where})"
 
     def to_json(self) -> dict:
-        return {"tensor": {"dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes}}
+        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape),
+                             "nbytes": self.nbytes}
+        if self.chunks is not None:
+            d.update(chunks=self.chunks, placement=self.placement,
+                     chunk_items=list(self.chunk_items))
+        return {"tensor": d}
 
     def __repr__(self) -> str:
         return f"<{self.dtype}[{', '.join(map(str, self.shape))}]>"
 
 
-def decode_item(item: Item) -> Any:
-    """The item's typed state with :class:`TensorInfo` where tensors are."""
-    infos = [TensorInfo(r) for r in item.tensors]
+def decode_item(item: Item, manifest: Manifest | None = None) -> Any:
+    """The item's typed state with :class:`TensorInfo` where tensors are.
+
+    A chunked item's tensors are ``manifest``'s global tensors (:meth:`TensorInfo.of_global`).
+    """
+    if item.chunked:
+        infos = [TensorInfo.of_global(g) for g in (manifest.global_tensors if manifest else [])]
+    else:
+        infos = [TensorInfo(r) for r in item.tensors]
 
     def lookup(i: int) -> TensorInfo:
         if not 0 <= i < len(infos):
@@ -139,26 +176,44 @@ def run(args: argparse.Namespace) -> int:
         manifest = read_manifest(target.storage)
     finally:
         target.storage.close()
-    trees = {name: decode_item(item) for name, item in manifest.items.items()}
-    summary = summarize(trees)
+    trees = {name: decode_item(item, manifest) for name, item in manifest.items.items()}
+    # chunk items hold the bytes of the global tensors the state shows: not counted twice
+    summary = summarize({n: t for n, t in trees.items() if not _is_chunk_item(n)})
     if args.json:
         doc = {"uri": target.uri, "run": target.run_uri, "save_id": manifest.save_id,
+               "version": manifest.version,
                "created_unix_s": manifest.created_unix_s, "world_size": manifest.world_size,
                "nbytes": manifest.nbytes, "files": manifest.files,
                "metadata": typed.decode(manifest.metadata) if manifest.metadata is not None
                else None,
+               "global_tensors": [dict(key=g.key, **TensorInfo.of_global(g).to_json()["tensor"])
+                                  for g in manifest.global_tensors],
                "items": {name: {"tensors": len(manifest.items[name].tensors),
-                                "nbytes": manifest.items[name].nbytes, "tree": tree}
+                                "nbytes": manifest.items[name].nbytes,
+                                "chunked": manifest.items[name].chunked, "tree": tree}
                          for name, tree in trees.items()},
                "summary": summary}
         print(json.dumps(jsonable(doc), indent=2, sort_keys=False))
         return EXIT_OK
     print("\n".join(_header(target, manifest)))
+    chunk_items = [n for n in trees if _is_chunk_item(n)]
     for name, tree in trees.items():
         item = manifest.items[name]
-        print(f"\nitem {name!r}: {len(item.tensors)} tensors, {human_bytes(item.nbytes)}")
+        if _is_chunk_item(name):
+            continue
+        if item.chunked:
+            print(f"\nitem {name!r}: chunked, {len(_refs(tree))} global tensors")
+        else:
+            print(f"\nitem {name!r}: {len(item.tensors)} tensors, {human_bytes(item.nbytes)}")
         for line in render(tree, "state", 1, args.depth):
             print(line)
+    if chunk_items:
+        items = [manifest.items[n] for n in chunk_items]
+        span = chunk_items[0] if len(chunk_items) == 1 else \
+            f"{chunk_items[0]} .. {chunk_items[-1]}"
+        print(f"\nchunk items: {len(chunk_items)} ({span}), "
+              f"{sum(len(i.tensors) for i in items)} chunk tensors, "
+              f"{human_bytes(sum(i.nbytes for i in items))}")
     print("\nsummary:")
     for line in _summary_lines(summary):
         print("  " + line)
@@ -171,9 +226,22 @@ def _header(target: Target, m: Manifest) -> list[str]:
     lines.append(f"saved       {utc_time(m.created_unix_s)} UTC  save_id {m.save_id}  "
                  f"world_size {m.world_size if m.world_size is not None else '-'}")
     lines.append(f"data        {len(m.files)} files, {human_bytes(m.nbytes)}")
+    if m.global_tensors:
+        lines.append(f"global      {len(m.global_tensors)} tensors in "
+                     f"{sum(len(g.chunks) for g in m.global_tensors)} chunks "
+                     f"(manifest version {m.version})")
     if m.metadata is not None:
         lines.append(f"metadata    {short_repr(typed.decode(m.metadata), 100)}")
     return lines
+
+
+def _is_chunk_item(name: str) -> bool:
+    return name.startswith(CHUNK_ITEM_PREFIX)
+
+
+def _refs(tree: Any) -> list[TensorInfo]:
+    """The distinct global tensors under ``tree`` (a tied one once)."""
+    return list({id(t): t for t in tensors_in(tree)}.values())
 
 
 # ---- tree ---------------------------------------------------------------------------------

@@ -16,14 +16,48 @@ Restoring onto any mesh is box overlap (:func:`intersect`) between saved chunks 
 target's local boxes; :func:`row_span` gives the contiguous element range of a saved chunk
 that covers an overlap, so a reader fetches that sub-range instead of the whole chunk.
 
+Rank ``r`` writes its chunks as the tensor records of item :func:`chunk_item` ``(r)``
+(``chunks/00003``), keyed :func:`chunk_key` (``state['w'][0:3,0:6]``).  A manifest parse
+refuses a table whose chunks do not tile their tensor: :func:`first_overlap` finds two
+chunks sharing an element in O(n log n) for the layouts sharding produces, and a tensor
+may have at most :data:`MAX_CHUNKS_PER_TENSOR` chunks.
+
 Pure: no I/O, no torch.distributed.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+CHUNK_ITEM_PREFIX = "chunks/"
+"""Items named ``chunks/<rank>`` hold the chunk tensors rank ``<rank>`` wrote."""
+
+MAX_CHUNKS_PER_TENSOR = 1 << 20
+"""A global tensor with more chunks than this (1,048,576) is refused when a manifest is parsed:
+real layouts have one chunk per shard (a few per rank or device), so more is a hostile or broken
+table, and refusing it before looking at the chunks bounds the work and memory of the check."""
+
+
+def chunk_item(rank: int) -> str:
+    """Item name for the chunk tensors ``rank`` writes (``chunks/00003``)."""
+    return f"{CHUNK_ITEM_PREFIX}{rank:05d}"
+
+
+def chunk_key(key: str, box: "Box") -> str:
+    """The tensor-record key of a chunk: ``<global key>[o0:e0,o1:e1]`` (readable in inspect)."""
+    return f"{key}[{','.join(f'{o}:{e}' for o, e in zip(box.offsets, box.ends, strict=True))}]"
+
+
+def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Row-major (C-contiguous) element strides of a tensor of ``sizes``."""
+    out = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        out[d] = out[d + 1] * max(int(sizes[d + 1]), 1)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -138,10 +172,126 @@ class GlobalTensor:
         return d
 
     def overlapping(self, box: Box) -> list[tuple[ChunkRecord, Box]]:
-        """Saved chunks overlapping ``box``, each with the overlap, in chunk order."""
+        """Saved chunks overlapping ``box``, each with the overlap, in chunk order.
+
+        Only the chunks whose dim-0 range can reach ``box`` are compared (a sorted index
+        built on first use): a rank's box meets a few of a tensor's many chunks.
+        """
+        if not self.shape or len(self.chunks) < 8:
+            candidates: Sequence[int] = range(len(self.chunks))
+        else:
+            starts, order, reach = self._by_start
+            lo = bisect.bisect_left(starts, box.offsets[0] - reach + 1)
+            hi = bisect.bisect_left(starts, box.offsets[0] + box.sizes[0])
+            candidates = sorted(order[lo:hi])
         out = []
-        for c in self.chunks:
+        for i in candidates:
+            c = self.chunks[i]
             ov = intersect(c.box, box)
             if ov is not None:
                 out.append((c, ov))
         return out
+
+    @functools.cached_property
+    def _by_start(self) -> tuple[list[int], list[int], int]:
+        """(dim-0 offsets sorted, the chunk indices in that order, the largest dim-0 size)."""
+        order = sorted(range(len(self.chunks)), key=lambda i: self.chunks[i].offsets[0])
+        return ([self.chunks[i].offsets[0] for i in order], order,
+                max((c.sizes[0] for c in self.chunks), default=0))
+
+
+class LayoutTooIrregularError(ValueError):
+    """:func:`first_overlap` gave up: the boxes need more than its work budget to compare."""
+
+
+def first_overlap(boxes: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                  budget: int | None = None) -> tuple[int, int] | None:
+    """Two boxes that share an element, as indices into ``boxes``, or None when all are disjoint.
+
+    ``boxes`` are ``(offsets, ends)`` pairs of one rank, each non-empty (every size > 0).
+    Dimensions in which every box spans the same range are left out first (they cannot
+    separate two boxes); one dimension left is a sort, two a sweep over the first with the
+    intervals of the second kept sorted (O(n log n) for any layout), more a sweep over the
+    first whose cross-sections are checked the same way (O(n log n) for grid layouts).
+
+    Raises:
+        LayoutTooIrregularError: more than ``budget`` box visits would be needed (only for
+            three or more varying dimensions; default ``64 * len(boxes) + 2**20``).
+    """
+    n = len(boxes)
+    if n < 2:
+        return None
+    ndim = len(boxes[0][0])
+    dims = [d for d in range(ndim)
+            if any(b[0][d] != boxes[0][0][d] or b[1][d] != boxes[0][1][d] for b in boxes)]
+    left = [budget if budget is not None else 64 * n + (1 << 20)]
+    return _overlap(list(range(n)), boxes, dims, left)
+
+
+def _overlap(ids: list[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]],
+             dims: list[int], left: list[int]) -> tuple[int, int] | None:
+    left[0] -= len(ids)
+    if left[0] < 0:
+        raise LayoutTooIrregularError(f"more than the work budget for {len(boxes)} boxes")
+    if len(ids) < 2:
+        return None
+    if not dims:
+        return ids[0], ids[1]
+    d0 = dims[0]
+    if len(dims) == 1:
+        order = sorted(ids, key=lambda i: boxes[i][0][d0])
+        for a, b in zip(order, order[1:], strict=False):
+            if boxes[b][0][d0] < boxes[a][1][d0]:
+                return a, b
+        return None
+    events = sorted([(boxes[i][0][d0], 1, i) for i in ids] + [(boxes[i][1][d0], 0, i) for i in ids])
+    if len(dims) == 2:
+        return _sweep_2d(events, boxes, dims[1])
+    active: list[int] = []
+    rest = dims[1:]
+    k = 0
+    while k < len(events):
+        x = events[k][0]
+        started = False
+        while k < len(events) and events[k][0] == x:
+            _, kind, i = events[k]
+            if kind == 0:
+                active.remove(i)
+            else:
+                active.append(i)
+                started = True
+            k += 1
+        if started and len(active) > 1:
+            sub = [d for d in rest if any(boxes[i][0][d] != boxes[active[0]][0][d]
+                                          or boxes[i][1][d] != boxes[active[0]][1][d]
+                                          for i in active)]
+            found = _overlap(list(active), boxes, sub, left)
+            if found is not None:
+                return found
+    return None
+
+
+def _sweep_2d(events: list[tuple[int, int, int]],
+              boxes: Sequence[tuple[Sequence[int], Sequence[int]]], d1: int
+              ) -> tuple[int, int] | None:
+    """Sweep over the first dimension (``events``: ends before starts at one coordinate),
+    keeping the active boxes' ``d1`` intervals sorted; they must never overlap."""
+    starts: list[int] = []
+    ends: list[int] = []
+    who: list[int] = []
+    for _, kind, i in events:
+        lo, hi = boxes[i][0][d1], boxes[i][1][d1]
+        pos = bisect.bisect_left(starts, lo)
+        if kind == 0:
+            while who[pos] != i:  # starts are distinct while the intervals are disjoint
+                pos += 1
+            del starts[pos], ends[pos], who[pos]
+            continue
+        if pos > 0 and ends[pos - 1] > lo:
+            return who[pos - 1], i
+        if pos < len(starts) and starts[pos] < hi:
+            return who[pos], i
+        starts.insert(pos, lo)
+        ends.insert(pos, hi)
+        who.insert(pos, i)
+    return None

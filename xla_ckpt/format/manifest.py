@@ -29,24 +29,59 @@ A *blob* is a contiguous byte range of a data file; one or more tensors view
 it (tensors that shared storage at save time share a blob, so aliasing comes
 back).  ``crc32c`` covers the whole blob; ``chunk_crc32c`` covers each
 ``chunk_size``-byte chunk so a byte-range read of part of a blob is checked too.
+
+Version 2 (chunked tensors, :mod:`xla_ckpt.format.chunks`) adds *global* tensors, each
+stored as chunks (boxes of its global index space) that ranks wrote as ordinary tensor
+records of their own items.  A manifest is version 2 only when it has global tensors
+(or chunked items); everything else is written as version 1, byte for byte as before::
+
+    "version": 2,
+    "global_tensors": [                       # index g = position
+      {"key": "state['model']['w']", "dtype": "float32", "shape": [10, 6],
+       "placement": "Shard(0) on mesh (4,)",  # informational, optional
+       "chunks": [{"item": "chunks/00000", "tensor": 0,    # record 0 of that item
+                   "offsets": [0, 0], "sizes": [3, 6]}, ...]}],
+    "items": {
+      "state": {"state": <typed tree, {"$tensor": g} = global_tensors[g]>,
+                "tensors": [], "blobs": [], "chunked": true},
+      "chunks/00000": {<an ordinary item: the chunk tensors rank 0 wrote>}, ...}
+
+A chunk's record has the global dtype, shape ``sizes`` and C-contiguous strides.  The
+chunks of a global tensor tile it exactly (inside its shape, no overlap, no gap); a
+tensor with no elements has none.  All of that is checked when the manifest is parsed,
+before anything is allocated from it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import json
 import math
+import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format import typed
+from xla_ckpt.format.chunks import (
+    MAX_CHUNKS_PER_TENSOR,
+    ChunkRecord,
+    GlobalTensor,
+    LayoutTooIrregularError,
+    first_overlap,
+)
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
 
 FORMAT_NAME = "xla_ckpt"
 FORMAT_VERSION = 1
+"""The version written for a checkpoint without global tensors."""
+CHUNKED_FORMAT_VERSION = 2
+"""The version written when a manifest has global (chunked) tensors."""
+SUPPORTED_VERSIONS = (FORMAT_VERSION, CHUNKED_FORMAT_VERSION)
 MANIFEST_NAME = "manifest.json"
 CRC_FIELD = "manifest_crc32c"
 STATE_ITEM = "state"
@@ -113,19 +148,27 @@ class TensorRecord:
 
 @dataclass
 class Item:
-    """A self-contained piece of state: typed tree, its tensors and their blobs."""
+    """A self-contained piece of state: typed tree, its tensors and their blobs.
+
+    ``chunked`` (manifest version 2): the tree's ``{"$tensor": g}`` nodes index
+    :attr:`Manifest.global_tensors`, and the item has no tensors or blobs of its own.
+    """
 
     state: Any
     tensors: list[TensorRecord] = field(default_factory=list)
     blobs: list[BlobRecord] = field(default_factory=list)
+    chunked: bool = False
 
     @property
     def nbytes(self) -> int:
         return sum(b.length for b in self.blobs)
 
     def to_json(self) -> dict:
-        return {"state": self.state, "tensors": [t.to_json() for t in self.tensors],
-                "blobs": [b.to_json() for b in self.blobs]}
+        d = {"state": self.state, "tensors": [t.to_json() for t in self.tensors],
+             "blobs": [b.to_json() for b in self.blobs]}
+        if self.chunked:
+            d["chunked"] = True
+        return d
 
 
 @dataclass
@@ -139,11 +182,19 @@ class Manifest:
     world_size: int | None = None
     created_unix_s: float = 0.0
     version: int = FORMAT_VERSION
+    global_tensors: list[GlobalTensor] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         """Total bytes of all data files (what a full read moves)."""
         return sum(self.files.values())
+
+    @property
+    def written_version(self) -> int:
+        """The version :meth:`to_json_bytes` writes: 2 with global tensors or chunked items."""
+        if self.global_tensors or any(it.chunked for it in self.items.values()):
+            return max(self.version, CHUNKED_FORMAT_VERSION)
+        return self.version
 
     def item(self, name: str = STATE_ITEM) -> Item:
         try:
@@ -153,10 +204,14 @@ class Manifest:
                 f"checkpoint has no item {name!r} (items: {sorted(self.items)[:8]})") from None
 
     def to_json_bytes(self) -> bytes:
-        doc = {"format": FORMAT_NAME, "version": self.version, "save_id": self.save_id,
-               "created_unix_s": self.created_unix_s, "world_size": self.world_size,
-               "metadata": self.metadata, "files": self.files,
-               "items": {k: v.to_json() for k, v in self.items.items()}}
+        version = self.written_version
+        doc: dict[str, Any] = {
+            "format": FORMAT_NAME, "version": version, "save_id": self.save_id,
+            "created_unix_s": self.created_unix_s, "world_size": self.world_size,
+            "metadata": self.metadata, "files": self.files}
+        if version >= CHUNKED_FORMAT_VERSION:
+            doc["global_tensors"] = [g.to_json() for g in self.global_tensors]
+        doc["items"] = {k: v.to_json() for k, v in self.items.items()}
         body = json.dumps(doc, ensure_ascii=False, allow_nan=False,
                           separators=(",", ":")).encode("utf-8")
         return seal(body)
@@ -181,16 +236,34 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise CheckpointCorruptError(f"{where}: manifest of {len(data)} bytes exceeds the "
                                          f"{MAX_MANIFEST_BYTES}-byte limit")
-        try:
-            doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
-                             object_pairs_hook=_unique_keys)
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise CheckpointCorruptError(f"{where}: not a valid JSON manifest ({e})") from None
-        if isinstance(doc, dict):
-            doc.pop(CRC_FIELD, None)
-        manifest = _validate(doc, where)
+        with _gc_paused():  # millions of acyclic objects: collections would only rescan them
+            try:
+                doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
+                                 object_pairs_hook=_unique_keys)
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
+                raise CheckpointCorruptError(f"{where}: not a valid JSON manifest ({e})") from None
+            if isinstance(doc, dict):
+                doc.pop(CRC_FIELD, None)
+            manifest = _validate(doc, where)
         _check_crc(data, where, require_crc)
         return manifest
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (as it was before, afterwards).
+
+    Parsing a large manifest makes millions of small containers, none in a cycle; every
+    collection the allocations trigger rescans all of them (a third of the parse of a
+    1,000 x 256-chunk manifest).  Reference counting still frees everything as usual.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 _CRC_STUB = b',"manifest_crc32c":"00000000"}'
@@ -258,10 +331,10 @@ def _validate(doc: Any, where: str) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"{where}: not an xla_ckpt manifest (format field missing)")
     version = doc.get("version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise CheckpointCorruptError(
             f"{where}: manifest version {version!r} is not supported by this xla_ckpt "
-            f"(reads version {FORMAT_VERSION}); upgrade xla_ckpt")
+            f"(reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade xla_ckpt")
     files_doc = doc.get("files")
     if not isinstance(files_doc, dict):
         raise CheckpointCorruptError(f"{where}: 'files' must be an object")
@@ -282,13 +355,32 @@ def _validate(doc: Any, where: str) -> Manifest:
         blobs_doc, tensors_doc = idoc.get("blobs", []), idoc.get("tensors", [])
         if not isinstance(blobs_doc, list) or not isinstance(tensors_doc, list):
             raise CheckpointCorruptError(f"{where}: item {iname!r} blobs/tensors must be lists")
+        chunked = idoc.get("chunked", False)
+        if type(chunked) is not bool:
+            raise CheckpointCorruptError(f"{where}: item {iname!r}: 'chunked' must be true or "
+                                         f"false, got {chunked!r}")
+        if chunked:
+            if version < CHUNKED_FORMAT_VERSION:
+                raise CheckpointCorruptError(
+                    f"{where}: item {iname!r} is chunked, which needs manifest version "
+                    f"{CHUNKED_FORMAT_VERSION} (this one says {version})")
+            if blobs_doc or tensors_doc:
+                raise CheckpointCorruptError(
+                    f"{where}: chunked item {iname!r} has tensors/blobs of its own; its "
+                    "tensors are the manifest's global_tensors")
+            items[iname] = Item(state=idoc.get("state"), chunked=True)
+            continue
         total += len(blobs_doc) + len(tensors_doc)
         if total > MAX_ENTRIES:
             raise CheckpointCorruptError(f"{where}: more than {MAX_ENTRIES} entries")
-        blobs = [_blob(b, files, f"{where} item {iname!r} blob {i}")
+        # The common case is checked inline (_fast_blob, _fast_tensor: a manifest can hold
+        # millions of records); anything they do not accept is checked again one field at a
+        # time, which names what is wrong.
+        blobs = [_fast_blob(b, files) or _blob(b, files, f"{where} item {iname!r} blob {i}")
                  for i, b in enumerate(blobs_doc)]
         _check_overlaps(blobs, f"{where} item {iname!r}")
-        tensors = [_tensor(t, blobs, f"{where} item {iname!r} tensor {i}")
+        tensors = [_fast_tensor(t, blobs)
+                   or _tensor(t, blobs, f"{where} item {iname!r} tensor {i}")
                    for i, t in enumerate(tensors_doc)]
         keys = [t.key for t in tensors]
         if len(set(keys)) != len(keys):
@@ -296,6 +388,15 @@ def _validate(doc: Any, where: str) -> Manifest:
             raise CheckpointCorruptError(f"{where}: item {iname!r} has duplicate tensor key {dup}")
         _check_state(idoc.get("state"), len(tensors), f"{where} item {iname!r}")
         items[iname] = Item(state=idoc.get("state"), tensors=tensors, blobs=blobs)
+    gdoc = doc.get("global_tensors")
+    if gdoc is not None and version < CHUNKED_FORMAT_VERSION:
+        raise CheckpointCorruptError(f"{where}: 'global_tensors' needs manifest version "
+                                     f"{CHUNKED_FORMAT_VERSION} (this one says {version})")
+    global_tensors = _global_tensors([] if gdoc is None else gdoc, items, where, total)
+    for iname, it in items.items():
+        if it.chunked:
+            _check_state(it.state, len(global_tensors), f"{where} chunked item {iname!r}",
+                         what="global tensor")
     ws = doc.get("world_size")
     if ws is not None:
         _int(ws, "world_size", where, lo=1)
@@ -312,20 +413,79 @@ def _validate(doc: Any, where: str) -> Manifest:
         except CheckpointCorruptError as e:
             raise CheckpointCorruptError(f"{where}: metadata: {e}") from None
     return Manifest(save_id=save_id, items=items, files=files, metadata=doc.get("metadata"),
-                    world_size=ws, created_unix_s=float(created), version=version)
+                    world_size=ws, created_unix_s=float(created), version=version,
+                    global_tensors=global_tensors)
 
 
-def _check_state(state: Any, n_tensors: int, where: str) -> None:
+def _check_state(state: Any, n_tensors: int, where: str, what: str = "tensor") -> None:
     """Decode the typed state once (tensors as None) so a malformed tree names the manifest."""
     def lookup(i: int) -> None:
         if not 0 <= i < n_tensors:
-            raise CheckpointCorruptError(f"typed state refers to tensor {i} but only "
+            raise CheckpointCorruptError(f"typed state refers to {what} {i} but only "
                                          f"{n_tensors} exist")
 
     try:
         typed.decode(state, lookup)
     except CheckpointCorruptError as e:
         raise CheckpointCorruptError(f"{where}: {e}") from None
+
+
+_DTYPES: dict[str, tuple[str, int]] = {}  # manifest dtype name -> (canonical name, itemsize)
+
+
+def _dtype_info(name: Any) -> tuple[str, int] | None:
+    """(canonical name, itemsize) of a valid dtype name, else None (cached per name)."""
+    info = _DTYPES.get(name) if type(name) is str else None
+    if info is None and type(name) is str:
+        try:
+            d = dtype_from_name(name)
+        except CheckpointCorruptError:
+            return None
+        info = _DTYPES[name] = (dtype_name(d), itemsize(d))
+    return info
+
+
+def _fast_blob(b: Any, files: dict[str, int]) -> BlobRecord | None:
+    """The blob record when ``b`` passes every check of :func:`_blob`, else None."""
+    if type(b) is not dict:
+        return None
+    fname, off, length, crc = b.get("file"), b.get("offset"), b.get("length"), b.get("crc32c")
+    chunk, chunks = b.get("chunk_size", DEFAULT_CHUNK_SIZE_BYTES), b.get("chunk_crc32c", [])
+    if type(fname) is not str:
+        return None
+    size = files.get(fname)
+    if (size is None or type(off) is not int or type(length) is not int or off < 0
+            or length < 0 or off + length > size or type(crc) is not int
+            or not 0 <= crc < 2**32 or type(chunk) is not int or chunk < 1
+            or type(chunks) is not list):
+        return None
+    if chunks and (len(chunks) != -(-length // chunk)
+                   or not all(type(c) is int and c >= 0 for c in chunks)):
+        return None
+    return BlobRecord(fname, off, length, crc, chunk, tuple(chunks))
+
+
+def _fast_tensor(t: Any, blobs: list[BlobRecord]) -> TensorRecord | None:
+    """The tensor record when ``t`` passes every check of :func:`_tensor`, else None."""
+    if type(t) is not dict:
+        return None
+    key, blob, off = t.get("key"), t.get("blob"), t.get("byte_offset")
+    shape, stride = t.get("shape"), t.get("stride")
+    info = _dtype_info(t.get("dtype"))
+    if (type(key) is not str or type(blob) is not int or not 0 <= blob < len(blobs)
+            or info is None or type(off) is not int or off < 0 or type(shape) is not list
+            or type(stride) is not list or len(shape) != len(stride) or len(shape) > MAX_NDIM
+            or not all(type(v) is int and 0 <= v < _INT64_LIMIT for v in shape)
+            or not all(type(v) is int and 0 <= v < _INT64_LIMIT for v in stride)):
+        return None
+    name, isz = info
+    if math.prod(d for d in shape if d) * isz >= _INT64_LIMIT:
+        return None
+    span = ((sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) + 1) * isz
+            if 0 not in shape else 0)
+    if off + span > blobs[blob].length:
+        return None
+    return TensorRecord(key, blob, off, name, tuple(shape), tuple(stride))
 
 
 def _blob(b: Any, files: dict[str, int], where: str) -> BlobRecord:
@@ -399,3 +559,228 @@ def _tensor(t: Any, blobs: list[BlobRecord], where: str) -> TensorRecord:
             f"{where}: shape {list(shape_t)} of {dtype} needs {rec.span_bytes()} bytes from "
             f"offset {rec.byte_offset} but its blob holds {blobs[blob].length}")
     return rec
+
+
+def check_global_tensors(manifest: Manifest, where: str = "manifest") -> list[GlobalTensor]:
+    """Run the version-2 checks of a parse on an in-memory manifest (what a writer commits).
+
+    The chunk tables (:func:`_global_tensors`, from their JSON form) against the items'
+    tensor records, and every chunked item's ``{"$tensor": g}`` against the table; the
+    items themselves are taken as they are.  Returns the tables as a parse gives them.
+
+    Raises:
+        CheckpointCorruptError: what a reader would refuse (names the global tensor).
+    """
+    tables = _global_tensors([g.to_json() for g in manifest.global_tensors], manifest.items,
+                             where, 0)
+    for iname, it in manifest.items.items():
+        if it.chunked:
+            if it.tensors or it.blobs:
+                raise CheckpointCorruptError(f"{where}: chunked item {iname!r} has tensors/blobs "
+                                             "of its own")
+            _check_state(it.state, len(tables), f"{where} chunked item {iname!r}",
+                         what="global tensor")
+    return tables
+
+
+def _global_tensors(gdoc: Any, items: dict[str, Item], where: str,
+                    entries: int) -> list[GlobalTensor]:
+    """Parse and check the chunk tables (manifest version 2); ``entries`` counted so far.
+
+    Counts are bounded before anything is looked at (:data:`MAX_ENTRIES` in all,
+    :data:`~xla_ckpt.format.chunks.MAX_CHUNKS_PER_TENSOR` per tensor), then each chunk is
+    checked against its record and the tensor's shape, then the chunks' volumes must sum
+    to the tensor's elements and no two may overlap (:func:`first_overlap`): together that
+    is "they tile it".  Work and memory are linear in the table's size (n log n for the
+    overlap check), never in the tensors' elements.
+    """
+    if not isinstance(gdoc, list):
+        raise CheckpointCorruptError(f"{where}: 'global_tensors' must be a list")
+    entries += len(gdoc)
+    if entries > MAX_ENTRIES:
+        raise CheckpointCorruptError(f"{where}: more than {MAX_ENTRIES} entries")
+    out: list[GlobalTensor] = []
+    keys: set[str] = set()
+    for g, t in enumerate(gdoc):
+        gt = _global_tensor(t, items, f"{where} global tensor {g}", entries)
+        entries += len(gt.chunks)
+        if gt.key in keys:
+            raise CheckpointCorruptError(f"{where} global tensor {g}: duplicate key {gt.key}")
+        keys.add(gt.key)
+        out.append(gt)
+    return out
+
+
+def _global_tensor(t: Any, items: dict[str, Item], where: str, entries: int) -> GlobalTensor:
+    if not isinstance(t, dict):
+        raise CheckpointCorruptError(f"{where}: must be an object")
+    key = t.get("key")
+    if not isinstance(key, str):
+        raise CheckpointCorruptError(f"{where}: key must be a string")
+    where = f"{where} ({key})"
+    dtype = t.get("dtype")
+    torch_dtype = dtype_from_name(dtype, where=where)
+    shape = t.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise CheckpointCorruptError(f"{where}: shape must be a list of at most {MAX_NDIM} "
+                                     "integers")
+    shape_t = tuple(_int(s, "shape entry", where) for s in shape)
+    numel = math.prod(shape_t)
+    if any(v >= _INT64_LIMIT for v in shape_t) \
+            or math.prod(d for d in shape_t if d) * itemsize(torch_dtype) >= _INT64_LIMIT:
+        raise CheckpointCorruptError(f"{where}: shape {list(shape_t)} exceeds what a tensor can "
+                                     "address (int64)")
+    placement = t.get("placement", "")
+    if not isinstance(placement, str):
+        raise CheckpointCorruptError(f"{where}: placement must be a string")
+    chunks_doc = t.get("chunks")
+    if not isinstance(chunks_doc, list):
+        raise CheckpointCorruptError(f"{where}: chunks must be a list")
+    n = len(chunks_doc)
+    if n > MAX_CHUNKS_PER_TENSOR:
+        raise CheckpointCorruptError(f"{where}: {n} chunks, more than the "
+                                     f"{MAX_CHUNKS_PER_TENSOR} a global tensor may have")
+    if entries + n > MAX_ENTRIES:
+        raise CheckpointCorruptError(f"{where}: more than {MAX_ENTRIES} entries")
+    name = dtype_name(torch_dtype)
+    ndim = len(shape_t)
+    chunks: list[ChunkRecord] = []
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    volume = 0
+    fast = _fast_chunks(chunks_doc, items, shape_t, name, ndim)
+    if fast is not None:
+        chunks, boxes, volume = fast
+    else:  # one at a time, to name what is wrong
+        for j, c in enumerate(chunks_doc):
+            rec = _chunk(c, items, shape_t, name, ndim, where, j)
+            chunks.append(rec)
+            boxes.append((rec.offsets, tuple(map(operator.add, rec.offsets, rec.sizes))))
+            volume += math.prod(rec.sizes)
+    if volume != numel:
+        how = ("they leave a gap" if volume < numel else "they overlap")
+        raise CheckpointCorruptError(f"{where}: chunks hold {volume} elements of a tensor of "
+                                     f"{numel} (shape {list(shape_t)}): {how}; they must tile it")
+    try:
+        pair = first_overlap(boxes)
+    except LayoutTooIrregularError:
+        raise CheckpointCorruptError(
+            f"{where}: the layout of its {n} chunks is too irregular to check for overlaps "
+            "within the work budget; refused as hostile") from None
+    if pair is not None:
+        a, b = (chunks[i] for i in pair)
+        raise CheckpointCorruptError(
+            f"{where}: chunks {pair[0]} (offsets {list(a.offsets)}, sizes {list(a.sizes)}) and "
+            f"{pair[1]} (offsets {list(b.offsets)}, sizes {list(b.sizes)}) overlap; chunks must "
+            "tile the tensor")
+    return GlobalTensor(key=key, dtype=name, shape=shape_t, chunks=tuple(chunks),
+                        placement=placement)
+
+
+_Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
+_INT_ONLY = {int}
+
+
+def _fast_chunks(chunks_doc: list, items: dict[str, Item], shape: tuple[int, ...], dtype: str,
+                 ndim: int) -> tuple[list[ChunkRecord], _Boxes, int] | None:
+    """(chunks, their boxes, sum of their volumes) when every entry passes every check of
+    :func:`_chunk`; None as soon as one does not (or may not: then :func:`_chunk` decides).
+
+    The table of a large job has hundreds of thousands of entries: the checks here are
+    the same as :func:`_chunk`'s, made with as few Python-level steps as possible.
+    """
+    chunks: list[ChunkRecord] = []
+    boxes: _Boxes = []
+    volume = 0
+    add, le, prod = operator.add, operator.le, math.prod
+    contiguous: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
+    if ndim == 0:
+        return None
+    for c in chunks_doc:
+        try:
+            iname, k, offs, sizes = c["item"], c["tensor"], c["offsets"], c["sizes"]
+            it = items[iname]
+        except (KeyError, TypeError):  # not an object, a field or the item missing
+            return None
+        if (type(iname) is not str or type(k) is not int or type(offs) is not list
+                or type(sizes) is not list or it.chunked or not 0 <= k < len(it.tensors)):
+            return None
+        rec = it.tensors[k]
+        sizes_t = tuple(sizes)
+        if (rec.shape != sizes_t or len(offs) != ndim or rec.dtype != dtype
+                or set(map(type, offs + sizes)) != _INT_ONLY or min(offs) < 0 or 0 in sizes_t
+                or not all(map(le, map(add, offs, sizes_t), shape))):
+            return None
+        ok = contiguous.get((sizes_t, rec.stride))
+        if ok is None:
+            ok = contiguous[(sizes_t, rec.stride)] = _c_contiguous(sizes_t, rec.stride)
+        if not ok:
+            return None
+        offs_t = tuple(offs)
+        chunks.append(ChunkRecord(iname, k, offs_t, sizes_t))
+        boxes.append((offs_t, tuple(map(add, offs_t, sizes_t))))
+        volume += prod(sizes_t)
+    return chunks, boxes, volume
+
+
+def _chunk(c: Any, items: dict[str, Item], shape: tuple[int, ...], dtype: str, ndim: int,
+           where_tensor: str, j: int) -> ChunkRecord:
+    """Chunk entry ``j`` of a global tensor, checked against its record and the global shape."""
+    if type(c) is dict:
+        iname, k, offs, sizes = c.get("item"), c.get("tensor"), c.get("offsets"), c.get("sizes")
+        it = items.get(iname) if isinstance(iname, str) else None
+        if (isinstance(iname, str) and it is not None and not it.chunked
+                and type(k) is int and 0 <= k < len(it.tensors)
+                and type(offs) is list and type(sizes) is list and len(offs) == ndim
+                and len(sizes) == ndim and all(type(o) is int and o >= 0 for o in offs)
+                and all(type(n) is int and n > 0 for n in sizes)):
+            rec = it.tensors[k]
+            sizes_t = tuple(sizes)
+            if (all(map(operator.le, map(operator.add, offs, sizes_t), shape))
+                    and rec.dtype == dtype
+                    and rec.shape == sizes_t and _c_contiguous(sizes_t, rec.stride)):
+                return ChunkRecord(iname, k, tuple(offs), sizes_t)  # the common case
+    return _bad_chunk(c, items, shape, dtype, ndim, f"{where_tensor} chunk {j}")
+
+
+def _bad_chunk(c: Any, items: dict[str, Item], shape: tuple[int, ...], dtype: str, ndim: int,
+               where: str) -> ChunkRecord:
+    """:func:`_chunk` again, one check at a time, to say what is wrong."""
+    if not isinstance(c, dict):
+        raise CheckpointCorruptError(f"{where}: must be an object")
+    iname = c.get("item")
+    it = items.get(iname) if isinstance(iname, str) else None
+    if it is None or it.chunked or not isinstance(iname, str):
+        raise CheckpointCorruptError(f"{where}: item {iname!r} is not a (non-chunked) item of "
+                                     "this manifest")
+    k = c.get("tensor")
+    if type(k) is not int or not 0 <= k < len(it.tensors):
+        raise CheckpointCorruptError(f"{where}: tensor {k!r} is not a record of item {iname!r} "
+                                     f"({len(it.tensors)} records)")
+    offs, sizes = c.get("offsets"), c.get("sizes")
+    if type(offs) is not list or type(sizes) is not list or len(offs) != ndim \
+            or len(sizes) != ndim:
+        raise CheckpointCorruptError(f"{where}: offsets and sizes must be lists of {ndim} "
+                                     "integers (the tensor's rank)")
+    for d in range(ndim):
+        o, s = offs[d], sizes[d]
+        if type(o) is not int or type(s) is not int or o < 0 or s <= 0 or o + s > shape[d]:
+            raise CheckpointCorruptError(
+                f"{where}: box offsets {offs} sizes {sizes} is empty or lies outside the "
+                f"tensor's shape {list(shape)} (dim {d})")
+    rec = it.tensors[k]
+    sizes_t = tuple(sizes)
+    if rec.dtype != dtype or rec.shape != sizes_t or not _c_contiguous(rec.shape, rec.stride):
+        raise CheckpointCorruptError(
+            f"{where}: record {k} of item {iname!r} ({rec.key}: {rec.dtype}{list(rec.shape)} "
+            f"stride {list(rec.stride)}) is not a C-contiguous {dtype}{list(sizes_t)} tensor")
+    return ChunkRecord(iname, k, tuple(offs), sizes_t)
+
+
+def _c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Row-major contiguous (strides of size-1 dims do not matter, as for torch)."""
+    expected = 1
+    for d in range(len(shape) - 1, -1, -1):
+        if shape[d] != 1 and stride[d] != expected:
+            return False
+        expected *= shape[d]
+    return True

@@ -29,8 +29,11 @@ Reading: the selection is made on the manifest's typed state (no tensor bytes), 
 only the blobs the selected tensors live in are read through
 :meth:`CheckpointReader.allocate` / :meth:`CheckpointReader.read_into` (crc32c checked
 as always); a blob shared by a selected and an unselected tensor (tied weights, views of
-one storage) is read whole.  Other checkpoint kinds (a legacy ``.pt``, HF safetensors,
-DCP) are read whole by the opener and pruned the same way.
+one storage) is read whole.  In a sharded checkpoint (a chunked item, manifest version 2)
+the selected global tensors are assembled whole from their chunks
+(:func:`xla_ckpt.io.chunked.read_boxes`); only their chunks' bytes are read.  Other
+checkpoint kinds (a legacy ``.pt``, HF safetensors, DCP) are read whole by the opener and
+pruned the same way.
 
 No ranks here: :meth:`xla_ckpt.manager.CheckpointManager.restore` with ``keys=`` runs
 this on every rank after rank 0 decided which checkpoint.
@@ -51,8 +54,9 @@ import torch
 
 from xla_ckpt.errors import UnknownKeyError
 from xla_ckpt.format import typed
-from xla_ckpt.format.manifest import STATE_ITEM, Item
-from xla_ckpt.format.plan import MapLocation, materialize_item
+from xla_ckpt.format.manifest import STATE_ITEM, Item, Manifest
+from xla_ckpt.format.plan import MapLocation, materialize_item, resolve_device
+from xla_ckpt.io.chunked import nbytes_of, plan_whole_reads, read_boxes, whole_tensor_request
 from xla_ckpt.io.opener import open_reader, read_checkpoint, read_items
 from xla_ckpt.io.reader import CheckpointReader
 from xla_ckpt.io.resolve import XLA_CKPT, Resolved
@@ -254,9 +258,12 @@ class Selection:
 
     Attributes:
         keys: the keys asked (None: all of the item).
-        tensors: indices into ``item.tensors`` of the selected tensors.
-        blob_ids: indices into ``item.blobs`` to read (sorted; no blob for empty tensors).
-        nbytes: bytes of those blobs (what a read of them fetches).
+        tensors: indices into ``item.tensors`` of the selected tensors (for a chunked
+            item: into the manifest's ``global_tensors``).
+        blob_ids: indices into ``item.blobs`` to read (sorted; no blob for empty tensors;
+            none for a chunked item).
+        nbytes: bytes of those blobs (what a read of them fetches; for a chunked item the
+            byte ranges of the selected tensors' chunks).
     """
 
     keys: tuple[str, ...] | None
@@ -265,8 +272,13 @@ class Selection:
     nbytes: int
 
 
-def select_item(item: Item, keys: Keys, *, where: str = "the checkpoint") -> Selection:
+def select_item(item: Item, keys: Keys, *, where: str = "the checkpoint",
+                manifest: Manifest | None = None) -> Selection:
     """The tensors and blobs of ``item`` that ``keys`` select.  Pure: reads no tensor bytes.
+
+    For a chunked item (manifest version 2) ``tensors`` are indices into
+    ``manifest.global_tensors``, ``blob_ids`` is empty and ``nbytes`` the bytes of the
+    ranges a read of those whole tensors fetches (0 without ``manifest``).
 
     Raises:
         UnknownKeyError: a key selects nothing.
@@ -274,6 +286,13 @@ def select_item(item: Item, keys: Keys, *, where: str = "the checkpoint") -> Sel
     """
     refs = typed.decode(item.state, _Ref)
     chosen = select_state(refs, keys, where=where)
+    if item.chunked:
+        picked = frozenset(r.index for r in _refs(chosen))
+        nbytes = (sum(r.length for r in plan_whole_reads(manifest, sorted(picked)))
+                  if manifest is not None else 0)
+        return Selection(keys=None if keys is None else tuple([keys] if isinstance(keys, str)
+                                                              else keys),
+                         tensors=picked, blob_ids=(), nbytes=nbytes)
     if keys is None:
         tensors = frozenset(range(len(item.tensors)))
     else:
@@ -340,7 +359,9 @@ def read_partial(reader: CheckpointReader, keys: Keys, *, item: str = STATE_ITEM
     """
     t0 = time.perf_counter()
     it = reader.manifest.item(item)
-    sel = select_item(it, keys, where=reader.storage.uri)
+    sel = select_item(it, keys, where=reader.storage.uri, manifest=reader.manifest)
+    if it.chunked:
+        return _read_chunked(reader, it, sel, keys, map_location, progress, t0)
     buffers: dict[int, torch.Tensor] = {}
     read = 0
     for group in _groups(it, sel.blob_ids,
@@ -359,6 +380,38 @@ def read_partial(reader: CheckpointReader, keys: Keys, *, item: str = STATE_ITEM
     dt = time.perf_counter() - t0
     logger.debug("read %d of %d blobs (%d bytes) of %s for keys %s in %.3f s", len(sel.blob_ids),
                  len(it.blobs), read, reader.storage.uri, sel.keys, dt)
+    return PartialResult(state=state, selection=sel, bytes_read=read, seconds=dt)
+
+
+def _read_chunked(reader: CheckpointReader, it: Item, sel: Selection, keys: Keys,
+                  map_location: MapLocation, progress: Progress | None,
+                  t0: float) -> PartialResult:
+    """:func:`read_partial` of a chunked item: the selected global tensors, assembled whole."""
+    gts = reader.manifest.global_tensors
+    placed: dict[int, torch.Tensor] = {}
+    read = 0
+    group: list[int] = []
+    size = 0
+    todo = sorted(sel.tensors)
+    for k, g in enumerate(todo):
+        group.append(g)
+        size += nbytes_of(gts[g])
+        if k + 1 < len(todo) and (progress is None or size < PROGRESS_STEP_BYTES):
+            continue
+        requests = [whole_tensor_request(reader.manifest, i) for i in group]
+        n = read_boxes(reader, requests)
+        read += n
+        for req in requests:
+            dev = resolve_device(map_location, gts[req.tensor].key)
+            placed[req.tensor] = req.out if dev is None or dev.type == "cpu" else req.out.to(dev)
+        if progress is not None:
+            progress(n)
+        group, size = [], 0
+    full = typed.decode(it.state, placed.get)
+    state = select_state(full, keys, where=reader.storage.uri)
+    dt = time.perf_counter() - t0
+    logger.debug("read %d of %d global tensors (%d bytes) of %s for keys %s in %.3f s",
+                 len(placed), len(gts), read, reader.storage.uri, sel.keys, dt)
     return PartialResult(state=state, selection=sel, bytes_read=read, seconds=dt)
 
 

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -67,9 +67,12 @@ from xla_ckpt.format.manifest import (
     Manifest,
     TensorRecord,
 )
-from xla_ckpt.format.plan import MapLocation, materialize_item, tensor_bytes
+from xla_ckpt.format.plan import MapLocation, materialize_item, resolve_device, tensor_bytes
 from xla_ckpt.storage import ObjectInfo, Storage, StorageConfig, open_storage
 from xla_ckpt.storage.local import LocalStorage
+
+if TYPE_CHECKING:
+    from xla_ckpt.io.chunked import BoxRequest
 
 logger = logging.getLogger(__name__)
 
@@ -377,12 +380,22 @@ class CheckpointReader:
         (:func:`xla_ckpt.trainer.module_load.in_place_targets` does for a
         module); the autograd version counter of every target filled is bumped.
 
+        A chunked item (manifest version 2: sharded state saved by its owners) comes back
+        with every global tensor assembled whole on CPU from its chunks
+        (:func:`xla_ckpt.io.chunked.read_boxes`: crc32c-checked in staging buffers, then
+        copied), then placed as ``map_location`` says; ``into`` is then keyed by global
+        tensor key (the same tree path) and a plain CPU target of the saved dtype and
+        shape (any strides that fill their memory once) is filled in place; ``mmap`` does
+        not apply.  What DCP's ``dcp_to_torch_save`` gives, without a second copy.
+
         Raises:
             PartiallyOverwrittenError: a crc32c failure after the re-reads in the bytes
                 of a target (its key is named; the target holds unchecked bytes).
             IntegrityError / CheckpointCorruptError: as :meth:`read_into`.
         """
         item = self.manifest.item(item_name)
+        if item.chunked:
+            return self._load_chunked(item, map_location, into)
         live = in_place_buffers(item, into) if into and map_location is None else {}
         self.check_files({b.file for b in item.blobs})
         rest = [i for i in range(len(item.blobs)) if i not in live]
@@ -397,6 +410,66 @@ class CheckpointReader:
         if live and into:
             _bump_versions([into[t.key] for t in item.tensors if t.blob in live])
         return materialize_item(item, bufs, map_location)
+
+    def read_boxes(self, requests: Sequence[BoxRequest]) -> int:
+        """Fill boxes of global (chunked) tensors; returns the bytes fetched (``self.stats``).
+
+        :func:`xla_ckpt.io.chunked.read_boxes` with this reader: each request's ``out``
+        (a CPU tensor of the box's shape and the global dtype) gets the saved elements of
+        its box, fetched by byte range (row sub-ranges of saved chunks), every byte
+        crc32c-checked in a staging buffer before it lands in ``out``.
+
+        Raises:
+            ValueError / CheckpointCorruptError / IntegrityError: as
+                :func:`~xla_ckpt.io.chunked.read_boxes`.
+        """
+        from xla_ckpt.io.chunked import read_boxes  # noqa: PLC0415 - chunked builds on this module
+
+        return read_boxes(self, requests)
+
+    def _load_chunked(self, item: Item, map_location: MapLocation,
+                      into: Mapping[str, torch.Tensor] | None) -> Any:
+        """:meth:`load` of a chunked item: every global tensor it refers to, assembled whole.
+
+        ``into`` is keyed by global tensor key; a target that is a plain CPU tensor of the
+        saved dtype and shape whose elements fill their memory once is filled in place
+        (any strides), the others get fresh tensors (all of them with ``map_location``).
+        """
+        from xla_ckpt.io.chunked import (  # noqa: PLC0415 - chunked builds on this module
+            read_boxes,
+            whole_tensor_request,
+        )
+
+        refs: set[int] = set()
+        typed.decode(item.state, refs.add)
+        gts = self.manifest.global_tensors
+        requests = []
+        live: list[torch.Tensor] = []
+        for g in sorted(refs):
+            gt = gts[g]
+            target = into.get(gt.key) if into and map_location is None else None
+            if target is not None and _fits_box(target, gt.dtype, gt.shape):
+                live.append(target)
+                requests.append(whole_tensor_request(self.manifest, g, target))
+            else:
+                requests.append(whole_tensor_request(self.manifest, g))
+        try:
+            read_boxes(self, requests)
+        except PartiallyOverwrittenError:
+            raise  # names the into= targets holding unchecked bytes
+        except IntegrityError as e:
+            if not live:
+                raise
+            raise IntegrityError(
+                f"{e} (targets given in into= may already hold some of the checkpoint's "
+                "values, checked ones only: restore again or re-initialise them)",
+                path=e.path, key=e.key) from e
+        _bump_versions(live)
+        placed: dict[int, torch.Tensor] = {}
+        for req in requests:
+            dev = resolve_device(map_location, gts[req.tensor].key)
+            placed[req.tensor] = req.out if dev is None or dev.type == "cpu" else req.out.to(dev)
+        return typed.decode(item.state, placed.__getitem__)
 
     def _mapped(self, item: Item, blob_ids: Sequence[int]) -> dict[int, torch.Tensor]:
         """Blobs as checked views of private maps of their data files; failed ones left out."""
@@ -882,6 +955,14 @@ def _fits_in_place(t: torch.Tensor, rec: TensorRecord) -> bool:
             and not t.is_neg() and t.numel() > 0 and dtype_name(t.dtype) == rec.dtype
             and tuple(t.shape) == rec.shape and tuple(t.stride()) == rec.stride
             and _dense_layout(t))
+
+
+def _fits_box(t: torch.Tensor, dtype: str, shape: Sequence[int]) -> bool:
+    """Whether live tensor ``t`` can be filled in place with a ``dtype``/``shape`` global tensor."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+            and t.layout == torch.strided and not t.is_quantized and not t.is_conj()
+            and not t.is_neg() and dtype_name(t.dtype) == dtype
+            and tuple(t.shape) == tuple(shape) and _dense_layout(t))
 
 
 def _dense_layout(t: torch.Tensor) -> bool:

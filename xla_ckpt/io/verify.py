@@ -15,6 +15,11 @@ every item and reports all that is wrong:
   report names every tensor whose bytes overlap the bad range;
 * an item's typed state tree is malformed.
 
+Version-2 checkpoints (chunked tensors) need nothing more: every chunk is a tensor record
+of an ordinary ``chunks/<rank>`` item, so its bytes are checked here like any other; a
+problem names the chunk (``state['model']['w'][0:3,0:6]``, global key and box); the
+chunk table itself was checked when the manifest was parsed.
+
 Blobs are read in chunk-aligned slices of about ``slice_size_bytes`` on the
 storage's thread pool (``max_workers`` at a time, so memory stays near
 ``max_workers * slice_size_bytes``); each slice is checked by the thread that
@@ -79,12 +84,17 @@ class Problem:
 
 @dataclass
 class VerifyReport:
-    """Result of :func:`verify_checkpoint`; ``ok`` is True when nothing is wrong."""
+    """Result of :func:`verify_checkpoint`; ``ok`` is True when nothing is wrong.
+
+    ``tensors`` counts tensor records (chunks included), ``global_tensors`` the chunked
+    tensors of a version-2 manifest (their chunks are verified as the records they are).
+    """
 
     uri: str
     files: int = 0
     blobs: int = 0
     tensors: int = 0
+    global_tensors: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
@@ -125,10 +135,11 @@ def verify_checkpoint(storage: Storage, manifest: Manifest | None = None, *,
     t0 = time.perf_counter()
     m = manifest if manifest is not None else read_manifest(storage)
     report = VerifyReport(uri=storage.uri, files=len(m.files))
+    report.global_tensors = len(m.global_tensors)
     for name, item in m.items.items():
         report.blobs += len(item.blobs)
         report.tensors += len(item.tensors)
-        _check_state(name, item, report)
+        _check_state(name, item, report, len(m.global_tensors) if item.chunked else None)
     sizes = _check_files(storage, m, report)
     tasks: list[_Task] = []
     for iname, item in m.items.items():
@@ -170,12 +181,14 @@ def _keys(item: Item, blob: int, lo: int | None = None, hi: int | None = None) -
     return tuple(out) or (f"<blob {blob}: bytes no tensor views>",)
 
 
-def _check_state(name: str, item: Item, report: VerifyReport) -> None:
-    n = len(item.tensors)
+def _check_state(name: str, item: Item, report: VerifyReport, n_global: int | None) -> None:
+    """A chunked item's ``{"$tensor": g}`` index the manifest's ``n_global`` global tensors."""
+    n = len(item.tensors) if n_global is None else n_global
+    what = "tensor" if n_global is None else "global tensor"
 
     def lookup(i: int) -> None:
         if not 0 <= i < n:
-            raise CheckpointCorruptError(f"typed state refers to tensor {i} but only {n} exist")
+            raise CheckpointCorruptError(f"typed state refers to {what} {i} but only {n} exist")
 
     try:
         typed.decode(item.state, lookup)

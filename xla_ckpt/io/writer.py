@@ -42,15 +42,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, Iterable, Mapping, Sequence, overload
 
-from xla_ckpt.errors import CheckpointNotFoundError, PreconditionFailedError
+from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, PreconditionFailedError
 from xla_ckpt.format import typed
+from xla_ckpt.format.chunks import GlobalTensor
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.manifest import (
     DEFAULT_CHUNK_SIZE_BYTES,
+    FORMAT_VERSION,
     MANIFEST_NAME,
     STATE_ITEM,
     Item,
     Manifest,
+    check_global_tensors,
     rank_item,
 )
 from xla_ckpt.format.plan import PlannedBlob, blob_pieces, blob_record, plan_item
@@ -277,7 +280,8 @@ def write_item(storage: Storage, save_id: str, item_name: str, state: Any, *,
 
 def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
            metadata: Any = None, world_size: int | None = None,
-           cleanup: bool = True, if_generation_match: int | None = None) -> Manifest:
+           cleanup: bool = True, if_generation_match: int | None = None,
+           global_tensors: Sequence[GlobalTensor] = ()) -> Manifest:
     """Write the manifest (the commit marker) for ``parts``; called by one rank only.
 
     ``if_generation_match`` goes to the manifest write (``None``: replace whatever is
@@ -285,8 +289,19 @@ def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
     is in place, data files of earlier saves in the same folder (``data-<other id>-*``)
     are deleted when ``cleanup`` is true (see :func:`remove_other_data_files`).
 
+    ``global_tensors`` (sharded state, :mod:`xla_ckpt.format.chunks`): the chunk tables of
+    the global tensors that chunked items (``Item(chunked=True)``, ``{"$tensor": g}`` =
+    ``global_tensors[g]``) refer to; each chunk names a tensor record of one of ``parts``
+    (``chunks/<rank>`` items).  With any, the manifest is version 2, and its chunk tables
+    get the readers' checks before it is written
+    (:func:`~xla_ckpt.format.manifest.check_global_tensors`), so a table readers would
+    refuse (a gap, an overlap, a record of the wrong dtype or shape) is never committed.
+    Without, the manifest is version 1, byte for byte what earlier versions wrote.
+
     Raises:
         PreconditionFailedError: the condition did not hold; nothing was committed.
+        ValueError: the chunk table does not describe the parts (names the global
+            tensor and what is wrong); nothing was committed.
     """
     items: dict[str, Item] = {}
     files: dict[str, int] = {}
@@ -295,7 +310,16 @@ def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
         files.update(p.files)
     manifest = Manifest(save_id=save_id, items=items, files=files,
                         metadata=typed.encode(metadata) if metadata is not None else None,
-                        world_size=world_size, created_unix_s=time.time())
+                        world_size=world_size, created_unix_s=time.time(),
+                        global_tensors=list(global_tensors))
+    if manifest.written_version != FORMAT_VERSION:
+        try:
+            manifest.global_tensors = check_global_tensors(
+                manifest, where=f"manifest of save {save_id}")
+        except CheckpointCorruptError as e:
+            raise ValueError(f"{storage.uri}: not committed: the manifest would not be "
+                             f"readable: {e}") from None
+        manifest.version = manifest.written_version
     body = [manifest.to_json_bytes()]
     if if_generation_match is None:
         storage.write_atomic(MANIFEST_NAME, body)
@@ -338,13 +362,23 @@ def save(state: Any, uri: str, *, metadata: Any = None,
          progress: Callable[[int], object] | None = None) -> Manifest:
     """Save ``state`` as a checkpoint folder at ``uri`` (local path or ``gs://``), atomically.
 
-    Called by one process.  Saving over an existing checkpoint replaces it, if no
+    Called by one process -- except for a sharded state, below.  Saving over an existing
+    checkpoint replaces it, if no
     other save committed there after this one started (compare-and-swap on the
     manifest's generation; see the module docstring).  Tensors on any device (CPU, CUDA, XLA) are
     written as host data with their dtype, shape and aliasing; non-tensor
     values use the typed encoding (:mod:`xla_ckpt.format.typed`).  The
     manifest is written last; until it lands, an existing checkpoint at
     ``uri`` stays intact and loadable.
+
+    **Sharded state** (a ``DTensor`` from FSDP2 / tensor parallel, a torch_xla SPMD tensor):
+    with ``torch.distributed`` initialised this is a COLLECTIVE -- every rank calls it, in the
+    same order, with its own shards -- and runs :func:`xla_ckpt.restore.save_distributed`
+    with the default :func:`~xla_ckpt.comm.get_dist`: the ranks agree on the structure, each
+    writes the boxes it owns, rank 0 commits (chunked global tensors, manifest version 2;
+    it replaces an existing checkpoint without the compare-and-swap).  A single process
+    without a process group may save SPMD tensors (it addresses every device), not a
+    DTensor.  :func:`xla_ckpt.load` of the result gives the full tensors on one process.
 
     Args:
         state: nested dict/list/tuple of tensors and plain values.
@@ -367,7 +401,56 @@ def save(state: Any, uri: str, *, metadata: Any = None,
         PreconditionFailedError: another save committed at ``uri`` after this one
             started; nothing of this one was committed.
         StorageError: the backend failed; nothing was committed.
+        ShardedStateError: a ``DTensor`` while ``torch.distributed`` is not initialised, or
+            a sharded state with ``rank_states`` / ``storage`` (names the key, says what to
+            do).
+        DistributedError: sharded state: the ranks disagree on its structure, or a write or
+            the commit failed on some rank (see ``save_distributed``); nothing committed.
     """
+    candidates: list[tuple[str, Any]] = []
+
+    def spot(t: Any, path: tuple) -> int:
+        # A DTensor (XLAShardedTensor subclasses it) or an XLA tensor (SPMD annotates those in
+        # place); the restore layer tells which XLA tensors are sharded.  Told apart by class
+        # name, so a plain save imports neither torch.distributed.tensor nor the restore layer.
+        if t.device.type == "xla" or any(c.__name__ == "DTensor" for c in type(t).__mro__):
+            candidates.append((typed.format_path(path), t))
+        return 0
+
+    typed.encode(state, spot)  # what plan_item encodes below: the same errors, in the same order
+    if candidates:
+        # restore sits above io: a sharded state needs every rank, which only that layer
+        # runs.  Imported here, only for such a state, so io never imports restore otherwise.
+        import torch.distributed as tdist  # noqa: PLC0415 - only for a sharded state
+
+        from xla_ckpt.comm import SingleProcess, get_dist  # noqa: PLC0415 - above io, see above
+        from xla_ckpt.errors import ShardedStateError  # noqa: PLC0415 - only for a sharded state
+        from xla_ckpt.restore import spmd, views  # noqa: PLC0415 - above io, see above
+        from xla_ckpt.restore.save import save_distributed  # noqa: PLC0415 - above io, see above
+
+        sharded = [(k, v) for k, v in candidates if views.is_sharded(v)]
+        if sharded:
+            key, value = sharded[0]
+            if rank_states is not None or storage is not None:
+                raise ShardedStateError(
+                    f"{key} is a sharded tensor ({type(value).__name__}): a sharded state is "
+                    "saved by every rank together, so rank_states and storage do not apply; "
+                    "call xla_ckpt.restore.save_distributed(state, uri, rank_state=...) on "
+                    "every rank instead")
+            if tdist.is_available() and tdist.is_initialized():
+                dist = get_dist()
+            else:
+                dtensors = [k for k, v in sharded if not spmd.is_xla_sharded(v)]
+                if dtensors:
+                    raise ShardedStateError(
+                        f"{dtensors[0]} is a DTensor, but torch.distributed is not "
+                        "initialised: its other shards live on the other ranks of its device "
+                        "mesh, so every rank must save together; call xla_ckpt.save(state, "
+                        "uri) on every rank with the process group initialised (it then runs "
+                        "xla_ckpt.restore.save_distributed), or save plain tensors")
+                dist = SingleProcess()  # one process addresses every SPMD device
+            return save_distributed(state, uri, dist=dist, metadata=metadata,
+                                    storage_config=config, progress=progress)
     own = storage is None
     st = storage or open_storage(uri, config)
     try:
