@@ -7,8 +7,18 @@ Layout of what it writes (one checkpoint folder, one manifest)::
     shard/<r>      rank r writes its partitions of the flat sharded tensors
                    (ZeRO optimizer state), with their element ranges
 
+With sharded tensors (DTensor, XLAShardedTensor) in the state, or ``balance_replicated=True``,
+the *chunked* layout (manifest version 2) replaces the ``state`` item's data::
+
+    state          chunked: the tree, committed by rank 0 in the manifest; its tensors are
+                   the manifest's global tensors, made of the chunks below
+    chunks/<r>     rank r writes the boxes it owns (its DTensor / SPMD shards, and its share
+                   of the replicated tensors, balanced by bytes: each byte written once)
+
 Steps, every rank in the same order: agree on the sharded-tensor layout
-(each rank's shard sizes, exchanged); rank 0 picks the save id; every rank
+(each rank's shard sizes, exchanged) and on the path (any rank with sharded tensors makes it
+chunked); chunked: agree on the structure and plan the owners
+(:func:`xla_ckpt.restore.owners.plan_chunked_save`); rank 0 picks the save id; every rank
 writes its items into one data file (:func:`xla_ckpt.io.writer.write_items`); one agreement step
 (a failed write anywhere -> every rank raises, rank 0 deletes the stray
 files); the written item records travel to rank 0, which writes the
@@ -21,7 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -41,6 +51,7 @@ from xla_ckpt.format.manifest import (
 )
 from xla_ckpt.io import WrittenItem, commit, discard, new_save_id
 from xla_ckpt.io.writer import write_items
+from xla_ckpt.restore.owners import ChunkedSavePlan, has_sharded, plan_chunked_save
 from xla_ckpt.restore.sharding import shard_item, shard_state
 from xla_ckpt.storage import StorageConfig, open_storage
 
@@ -67,13 +78,16 @@ def _committed_manifest(storage: Any, save_id: str) -> bytes | None:
         return None
 
 
-def _shard_layout(dist: Dist, shards: Mapping[str, torch.Tensor]
-                  ) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
-    """This rank's element range of each sharded tensor, and each tensor's total numel."""
+def _shard_layout(dist: Dist, shards: Mapping[str, torch.Tensor], chunked: bool
+                  ) -> tuple[dict[str, tuple[int, int]], dict[str, int], bool]:
+    """This rank's element range of each sharded tensor, each tensor's total numel, and
+    whether any rank asks for the chunked path (one exchange)."""
     mine = {k: [int(t.numel()), dtype_name(t.dtype)] for k, t in shards.items()}
-    every = dist.exchange(mine)
+    gathered = dist.exchange({"shards": mine, "chunked": bool(chunked)})
+    every = [g["shards"] for g in gathered]
+    any_chunked = any(g["chunked"] for g in gathered)
     keys = set(every[0])
-    bad = {r: f"sharded keys {sorted(m)} differ from rank 0's {sorted(keys)}"
+    bad = {r: f"passes shards for keys {sorted(m)}, rank 0 for {sorted(keys)}"
            for r, m in enumerate(every) if set(m) != keys}
     if not bad:
         for k in keys:
@@ -82,27 +96,44 @@ def _shard_layout(dist: Dist, shards: Mapping[str, torch.Tensor]
                 bad = {r: f"{k!r} has dtype {m[k][1]}" for r, m in enumerate(every)}
                 break
     if bad:
-        raise DistributedError("save_distributed: ranks passed different sharded tensors", bad)
+        raise DistributedError("save_distributed: ranks passed different flat sharded tensors "
+                               "(shards=); nothing was written", bad)
     bounds, numels = {}, {}
     for k in keys:
         sizes = [m[k][0] for m in every]
         lo = sum(sizes[:dist.rank])
         bounds[k] = (lo, lo + sizes[dist.rank])
         numels[k] = sum(sizes)
-    return bounds, numels
+    return bounds, numels, any_chunked
 
 
 def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata: Any = None,
                      rank_state: Any = None, shards: Mapping[str, torch.Tensor] | None = None,
                      storage_config: StorageConfig | None = None,
-                     chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -> Manifest:
+                     chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
+                     balance_replicated: bool = False, check_replicas: bool = False,
+                     owned_devices: Sequence[int] | None = None,
+                     progress: Callable[[int], object] | None = None) -> Manifest:
     """Save a checkpoint from every rank at once; every rank calls it with the same ``uri``.
 
-    Matches the trainer's ``saver(state, uri, *, metadata, rank_state)`` protocol.
+    COLLECTIVE: every rank calls it, in the same order.  Matches the trainer's
+    ``saver(state, uri, *, metadata, rank_state)`` protocol.
+
+    Two layouts (see the module docstring):
+
+    * plain (the default for a state of plain tensors): only rank 0's ``state`` is written,
+      by rank 0 (the other ranks may pass theirs, or None); manifest version 1.
+    * chunked, when any rank's ``state`` holds a ``DTensor`` / ``XLAShardedTensor``, or
+      ``balance_replicated`` / ``check_replicas`` is set: every rank passes its *whole* state
+      (its shards; the plain tensors, which must be equal on every rank); the ranks agree on
+      its structure first (keys, global shapes, dtypes, placements; a difference is one
+      :class:`DistributedError` on every rank naming the rank and the key, and nothing is
+      written); each box is written once, by its owner (its shard's rank; replicated boxes
+      balanced by bytes over their holders); non-tensor values are rank 0's.  Manifest
+      version 2; ``xla_ckpt.load(uri)`` gives the full tensors on one process.
 
     Args:
-        state: the replicated state; only rank 0's is written (the other
-            ranks may pass theirs, or None).
+        state: the state (see the two layouts above).
         uri: checkpoint folder (local path or ``gs://``).
         dist: the job's :class:`~xla_ckpt.comm.Dist` (default :func:`get_dist`).
         metadata: small summary (``num_updates``, ``epoch``...) for ``xla-ckpt ls``.
@@ -113,6 +144,14 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
             tensor, so pieces may have any (uneven, even empty) lengths.
         storage_config: storage knobs.
         chunk_size_bytes: crc32c chunk size (the granularity of checked byte-range reads).
+        balance_replicated: use the chunked layout for a plain state too, so the replicated
+            tensors are written by all ranks (balanced by bytes) instead of rank 0 alone.
+        check_replicas: chunked layout, and compare the crc32c of each replicated box's
+            copies across ranks before writing (one extra pass over them on each holder);
+            the first that differs is named in a DistributedError on every rank.
+        owned_devices: torch_xla SPMD: the global device ids whose shards this process
+            writes (multi-host emulation; default every addressable device).
+        progress: called with the bytes of each piece this rank hands to the storage.
 
     Returns:
         The committed :class:`Manifest` (on every rank).
@@ -120,27 +159,39 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
     Raises:
         DistributedError: a write or the commit failed on some rank(s)
             (``failures`` names them); nothing was committed and the stray
-            data files are deleted.  Also when ranks pass different sharded keys
-            or dtypes.
+            data files are deleted.  Also, before anything is written: ranks pass
+            different sharded keys or dtypes (``shards``), or (chunked) states of
+            different structure, or differing replicas with ``check_replicas``.
         CollectiveTimeoutError: a rank died or hung.
     """
     dist = dist if dist is not None else get_dist()
     t0 = time.perf_counter()
     flat = {k: t.detach().reshape(-1) for k, t in (shards or {}).items()}
-    bounds, numels = _shard_layout(dist, flat)  # every rank enters it, shards or not
+    wants_chunked = balance_replicated or check_replicas or has_sharded(state)
+    # Every rank enters it, shards or not; the path is chosen by all ranks together.
+    bounds, numels, chunked = _shard_layout(dist, flat, wants_chunked)
+    plan: ChunkedSavePlan | None = None
+    if chunked:
+        plan = plan_chunked_save(dist, state, owned_devices=owned_devices,
+                                 check_replicas=check_replicas, what=f"save of {uri}")
     save_id = dist.broadcast_object(new_save_id() if dist.rank == 0 else None, src=0)
     storage = open_storage(uri, storage_config)
     try:
         def write() -> bytes:
             # This rank's items go into one data file (one object, one fsync).
             mine: list[tuple[str, Any]] = []
-            if dist.rank == 0:
+            if plan is not None:
+                chunk = plan.chunk_item()
+                if chunk is not None:
+                    mine.append(chunk)
+            elif dist.rank == 0:
                 mine.append((STATE_ITEM, state))
             if rank_state is not None:
                 mine.append((rank_item(dist.rank), rank_state))
             if flat:
                 mine.append((shard_item(dist.rank), shard_state(flat, bounds, numels)))
-            parts = (write_items(storage, save_id, mine, chunk_size_bytes=chunk_size_bytes)
+            parts = (write_items(storage, save_id, mine, chunk_size_bytes=chunk_size_bytes,
+                                 progress=progress)
                      if mine else [])
             return json.dumps([p.to_json() for p in parts], separators=(",", ":")).encode()
 
@@ -154,8 +205,14 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
                 parts = [WrittenItem(d["name"], _item_from_json(d["item"]), dict(d["files"]))
                          for blob in every for d in json.loads(blob)]
                 try:
+                    if plan is None:
+                        return commit(storage, save_id, parts, metadata=metadata,
+                                      world_size=dist.world_size).to_json_bytes()
+                    global_tensors = plan.global_tensors(parts)
+                    parts.append(WrittenItem(STATE_ITEM, plan.state_item(), {}))
                     return commit(storage, save_id, parts, metadata=metadata,
-                                  world_size=dist.world_size).to_json_bytes()
+                                  world_size=dist.world_size,
+                                  global_tensors=global_tensors).to_json_bytes()
                 except Exception as e:
                     committed = _committed_manifest(storage, save_id)
                     if committed is None:
@@ -174,8 +231,14 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
         storage.close()
     manifest = Manifest.from_json_bytes(data, where=f"{uri}/{MANIFEST_NAME}")
     if dist.rank == 0:
-        logger.info("rank 0: committed %s (save %s, %d ranks, %d bytes) in %.2f s", uri, save_id,
-                    dist.world_size, manifest.nbytes, time.perf_counter() - t0)
+        if plan is not None:
+            logger.info("rank 0: committed %s (save %s, %d ranks, %d bytes, chunked: %d global "
+                        "tensors, chunk bytes per rank %s) in %.2f s", uri, save_id,
+                        dist.world_size, manifest.nbytes, len(plan.specs),
+                        list(plan.bytes_per_rank.values()), time.perf_counter() - t0)
+        else:
+            logger.info("rank 0: committed %s (save %s, %d ranks, %d bytes) in %.2f s", uri,
+                        save_id, dist.world_size, manifest.nbytes, time.perf_counter() - t0)
     return manifest
 
 

@@ -8,9 +8,10 @@ restore-by-byte-range deal only with boxes (:class:`~xla_ckpt.format.chunks.Box`
 * a ``DTensor`` (FSDP2, tensor parallel, HSDP): the box of its local shard, from
   ``compute_local_shape_and_global_offset`` (torch's own rule, uneven and empty shards
   included); replicated across the mesh dims with a ``Replicate()`` placement;
-* a torch_xla ``XLAShardedTensor`` (SPMD): one box per addressable device shard, from its
-  ``local_shards``' ``indices`` (:mod:`xla_ckpt.restore.spmd`).  It is checked *before*
-  DTensor because it subclasses DTensor and its ``placements`` are wrong for named axes.
+* a torch_xla ``XLAShardedTensor`` (SPMD), or an XLA tensor ``xs.mark_sharding`` annotated in
+  place: one box per addressable device shard, from its ``local_shards``' ``indices``
+  (:mod:`xla_ckpt.restore.spmd`).  It is checked *before* DTensor because it subclasses
+  DTensor and its ``placements`` are wrong for named axes.
 
 Which rank calls what: every rank describes its own values; nothing here communicates.
 """
@@ -21,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeGuard
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from xla_ckpt.format.chunks import Box
 from xla_ckpt.restore import spmd
@@ -76,8 +78,9 @@ class ShardedValue:
 
 
 def _is_xla_sharded(value: Any) -> bool:
-    cls = type(value)
-    return cls.__name__ == "XLAShardedTensor" and cls.__module__.startswith("torch_xla")
+    # An XLAShardedTensor, or an XLA tensor annotated in place by ``xs.mark_sharding`` (what a
+    # module's state_dict() holds): both are sharded (see spmd.is_xla_sharded).
+    return spmd.is_xla_sharded(value)
 
 
 def _is_dtensor(value: Any) -> TypeGuard[DTensor]:
@@ -85,13 +88,28 @@ def _is_dtensor(value: Any) -> TypeGuard[DTensor]:
 
 
 def is_sharded(value: Any) -> bool:
-    """True for a ``DTensor`` or a torch_xla ``XLAShardedTensor``."""
+    """True for a ``DTensor``, a torch_xla ``XLAShardedTensor`` or an SPMD-annotated XLA tensor."""
     return _is_xla_sharded(value) or _is_dtensor(value)
+
+
+def _placement_name(p: Any) -> str:
+    """``Shard(0)``, ``_StridedShard(0, sf=2)``, ``Replicate()``, ``Partial(sum)`` (torch's own
+    ``str`` is ``S(0)`` / ``R``)."""
+    if isinstance(p, _StridedShard):
+        return f"_StridedShard({p.dim}, sf={p.split_factor})"
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    if isinstance(p, Replicate):
+        return "Replicate()"
+    if isinstance(p, Partial):
+        return f"Partial({p.reduce_op})"
+    return repr(p)
 
 
 def describe_placements(mesh_shape: Sequence[int], placements: Sequence[Any]) -> str:
     """``"Shard(0),Replicate() on mesh (2, 2)"``: what the structure agreement compares."""
-    return f"{','.join(str(p) for p in placements)} on mesh {tuple(int(s) for s in mesh_shape)}"
+    names = ",".join(_placement_name(p) for p in placements)
+    return f"{names} on mesh {tuple(int(s) for s in mesh_shape)}"
 
 
 def _dtensor_box(value: Any) -> tuple[Box, str, bool]:
@@ -113,12 +131,17 @@ def for_save(value: torch.Tensor, *, owned_devices: Sequence[int] | None = None
 
     Raises:
         ValueError: a DTensor whose local tensor does not have the shape DTensor's own
-            rule gives (a hand-built DTensor with inconsistent metadata), naming both.
+            rule gives (a hand-built DTensor with inconsistent metadata), naming both; a
+            DTensor with a ``Partial`` placement (its local tensors are pending a reduction).
     """
     if _is_xla_sharded(value):
         return spmd.for_save(value, owned_devices=owned_devices)
     if _is_dtensor(value):
         box, placement, replicated = _dtensor_box(value)
+        if any(isinstance(p, Partial) for p in value.placements):
+            raise ValueError(f"a DTensor placed {placement} holds partial values (a reduction "
+                             "is pending): its local tensors are not its data; redistribute "
+                             "it to Shard/Replicate placements before saving")
         local = value.to_local()
         if tuple(local.shape) != box.sizes:
             raise ValueError(f"DTensor local shard has shape {tuple(local.shape)}, but its "
