@@ -80,9 +80,11 @@ def restore_all_ranks(decision: Decision, dist: Dist, plan: RankPlan, *,
         storage = open_storage(decision.checkpoint, storage_config)
         try:
             reader = CheckpointReader(storage, manifest)
-            bufs = reader.read_blobs(plan.item)
-            nread = sum(b.numel() for b in bufs.values())
-            state = materialize_item(manifest.item(plan.item), bufs, map_location)
+            state, nread = None, 0
+            if plan.with_state:
+                bufs = reader.read_blobs(plan.item)
+                nread = sum(b.numel() for b in bufs.values())
+                state = materialize_item(manifest.item(plan.item), bufs, map_location)
             rank_state = None
             if plan.rank_item is not None:
                 rbufs = reader.read_blobs(plan.rank_item)

@@ -35,12 +35,21 @@ from xla_ckpt.restore.all_ranks import restore_all_ranks
 from xla_ckpt.restore.broadcast import restore_broadcast
 from xla_ckpt.restore.config import RestoreConfig
 from xla_ckpt.restore.decide import Decision, decide
-from xla_ckpt.restore.plan import plan_ranks
-from xla_ckpt.restore.result import Restored
+from xla_ckpt.restore.plan import RankPlan, plan_ranks
+from xla_ckpt.restore.result import Loaded, Restored
 from xla_ckpt.restore.select import ALL_RANKS, choose_strategy
+from xla_ckpt.restore.sharded import (
+    agree_on_inputs,
+    read_items_everywhere,
+    remap_rank_state,
+    restore_into,
+)
 from xla_ckpt.storage import StorageConfig
 
 logger = logging.getLogger(__name__)
+
+#: ``fn(saved: {saved rank: per-rank state}, rank, world_size) -> this rank's per-rank state``.
+RankStateRemap = Callable[[dict[int, Any], int, int], Any]
 
 # Causes (``describe_error`` type names) of a read that may have raced with another writer.
 _RACE_CAUSES = frozenset({"CheckpointNotFoundError", "IncompleteCheckpointError",
@@ -59,7 +68,8 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
             zero_sharding: str | None = None,
             load_checkpoint_on_all_dp_ranks: bool | None = None,
             config: RestoreConfig | None = None,
-            storage_config: StorageConfig | None = None) -> Restored:
+            storage_config: StorageConfig | None = None, into: Any = None,
+            rank_state_remap: RankStateRemap | None = None) -> Restored:
     """Restore a checkpoint onto every rank of the job.  Every rank calls it with the same ``uri``.
 
     Rank 0 decides which checkpoint (``uri`` itself, or the latest committed
@@ -73,6 +83,24 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
 
     Both give every rank bitwise the same ``state``.  Log lines and errors
     name the strategy and why it was chosen.
+
+    **Into live targets, onto any mesh** (``into=``; :mod:`xla_ckpt.restore.sharded`):
+    each rank passes its live state tree; every tensor leaf (plain, DTensor from FSDP2 /
+    tensor parallel, torch_xla ``XLAShardedTensor``) is filled in place with the bytes of
+    its own shards only, read by byte range from the saved chunks that overlap them
+    (``all_ranks``) or sent by rank 0 (``broadcast``).  The saved mesh and world size may
+    differ from the current ones (4 -> 2, 4 -> 3, 2 -> 4, 2-D dp x tp -> 1-D, uneven and
+    empty shards), and a version-1 checkpoint of plain tensors (a DDP job's) restores into
+    DTensor targets the same way.  ``strategy="auto"`` picks ``all_ranks`` when any rank
+    holds a sharded target (each rank then reads only its own bytes).  A checkpoint with
+    chunked (sharded) tensors restored without ``into`` comes back whole on every rank.
+
+    **Per-rank items** (``rank/<r>``: iterator position, RNG) follow one rule
+    (:mod:`xla_ckpt.restore.plan`): kept when the world size matches; with another world
+    size, ``rank_state_remap(saved, rank, world_size)`` maps ``saved`` (saved rank ->
+    state, every saved rank's) onto this rank, or ``RestoreConfig(rank_state_on_resize=
+    "drop")`` drops them with a WARNING naming them, or else one
+    :class:`~xla_ckpt.errors.WorldSizeMismatchError` names them and both options.
 
     Args:
         uri: checkpoint folder or run folder (local path or ``gs://``).
@@ -89,10 +117,21 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
         load_checkpoint_on_all_dp_ranks: fairseq's flag; True -> ``all_ranks``.
         config: :class:`RestoreConfig` (bucket size, resharding...).
         storage_config: storage knobs for the ranks that read.
+        into: this rank's live state tree whose tensor leaves are the targets, e.g.
+            ``{"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, o)}``
+            (``torch.distributed.checkpoint.state_dict``; pass the tree back through
+            ``set_state_dict`` afterwards).  Leaves are matched to the saved tensors by key
+            path (``state['model']['l1.weight']``).  Targets keep their devices
+            (``map_location`` places only the leaves ``into`` lacks).
+        rank_state_remap: ``fn(saved: dict[int, Any], rank: int, world_size: int) -> Any``,
+            called on every rank when the checkpoint's world size differs and it holds
+            per-rank items; its value becomes ``Restored.rank_state``.
 
     Returns:
         :class:`Restored` (state, rank_state, shards, checkpoint, manifest,
-        strategy and reason, stats).
+        strategy and reason, stats).  With ``into``, ``state`` is the saved tree with each
+        target replaced by its live (filled) object; ``stats.bytes_read`` is what this rank
+        fetched and ``stats.shard_bytes`` the bytes of its own boxes.
 
     Raises:
         NothingCommittedError: nothing committed at ``uri`` (the same on every
@@ -104,8 +143,11 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
             the read and again during the read once more (a DistributedError,
             on every rank).
         WorldSizeMismatchError: saved vs current world size cannot be
-            reconciled (per-rank items; sharded tensors with
-            ``allow_reshard=False``); same on every rank.
+            reconciled (per-rank items without a remap hook or "drop"; flat
+            sharded tensors with ``allow_reshard=False``); same on every rank.
+        StateMismatchError: a target of ``into`` is not in the checkpoint or has
+            another global shape or dtype (names the rank(s) and keys); every rank,
+            before anything is read.
         DistributedError: a read or rebuild failed on some rank(s);
             ``failures`` names them and the cause, on every rank.
         CollectiveTimeoutError: a rank died or hung (nothing waits forever).
@@ -124,26 +166,32 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
         cfg = dataclasses.replace(cfg, **overrides)
     dist = dist if dist is not None else get_dist()
     name, reason = choose_strategy(dist, cfg)
+    # every rank: into / rank_state_remap given on all ranks or none (else the collectives differ)
+    sharded_targets = agree_on_inputs(dist, into, rank_state_remap is not None)
+    if sharded_targets and cfg.strategy == "auto" and not cfg.load_checkpoint_on_all_dp_ranks \
+            and name != ALL_RANKS:
+        name, reason = ALL_RANKS, ("auto: restoring into sharded targets, each rank reads only "
+                                   "the byte ranges of its own shards")
     context = f"strategy {name}: {reason}"
     decision = decide(uri, dist, config=storage_config, context=context)
     for attempt in range(2):
         plans = plan_ranks(decision.manifest, dist.world_size, item=item,
                            restore_rank_items=rank_item, zero_sharding=cfg.zero_sharding,
-                           allow_reshard=cfg.allow_reshard, context=context)
+                           allow_reshard=cfg.allow_reshard, context=context,
+                           rank_state_on_resize=cfg.rank_state_on_resize,
+                           remap=rank_state_remap is not None)
         what = f"restore of {decision.checkpoint} (strategy {name}: {reason})"
         if dist.rank == 0:
             logger.info("rank 0: restoring %s with strategy %s (%s)", decision.checkpoint, name,
                         reason)
         try:
-            if name == ALL_RANKS:
-                loaded = restore_all_ranks(decision, dist, plans[dist.rank],
-                                           map_location=map_location,
+            loaded = _run(decision, dist, plans, name, cfg, into=into, item=item,
+                          map_location=map_location, storage_config=storage_config, what=what)
+            if plans[dist.rank].remap_items:
+                assert rank_state_remap is not None  # remap_items come only with a hook
+                loaded.rank_state = _remap(decision, dist, plans[dist.rank], name, cfg,
+                                           rank_state_remap, map_location=map_location,
                                            storage_config=storage_config, what=what)
-            else:
-                loaded = restore_broadcast(decision, dist, plans, map_location=map_location,
-                                           storage_config=storage_config,
-                                           bucket_size_bytes=cfg.bucket_size_bytes, what=what,
-                                           host_shared_memory=cfg.host_shared_memory)
             break
         except DistributedError as e:
             if e.args and isinstance(e.args[0], str) and f"strategy {name}" not in e.args[0]:
@@ -162,6 +210,10 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
                                again.checkpoint)
             decision = again
     me = plans[dist.rank]
+    if me.dropped:
+        logger.warning("rank %d: dropped the %s, because restore.rank_state_on_resize is "
+                       "'drop'; Restored.rank_state is None (iterators restart the epoch)",
+                       dist.rank, me.dropped)
     stats = loaded.stats
     stats.seconds = time.perf_counter() - t0
     md = decision.manifest.metadata
@@ -177,6 +229,56 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
                     stats.bytes_read / max(stats.seconds, 1e-9) / 2**20,
                     f"; data plane: {stats.data_path}" if stats.data_path else "")
     return result
+
+
+def _strategy(decision: Decision, dist: Dist, plans: list[RankPlan], name: str,
+              cfg: RestoreConfig, *, map_location: MapLocation,
+              storage_config: StorageConfig | None, what: str) -> Loaded:
+    if name == ALL_RANKS:
+        return restore_all_ranks(decision, dist, plans[dist.rank], map_location=map_location,
+                                 storage_config=storage_config, what=what)
+    return restore_broadcast(decision, dist, plans, map_location=map_location,
+                             storage_config=storage_config,
+                             bucket_size_bytes=cfg.bucket_size_bytes, what=what,
+                             host_shared_memory=cfg.host_shared_memory)
+
+
+def _run(decision: Decision, dist: Dist, plans: list[RankPlan], name: str, cfg: RestoreConfig,
+         *, into: Any, item: str, map_location: MapLocation,
+         storage_config: StorageConfig | None, what: str) -> Loaded:
+    """One restore attempt on every rank: the state item (into live targets when ``into`` is
+    given or the item is chunked), then the per-rank items and flat shards."""
+    if into is None and not decision.manifest.item(item).chunked:
+        return _strategy(decision, dist, plans, name, cfg, map_location=map_location,
+                         storage_config=storage_config, what=what)
+    loaded = restore_into(decision, dist, into=into, strategy=name, item=item,
+                          map_location=map_location, storage_config=storage_config,
+                          bucket_size_bytes=cfg.bucket_size_bytes, what=what)
+    # the same on every rank: the plans come from the manifest alone
+    if any(p.rank_item is not None or p.shards for p in plans):
+        rest = _strategy(decision, dist,
+                         [dataclasses.replace(p, with_state=False) for p in plans], name,
+                         cfg, map_location=map_location, storage_config=storage_config,
+                         what=what)
+        s, r = loaded.stats, rest.stats
+        s.bytes_read += r.bytes_read
+        s.bytes_received += r.bytes_received
+        s.bytes_sent += r.bytes_sent
+        s.read_seconds += r.read_seconds
+        loaded.rank_state, loaded.shards = rest.rank_state, rest.shards
+    return loaded
+
+
+def _remap(decision: Decision, dist: Dist, me: RankPlan, name: str, cfg: RestoreConfig,
+           hook: RankStateRemap, *, map_location: MapLocation,
+           storage_config: StorageConfig | None, what: str) -> Any:
+    """Every rank reads every saved per-rank item and maps them with ``hook``."""
+    states = read_items_everywhere(decision, dist, list(me.remap_items.values()),
+                                   strategy=name, map_location=map_location,
+                                   storage_config=storage_config,
+                                   bucket_size_bytes=cfg.bucket_size_bytes, what=what)
+    saved = {r: states[n] for r, n in me.remap_items.items()}
+    return remap_rank_state(dist, hook, saved, what)
 
 
 def _replaced(decision: Decision, now: str, e: DistributedError) -> CheckpointReplacedError:

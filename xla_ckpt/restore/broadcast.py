@@ -105,7 +105,7 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
             allocation or rebuild) failed; ``failures`` names rank and cause.
         CollectiveTimeoutError: a rank died or hung during a collective.
     """
-    sizes = [b.length for b in decision.manifest.item(plans[dist.rank].item).blobs]
+    sizes = [b.length for b in _state_item(decision.manifest, plans[dist.rank]).blobs]
     share, data_path = negotiate(dist, host_shared_memory, sum(sizes), what)
     if share is None:
         data_path = f"collective broadcast over {dist.backend} ({data_path})"
@@ -117,6 +117,11 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
     finally:
         if share is not None:
             share.close()
+
+
+def _state_item(manifest: Manifest, plan: RankPlan) -> Item:
+    """The replicated item this strategy moves (an empty one when it moves none)."""
+    return manifest.item(plan.item) if plan.with_state else Item(state=None)
 
 
 def _read_private_items(reader: CheckpointReader, manifest: Manifest, plans: list[RankPlan],
@@ -163,7 +168,7 @@ class _BroadcastRestore:
         self.me = plans[dist.rank]
         self.is_src = dist.rank == 0
         self.keys = sorted(self.me.shards)
-        self.state_item = self.manifest.item(self.me.item)
+        self.state_item = _state_item(self.manifest, self.me)
         self.sizes = [b.length for b in self.state_item.blobs]
         self.map_location, self.storage_config = map_location, storage_config
         self.bucket_size_bytes, self.what = bucket_size_bytes, what

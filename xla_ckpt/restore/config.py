@@ -9,6 +9,7 @@ from xla_ckpt.errors import ConfigError
 
 STRATEGIES = ("auto", "all_ranks", "broadcast")
 ZERO_SHARDING = ("none", "os")
+RANK_STATE_ON_RESIZE = ("error", "drop")
 
 
 @dataclass(kw_only=True)
@@ -34,6 +35,14 @@ class RestoreConfig:
             back to the collective, with the reason logged, when some rank
             cannot share; False: every rank receives every byte over the
             collective.
+        rank_state_on_resize: what happens to the per-rank items (``rank/<r>``: data
+            iterator position, RNG state) of a checkpoint saved with another world size.
+            They are always kept when the world size matches.  ``"error"`` (default): one
+            :class:`~xla_ckpt.errors.WorldSizeMismatchError` on every rank naming the
+            per-rank items, unless ``restore(rank_state_remap=fn)`` maps them onto the new
+            ranks; ``"drop"``: restore without them (``Restored.rank_state`` is None) and log
+            a WARNING naming what was dropped.  Silently dropping a data loader's position
+            replays or skips samples (torchtitan #811), so dropping is never the default.
 
     Raises:
         ConfigError: a value out of range (names the key).
@@ -45,6 +54,7 @@ class RestoreConfig:
     zero_sharding: str = "none"
     allow_reshard: bool = True
     host_shared_memory: bool = True
+    rank_state_on_resize: str = "error"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -53,6 +63,10 @@ class RestoreConfig:
         if self.zero_sharding not in ZERO_SHARDING:
             raise ConfigError(f"restore.zero_sharding must be one of {', '.join(ZERO_SHARDING)}; "
                               f"got {self.zero_sharding!r}")
+        if self.rank_state_on_resize not in RANK_STATE_ON_RESIZE:
+            raise ConfigError(f"restore.rank_state_on_resize must be one of "
+                              f"{', '.join(RANK_STATE_ON_RESIZE)}; got "
+                              f"{self.rank_state_on_resize!r}")
         for name in ("load_checkpoint_on_all_dp_ranks", "allow_reshard", "host_shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"restore.{name} must be true or false, got "

@@ -24,6 +24,9 @@ class RestoreStats:
         read_seconds: wall time of this rank's storage reads.
         data_path: how the tensor bytes reached the ranks (broadcast strategy:
             host shared memory or the collective, and why); ``""`` for all_ranks.
+        shard_bytes: restores into live targets (``restore(into=...)``): bytes of the
+            boxes this rank fills (its own shards of every target, plus the saved tensors
+            ``into`` lacks, whole); what ``bytes_read`` is compared with.  0 otherwise.
     """
 
     bytes_read: int = 0
@@ -33,6 +36,7 @@ class RestoreStats:
     seconds: float = 0.0
     read_seconds: float = 0.0
     data_path: str = ""
+    shard_bytes: int = 0
 
 
 @dataclass
