@@ -7,7 +7,8 @@ Public surface::
 Modules: ``core`` (the manager: constructor and lifecycle), its parts ``schedule`` (when
 to save, the training-loop hook, preemption), ``saving`` (the save path: upload, commit,
 pointers, best-N, the in-flight save) and ``restoring`` (the restore path), ``base`` (what
-the parts share); ``naming`` (fairseq checkpoint names and the schedule), ``rotation``
+the parts share), ``agreement`` (what the ranks agree on before a save writes);
+``naming`` (fairseq checkpoint names and the schedule), ``rotation``
 (keep-last-N / best-N), ``staging`` (host snapshots for async save), ``preemption`` (the
 SIGTERM flag).
 """

@@ -4,7 +4,18 @@ The manager decides *when* and *where*; the caller (e.g. :mod:`xla_ckpt.trainer`
 decides *what* the state is.  Roles on save (all ranks call the same methods at
 the same update boundary):
 
+* before anything is written the ranks agree on what they save
+  (:mod:`~xla_ckpt.manager.agreement`): ranks whose state holds different tensors (a
+  rank with extra keys, one rank alone passing DTensors or ``shards``) are refused
+  with one :class:`~xla_ckpt.errors.CheckpointSaveError` on every rank naming the
+  rank and the key (CASES C16), instead of rank 0's copy being written alone;
 * rank 0 writes the replicated state (item ``state``);
+* a state holding sharded tensors (``DTensor``: FSDP2, tensor parallel; torch_xla
+  SPMD) is saved *chunked* instead (manifest version 2): the ranks plan who owns
+  which box (:func:`xla_ckpt.restore.owners.plan_chunked_save`, collective, on the
+  training thread), every rank writes the boxes it owns (its local shards, and its
+  share of the replicated tensors, balanced by bytes) as item ``chunks/<r>``, and rank
+  0 commits the state tree with the global tensors' chunk tables;
 * every rank writes its own private state, if it passes one (item ``rank/<r>``:
   iterator/RNG state), and its pieces of flat sharded tensors (item ``shard/<r>``:
   ZeRO optimizer state, the layout :func:`xla_ckpt.restore.save_distributed` writes);
@@ -14,8 +25,15 @@ the same update boundary):
   deletes old checkpoints (rotation).  Nothing is deleted before a newer
   checkpoint has committed, and never the checkpoint this job restored from.
 
+Restore (:meth:`CheckpointManager.restore_or_initialize`, :meth:`CheckpointManager.restore`):
+``into=`` live targets (e.g. ``get_state_dict(model, optimizer)`` of an FSDP2 model) are
+filled in place, each rank reading only its shards' byte ranges, onto any mesh or world
+size; per-rank items on another world size follow ``restore_config.rank_state_on_resize``
+(error naming them by default, ``"drop"`` with a WARNING) or ``rank_state_remap``.
+
 Async save (``async_save=True``): the state is staged to host memory on the
-training thread (:mod:`xla_ckpt.manager.staging`), uploaded by a background
+training thread (:mod:`xla_ckpt.manager.staging`; for a chunked save, the boxes this
+rank owns), uploaded by a background
 thread while training goes on, and committed at a later update boundary.  At
 most one save is in flight; a new save first finishes the previous one.  A
 failure on any rank surfaces on every rank as :class:`CheckpointSaveError` at
@@ -93,6 +111,16 @@ class CheckpointManager(SaveSchedule, RestorePath):
         mgr.best_step()                    # by best_fn / best_mode, else best_checkpoint_metric
         r = mgr.restore(step=1000)         # RestoreResult on every rank
         w = mgr.restore(keys=["model"])    # only the model's bytes are read
+
+    A sharded model (FSDP2 / tensor parallel) saves its live DTensors and restores into
+    them, on any mesh (every rank reads only its own shards)::
+
+        state = lambda: dict(zip(("model", "optim"), get_state_dict(model, optim)))
+        mgr.after_update(epoch=e, num_updates=n, state=state, rank_state=...)
+        msd, osd = get_state_dict(model, optim)
+        r = mgr.restore_or_initialize(into={"model": msd, "optim": osd})
+        set_state_dict(model, optim, model_state_dict=r.state["model"],
+                       optim_state_dict=r.state["optim"])
 
     Args:
         config: the schedule, retention, async and preemption knobs.

@@ -79,6 +79,10 @@ _SHARED_WITH_ATTRS: dict[str, tuple[type[Exception], tuple[str, ...]]] = {
 }
 _SHOWN_STEPS = 20  # steps listed in a StepNotFoundError message
 
+RankStateRemap = Callable[[dict[int, Any], int, int], Any]
+"""``fn(saved rank states by rank, rank, world_size) -> this rank's state`` (the restore's
+``rank_state_remap``)."""
+
 
 @dataclass(frozen=True)
 class _StepDecision:
@@ -108,7 +112,8 @@ class RestoreResult:
     """What :meth:`CheckpointManager.restore_or_initialize` returns on every rank.
 
     Attributes:
-        state: the replicated state as saved (tensors on CPU unless ``map_location``).
+        state: the replicated state as saved (tensors on CPU unless ``map_location``);
+            with ``into``, its tensor leaves are the ``into`` objects, filled in place.
         rank_state: this rank's private state (item ``rank/<rank>``), or None if the
             checkpoint has none for this rank.
         checkpoint: checkpoint folder name (``checkpoint_1_500``).
@@ -138,7 +143,9 @@ class RestorePath(ManagerBase):
     """Restoring: :meth:`restore_or_initialize` and how it resolves and reads a checkpoint."""
 
     def restore_or_initialize(self, init_fn: Callable[[], Any] | None = None, *,
-                              map_location: Any = None) -> RestoreResult | None:
+                              map_location: Any = None, into: Any = None,
+                              rank_state_remap: RankStateRemap | None = None
+                              ) -> RestoreResult | None:
         """Restore the checkpoint ``config.restore_file`` names, or start fresh.  Collective.
 
         Rank 0 resolves which checkpoint (``checkpoint_last``: the newest committed one,
@@ -148,10 +155,29 @@ class RestorePath(ManagerBase):
         ``rank/<rank>`` item through :func:`xla_ckpt.restore.restore` with
         ``restore_config`` (every rank reads, or rank 0 reads and broadcasts).
 
+        Sharded training state (FSDP2, tensor parallel, torch_xla SPMD): pass the live
+        targets as ``into`` (e.g. ``{"model": msd, "optim": osd}`` from
+        ``torch.distributed.checkpoint.state_dict.get_state_dict``, laid out as the state was
+        saved); each rank reads only the byte ranges of its own shards, straight into them,
+        onto any mesh or world size (:func:`xla_ckpt.restore.restore` ``into=``).
+
+        Another world size than the checkpoint's: per-rank items (``rank/<r>``: iterator
+        position, RNG state) follow ``restore_config.rank_state_on_resize``: ``"error"``
+        (default) raises :class:`~xla_ckpt.errors.WorldSizeMismatchError` on every rank
+        naming them, unless ``rank_state_remap`` maps them onto the new ranks; ``"drop"``
+        restores without them (``rank_state`` None) and logs a WARNING naming what was
+        dropped.  The same world size always keeps them.
+
         Args:
             init_fn: called (on every rank) when there is nothing to restore.
             map_location: where restored tensors go on this rank (as ``torch.load``;
                 pass ``dist.device`` for this rank's own device).
+            into: a state tree whose tensor leaves (plain tensors, DTensors,
+                XLAShardedTensors) are filled in place; ``RestoreResult.state`` is the saved
+                tree holding those live objects (leaves ``into`` lacks are read whole).
+            rank_state_remap: ``fn(saved: dict[rank, rank_state], rank, world_size) ->
+                rank_state`` (every rank): this rank's private state from the saved ranks',
+                when the world size changed.
 
         Returns:
             A :class:`RestoreResult` on every rank, or None when ``restore_file`` is
@@ -166,6 +192,11 @@ class RestorePath(ManagerBase):
             IncompleteCheckpointError: a named checkpoint folder has no commit marker.
             CheckpointReplacedError: another writer replaced the checkpoint during the
                 read, twice (every rank).
+            WorldSizeMismatchError: saved with another world size and it holds per-rank
+                items, with neither ``rank_state_remap`` nor ``rank_state_on_resize="drop"``
+                (names the items; every rank).
+            StateMismatchError: an ``into`` target the checkpoint lacks, or whose global
+                shape or dtype differs (names the key; every rank).
             DistributedError: a read failed on some rank (corrupt bytes, storage error);
                 ``failures`` names the ranks, on every rank.
         """
@@ -201,7 +232,8 @@ class RestorePath(ManagerBase):
                 init_fn()
             return None
         try:
-            result = self._read_checkpoint(uri, name, map_location)
+            result = self._read_checkpoint(uri, name, map_location, into=into,
+                                           rank_state_remap=rank_state_remap)
         except UncommittedCheckpointError as e:  # a named folder: not a fresh start here
             raise IncompleteCheckpointError(str(e)) from e
         except NothingCommittedError as e:
@@ -271,7 +303,8 @@ class RestorePath(ManagerBase):
         return self._on_rank0(best, "list the run folder")
 
     def restore(self, step: int | None = None, *, keys: Keys = None,
-                map_location: Any = None) -> RestoreResult:
+                map_location: Any = None, into: Any = None,
+                rank_state_remap: RankStateRemap | None = None) -> RestoreResult:
         """Restore the checkpoint of ``step`` (None: the latest) on every rank.  Collective.
 
         Orbax ``restore(step)`` / torch_xla ``restore(step, state_dict)``, with the one-resolver
@@ -293,6 +326,8 @@ class RestorePath(ManagerBase):
                 None.  None: the whole state and this rank's ``rank/<rank>`` item through
                 :func:`xla_ckpt.restore.restore` (the configured strategy).
             map_location: where restored tensors go on this rank (as ``torch.load``).
+            into / rank_state_remap: as :meth:`restore_or_initialize` (live targets filled in
+                place, onto any mesh; per-rank items on another world size); not with ``keys``.
 
         Returns:
             A :class:`RestoreResult` on every rank (``partial`` set when ``keys`` is given).
@@ -304,18 +339,25 @@ class RestorePath(ManagerBase):
             UnknownKeyError: a key selects nothing; names it and the closest keys (every rank).
             CheckpointReplacedError: the checkpoint was replaced during the read, twice.
             DistributedError: a read failed on some rank; ``failures`` names them.
-            ConfigError: ``step`` is not an int >= 0 (before any collective).
+            WorldSizeMismatchError / StateMismatchError: as :meth:`restore_or_initialize`.
+            ConfigError: ``step`` is not an int >= 0, or ``keys`` given with ``into`` or
+                ``rank_state_remap`` (before any collective).
             ValueError: ``keys`` is empty (pass None for everything) or holds an empty or
                 non-string key (before any collective).
         """
         self._check_open()
         step = _check_step(step)
         check_keys(keys)  # an empty or malformed key list fails on every rank alike, first
+        if keys is not None and (into is not None or rank_state_remap is not None):
+            raise ConfigError("restore(keys=...) reads a selection of the replicated state on "
+                              "its own; into= and rank_state_remap= apply to a whole restore "
+                              "(pass keys=None)")
         decision = self._decide(step, keys)
         for attempt in range(2):
             if keys is None:
                 try:
-                    result = self._read_checkpoint(decision.uri, decision.name, map_location)
+                    result = self._read_checkpoint(decision.uri, decision.name, map_location,
+                                                   into=into, rank_state_remap=rank_state_remap)
                 except UncommittedCheckpointError as e:
                     raise IncompleteCheckpointError(str(e)) from e
                 except NothingCommittedError as e:
@@ -552,10 +594,18 @@ class RestorePath(ManagerBase):
                            self.rank, self.run.url(name), type(e).__name__, e)
             return None
 
-    def _read_checkpoint(self, uri: str, name: str, map_location: Any) -> RestoreResult:
-        """Every rank restores ``uri`` with the configured strategy (xla_ckpt.restore.restore)."""
+    def _read_checkpoint(self, uri: str, name: str, map_location: Any, *, into: Any = None,
+                         rank_state_remap: RankStateRemap | None = None) -> RestoreResult:
+        """Every rank restores ``uri`` with the configured strategy (xla_ckpt.restore.restore),
+        into the live targets ``into`` when given."""
+        extra: dict[str, Any] = {}
+        if into is not None:
+            extra["into"] = into
+        if rank_state_remap is not None:
+            extra["rank_state_remap"] = rank_state_remap
         r = restore_checkpoint(uri, dist=self.dist, map_location=map_location,
-                               config=self.restore_config, storage_config=self.run.config)
+                               config=self.restore_config, storage_config=self.run.config,
+                               **extra)
         md = r.metadata if isinstance(r.metadata, dict) else {}
         return RestoreResult(state=r.state, rank_state=r.rank_state, checkpoint=name,
                              uri=r.checkpoint, metadata=md, epoch=md.get("epoch"),

@@ -8,6 +8,16 @@ coordinator's commit: manifest, ``checkpoint_last`` / ``checkpoint_best``
 pointers (best-N comparison), rotation.  A failure on any rank is raised on
 every rank (:meth:`SavePath._fail`).
 
+Before anything is written the ranks agree on the save (:mod:`~xla_ckpt.manager.agreement`,
+one exchange that also carries rank 0's save id): states holding different tensors, or
+``shards`` passed on some ranks only, are refused on every rank.  A state holding sharded
+tensors (DTensor, XLA SPMD) takes the chunked path:
+:func:`~xla_ckpt.restore.owners.plan_chunked_save` (collective, on the training thread)
+decides who writes which box; each rank's boxes go into its one data file as item
+``chunks/<r>`` with its ``rank/<r>`` and ``shard/<r>`` items (an async save first copies
+them to reused host buffers, :func:`~xla_ckpt.manager.staging.stage_dense`); rank 0 commits
+the state tree as a chunked item plus the global tensors' chunk tables.
+
 Ctrl-C in the training thread while an async save uploads: on a backend that lists
 what interrupted writes leave (``Storage.lists_in_flight``: gs://) the upload runs on
 a daemon thread, so the process never waits for it at exit; closing the manager
@@ -42,7 +52,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
 
-from xla_ckpt.errors import CheckpointSaveError, FencedError, PreconditionFailedError
+import torch
+
+from xla_ckpt.errors import (
+    CheckpointSaveError,
+    CollectiveTimeoutError,
+    DistributedError,
+    FencedError,
+    PreconditionFailedError,
+)
 from xla_ckpt.format.manifest import FORMAT_NAME, FORMAT_VERSION, STATE_ITEM, Manifest, rank_item
 from xla_ckpt.io.catalog import LEASE_EPOCH_KEY, epoch_of, read_pointer_doc, write_pointer
 from xla_ckpt.io.fencing import (
@@ -60,12 +78,13 @@ from xla_ckpt.io.writer import (
     remove_other_data_files,
     write_items,
 )
+from xla_ckpt.manager import agreement
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.manager.best import RESERVED_METADATA
 from xla_ckpt.manager.naming import preemption_name
 from xla_ckpt.manager.rotation import rotate
-from xla_ckpt.manager.staging import stage_to_host
-from xla_ckpt.restore.save import _shard_layout as shard_layout
+from xla_ckpt.manager.staging import stage_dense, stage_to_host
+from xla_ckpt.restore.owners import ChunkedSavePlan, plan_chunked_save
 from xla_ckpt.restore.sharding import shard_item, shard_state
 from xla_ckpt.storage import Storage
 
@@ -87,6 +106,7 @@ class _InFlight:
     score: float | None = None  # rank 0: its best score (manager.best), None for none
     t0: float = field(default_factory=time.perf_counter)
     buffers: list = field(default_factory=list)  # host staging buffers, reusable once uploaded
+    plan: ChunkedSavePlan | None = None  # rank 0, chunked save: what it commits
 
 
 def _status(fut: cf.Future | None) -> str:
@@ -108,6 +128,15 @@ def _parts_from_json(docs: list[dict], save_id: str, rank: int) -> list[WrittenI
                                      where=f"item {d['name']!r} written by rank {rank}")
         out.append(WrittenItem(d["name"], m.items[d["name"]], dict(m.files)))
     return out
+
+
+def _message(e: DistributedError) -> str:
+    """``e``'s message without the ``[rank r: cause; ...]`` detail its failures add."""
+    text = str(e)
+    if e.failures:
+        detail = "; ".join(f"rank {r}: {c}" for r, c in sorted(e.failures.items()))
+        text = text.removesuffix(f" [{detail}]")
+    return text
 
 
 def _done_future(value: Any) -> cf.Future:
@@ -152,6 +181,12 @@ class SavePath(ManagerBase):
              metrics: MetricValues | None = None, block: bool | None = None) -> str:
         """Save now, outside the schedule.  Collective: every rank calls it.
 
+        ``state``, ``rank_state``, ``shards`` as :meth:`after_update`: a state holding
+        DTensors (FSDP2 / tensor parallel) is saved chunked, each rank writing the boxes
+        it owns; an async save (``block=False``) returns once this rank's boxes (and its
+        other items) are copied to host buffers, so later in-place updates of the
+        parameters and optimizer state do not reach the checkpoint (CASES C20).
+
         Args:
             name: checkpoint folder name (default: the preemption-style
                 ``checkpoint_<epoch>_<updates>``, or ``checkpoint<epoch>`` at an
@@ -162,7 +197,9 @@ class SavePath(ManagerBase):
             The checkpoint folder name.
 
         Raises:
-            CheckpointSaveError: this or the previous save failed on some rank.
+            CheckpointSaveError: this or the previous save failed on some rank; or the
+                ranks hold different state (refused on every rank before anything is
+                written, naming the rank and the key).
             FencedError: a newer incarnation of the job took the run folder over (every
                 rank; this and every later save of this manager).
         """
@@ -213,60 +250,71 @@ class SavePath(ManagerBase):
         lease = self._ensure_lease()
         metadata[LEASE_EPOCH_KEY] = lease.epoch
         t0 = time.perf_counter()
-        sh = shards() if callable(shards) else shards
-        flat = None
-        if sh is not None:
-            # A collective: every rank learns the others' piece sizes (and they must agree).
-            flat = {k: t.detach().reshape(-1) for k, t in sh.items()}
-            bounds, numels = shard_layout(self.dist, flat)
-        # One save id for every rank's data files (rank 0 picks it), so a failed save's files
-        # can be found and removed, and a commit removes the files of earlier saves.  With it
-        # rank 0 says whether a newer incarnation holds the lease: then nobody writes.
-        # Rank 0 also scores the checkpoint for checkpoint_best (a best_fn that raises fails
-        # the save on every rank before anything is written).
-        save_id, newer, scored = self._exchange((new_save_id(), self._newer_lease(lease),
-                                                 self._score(name, metadata))
-                                                if self.rank == 0 else None)[0]
+        url = self.run.url(name)
+        # Every rank evaluates its inputs (the callables may run collectives, e.g. optimizer
+        # consolidation), then one exchange carries rank 0's save id (one for every rank's data
+        # files, so a failed save's files can be found and removed, and a commit removes the
+        # files of earlier saves), whether a newer incarnation holds the lease (then nobody
+        # writes), rank 0's score of the checkpoint (a best_fn that raises fails the save on
+        # every rank before anything is written), and every rank's save agreement message
+        # (manager.agreement: input failures, sharded or not, tensor layout, shard layout).
+        inputs = agreement.evaluate_inputs(state, rank_state, shards)
+        head = ((new_save_id(), self._newer_lease(lease), self._score(name, metadata))
+                if self.rank == 0 else None)
+        msgs = self._exchange((head, agreement.message(inputs)))
+        save_id, newer, scored = msgs[0][0]
         if newer is not None:
             self._fenced = fenced_error(self.run, lease, newer[0], newer[1],
                                         what=f"to save {name}")
             self._raise_if_fenced()
         if scored[0] == "error":
-            raise CheckpointSaveError(f"saving checkpoint {self.run.url(name)} failed: best_fn "
+            raise CheckpointSaveError(f"saving checkpoint {url} failed: best_fn "
                                       "raised on its metrics (nothing was written)",
                                       {0: scored[1]})
+        agreed = agreement.agree([m[1] for m in msgs], self.rank)
+        self._refuse_disagreement(agreed, inputs, url)
+        plan = None
+        if agreed.sharded and not agreed.input_errors:
+            plan = self._plan_chunked(inputs.state, url)
         storage = self.run.child(name)
         buffers: list = []
         nbytes = 0
         try:
-            st = state() if callable(state) else state
-            rs = rank_state() if callable(rank_state) else rank_state
-            payload = [st if self.rank == 0 else None, rs,
-                       shard_state(flat, bounds, numels) if flat is not None else None]
-            if block:
-                # The caller waits anyway: write the live state from this thread, no copy.
-                upload = _done_future(self._upload_job(storage, save_id, *payload))
+            if agreed.input_errors:
+                # Some rank's inputs failed: nobody writes; every rank raises it in _sync.
+                upload = (_failed_future(inputs.error) if inputs.error is not None
+                          else _done_future([]))
             else:
-                staged = [stage_to_host(p, self._pool) if p is not None else None
-                          for p in payload]
-                for sg in staged:
-                    if sg is not None:
-                        buffers += sg.buffers
-                        nbytes += sg.nbytes
-                args = (storage, save_id, *[sg.state if sg else None for sg in staged])
-                if storage.lists_in_flight:
-                    # Ctrl-C must not wait for the upload (see the module docstring).
-                    upload = _on_daemon_thread(f"xla_ckpt-upload-r{self.rank}",
-                                               self._upload_job, *args)
+                payload = self._payload(inputs, agreed, plan)
+                if block:
+                    # The caller waits anyway: write the live state from this thread, no copy.
+                    upload = _done_future(self._upload_job(storage, save_id, *payload))
                 else:
-                    upload = self._executor.submit(self._upload_job, *args)
-                del staged
-            del payload
+                    staged = [stage_to_host(p, self._pool) if p is not None else None
+                              for p in payload[:3]]
+                    chunks = (stage_dense(payload[4], self._pool)
+                              if payload[4] is not None else None)
+                    for sg in [*staged, chunks]:
+                        if sg is not None:
+                            buffers += sg.buffers
+                            nbytes += sg.nbytes
+                    args = (storage, save_id, *[sg.state if sg else None for sg in staged],
+                            payload[3], chunks.state if chunks is not None else None)
+                    if storage.lists_in_flight:
+                        # Ctrl-C must not wait for the upload (see the module docstring).
+                        upload = _on_daemon_thread(f"xla_ckpt-upload-r{self.rank}",
+                                                   self._upload_job, *args)
+                    else:
+                        upload = self._executor.submit(self._upload_job, *args)
+                    del staged, chunks
+                del payload
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks in _sync
             upload = _failed_future(e)
+        del inputs
         self._inflight = _InFlight(name=name, save_id=save_id, metadata=metadata,
                                    storage=storage, upload=upload, staged_bytes=nbytes, t0=t0,
-                                   buffers=buffers, score=scored[1])
+                                   buffers=buffers, score=scored[1],
+                                   plan=plan if self.rank == 0 else None)
         self._last_saved = (name, num_updates)
         logger.debug("[rank %d] %s %s: %d bytes in %.3f s", self.rank,
                      "wrote" if block else "staged", name, nbytes, time.perf_counter() - t0)
@@ -274,11 +322,71 @@ class SavePath(ManagerBase):
             committed += self._sync(block=True)
         return committed
 
+    def _refuse_disagreement(self, agreed: agreement.SaveAgreement, inputs: agreement.SaveInputs,
+                             url: str) -> None:
+        """Raise on every rank, before anything is written, when the ranks' state differs.
+
+        Collective only when the tensor layouts differ (a second exchange names rank and key).
+
+        Raises:
+            CheckpointSaveError: ranks passed ``shards`` with different keys or dtypes, or
+                (on some ranks only); their plain states hold different tensors (C16).
+        """
+        if agreed.input_errors:
+            return  # reported by _sync as the save's failure, as any rank's failure is
+        if agreed.shard_errors:
+            raise CheckpointSaveError(f"saving checkpoint {url} refused: ranks passed different "
+                                      "shards; nothing was written", agreed.shard_errors)
+        if agreed.layouts_differ:
+            layouts = self._exchange(agreement.tensor_layout(inputs.state))
+            differ = agreement.layout_mismatch(layouts)
+            if differ:
+                raise CheckpointSaveError(
+                    f"saving checkpoint {url} refused: ranks hold different tensors; nothing "
+                    f"was written ({agreement.LAYOUT_HINT})", differ)
+
+    def _plan_chunked(self, state: Any, url: str) -> ChunkedSavePlan:
+        """Every rank (collective): the owners' plan of a state holding sharded tensors.
+
+        Raises:
+            CheckpointSaveError: the ranks' structures differ (keys, global shapes, dtypes,
+                placements; names rank and key, on every rank; nothing was written).
+        """
+        what = f"saving checkpoint {url} refused"
+        try:
+            return plan_chunked_save(self.dist, state, what=what)
+        except CheckpointSaveError:
+            raise
+        except DistributedError as e:
+            if isinstance(e, CollectiveTimeoutError) or getattr(e, "collective_broken", False):
+                raise
+            raise CheckpointSaveError(_message(e), e.failures) from e
+
+    def _payload(self, inputs: agreement.SaveInputs, agreed: agreement.SaveAgreement,
+                 plan: ChunkedSavePlan | None) -> tuple:
+        """``(state, rank_state, shards, chunk item name, chunk tensors)`` this rank writes."""
+        shards = (shard_state(inputs.flat, agreed.bounds, agreed.numels)
+                  if inputs.flat is not None else None)
+        if plan is None:
+            return (inputs.state if self.rank == 0 else None, inputs.rank_state, shards,
+                    None, None)
+        chunk = plan.chunk_item()
+        if chunk is None:
+            return None, inputs.rank_state, shards, None, None
+        return None, inputs.rank_state, shards, chunk[0], list(chunk[1])
+
     def _upload_job(self, storage: Storage, save_id: str, state: Any, rank_state: Any,
-                    shards: Any) -> list[WrittenItem]:
+                    shards: Any, chunk_name: str | None = None,
+                    chunks: list[torch.Tensor] | None = None) -> list[WrittenItem]:
         """Write this rank's items (each a state, or None for none) as one data file (one
-        object, one fsync: :func:`~xla_ckpt.io.writer.write_items`); returns what was written."""
+        object, one fsync: :func:`~xla_ckpt.io.writer.write_items`); returns what was written.
+
+        ``chunks``: the boxes of sharded state this rank owns (chunked save), written as item
+        ``chunk_name`` (a list of C-contiguous tensors, in the plan's order)."""
         items: list[tuple[str, Any]] = []
+        if chunk_name is not None and chunks is not None:
+            items.append((chunk_name, [t if t.is_contiguous() else t.contiguous()
+                                       for t in chunks]))
         if state is not None:
             items.append((STATE_ITEM, state))
         if rank_state is not None:
@@ -314,9 +422,16 @@ class SavePath(ManagerBase):
             # all still be here (a stale writer's commit clean-up may have run meanwhile).
             for f in sorted(files):
                 fl.storage.stat(f)
+        chunked: dict[str, Any] = {}
+        if fl.plan is not None:
+            # Chunked save: the state item is rank 0's tree; each box lives in its owner's
+            # chunks/<r> item (global_tensors also names the chunk records by their box).
+            chunked["global_tensors"] = fl.plan.global_tensors(parts)
+            parts = [*parts, WrittenItem(STATE_ITEM, fl.plan.state_item(), {})]
         try:
             commit(fl.storage, fl.save_id, parts, metadata=fl.metadata,
-                   world_size=self.world_size, cleanup=False, if_generation_match=expected)
+                   world_size=self.world_size, cleanup=False, if_generation_match=expected,
+                   **chunked)
         except PreconditionFailedError:
             # Created meanwhile: by a newer incarnation (then say so), or by a save of ours.
             check_lease(self.run, lease, what=f"to commit {fl.name}")

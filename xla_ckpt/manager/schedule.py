@@ -65,7 +65,12 @@ class SaveSchedule(SavePath):
             num_updates: updates done so far, this one included.
             state: the replicated state, or a zero-argument callable returning it
                 (called on every rank, only when saving; it may run collectives,
-                e.g. optimizer consolidation).  Only rank 0's is written.
+                e.g. optimizer consolidation).  Only rank 0's is written, so every
+                rank must hold the same tensors (keys, shapes, dtypes; checked before
+                anything is written).  Sharded tensors (DTensor: FSDP2 / tensor
+                parallel, e.g. ``get_state_dict(model, optim)``; torch_xla SPMD) are
+                saved by their owners instead: each rank writes its own shards (and a
+                byte-balanced share of the replicated tensors).
             rank_state: this rank's private state (or callable), written as item
                 ``rank/<rank>``; None for none.
             shards: this rank's pieces of flat sharded tensors (ZeRO optimizer state,
@@ -82,7 +87,10 @@ class SaveSchedule(SavePath):
             ``exit_on_preemption=False``; the caller should then stop).
 
         Raises:
-            CheckpointSaveError: a save failed on some rank (every rank raises it).
+            CheckpointSaveError: a save failed on some rank (every rank raises it); or the
+                ranks hold different state (a rank with keys the others lack, one rank
+                alone passing DTensors or ``shards``): refused on every rank before
+                anything is written, naming the rank and the key.
             FencedError: a newer incarnation of the job took the run folder over; every
                 later save (a preemption save too) raises it at once, writing nothing.
             SystemExit: with code 0 after a preemption save committed

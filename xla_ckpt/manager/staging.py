@@ -106,6 +106,29 @@ def stage_to_host(state: Any, pool: StagingPool | None = None) -> Staged:
     return Staged(typed.decode(encoded, lambda i: host[i]), nbytes, buffers)
 
 
+def stage_dense(tensors: list[torch.Tensor], pool: StagingPool | None = None) -> Staged:
+    """Host copies of C-contiguous ``tensors`` (any device), for an async chunked save.
+
+    The chunk tensors a rank owns (:attr:`xla_ckpt.restore.owners.ChunkedSavePlan.owned`:
+    its DTensor local shards and the replicated boxes it writes) are views of live
+    parameters and optimizer state; the copies here are what the upload reads, so the
+    checkpoint holds the values at the moment of the save call (CASES C20).  Each copy is
+    C-contiguous with the shape and dtype of its source (tensors sharing a storage stay
+    views of one copy); ``state`` is the list of copies, in order.
+
+    Raises:
+        ValueError: a tensor is not C-contiguous (a chunk must be), naming its index.
+    """
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
+            raise ValueError(f"chunk tensor {i} of shape {tuple(t.shape)} is not C-contiguous")
+        if t.device.type == "meta":
+            raise MetaTensorError(f"chunk tensor {i} is on the meta device and holds no data")
+    host, buffers, xla_bytes = _host_copies(list(tensors), pool or StagingPool())
+    nbytes = sum(b.numel() for b in buffers) + xla_bytes
+    return Staged(host, nbytes, buffers)
+
+
 def _host_copies(tensors: list[torch.Tensor], pool: StagingPool
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
     """Host copies, the pooled buffers they live in, and bytes of XLA transfers (not pooled)."""

@@ -15,7 +15,8 @@ Public surface::
 :class:`Checkpointer` (``checkpointer``: config and constructor) is built from the
 live-training surface (``training_surface``), the save (``save_state``) and the restore
 (``restore_state``); ``module_load``, ``optimizer_state`` and ``prefixes`` hold the loading
-rules, ``meters``/``metrics`` fairseq's meters, ``sources`` the default reader and
+rules, ``sharded`` the DTensor (FSDP2 / tensor parallel) model path, ``meters``/``metrics``
+fairseq's meters, ``sources`` the default reader and
 writer, ``fairseq_compat`` the map from fairseq optimizer names and states to torch's
 (``lr_scheduler`` maps fairseq ``lr_scheduler_state`` onto torch schedulers).
 """

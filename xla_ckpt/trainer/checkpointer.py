@@ -51,12 +51,20 @@ the ``default`` aggregator and so resets none); a dtype policy guards casts;
 an incomplete checkpoint (data files, no commit marker) is treated as
 absent with a warning naming it, as in every entry point (nothing was committed there).
 
+Sharded models (any ``DTensor`` parameter: FSDP2, tensor parallel): the same order and
+flags, with model and optimizer state through DCP's ``get_state_dict`` /
+``set_state_dict`` (:mod:`~xla_ckpt.trainer.sharded`): the restore reads each rank's shards
+in place into :meth:`~xla_ckpt.trainer.restore_state.RestoreState.restore_targets` (the
+live parameters and the rebuilt optimizer's state), onto any mesh; the optimizer class
+must match (no fairseq optimizer mapping).  Any other model goes the way above, unchanged.
+
 Where things are: this module holds the config and the constructor;
 :mod:`~xla_ckpt.trainer.training_surface` the live-training surface (optimizer
 and lr_scheduler builds, ``num_updates``, ``lr_step``, training time);
 :mod:`~xla_ckpt.trainer.save_state` the save (``state_dict``,
 ``save_checkpoint``); :mod:`~xla_ckpt.trainer.restore_state` the restore above
-(``load_checkpoint``, ``load_state``).
+(``load_checkpoint``, ``load_state``, ``restore_targets``); :mod:`~xla_ckpt.trainer.sharded`
+the DTensor model path.
 """
 
 from __future__ import annotations
@@ -139,7 +147,11 @@ class Checkpointer(SaveState, RestoreState):
 
     Args:
         model: the live model, already on its device (may be wrapped in
-            DDP / ``torch.compile``; its unwrapped module is saved and loaded).
+            DDP / ``torch.compile``; its unwrapped module is saved and loaded).  A
+            sharded model (``DTensor`` parameters: FSDP2 ``fully_shard``, tensor
+            parallel) is saved and restored through DCP's ``get_state_dict`` /
+            ``set_state_dict`` (:mod:`~xla_ckpt.trainer.sharded`), each rank writing and
+            reading only its shards; its optimizer must hold only the model's parameters.
         criterion: the loss module; its state is saved and loaded when it
             has parameters.
         build_optimizer: ``fn(params) -> optimizer`` over the trainable
@@ -213,4 +225,6 @@ class Checkpointer(SaveState, RestoreState):
         self._start_time = clock()
         self._previous_training_time = 0.0
         self.rank_state = None
+        self._restore_built = None
+        self._restore_was_empty = False
 

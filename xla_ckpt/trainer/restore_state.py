@@ -37,7 +37,10 @@ from xla_ckpt.trainer.lr_scheduler import is_fairseq_style, load_lr_scheduler_st
 from xla_ckpt.trainer.module_load import in_place_targets, load_module_state, saved_records
 from xla_ckpt.trainer.optimizer_state import check_live_params, load_optimizer_state
 from xla_ckpt.trainer.prefixes import unwrap_module
-from xla_ckpt.trainer.sources import accepts_targets, unpack_restored
+from xla_ckpt.trainer.sharded import is_sharded_module, model_state, optimizer_state
+from xla_ckpt.trainer.sharded import load_model as load_sharded_model
+from xla_ckpt.trainer.sharded import load_optimizer as load_sharded_optimizer
+from xla_ckpt.trainer.sources import accepts_keyword, accepts_targets, unpack_restored
 from xla_ckpt.trainer.training_surface import TrainingSurface, has_parameters, logger
 
 
@@ -86,11 +89,49 @@ class RestoreState(TrainingSurface):
                 ``reset_lr_scheduler=True``).
             CheckpointCorruptError / IntegrityError: bad bytes (names the path).
         """
-        restored = self._restore(uri)
+        restored = self._restore(uri, reset_optimizer=reset_optimizer)
         return self._load_state(restored, where=uri, reset_optimizer=reset_optimizer,
                                 reset_lr_scheduler=reset_lr_scheduler,
                                 optimizer_overrides=optimizer_overrides,
                                 reset_meters=reset_meters, absent_logged=restored is None)
+
+    def restore_targets(self, *, reset_optimizer: bool = False) -> dict[str, Any] | None:
+        """The live tensors a restore of a sharded model fills in place, or None for a model
+        that is not sharded.  Every rank calls it (it may build the optimizer).
+
+        For a model with ``DTensor`` parameters (FSDP2, tensor parallel):
+        ``{"model": get_model_state_dict(model), "last_optimizer_state":
+        get_optimizer_state_dict(model, optimizer)}`` (no optimizer entry with
+        ``reset_optimizer`` or ``config.no_save_optimizer_state``).  The optimizer is
+        rebuilt over the live parameters first (when ``build_optimizer`` was given, as the
+        restore does, fairseq ``_build_optimizer``), so a restore that keeps the
+        optimizer fills the one that trains on.  Pass it as ``into`` of
+        ``CheckpointManager.restore_or_initialize`` (or ``xla_ckpt.restore.restore``), then
+        hand the result, None included, to :meth:`load_state` with the same flags::
+
+            res = mgr.restore_or_initialize(into=ckpt.restore_targets())
+            extra_state = ckpt.load_state(res, where=res.uri if res else "")
+
+        The optimizer state initialised here for the read (DCP's zero-lr step) is undone by
+        :meth:`load_state` when the optimizer is not restored after all (nothing committed,
+        ``reset_optimizer``): it is rebuilt fresh (or, without ``build_optimizer``, its
+        state emptied again).
+
+        Raises:
+            ConfigError: the optimizer holds parameters that are not the model's.
+        """
+        module = unwrap_module(self.model)
+        if not is_sharded_module(module):
+            return None
+        targets: dict[str, Any] = {K.MODEL: model_state(module)}
+        if not reset_optimizer and not self.config.no_save_optimizer_state:
+            if self.build_optimizer is not None:
+                self._build_optimizer()
+            optimizer = self.optimizer
+            self._restore_built = optimizer
+            self._restore_was_empty = not optimizer.state
+            targets[K.LAST_OPTIMIZER_STATE] = optimizer_state(module, optimizer)
+        return targets
 
     def load_state(self, restored: Any, *, where: str = "", reset_optimizer: bool = False,
                    reset_lr_scheduler: bool = False,
@@ -102,7 +143,9 @@ class RestoreState(TrainingSurface):
         an object with ``.state`` and ``.rank_state`` (what
         ``CheckpointManager.restore_or_initialize`` or a restore strategy
         returns).  ``where`` names the checkpoint in messages.  Same flags,
-        return value and errors as :meth:`load_checkpoint`.
+        return value and errors as :meth:`load_checkpoint`.  A sharded model's
+        state read into :meth:`restore_targets` is applied with ``set_state_dict``
+        (so are full tensors, sharded onto the live placements).
         """
         return self._load_state(restored, where=where, reset_optimizer=reset_optimizer,
                                 reset_lr_scheduler=reset_lr_scheduler,
@@ -125,10 +168,15 @@ class RestoreState(TrainingSurface):
                     "); load it with xla_ckpt.load instead")
             self.rank_state = rank_state
             last_optim_state = state.get(K.LAST_OPTIMIZER_STATE)
-            reports.append((self.model, load_module_state(
-                unwrap_module(self.model), state[K.MODEL], what="model", where=uri,
-                strip_prefixes=self.config.strip_prefixes, dtype_policy=self.config.dtype_policy,
-                device=self.device)))
+            module = unwrap_module(self.model)
+            if is_sharded_module(module):
+                # DTensor model: DCP's set_model_state_dict (strict keys, checked first).
+                load_sharded_model(module, state[K.MODEL], where=uri)
+            else:
+                reports.append((self.model, load_module_state(
+                    module, state[K.MODEL], what="model", where=uri,
+                    strip_prefixes=self.config.strip_prefixes,
+                    dtype_policy=self.config.dtype_policy, device=self.device)))
             if has_parameters(self.criterion):
                 reports.append((self.criterion, load_module_state(
                     unwrap_module(self.criterion), state.get(K.CRITERION) or {},
@@ -146,6 +194,8 @@ class RestoreState(TrainingSurface):
             if extra_state is not None:
                 for k, v in restored_extra.items():
                     extra_state.setdefault(k, v)
+        else:
+            self._discard_restore_targets()
 
         if extra_state is None:
             if not absent_logged:
@@ -180,8 +230,11 @@ class RestoreState(TrainingSurface):
         ordinary path then raises with nothing overwritten), on the meta device, or
         whose keys need a prefix stripped; only CPU tensors qualify.  When the model
         gets none, the criterion gets none either: the model's load comes first and may
-        raise, and then the criterion must still be as it was.
+        raise, and then the criterion must still be as it was.  A sharded (chunked) save
+        gets none: its tensors are assembled whole from their chunks, then loaded.
         """
+        if item.chunked:
+            return {}  # a sharded save: its tensors are chunk tables, assembled by the read
         saved = saved_records(item)
         if not isinstance(saved, Mapping):
             return {}
@@ -203,19 +256,51 @@ class RestoreState(TrainingSurface):
             targets.update(got)
         return targets
 
-    def _restore(self, uri: str) -> Any:
-        """What the restorer read, or None (logged at WARNING) when nothing is committed."""
+    def _discard_restore_targets(self) -> None:
+        """The optimizer :meth:`restore_targets` prepared is not restored (nothing committed,
+        ``reset_optimizer``, no optimizer state saved): start it fresh, as if never touched
+        (its state was initialised for the read, and the read may have filled it)."""
+        built, self._restore_built = self._restore_built, None
+        if built is None:
+            return
+        if self.build_optimizer is not None:
+            self._build_optimizer()
+        elif self._restore_was_empty:
+            built.state.clear()  # exactly the empty state DCP's initialisation started from
+
+    def _restore(self, uri: str, *, reset_optimizer: bool = False) -> Any:
+        """What the restorer read, or None (logged at WARNING) when nothing is committed.
+
+        A sharded model: a restorer that takes ``into`` fills :meth:`restore_targets` in
+        place (the default does, through :func:`xla_ckpt.restore.restore`); any other reads
+        full tensors, which :meth:`load_state` shards onto the live placements."""
+        into = None
         try:
-            if accepts_targets(self.restorer):
+            into = self.restore_targets(reset_optimizer=reset_optimizer)
+            if into is not None and accepts_keyword(self.restorer, "into"):
+                restored = self.restorer(uri, into=into)
+            elif into is None and accepts_targets(self.restorer):
                 restored = self.restorer(uri, targets=self._in_place_targets)
             else:
                 restored = self.restorer(uri)
         except UncommittedCheckpointError as e:
             logger.warning("rank %d: ignoring %s; no existing checkpoint is used", self.rank, e)
-            return None
+            return None  # load_state discards the restore targets
         except NothingCommittedError:
             logger.warning("rank %d: no existing checkpoint found at %s", self.rank, uri)
             return None
+        except StateMismatchError as e:
+            self._discard_restore_targets()
+            if into is not None and K.LAST_OPTIMIZER_STATE in str(e):
+                # The live optimizer's state does not fit the saved one (another optimizer
+                # class or settings): fairseq's way out.
+                raise StateMismatchError(
+                    f"{e}; if the optimizer changed, pass reset_optimizer=True to restore the "
+                    "weights with a fresh optimizer") from e
+            raise
+        except BaseException:
+            self._discard_restore_targets()
+            raise
         if restored is None:  # a restorer that says "nothing" by returning None
             logger.warning("rank %d: no existing checkpoint found at %s", self.rank, uri)
         return restored
@@ -224,10 +309,15 @@ class RestoreState(TrainingSurface):
                            reset_lr_scheduler: bool, overrides: Optional[Mapping[str, Any]],
                            reports: list) -> dict:
         """Optimizer, lr_scheduler and ``num_updates``; returns entries for ``extra_state``."""
-        if self.build_optimizer is not None:
+        live_module = unwrap_module(self.model)
+        sharded = is_sharded_module(live_module)
+        if sharded and self._optimizer is not None and self._optimizer is self._restore_built:
+            pass  # restore_targets built it and the restore filled its state in place
+        elif self.build_optimizer is not None:
             self._build_optimizer()  # after the model load: params may have changed
-        else:
+        elif not sharded:
             check_live_params(self.optimizer, self.live_parameters(), where=uri)
+        self._restore_built = None
         if not self._optim_history:
             raise StateMismatchError(f"{uri}: the checkpoint has optimizer state but an empty "
                                      f"{K.OPTIMIZER_HISTORY}; pass reset_optimizer=True")
@@ -237,7 +327,8 @@ class RestoreState(TrainingSurface):
         opt_name = type(self.optimizer).__name__
         saved_opt = last.get(K.OPTIMIZER_NAME)
         if saved_opt != opt_name:
-            if not (self.config.fairseq_compat and is_fairseq_optimizer_name(saved_opt)):
+            if sharded or not (self.config.fairseq_compat and
+                               is_fairseq_optimizer_name(saved_opt)):
                 raise StateMismatchError(
                     f"{uri}: optimizer does not match the checkpoint: saved {saved_opt}, live "
                     f"{opt_name}; pass reset_optimizer=True to restore the weights with a fresh "
@@ -275,8 +366,11 @@ class RestoreState(TrainingSurface):
             named = dict(unwrap_module(module).named_parameters(remove_duplicate=False))
             saved_dtypes.update({id(named[k]): dt for k, dt in report.saved_dtypes.items()
                                  if k in named})
-        load_optimizer_state(self.optimizer, last_optim_state, saved_param_dtypes=saved_dtypes,
-                             where=uri)
+        if sharded:
+            load_sharded_optimizer(live_module, self.optimizer, last_optim_state, where=uri)
+        else:
+            load_optimizer_state(self.optimizer, last_optim_state,
+                                 saved_param_dtypes=saved_dtypes, where=uri)
         if sched is not None and not is_fairseq_style(sched) and hasattr(sched, "get_last_lr") \
                 and (reset_lr_scheduler or lr_follows_sched):
             # A fresh (or fairseq-mapped) torch scheduler holds the lr of its own schedule; the

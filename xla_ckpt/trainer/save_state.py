@@ -15,6 +15,7 @@ import torch
 
 from xla_ckpt.trainer import keys as K
 from xla_ckpt.trainer.prefixes import unwrap_module
+from xla_ckpt.trainer.sharded import is_sharded_module, model_state, optimizer_state
 from xla_ckpt.trainer.training_surface import TrainingSurface, has_parameters, logger
 
 
@@ -37,12 +38,26 @@ class SaveState(TrainingSurface):
         the saved ``extra_state``.  Tensors stay on their devices (the writer
         brings them to host).  Pass ``lambda: ckpt.state_dict(extra)`` as the
         ``state`` of :class:`xla_ckpt.manager.CheckpointManager`.
+
+        A sharded model (any ``DTensor`` parameter: FSDP2, tensor parallel) is saved
+        through ``torch.distributed.checkpoint.state_dict``: ``model`` is
+        ``get_model_state_dict`` (live DTensors by FQN) and ``last_optimizer_state``
+        ``get_optimizer_state_dict`` (:mod:`xla_ckpt.trainer.sharded`); the chunked save
+        writes each rank's shards.  Call it on every rank then.
+
+        Raises:
+            ConfigError: a sharded model whose optimizer also holds parameters that are not
+                the model's (a criterion with parameters).
         """
         criterion = self.criterion
+        module = unwrap_module(self.model)
+        # A sharded (DTensor: FSDP2 / TP) model: model and optimizer state through DCP's
+        # state_dict API (trainer.sharded); any other model exactly as before.
+        sharded = is_sharded_module(module)
         state = {
             K.ARGS: self.args,
             K.CFG: self.cfg,
-            K.MODEL: unwrap_module(self.model).state_dict(),
+            K.MODEL: model_state(module) if sharded else module.state_dict(),
             K.CRITERION: (unwrap_module(criterion).state_dict()
                           if has_parameters(criterion) else None),
             K.OPTIMIZER_HISTORY: list(self._optim_history) + [{
@@ -59,7 +74,8 @@ class SaveState(TrainingSurface):
         }
         state[K.EXTRA_STATE].update(extra_state or {})
         if not self.config.no_save_optimizer_state:
-            state[K.LAST_OPTIMIZER_STATE] = self.optimizer.state_dict()
+            state[K.LAST_OPTIMIZER_STATE] = (optimizer_state(module, self.optimizer) if sharded
+                                             else self.optimizer.state_dict())
         return state
 
     def save_checkpoint(self, uri: str, extra_state: Optional[Mapping] = None, *,

@@ -38,6 +38,7 @@ from xla_ckpt.format.manifest import STATE_ITEM, Item, rank_item
 from xla_ckpt.io import save
 from xla_ckpt.io.opener import open_reader, read_checkpoint, read_items
 from xla_ckpt.io.resolve import LEGACY, XLA_CKPT, Resolved
+from xla_ckpt.restore.owners import has_sharded
 from xla_ckpt.storage import StorageConfig
 
 
@@ -54,14 +55,19 @@ Targets = Callable[[Item], Mapping[str, torch.Tensor]]
 """The manifest's ``state`` item -> live tensors to read into, by tensor key."""
 
 
-def accepts_targets(restorer: Any) -> bool:
-    """Whether ``restorer`` takes the keyword ``targets`` (as :class:`SingleProcessRestorer`)."""
+def accepts_keyword(restorer: Any, name: str) -> bool:
+    """Whether ``restorer`` takes the keyword ``name`` (``targets``, ``into``)."""
     try:
         params = inspect.signature(restorer).parameters
     except (TypeError, ValueError):  # a builtin or C callable without a signature
         return False
-    p = params.get("targets")
+    p = params.get(name)
     return p is not None and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+
+
+def accepts_targets(restorer: Any) -> bool:
+    """Whether ``restorer`` takes the keyword ``targets`` (as :class:`SingleProcessRestorer`)."""
+    return accepts_keyword(restorer, "targets")
 
 
 class SingleProcessRestorer:
@@ -80,8 +86,15 @@ class SingleProcessRestorer:
         self.config = config
         self.legacy = legacy
 
-    def __call__(self, uri: str, *, targets: Optional[Targets] = None) -> tuple[Any, Any | None]:
+    def __call__(self, uri: str, *, targets: Optional[Targets] = None,
+                 into: Any = None) -> Any:
         """Returns ``(state, rank_state or None)`` with CPU tensors.
+
+        ``into`` (a sharded model's :meth:`~xla_ckpt.trainer.Checkpointer.restore_targets`:
+        live DTensors): every rank calls it; :func:`xla_ckpt.restore.restore` with
+        ``into=`` over the job's process group (:func:`xla_ckpt.comm.get_dist`) fills
+        this rank's shards in place, reading only their byte ranges, and its
+        :class:`~xla_ckpt.restore.Restored` is returned (``.state``, ``.rank_state``).
 
         ``targets``: for an xla_ckpt checkpoint, called with the manifest's ``state``
         item before any byte is read; it returns live tensors by tensor key
@@ -103,6 +116,11 @@ class SingleProcessRestorer:
             UnsafePickleError: a legacy file names a class outside the allow-list.
             ConfigError: a legacy file with ``legacy=False``.
         """
+        if into is not None:
+            from xla_ckpt.comm import get_dist  # noqa: PLC0415 - the sharded path only
+            from xla_ckpt.restore import restore  # noqa: PLC0415 - restore imports trainer-free io
+
+            return restore(uri, dist=get_dist(), into=into, storage_config=self.config)
         own = rank_item(self.rank)
 
         def read(resolved: Resolved) -> tuple[Any, Any | None]:
@@ -132,6 +150,17 @@ class SingleProcessSaver:
         self.config = config
 
     def __call__(self, state: Any, uri: str, *, metadata: Any, rank_state: Any | None) -> Any:
+        """Write ``state`` (and this rank's ``rank_state``) to ``uri``; the committed manifest.
+
+        A state holding sharded tensors (a sharded model's ``DTensor`` state) is saved by
+        every rank at once (call it on every rank): :func:`xla_ckpt.restore.save_distributed`
+        over the job's process group, each rank writing the shards it owns."""
+        if has_sharded(state):
+            from xla_ckpt.comm import get_dist  # noqa: PLC0415 - the sharded path only
+            from xla_ckpt.restore import save_distributed  # noqa: PLC0415 - as above
+
+            return save_distributed(state, uri, dist=get_dist(), metadata=metadata,
+                                    rank_state=rank_state, storage_config=self.config)
         rank_states = {self.rank: rank_state} if rank_state is not None else None
         return save(state, uri, metadata=metadata, rank_states=rank_states, config=self.config)
 

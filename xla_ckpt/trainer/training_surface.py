@@ -55,6 +55,8 @@ class TrainingSurface:
     _start_time: float  # clock() when training (re)started
     _previous_training_time: float  # seconds trained before this restart
     rank_state: Any
+    _restore_built: Optional[torch.optim.Optimizer]  # prepared by restore_targets (sharded)
+    _restore_was_empty: bool  # its state was empty before restore_targets initialised it
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
