@@ -36,6 +36,15 @@ Parts (``--parts``, default all):
              exchanges timed with and without them in the same processes (a ratio).
   soak       ``--soak-cycles`` async save + restore cycles with rotation, on local disk and on
              the emulator's bucket: usage, RSS slope, threads, fds, bitwise.
+  sharded    The sharded (chunked, manifest v2) save_distributed of DTensor state and its
+             byte-range restore into DTensor targets: a job of ``--sharded-world`` forked gloo
+             ranks SIGKILLed with one rank at each of ``--sharded-points`` points (per backend,
+             spread over every rank's steps; verified by a fresh job of
+             ``--sharded-verify-world`` ranks); ``--sharded-faults`` faults injected while 3
+             ranks restore by byte range from the emulator (plus a round in which every read of
+             one rank's chunk file is flipped); and every rank-failure case of a sharded save
+             (agreement, writing, commit) and restore (all_ranks, broadcast), 3 ranks each,
+             ``--sharded-rank-repeats`` times.
 
 Each part prints one JSON line of figures per run; ``--out FILE`` also writes them all as one
 JSON document.  The harnesses live in tests/reliability/ (the same code the CI subset runs);
@@ -1100,9 +1109,143 @@ def part_soak(emu, args, sink) -> None:
                                  "seconds": round(out["seconds"], 1)}, sink)
 
 
+# ---- sharded: crash points, faults and rank failures of the chunked (DTensor) save/restore ---
+
+def part_sharded(emu, args, sink) -> None:
+    import functools
+
+    import crash_harness as H
+    import faults_harness as F
+    import rank_workers as W
+
+    from xla_ckpt.comm.liveness import DEAD_AFTER_S
+    from xla_ckpt.testing.fault_proxy import Fault, FaultProxy, downloads
+    from xla_ckpt.testing.launcher import WorkerPool
+
+    tmp = tempfile.mkdtemp(prefix="xla-ckpt-sharded-")
+    with WorkerPool(1, xla=False, env=emu.env()) as zygote:
+        for backend in args.sharded_backends.split(","):
+            if not args.sharded_points:
+                break
+            base = os.path.join(tmp, "crash") if backend == "local" \
+                else emu.unique_uri("crash-sharded")
+            (res,) = zygote.run(H.sharded_campaign, base, backend, args.sharded_points,
+                                timeout_s=3600, world=args.sharded_world,
+                                verify_world=args.sharded_verify_world,
+                                emulator_host=emu.host, bucket=emu.bucket)
+            out = res.unwrap()
+            results = out["results"]
+            violations = [v for r in results for v in H.check_sharded(r)]
+            lost = sum(1 for r in results
+                       if not {H.A, H.B} <= set(r["verify"].get("committed", []))
+                       or any(d for per in r["verify"].get("bitwise", {}).values()
+                              for d in per.values()))
+            emit(f"sharded_crash_{backend}", {
+                "world": out["world"], "verify_world": out["verify_world"],
+                "kill_points": len(results),
+                "points_per_rank": {v: sum(r["victim"] == v for r in results)
+                                    for v in sorted(out["steps"])},
+                "mutating_steps_per_rank": {v: len(s) for v, s in out["steps"].items()},
+                "commit_step_rank0": out["commit_step"],
+                "points_after_commit": sum(r["expect_committed"] for r in results),
+                "points_inside_a_body": sum(r["point"]["at"] == "byte" for r in results),
+                "jobs_sigkilled": sum(set(r["exitcodes"].values()) == {-9} for r in results),
+                "violations": len(violations), "violation_samples": violations[:5],
+                "lost_checkpoints": lost,
+                "torn_chosen_as_latest": sum(1 for r in results if not r["expect_committed"]
+                                             and r["verify"].get("latest") == H.C),
+                "fresh_starts_with_committed": sum(
+                    1 for r in results for n in r["verify"].get("resumed", {}).values()
+                    if n is None),
+                "resumes": sum(len(r["verify"].get("resumed", {})) for r in results),
+                "resumed_and_saved_again": sum(
+                    1 for r in results for n in r["verify"].get("recovered", {}).values() if n),
+                "kills_leaving_temp_objects": sum(bool(r["strays"]) for r in results),
+                "seconds": round(out["seconds"], 1)}, sink)
+
+        if args.sharded_faults:
+            kib = 1024
+            moderate = dict(max_workers=4, slice_size_bytes=512 * kib, initial_backoff_s=0.01,
+                            max_backoff_s=0.2, max_attempts=8, retry_deadline_s=60.0)
+            uri = emu.unique_uri("faults-sharded")
+            with WorkerPool(F.SHARDED_WORLD, xla=False) as pool:
+                [r.unwrap() for r in pool.run(F.save_sharded_fault_checkpoint, uri,
+                                              env=emu.env(), timeout_s=300)]
+                with FaultProxy(emu.host, seed=args.seed) as proxy:
+                    t = F.run_rounds(pool, proxy, uri, min_faults=args.sharded_faults,
+                                     probability=0.12, storage_kwargs=moderate,
+                                     round_fn=F.sharded_restore_round)
+                    emit("sharded_faults_moderate", t, sink)
+                with FaultProxy(emu.host) as proxy:
+                    proxy.inject(Fault.flip(), match=downloads("chunks-00001"), times=100_000)
+                    flipped = pool.run(F.sharded_restore_round, uri, moderate, 120.0,
+                                       timeout_s=300, env=proxy.env())
+                    outs = [r.unwrap() for r in flipped]
+                    emit("sharded_faults_every_read_flipped", {
+                        "flips": proxy.snapshot().faults.get("flip", 0),
+                        "outcomes": sorted({o["outcome"] for o in outs}),
+                        "errors": sorted({o.get("error", "") for o in outs}),
+                        "same_failed_ranks_everywhere":
+                            len({tuple(o.get("failed_ranks", ())) for o in outs}) == 1,
+                        "message_names_chunk_key": all("chunks-00001" in o.get("message", "")
+                                                       and "model" in o.get("message", "")
+                                                       for o in outs),
+                        "sample": outs[0].get("message", "")[:600]}, sink)
+
+        if not args.sharded_rank_repeats:
+            return
+        cases = [("save", phase, scenario, 0 if phase == "commit" else 1)
+                 for phase in ("agree", "write", "commit") for scenario in ("raise", "stall",
+                                                                             "kill")]
+        cases += [("restore", strategy, scenario, victim)
+                  for strategy in ("all_ranks", "broadcast")
+                  for scenario, victim in (("raise", 0 if strategy == "broadcast" else 1),
+                                           ("stall", 2), ("kill", 2), ("coordinator", 0))]
+        ckpt = os.path.join(tmp, "ranks-ckpt")
+        (saved,) = zygote.run(H.run_job, W.SHARDED_WORLD,
+                              functools.partial(W.save_sharded_checkpoint, uri=ckpt), 120.0,
+                              timeout_s=300)
+        assert all(r["value"]["outcome"] == "ok" for r in saved.unwrap())
+        rows: list[dict] = []
+        for kind, where, scenario, victim in cases * args.sharded_rank_repeats:
+            if kind == "save":
+                uri = os.path.join(tmp, f"save-{len(rows)}")
+                body = functools.partial(W.sharded_save_with_victim, uri=uri, phase=where,
+                                         scenario=scenario, victim=victim, timeout_s=3.0)
+            else:
+                uri = ckpt
+                body = functools.partial(W.sharded_restore_with_victim, uri=ckpt,
+                                         strategy=where, scenario=scenario, victim=victim,
+                                         timeout_s=3.0)
+            (job,) = zygote.run(H.run_job, W.SHARDED_WORLD, body, 60.0, timeout_s=180)
+            got = job.unwrap()
+            survivors = [r for r in got if r["rank"] != victim]
+            named = sum(1 for r in survivors if r["value"] and r["value"].get("outcome") ==
+                        "error" and {int(k) for k in r["value"].get("failures", {})} == {victim})
+            row = {"kind": kind, "where": where, "scenario": scenario, "victim": victim,
+                   "hangs": sum(r["hang"] for r in got), "survivors": len(survivors),
+                   "survivors_naming_victim": named,
+                   "slowest_survivor_s": round(max((r["value"] or {}).get("seconds", 1e9)
+                                                   for r in survivors), 2)}
+            if kind == "save":
+                row["committed"] = os.path.exists(os.path.join(uri, "manifest.json"))
+                row["files_left"] = sorted(os.listdir(uri)) if os.path.isdir(uri) else []
+            rows.append(row)
+        emit("sharded_rank_failures", {
+            "cases": len(rows), "world": W.SHARDED_WORLD, "collective_timeout_s": 3.0,
+            "diagnosis_s": DEAD_AFTER_S, "hangs": sum(r["hangs"] for r in rows),
+            "survivors": sum(r["survivors"] for r in rows),
+            "survivor_errors_naming_the_failed_rank": sum(r["survivors_naming_victim"]
+                                                          for r in rows),
+            "failed_saves_committed": [f"{r['where']}/{r['scenario']}" for r in rows
+                                       if r["kind"] == "save" and r["committed"]],
+            "slowest_survivor_s": max((r["slowest_survivor_s"] for r in rows), default=None),
+            "rows": rows}, sink)
+
+
 PARTS = {"crash": part_crash, "replace": part_replace,
          "interrupt": part_interrupt, "fencing": part_fencing, "faults": part_faults,
-         "ranks": part_ranks, "soak": part_soak}
+         "ranks": part_ranks, "soak": part_soak, "sharded": part_sharded}
 
 
 def main(argv=None) -> int:
@@ -1130,6 +1273,17 @@ def main(argv=None) -> int:
     ap.add_argument("--exchanges", type=int, default=500,
                     help="control-plane exchanges timed with and without progress marks")
     ap.add_argument("--soak-cycles", type=int, default=100, help="save/restore cycles per backend")
+    ap.add_argument("--sharded-points", type=int, default=24,
+                    help="sharded part: kill points per backend (over every rank's steps)")
+    ap.add_argument("--sharded-world", type=int, default=2, help="sharded part: saving ranks")
+    ap.add_argument("--sharded-backends", default="local,gcs",
+                    help="sharded part: backends of the crash points (comma-separated)")
+    ap.add_argument("--sharded-verify-world", type=int, default=None,
+                    help="sharded part: ranks of the verifying job (default: the saving world)")
+    ap.add_argument("--sharded-faults", type=int, default=300,
+                    help="sharded part: faults to inject into the byte-range restores")
+    ap.add_argument("--sharded-rank-repeats", type=int, default=1,
+                    help="sharded part: runs of each rank-failure case")
     ap.add_argument("--seed", type=int, default=20261130, help="fault schedule seed")
     ap.add_argument("--out", help="also write every part's figures to this JSON file")
     args = ap.parse_args(argv)

@@ -60,12 +60,19 @@ num_updates)`` observed after every phase never decreased; nothing P committed
 after S took the lease is pointed to; P got :class:`~xla_ckpt.errors.FencedError`
 naming both epochs wherever a lease check was still ahead of it, and its later save
 raised at once without a single mutating step.
+
+**Sharded family** (:func:`sharded_campaign`, issue 12).  A 2-rank gloo job forked from the
+zygote saves DTensor state with the chunked ``save_distributed``; every rank is traced, one
+rank is SIGKILLed at each point of its own steps and then its peer; a fresh job verifies the
+run folder with restores into DTensor targets (:func:`check_sharded`).  :func:`run_job` forks
+such a job for the sharded rank-failure cases of ``rank_workers.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -1255,3 +1262,496 @@ def _check_predecessor(label: str, result: dict, s_first: bool, committed: set,
     elif not (c_out.get("ok") or c_out.get("error") == "FencedError"):
         bad.append(f"{label}: saving C gave {c_out}")
     return bad
+
+
+# ---- the sharded family: SIGKILL one rank of a multi-rank sharded save_distributed ----------
+#
+# A job of ``world`` ranks (forked from the zygote, a real gloo group each time, its rendezvous
+# store held by the zygote so that it outlives any rank) holds DTensor state on
+# ``init_device_mesh("cpu", (world,))``: uneven Shard(0), Shard(1), a Replicate() placement,
+# plain tensors (written once, by the rank the owner plan balances them onto) and per-rank
+# items.  In a run folder it commits A and B with ``xla_ckpt.restore.save_distributed``
+# (chunked: every rank writes its ``chunks/<r>`` item in its own data file, rank 0 commits the
+# v2 manifest), then saves C with every rank traced; the *victim* rank pauses at the chosen
+# point of its own steps and is SIGKILLed there, and its peers are SIGKILLed right after,
+# wherever they are (the job died).  A fresh job of ``verify_world`` ranks (forked again) then
+# checks the run folder: the catalog, ``xla-ckpt ls``, which checkpoint "latest" resolves to,
+# that every committed checkpoint restores bitwise *into DTensor targets*, that a restore of
+# the run folder resumes from the latest committed one (never the torn C, never "nothing
+# committed"), and that the resumed job saves the next checkpoint and restores it bitwise.
+# Rank 0's points reach its manifest write (the commit marker); another rank's stop at its
+# last data-file step, before the agreement step rank 0 needs to commit, so C never commits.
+
+SHARDED_WORLD = 2
+SHARDED_TIMEOUT_S = 30.0  # collective timeout inside the forked jobs (they are killed anyway)
+#: crc32c chunk size of the sharded saves (small: byte-range reads are checked piecewise)
+SHARDED_CHUNK_BYTES = 16 * 1024
+
+
+def sharded_placements() -> dict[str, Any]:
+    """Leaf path -> DTensor placement of the sharded state (leaves not named stay plain)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {"model.l1.weight": Shard(0), "model.l2.weight": Shard(1), "model.emb": Shard(0),
+            "model.bias": Replicate(), "optim.exp_avg": Shard(0)}
+
+
+def sharded_full_state(n: int) -> dict:
+    """The global values of the sharded state at update ``n`` (about 440 KiB of tensors: each
+    of 2 ranks' data files is over the traced GCS knobs' composite-upload threshold).
+
+    Rows 131 and 7 and columns 250 divide unevenly by 2, 3 and 4 ranks (7 rows on 4 ranks:
+    shards 2,2,2,1; with Shard(0) of 7 on 8 ranks an empty one)."""
+    g = torch.Generator().manual_seed(3000 + n)
+    return {"model": {"l1.weight": torch.randn(131, 256, generator=g),
+                      "l2.weight": torch.randn(96, 250, generator=g),
+                      "emb": torch.randn(7, 32, generator=g).to(torch.bfloat16),
+                      "bias": torch.randn(256, generator=g)},
+            "optim": {"exp_avg": torch.randn(50_001, generator=g),
+                      "step": torch.tensor(float(n))},
+            "extra_state": {"num_updates": n, "lr": 0.1 / n, "betas": (0.9, 0.98)}}
+
+
+def sharded_rank_state(n: int, rank: int) -> dict:
+    return {"rng": torch.full((64,), (7 * n + rank) % 251, dtype=torch.uint8),
+            "iterations_in_epoch": n * 10 + rank}
+
+
+def distribute_state(full: Any, mesh: Any, placements: dict[str, Any], path: str = "") -> Any:
+    """``full`` with the leaves named in ``placements`` made DTensors on ``mesh`` (each rank
+    keeps its own piece of its own copy: no communication), the others left as they are."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if isinstance(full, dict):
+        return {k: distribute_state(v, mesh, placements, f"{path}.{k}" if path else str(k))
+                for k, v in full.items()}
+    p = placements.get(path)
+    if p is not None and isinstance(full, torch.Tensor):
+        return distribute_tensor(full, mesh, [p], src_data_rank=None)
+    return full
+
+
+def zero_targets(full: dict, mesh: Any, placements: dict[str, Any]) -> dict:
+    """Restore targets for ``full``: its tensors zero-filled, as DTensors where ``placements``
+    names them (which may differ from the saved layout), plain otherwise; no other values."""
+    zeros = {k: {kk: torch.zeros_like(vv) for kk, vv in v.items() if isinstance(vv, torch.Tensor)}
+             for k, v in full.items() if isinstance(v, dict) and k != "extra_state"}
+    return distribute_state(zeros, mesh, placements)
+
+
+def sharded_targets(mesh: Any, placements: dict[str, Any] | None = None) -> dict:
+    """Restore targets of the sharded state's layout (or of another one)."""
+    return zero_targets(sharded_full_state(1), mesh, placements or sharded_placements())
+
+
+def shard_diff(state: Any, full: dict, mesh: Any, placements: dict[str, Any]) -> str:
+    """'' when ``state`` (restored into targets of ``placements``) is bit for bit ``full`` on
+    this rank -- each DTensor's local shard against the same piece of the global value, its
+    placements included; plain tensors whole, dtype included; other values equal -- else
+    the first difference."""
+    from torch.distributed.tensor import DTensor
+
+    from xla_ckpt.testing.asserts import tensors_identical
+
+    want = distribute_state(full, mesh, placements)
+    for top, values in want.items():
+        if not isinstance(values, dict) or top == "extra_state":
+            if state[top] != values:
+                return f"{top}: {state[top]!r}, expected {values!r}"
+            continue
+        for k, w in values.items():
+            got = state[top][k]
+            where = f"{top}.{k}"
+            if isinstance(w, DTensor):
+                if not isinstance(got, DTensor) or tuple(got.placements) != tuple(w.placements):
+                    return (f"{where}: {type(got).__name__} {getattr(got, 'placements', '')}, "
+                            f"expected DTensor {w.placements}")
+                if not tensors_identical(got.to_local(), w.to_local()):
+                    return f"{where}: local shard differs"
+            elif isinstance(w, torch.Tensor):
+                if not isinstance(got, torch.Tensor) or got.dtype != w.dtype \
+                        or not tensors_identical(got, w):
+                    return f"{where}: differs"
+            elif got != w:
+                return f"{where}: {got!r}, expected {w!r}"
+    if state.get("extra_state") != full.get("extra_state"):
+        return f"extra_state: {state.get('extra_state')}"
+    return ""
+
+
+def sharded_diff(state: Any, n: int, mesh: Any, placements: dict[str, Any] | None = None
+                 ) -> str:
+    """:func:`shard_diff` against the sharded state of update ``n``."""
+    return shard_diff(state, sharded_full_state(n), mesh, placements or sharded_placements())
+
+
+class _Job:
+    """The rendezvous store of one forked gloo job, held by the zygote (it outlives any rank:
+    survivors still read their peers' heartbeats after a rank died)."""
+
+    def __init__(self, world: int) -> None:
+        import datetime
+        import socket
+
+        import torch.distributed as tdist
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        self.port = sock.getsockname()[1]
+        self.world = world
+        self.store = tdist.TCPStore("127.0.0.1", self.port, world + 1, True,
+                                    timeout=datetime.timedelta(seconds=60),
+                                    master_listen_fd=sock.detach(), wait_for_workers=False)
+
+    def env(self, rank: int) -> dict[str, str]:
+        return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port),
+                "WORLD_SIZE": str(self.world), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(self.world), "GROUP_RANK": "0",
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "GLOO_SOCKET_IFNAME": "lo"}
+
+    def fork(self, body: Callable[[int, int], None]) -> list[tuple[int, int]]:
+        """Fork one process per rank running ``body(rank, write_fd)``: [(pid, read fd)]."""
+        out = []
+        for rank in range(self.world):
+            def child(w: int, rank: int = rank) -> None:
+                os.environ.update(self.env(rank))
+                body(rank, w)
+            out.append(_fork(child))
+        return out
+
+    def close(self) -> None:
+        del self.store
+
+
+def join_job(timeout_s: float = SHARDED_TIMEOUT_S) -> tuple[Any, Any]:
+    """In a forked rank: the job's :class:`TorchDist` and its 1-D CPU device mesh.
+
+    With a ``timeout_s`` shorter than :data:`SHARDED_TIMEOUT_S` the ranks first meet on a
+    group with the long timeout (a rank slow to start is not a failure), then get a fresh
+    group with ``timeout_s`` for what follows."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xla_ckpt.comm import TorchDist
+
+    torch.set_num_threads(1)
+    d = TorchDist(backend="gloo", timeout_s=max(timeout_s, SHARDED_TIMEOUT_S))
+    mesh = init_device_mesh("cpu", (d.world_size,))
+    if timeout_s < SHARDED_TIMEOUT_S:
+        d.barrier()
+        short = TorchDist.new_subgroup(range(d.world_size), timeout_s=timeout_s)
+        assert short is not None  # every rank is a member
+        d = short
+    return d, mesh
+
+
+def _sharded_save(d: Any, mesh: Any, run_uri: str, n: int, backend: str, *,
+                  traced: bool) -> None:
+    from xla_ckpt.restore import save_distributed
+
+    save_distributed(distribute_state(sharded_full_state(n), mesh, sharded_placements()),
+                     f"{run_uri}/checkpoint_1_{n}", dist=d,
+                     metadata={"epoch": 1, "num_updates": n},
+                     rank_state=sharded_rank_state(n, d.rank),
+                     storage_config=storage_config(backend, traced=traced),
+                     chunk_size_bytes=SHARDED_CHUNK_BYTES)
+
+
+def _sharded_saver_main(run_uri: str, backend: str, rank: int, kill: KillPoint | None,
+                        wfd: int, bucket: str) -> None:
+    """One rank of the saving job: commit A and B (untraced), then save C traced; the victim
+    pauses at ``kill``."""
+    root = run_uri if backend == "local" else run_uri.split("/", 3)[3]
+    tracer = Tracer(root, wfd)
+    if backend == "local":
+        install_local_hook(tracer)
+    else:
+        install_gcs_hook(tracer, bucket)
+    d, mesh = join_job()
+    for n in (1, 2):
+        _sharded_save(d, mesh, run_uri, n, backend, traced=False)
+    d.barrier()
+    tracer.kill = kill
+    tracer.armed = True
+    _sharded_save(d, mesh, run_uri, 3, backend, traced=True)
+    tracer.armed = False
+    _send(wfd, {"done": True, "steps": [asdict(s) for s in tracer.steps]})
+
+
+def run_sharded_saver(run_uri: str, backend: str, world: int, victim: int,
+                      kill: KillPoint | None, bucket: str = "") -> dict:
+    """Fork the saving job; SIGKILL ``victim`` at ``kill``, then its peers.  ``kill=None``:
+    the dry run (every rank's steps)."""
+    job = _Job(world)
+    procs = job.fork(lambda rank, w: _sharded_saver_main(
+        run_uri, backend, rank, kill if rank == victim else None, w, bucket))
+    out: dict[str, Any] = {"exitcodes": {}, "paused": None, "steps": {}, "error": None}
+    try:
+        if kill is None:
+            for rank, (_pid, r) in enumerate(procs):
+                msg = _Lines(r).read(SAVE_TIMEOUT_S)
+                if msg is None or "error" in msg:
+                    out["error"] = f"rank {rank}: {msg and msg.get('error')}"
+                    break
+                out["steps"][rank] = [Step(**s) for s in msg["steps"]]
+        else:
+            pid, r = procs[victim]
+            msg = _Lines(r).read(SAVE_TIMEOUT_S)
+            if msg is not None and "paused" in msg:
+                os.kill(pid, signal.SIGKILL)  # the crash: the victim first ...
+                out["paused"] = msg["paused"]
+                out["steps"][victim] = [Step(**s) for s in msg["steps"]]
+            else:
+                out["error"] = f"victim rank {victim} did not pause: {msg}"
+        for rank, (pid, _r) in enumerate(procs):  # ... then its peers, wherever they are
+            if rank != victim and kill is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            out["exitcodes"][rank] = _reap(pid)
+    finally:
+        for pid, r in procs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            os.close(r)
+        job.close()
+    return out
+
+
+def _sharded_verify_main(run_uri: str, backend: str, rank: int, saved_world: int, recover: bool,
+                         wfd: int) -> None:
+    """One rank of the verifying job (a fresh job, maybe of another size)."""
+    from xla_ckpt.io.catalog import list_checkpoints, resolve_latest
+    from xla_ckpt.restore import RestoreConfig, restore
+    from xla_ckpt.storage import open_storage
+
+    d, mesh = join_job()
+    out: dict[str, Any] = {"rank": rank}
+    if rank == 0:
+        with open_storage(run_uri, storage_config(backend, traced=False)) as run:
+            entries = list_checkpoints(run)
+            out["committed"] = [e.name for e in entries if e.committed]
+            out["incomplete"] = [e.name for e in entries if not e.committed]
+            out["latest"] = resolve_latest(run)
+        ls = _ls_json(run_uri)
+        out["ls_committed"] = [e["name"] for e in ls["committed"]]
+        out["ls_incomplete"] = [e["name"] for e in ls["incomplete"]]
+    committed = d.broadcast_object(out.get("committed"), src=0)
+    resized = d.world_size != saved_world
+    cfg = RestoreConfig(rank_state_on_resize="drop") if resized else None
+    sc = storage_config(backend, traced=False)
+
+    def diff(r: Any, n: int) -> str:
+        bad = sharded_diff(r.state, n, mesh)
+        if not bad and not resized:
+            from xla_ckpt.testing.asserts import assert_state_identical
+
+            try:
+                assert_state_identical(r.rank_state, sharded_rank_state(n, rank))
+            except AssertionError as e:
+                bad = f"rank_state: {e}"
+        return bad
+
+    # Every committed checkpoint restores bit for bit into DTensor targets.
+    out["bitwise"] = {}
+    for name in committed:
+        r = restore(f"{run_uri}/{name}", dist=d, into=sharded_targets(mesh), config=cfg,
+                    storage_config=sc)
+        out["bitwise"][name] = diff(r, num_updates_of(name))
+    # A job resuming from the run folder gets the latest committed checkpoint, bitwise.
+    r = restore(run_uri, dist=d, into=sharded_targets(mesh), config=cfg, storage_config=sc)
+    resumed = r.checkpoint.rstrip("/").rsplit("/", 1)[1]
+    out["resumed"] = resumed
+    out["resumed_bitwise"] = diff(r, num_updates_of(resumed))
+    if recover:
+        # ... and goes on: it saves the next checkpoint and restores that bitwise.
+        n = num_updates_of(resumed) + 1
+        _sharded_save(d, mesh, run_uri, n, backend, traced=False)
+        after = restore(run_uri, dist=d, into=sharded_targets(mesh), config=cfg,
+                        storage_config=sc)
+        out["recovered"] = after.checkpoint.rstrip("/").rsplit("/", 1)[1]
+        out["recovered_bitwise"] = sharded_diff(after.state, n, mesh)
+    d.barrier()
+    _send(wfd, out)
+
+
+def run_sharded_verifier(run_uri: str, backend: str, world: int, saved_world: int,
+                         recover: bool) -> dict:
+    """Fork a fresh job of ``world`` ranks that checks the run folder (see above)."""
+    job = _Job(world)
+    procs = job.fork(lambda rank, w: _sharded_verify_main(run_uri, backend, rank, saved_world,
+                                                          recover, w))
+    outs: list[dict | None] = []
+    try:
+        for _pid, r in procs:
+            outs.append(_Lines(r).read(SAVE_TIMEOUT_S))
+        codes = [_reap(pid) for pid, _r in procs]
+    finally:
+        for pid, r in procs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            os.close(r)
+        job.close()
+    if any(o is None or "error" in o for o in outs) or any(codes):
+        return {"error": f"verifier ranks gave {outs} (exit codes {codes})"}
+    merged = dict(outs[0] or {})
+    # Every rank's verdicts (each compares its own shards).
+    for key in ("bitwise", "resumed", "resumed_bitwise", "recovered", "recovered_bitwise"):
+        if key in merged:
+            merged[key] = {o["rank"]: o.get(key) for o in outs if o is not None}
+    return merged
+
+
+def choose_rank_points(steps: list[Step], count: int) -> list[KillPoint]:
+    """Kill points of a rank whose steps hold no commit marker (a rank > 0): before every
+    step, inside every body (first, middle, last-but-one byte), after the last step;
+    ``count`` of them evenly, the first and the last always kept."""
+    pts: list[KillPoint] = []
+    for i, s in enumerate(steps):
+        pts.append(KillPoint(i, "before"))
+        if s.nbytes >= 2:
+            pts += [KillPoint(i, "byte", b) for b in sorted({1, s.nbytes // 2})]
+            pts.append(KillPoint(i, "byte", -1))
+    pts.append(KillPoint(len(steps) - 1, "after"))
+    return _evenly(pts, count)
+
+
+def sharded_campaign(base_uri: str, backend: str, count: int, *, world: int = SHARDED_WORLD,
+                     verify_world: int | None = None, victims: tuple[int, ...] | None = None,
+                     recover: bool = True, emulator_host: str = "", bucket: str = "") -> dict:
+    """Dry run of the sharded save, ``count`` kill points spread over the victims' steps
+    (rank 0 gets half, the commit marker's neighbours always among them), one killed job and
+    one verifying job at each.  Runs in a launcher worker (the zygote)."""
+    torch.set_num_threads(1)
+    preload(backend)
+    for mod in ("torch.distributed.device_mesh", "torch.distributed.tensor"):
+        importlib.import_module(mod)  # warms the forks
+
+    t0 = time.perf_counter()
+    victims = tuple(range(world)) if victims is None else victims
+    dry_uri = f"{base_uri}/dry"
+    dry = run_sharded_saver(dry_uri, backend, world, 0, None, bucket)
+    if dry["error"] or any(dry["exitcodes"].values()):
+        raise AssertionError(f"dry run failed ({dry['exitcodes']}): {dry['error']}")
+    steps: dict[int, list[Step]] = dry["steps"]
+    _wipe(dry_uri, backend, emulator_host)
+    per: dict[int, int] = {}
+    others = [v for v in victims if v != 0]
+    if 0 in victims:
+        # (rank 0's points always hold the 4 around its commit marker)
+        per[0] = count if not others else min(max(count // 2, 4), count - len(others))
+    for j, v in enumerate(others):
+        left = count - per.get(0, 0)
+        per[v] = left // len(others) + (j < left % len(others))
+    points = [(v, p) for v in victims
+              for p in (choose_points(steps[v], per[v]) if v == 0
+                        else choose_rank_points(steps[v], per[v]))]
+    results = []
+    for j, (v, p) in enumerate(points):
+        uri = f"{base_uri}/s{j:04d}"
+        killed = run_sharded_saver(uri, backend, world, v, p, bucket)
+        res: dict[str, Any] = {
+            "victim": v, "point": asdict(p), "label": f"rank {v} {p.label(steps[v])}",
+            "expect_committed": v == 0 and committed_at(p, steps[0]),
+            "exitcodes": killed["exitcodes"], "saver_error": killed["error"],
+            "paused_at": killed["paused"],
+            "trace_matches": same_place(killed["steps"].get(v) or [], steps[v], p)}
+        res["verify"] = run_sharded_verifier(uri, backend, verify_world or world, world,
+                                             recover)
+        res["strays"] = stray_objects(uri, backend, emulator_host)
+        results.append(res)
+        _wipe(uri, backend, emulator_host)
+    return {"steps": {v: [asdict(s) for s in st] for v, st in steps.items()},
+            "commit_step": commit_step(steps[0]), "results": results, "world": world,
+            "verify_world": verify_world or world, "seconds": time.perf_counter() - t0}
+
+
+def check_sharded(result: dict) -> list[str]:
+    """Every violation of the crash-consistency rules after one killed sharded save."""
+    label = result["label"]
+    if result["saver_error"]:
+        return [f"{label}: saver failed: {result['saver_error']}"]
+    bad = []
+    if set(result["exitcodes"].values()) != {-signal.SIGKILL}:
+        bad.append(f"{label}: exit codes {result['exitcodes']}, expected SIGKILL everywhere")
+    if not result["trace_matches"]:
+        bad.append(f"{label}: the killed rank's steps differ from the dry run")
+    v = result["verify"]
+    if "error" in v:
+        return bad + [f"{label}: verifier: {v['error']}"]
+    want_c = result["expect_committed"]
+    committed = set(v["committed"])
+    for name in (A, B):
+        if name not in committed:
+            bad.append(f"{label}: {name} is no longer committed")
+    if (C in committed) != want_c:
+        bad.append(f"{label}: {C} committed={C in committed}, expected {want_c}")
+    if v["ls_committed"] != v["committed"]:
+        bad.append(f"{label}: ls lists {v['ls_committed']} as committed, catalog {v['committed']}")
+    expect = C if want_c else B
+    if v["latest"] != expect:
+        bad.append(f"{label}: latest={v['latest']}, expected {expect}")
+    for rank, name in v["resumed"].items():
+        if name != expect or v["resumed_bitwise"][rank]:
+            bad.append(f"{label}: rank {rank} resumed {name} "
+                       f"({v['resumed_bitwise'][rank] or 'bitwise'}), expected {expect}")
+    for rank, per_ckpt in v["bitwise"].items():
+        if set(per_ckpt) != committed:
+            bad.append(f"{label}: rank {rank} restored {sorted(per_ckpt)}")
+        for name, diff in per_ckpt.items():
+            if diff:
+                bad.append(f"{label}: rank {rank}: {name} does not restore bitwise: {diff}")
+    if "recovered" in v:
+        nxt = f"checkpoint_1_{num_updates_of(expect) + 1}"
+        for rank, name in v["recovered"].items():
+            if name != nxt or v["recovered_bitwise"][rank]:
+                bad.append(f"{label}: rank {rank}: after resuming, saving {nxt} gave {name} "
+                           f"({v['recovered_bitwise'][rank] or 'bitwise'})")
+    return bad
+
+
+def run_job(world: int, body: Callable[[int], dict], timeout_s: float) -> list[dict]:
+    """Fork a gloo job of ``world`` ranks (see :class:`_Job`), each running ``body(rank)``;
+    returns per rank ``{"rank", "exitcode", "value"}`` (``value`` None when the rank died,
+    ``"hang"`` True when it was still running after ``timeout_s`` and was killed)."""
+    job = _Job(world)
+
+    def child(rank: int, w: int) -> None:
+        _send(w, body(rank))
+
+    procs = job.fork(child)
+    out: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank, (_pid, r) in enumerate(procs):
+            msg = _Lines(r).read(max(deadline - time.monotonic(), 0.1))
+            out.append({"rank": rank, "value": msg, "hang": False})
+        for row, (pid, _r) in zip(out, procs, strict=True):
+            # No answer: it died (an exit status now), or it hangs (still running at the
+            # deadline: killed, and marked).
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    row["exitcode"] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) \
+                        else os.WEXITSTATUS(status)
+                    break
+                if time.monotonic() > deadline:
+                    row["hang"] = True
+                    row["exitcode"] = _reap(pid, 0.0)
+                    break
+                time.sleep(0.01)
+    finally:
+        for pid, r in procs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            os.close(r)
+        job.close()
+    return out

@@ -26,6 +26,9 @@ Retries are counted on the reader side from the library's own log records
 ``xla_ckpt.io.reader`` and ``xla_ckpt.storage.gcs``; fallbacks of a small
 object's one-request read to ranged reads) and the faults on the proxy side.
 Used by ``test_faults_under_load.py`` and ``benchmarks/reliability.py``.
+
+The sharded rounds (:func:`sharded_restore_round`) restore a chunked checkpoint of DTensors
+into DTensor targets of another layout on 3 ranks, each reading only its byte ranges.
 """
 
 from __future__ import annotations
@@ -146,13 +149,16 @@ def restore_round(uri: str, storage_kwargs: dict, timeout_s: float) -> dict:
 
 def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
                storage_kwargs: dict, max_rounds: int = 1000, seed_note: str = "",
-               round_timeout_s: float = 180.0, collective_timeout_s: float = 120.0) -> dict:
+               round_timeout_s: float = 180.0, collective_timeout_s: float = 120.0,
+               round_fn=None) -> dict:
     """Restore rounds until the proxy injected ``min_faults`` faults; returns the tally.
 
-    ``pool`` is a :class:`~xla_ckpt.testing.launcher.WorkerPool` of :data:`WORLD`
-    ranks; ``proxy`` a started :class:`FaultProxy` in front of the emulator
-    holding ``uri``.
+    ``pool`` is a :class:`~xla_ckpt.testing.launcher.WorkerPool` (:data:`WORLD`
+    ranks for :func:`restore_round`); ``proxy`` a started :class:`FaultProxy` in front of
+    the emulator holding ``uri``; ``round_fn`` what each rank runs per round
+    (:func:`restore_round`, or :func:`sharded_restore_round`).
     """
+    round_fn = round_fn or restore_round
     from xla_ckpt.testing.fault_proxy import Fault, downloads
 
     proxy.reset_log()
@@ -170,7 +176,7 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
     try:
         while sum(proxy.snapshot().faults.values()) < min_faults and rounds < max_rounds:
             rounds += 1
-            results = pool.run(restore_round, uri, storage_kwargs, collective_timeout_s,
+            results = pool.run(round_fn, uri, storage_kwargs, collective_timeout_s,
                                timeout_s=round_timeout_s, env=proxy.env())
             for res in results:
                 if res.timed_out:
@@ -208,7 +214,7 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
     # Body faults on one-request reads of small objects (no Range header: manifests).
     one_request = {k: sum(1 for r in proxy.records() if r.fault == k and r.range is None)
                    for k in ("flip", "short")}
-    return {"rounds": rounds, "restores": rounds * WORLD, "outcomes": dict(outcomes),
+    return {"rounds": rounds, "restores": rounds * pool.world_size, "outcomes": dict(outcomes),
             "clean_errors": dict(errors), "errors_naming_ranks": named, "faults": faults,
             "faults_total": sum(snap.faults.values()), "requests": snap.requests,
             "retries": counts.get("retries", 0), "crc_rereads": counts.get("crc_rereads", 0),
@@ -217,3 +223,103 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
             "hangs": hangs, "silent_corruptions": outcomes.get("silent_corruption", 0),
             "problems": problems[:20], "error_samples": samples, "probability": probability,
             "seconds": time.perf_counter() - t0, "note": seed_note}
+
+
+# ---- sharded: every rank reads only the byte ranges of its own shards --------------------------
+#
+# A checkpoint saved by ``SHARDED_WORLD`` ranks with ``save_distributed`` from DTensor state
+# (chunked, manifest v2: each rank wrote its own chunks, the replicated tensor was written
+# once) is restored by the same ranks into DTensor targets of *another* layout, so each rank
+# reads only byte ranges, through the proxy: ``a`` Shard(0) -> Shard(0) (its own chunk's
+# ranges), ``b`` saved Shard(1) -> Shard(0) (a run of rows of every saved column chunk: a
+# sub-range of each), ``c`` Shard(0) -> Replicate() (every chunk, whole), ``r`` Replicate() ->
+# Shard(1) (strided pieces of the one chunk).  Every rank compares its local shards bitwise.
+
+SHARDED_WORLD = 3
+SHARDED_CHUNK_BYTES = 32 * 1024  # crc32c chunk size: a sub-range read is checked piecewise
+
+
+def sharded_fault_state() -> dict:
+    """About 3.7 MiB of global tensors (rows and columns uneven on 2, 3 and 4 ranks)."""
+    g = torch.Generator().manual_seed(78)
+    return {"model": {"a": torch.randn(1001, 512, generator=g),
+                      "b": torch.randn(384, 999, generator=g),
+                      "c": torch.randn(65_537, generator=g),
+                      "r": torch.randn(128, 130, generator=g).to(torch.bfloat16)},
+            "optim": {"step": torch.tensor(78.0)},
+            "extra_state": {"num_updates": 78, "lr": 0.000123, "betas": (0.9, 0.98)}}
+
+
+def sharded_layouts() -> tuple[dict, dict]:
+    """(saved placements, restore-target placements) by leaf path."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    saved = {"model.a": Shard(0), "model.b": Shard(1), "model.c": Shard(0),
+             "model.r": Replicate()}
+    target = {"model.a": Shard(0), "model.b": Shard(0), "model.c": Replicate(),
+              "model.r": Shard(1)}
+    return saved, target
+
+
+_MESH: dict[int, Any] = {}
+
+
+def _dist_and_mesh(timeout_s: float) -> tuple[Any, Any]:
+    """This rank's Dist (the pool's gloo group) and a 1-D CPU mesh over it (made once)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xla_ckpt.comm import get_dist
+    from xla_ckpt.config import DistConfig
+
+    d = get_dist(DistConfig(backend="gloo", timeout_s=timeout_s))
+    if d.world_size not in _MESH:
+        _MESH[d.world_size] = init_device_mesh("cpu", (d.world_size,))
+    return d, _MESH[d.world_size]
+
+
+def save_sharded_fault_checkpoint(uri: str) -> int:
+    """On every rank: save :func:`sharded_fault_state` as DTensors of the saved layout;
+    returns the checkpoint's data bytes."""
+    import crash_harness as H
+
+    from xla_ckpt.restore import save_distributed
+
+    d, mesh = _dist_and_mesh(120.0)
+    state = H.distribute_state(sharded_fault_state(), mesh, sharded_layouts()[0])
+    m = save_distributed(state, uri, dist=d, metadata={"num_updates": 78},
+                         chunk_size_bytes=SHARDED_CHUNK_BYTES)
+    return m.nbytes
+
+
+def sharded_restore_round(uri: str, storage_kwargs: dict, timeout_s: float) -> dict:
+    """On every rank: restore ``uri`` (all_ranks) into DTensor targets of the target layout,
+    compare this rank's shards bitwise; never raises (the outcome of :func:`restore_round`)."""
+    import crash_harness as H
+
+    from xla_ckpt.errors import XlaCkptError
+    from xla_ckpt.restore import restore
+    from xla_ckpt.storage import StorageConfig
+
+    counter = _counter()
+    d, mesh = _dist_and_mesh(timeout_s)
+    target = sharded_layouts()[1]
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"rank": d.rank}
+    try:
+        r = restore(uri, dist=d, strategy="all_ranks",
+                    into=H.zero_targets(sharded_fault_state(), mesh, target),
+                    storage_config=StorageConfig(**storage_kwargs))
+    except XlaCkptError as e:
+        out.update(outcome="clean_error", error=type(e).__name__, message=str(e)[:2000],
+                   failed_ranks=sorted(getattr(e, "failures", {}) or {}))
+    except Exception as e:  # noqa: BLE001 - what must never happen is recorded, not raised
+        out.update(outcome="other_error", error=type(e).__name__, message=str(e)[:400])
+    else:
+        diff = H.shard_diff(r.state, sharded_fault_state(), mesh, target)
+        out["outcome"] = "silent_corruption" if diff else "correct"
+        if diff:
+            out["message"] = diff
+        out["bytes_read"] = r.stats.bytes_read
+    out["seconds"] = time.monotonic() - t0
+    out["counts"] = dict(counter.counts)
+    return out

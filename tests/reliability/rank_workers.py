@@ -154,3 +154,178 @@ def exchange_cost(n: int) -> dict:
         out[label] = time.perf_counter() - t0
     d._liveness = marks
     return out
+
+
+# ---- sharded save and restore (DTensor state, chunked layout) ---------------------------------
+#
+# A job of ``SHARDED_WORLD`` ranks (forked from a zygote by ``crash_harness.run_job``: a death
+# retires nothing, so every case is cheap) saves or restores the sharded state of
+# ``crash_harness`` (uneven Shard(0), Shard(1), Replicate(), plain tensors, per-rank items) on
+# local disk, with a 3-second collective timeout; one rank fails:
+#
+# * save, ``agree`` (the structure agreement before anything is written): ``raise`` -- the
+#   victim's state has a key the others lack (a real disagreement); ``stall`` / ``kill`` at
+#   its entry into the agreement (``plan_chunked_save``);
+# * save, ``write`` (its chunk item's data file): ``raise`` -- the write fails with ENOSPC;
+#   ``stall`` / ``kill`` as it starts writing;
+# * save, ``commit`` (rank 0 writes the v2 manifest): the same three at rank 0's manifest write;
+# * restore, ``all_ranks`` (every rank reads its own byte ranges) and ``broadcast`` (rank 0
+#   reads every rank's boxes and sends each its own): ``raise`` -- the victim's reads fail with
+#   EIO (rank 0's under broadcast, the only reader); ``stall`` / ``kill`` at its first read
+#   (``all_ranks``, and rank 0 under broadcast: ``coordinator``) or its first point-to-point
+#   receive (``broadcast``).
+#
+# The hooks replace a method of the real storage backend, of the save module or of the rank's
+# own Dist, in the forked rank only; the rest is the real library.
+
+SHARDED_WORLD = 3
+SHARDED_N = 5  # the update whose state is saved
+
+
+def _act(scenario: str, timeout_s: float, what: str) -> None:
+    import errno
+    import os
+
+    if scenario == "kill":
+        kill_self()
+    elif scenario == "stall":
+        time.sleep(timeout_s + STALL_EXTRA_S)
+    else:
+        code = errno.ENOSPC if what == "write" else errno.EIO
+        raise OSError(code, os.strerror(code), what)
+
+
+def _hook_writes(match, action) -> None:
+    """Run ``action()`` before this rank's first ``write_atomic`` of an object ``match``es."""
+    from xla_ckpt.storage.local import LocalStorage
+
+    real = LocalStorage.write_atomic
+    fired = threading.Lock()
+
+    def hooked(self, name, *a, **kw):
+        if match(name) and fired.acquire(blocking=False):
+            action()
+        return real(self, name, *a, **kw)
+
+    LocalStorage.write_atomic = hooked  # type: ignore[method-assign]  # the fault hook, on purpose
+
+
+def _fail_storage_reads() -> None:
+    """Every ranged read of this rank fails with EIO (a disk that returns read errors)."""
+    import errno
+    import os
+
+    from xla_ckpt.storage.local import LocalStorage
+
+    def failing(self, name, *a, **kw):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), name)
+
+    LocalStorage.read_range = failing  # type: ignore[method-assign]  # the fault, on purpose
+
+
+def _hook_agreement(action) -> None:
+    """Run ``action()`` when this rank enters the structure agreement of a chunked save."""
+    import xla_ckpt.restore.save as save_module
+
+    real = save_module.plan_chunked_save
+
+    def hooked(*a, **kw):
+        action()
+        return real(*a, **kw)
+
+    save_module.plan_chunked_save = hooked
+
+
+def _hook_first_scatter(d, action) -> None:
+    """Run ``action()`` when this rank enters its first point-to-point round (broadcast)."""
+    real = d.scatter_tensors
+    fired = threading.Lock()
+
+    def hooked(*a, **kw):
+        if fired.acquire(blocking=False):
+            action()
+        return real(*a, **kw)
+
+    d.scatter_tensors = hooked
+
+
+def _outcome(fn) -> dict:
+    from xla_ckpt.errors import XlaCkptError
+
+    t0 = time.monotonic()
+    out: dict = {}
+    try:
+        fn()
+        out.update(outcome="ok")
+    except XlaCkptError as e:
+        out.update(outcome="error", error=type(e).__name__, message=str(e),
+                   failures={int(k): v for k, v in getattr(e, "failures", {}).items()})
+    except Exception as e:  # noqa: BLE001 - recorded: the test fails on it
+        out.update(outcome="foreign_error", error=type(e).__name__, message=str(e))
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def sharded_save_with_victim(rank: int, uri: str, phase: str, scenario: str, victim: int,
+                             timeout_s: float) -> dict:
+    """One rank of a sharded save in which ``victim`` fails at ``phase`` (see above)."""
+    import crash_harness as H
+
+    from xla_ckpt.restore import save_distributed
+
+    d, mesh = H.join_job(timeout_s)
+    state = H.distribute_state(H.sharded_full_state(SHARDED_N), mesh, H.sharded_placements())
+    if rank == victim:
+        def act() -> None:
+            _act(scenario, timeout_s, phase)
+
+        if phase == "agree" and scenario == "raise":
+            state["model"]["only_on_rank_%d" % rank] = torch.zeros(3)
+        elif phase == "agree":
+            _hook_agreement(act)
+        elif phase == "write":
+            _hook_writes(lambda n: "chunks-" in n, act)
+        else:
+            _hook_writes(lambda n: n.endswith("manifest.json"), act)
+    out = _outcome(lambda: save_distributed(
+        state, uri, dist=d, metadata={"num_updates": SHARDED_N},
+        rank_state=H.sharded_rank_state(SHARDED_N, rank),
+        chunk_size_bytes=H.SHARDED_CHUNK_BYTES))
+    out["rank"] = rank
+    return out
+
+
+def save_sharded_checkpoint(rank: int, uri: str) -> dict:
+    """One rank of the save of the checkpoint the restore cases read."""
+    return sharded_save_with_victim(rank, uri, "none", "none", -1, 60.0)
+
+
+def sharded_restore_with_victim(rank: int, uri: str, strategy: str, scenario: str,
+                                victim: int, timeout_s: float) -> dict:
+    """One rank of a sharded restore (into DTensor targets) in which ``victim`` fails."""
+    import crash_harness as H
+
+    from xla_ckpt.restore import RestoreConfig, restore
+
+    d, mesh = H.join_job(timeout_s)
+    if rank == victim:
+        def act() -> None:
+            _act("kill" if scenario == "coordinator" else scenario, timeout_s, "read")
+
+        if scenario == "raise":
+            _fail_storage_reads()  # its own ranges, or (rank 0, broadcast) everyone's
+        elif strategy == "broadcast" and rank != 0:
+            _hook_first_scatter(d, act)  # receiving its boxes from rank 0
+        else:
+            _hook_storage_reads(act)  # reading its own ranges, or (rank 0) everyone's
+    holder: dict = {}
+
+    def run() -> None:
+        holder["r"] = restore(uri, dist=d, strategy=strategy, into=H.sharded_targets(mesh),
+                              config=RestoreConfig(bucket_size_bytes=BUCKET_BYTES))
+
+    out = _outcome(run)
+    if "r" in holder:
+        out["diff"] = H.sharded_diff(holder["r"].state, SHARDED_N, mesh)
+    out["rank"] = rank
+    return out

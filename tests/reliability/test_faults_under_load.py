@@ -1,7 +1,12 @@
 """8 readers restore through random 503/429/resets/short bodies/flipped bytes: nothing silent.
 
-See ``faults_harness.py``.  CI injects a few hundred faults; the full count
-(``benchmarks/reliability.py --faults 1000``) is in RELIABILITY.md.
+See ``faults_harness.py``.  The sharded cases: 3 ranks restore a chunked (DTensor) checkpoint
+into DTensor targets of another layout, each reading only the byte ranges of its own shards,
+through the same faults; and a round in which every read of one rank's chunk file is flipped
+ends in one clean error on every rank naming the chunk.
+
+CI injects a few hundred faults; the full count (``benchmarks/reliability.py --faults 1000``,
+``--parts sharded --sharded-faults N``) is in RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 import faults_harness as F
 import pytest
 
-from xla_ckpt.testing.fault_proxy import FaultProxy
+from xla_ckpt.testing.fault_proxy import Fault, FaultProxy, downloads
 from xla_ckpt.testing.launcher import WorkerPool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -50,7 +55,8 @@ def checkpoint(gcs_emulator):
 
 def _report(t: dict, what: str) -> str:
     return (f"{what}: {t['faults_total']} faults injected ({t['faults']}) over {t['requests']} "
-            f"requests, {t['rounds']} rounds x {F.WORLD} readers = {t['restores']} restores: "
+            f"requests, {t['rounds']} rounds x {t['restores'] // max(t['rounds'], 1)} readers = "
+            f"{t['restores']} restores: "
             f"{t['outcomes']}; clean errors {t['clean_errors']}; retries {t['retries']} "
             f"({t['retry_causes']}), crc32c re-reads {t['crc_rereads']}, one-request "
             f"fallbacks {t['fallbacks']}; hangs {t['hangs']}; "
@@ -98,3 +104,65 @@ def test_fault_storm_gives_clean_errors_never_wrong_bytes(pool8, gcs_emulator, c
     assert t["outcomes"].get("clean_error", 0) > 0
     assert set(t["clean_errors"]) == {"DistributedError"}
     assert t["errors_naming_ranks"] == t["outcomes"]["clean_error"]
+
+
+# ---- sharded: 3 ranks read only the byte ranges of their own shards (DTensor targets) ---------
+
+CI_SHARDED_FAULTS = 60
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    pool = WorkerPool(F.SHARDED_WORLD, xla=False)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(pool3, gcs_emulator):
+    uri = gcs_emulator.unique_uri("faults-sharded")
+    sizes = [r.unwrap() for r in pool3.run(F.save_sharded_fault_checkpoint, uri,
+                                           env=gcs_emulator.env())]
+    assert sizes[0] > 3.5 * 1024 * KiB  # about 3.7 MiB of chunks (plus the state item)
+    yield uri
+    gcs_emulator.delete_prefix(uri.split("/", 3)[3] + "/")
+
+
+def test_sharded_restore_by_byte_range_recovers_from_every_fault(pool3, gcs_emulator,
+                                                                 sharded_checkpoint):
+    with FaultProxy(gcs_emulator.host, seed=20261201) as proxy:
+        t = F.run_rounds(pool3, proxy, sharded_checkpoint, min_faults=CI_SHARDED_FAULTS,
+                         probability=0.12, storage_kwargs=MODERATE,
+                         round_fn=F.sharded_restore_round)
+        ranged = [r for r in proxy.records() if r.info.is_download and r.range is not None]
+    print(_report(t, "sharded"))
+    _nothing_silent(t)
+    assert t["faults_total"] >= CI_SHARDED_FAULTS
+    assert all(t["faults"][k] > 0 for k in F.FAULT_KINDS), t["faults"]
+    assert t["outcomes"].get("correct", 0) >= 0.9 * t["restores"]
+    assert all("IntegrityError" in e and "after 3 reads" in e for e in t["error_samples"])
+    f, whole = t["faults"], t["one_request_faults"]
+    assert t["retries"] == f["status_503"] + f["status_429"] + f["reset"]
+    assert t["crc_rereads"] == f["flip"] - whole["flip"]
+    # Every data read was a byte range of one rank's chunk file.
+    assert ranged and all("chunks-0000" in r.object_name for r in ranged
+                          if "safetensors" in r.object_name)
+
+
+def test_sharded_restore_names_the_key_when_every_read_is_flipped(pool3, gcs_emulator,
+                                                                  sharded_checkpoint):
+    with FaultProxy(gcs_emulator.host) as proxy:
+        proxy.inject(Fault.flip(), match=downloads("chunks-00001"), times=100_000)
+        results = pool3.run(F.sharded_restore_round, sharded_checkpoint, dict(MODERATE), 120.0,
+                            timeout_s=180, env=proxy.env())
+        flips = proxy.snapshot().faults.get("flip", 0)
+    outs = [r.unwrap() for r in results]
+    assert flips >= 3
+    # Never wrong bytes: one clean error, the same on every rank, naming the rank(s) whose
+    # reads failed and the chunk's key (global key and box) after its bounded re-reads.
+    assert {o["outcome"] for o in outs} == {"clean_error"}, outs
+    assert {o["error"] for o in outs} == {"DistributedError"}
+    assert len({tuple(o["failed_ranks"]) for o in outs}) == 1 and outs[0]["failed_ranks"]
+    for o in outs:
+        assert "IntegrityError" in o["message"] and "after 3 reads" in o["message"]
+        assert "chunks-00001" in o["message"] and "model" in o["message"], o["message"]
