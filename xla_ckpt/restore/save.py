@@ -162,7 +162,11 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
             data files are deleted.  Also, before anything is written: ranks pass
             different sharded keys or dtypes (``shards``), or (chunked) states of
             different structure, or differing replicas with ``check_replicas``.
-        CollectiveTimeoutError: a rank died or hung.
+        CollectiveTimeoutError: a rank died or hung.  One case commits all the same:
+            rank 0 stalls past the timeout *inside* its manifest write, the other ranks
+            give up naming rank 0, then rank 0's write lands.  That checkpoint is
+            complete (every rank's data file was written and agreed before the commit
+            began) and restores bitwise; ``xla-ckpt ls`` shows it as committed.
     """
     dist = dist if dist is not None else get_dist()
     t0 = time.perf_counter()
