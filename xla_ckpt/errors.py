@@ -364,3 +364,66 @@ class ShardedStateError(XlaCkptError, ValueError):
     :func:`xla_ckpt.restore.save_distributed`), or with options that only a single writer
     has (``rank_states``, ``storage``).  The message names the key and what to do.
     """
+
+
+class TargetsOverwrittenError(PartiallyOverwrittenError, DistributedError):
+    """A restore into live targets (``restore(uri, into=...)``) failed on some rank after
+    the targets of some ranks were (possibly partially) overwritten.
+
+    Raised on EVERY rank alike, whichever rank failed and whichever strategy ran, as soon as
+    any rank's live target memory was written (the bytes that landed may be this
+    checkpoint's values, or, on the rank whose check failed, bytes that did not pass it): the
+    targets across ranks now hold a mix of checkpoint values and their old ones.  Restore
+    again into every rank's targets (this checkpoint once fixed, or another one), or
+    re-initialise them, before using them.  When no rank's target memory was touched the
+    restore raises a plain :class:`DistributedError` instead (targets unchanged).
+
+    It is both a :class:`PartiallyOverwrittenError` (an :class:`IntegrityError`) and a
+    :class:`DistributedError`, so either ``except`` catches it.
+
+    Attributes:
+        keys: this rank's target keys whose live memory was written (possibly partially).
+        overwritten: rank -> number of its targets written (ranks with none are absent).
+        failures: rank -> one-line cause, as :class:`DistributedError`.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None, *,
+                 keys: tuple[str, ...] = (), overwritten: Mapping[int, int] | None = None
+                 ) -> None:
+        PartiallyOverwrittenError.__init__(self, message, keys=keys)
+        self.failures = dict(failures or {})
+        self.overwritten = dict(overwritten or {})
+
+
+class StorageNotSharedError(StorageError):
+    """A data file a writer reported is not visible (or not whole) to the process committing.
+
+    Raised by :func:`xla_ckpt.io.writer.commit` (so by every save: ``xla_ckpt.save``,
+    :func:`xla_ckpt.restore.save_distributed`, the manager) before the manifest is written,
+    when a data file the parts list is missing for the committing process (rank 0) or has
+    another size than its writer reported: the ranks wrote to storage they do not share (a
+    node-local path such as ``/tmp/ckpt`` on several hosts), or the file was deleted
+    meanwhile.  Nothing was committed.  In a collective save every rank raises a
+    :class:`DistributedError` whose ``failures`` carry this message for rank 0.
+
+    Attributes:
+        path: URI of the first such data file (as the committing process sees it).
+        rank: the rank that wrote it when its item names it (``rank/<r>``, ``chunks/<r>``,
+            ``shard/<r>``), else None.
+        checkpoint: URI of the checkpoint folder.
+    """
+
+    def __init__(self, message: str, *, path: str = "", rank: int | None = None,
+                 checkpoint: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.rank = rank
+        self.checkpoint = checkpoint
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only attributes survive pickling
+        return (_storage_not_shared_error, (str(self), self.path, self.rank, self.checkpoint))
+
+
+def _storage_not_shared_error(message: str, path: str, rank: int | None,
+                              checkpoint: str) -> StorageNotSharedError:
+    return StorageNotSharedError(message, path=path, rank=rank, checkpoint=checkpoint)

@@ -6,7 +6,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from cli_helpers import make_run, training_state
+from cli_helpers import exists, flip_byte, make_run, training_state
 
 import xla_ckpt
 from xla_ckpt.storage import open_storage
@@ -52,11 +52,64 @@ def test_ls_flags_a_corrupt_manifest_and_a_dangling_pointer(cli, root):
         st.write_atomic("checkpoint_2_200/manifest.json", [b"{not json"])
     r = cli("ls", root)
     assert r.code == 0
-    assert "1 committed, 1 incomplete" in r.out.splitlines()[0]
+    assert r.out.splitlines()[0].endswith(
+        "1 committed, 0 incomplete, 1 committed but unreadable")
     assert ("warning: pointer checkpoint_last names 'checkpoint_7_700', which is not a committed "
             "checkpoint (restores ignore it)") in r.out
     bad = [ln for ln in r.out.splitlines() if ln.startswith("  checkpoint_2_200")]
-    assert len(bad) == 1 and "not a valid JSON manifest" in bad[0]
+    assert len(bad) == 1 and "(unreadable: " in bad[0] and "not a valid JSON manifest" in bad[0]
+
+
+def test_ls_lists_committed_but_unreadable_apart_from_incomplete_with_the_reason(cli, root):
+    """A manifest present but unusable (crc mismatch, a hostile chunk table, a newer format
+    version) is not an incomplete save: its own heading and reason, in text and --json; gc
+    keeps it."""
+    from xla_ckpt.format.manifest import seal
+
+    names = ["checkpoint_1_100", "checkpoint_2_200", "checkpoint_3_300"]
+    make_run(root, [(n, 100, 1, 1.0) for n in names] + [("checkpoint_4_400", 400, 4, 1.0)],
+             incomplete=["checkpoint_9_900"])
+    with open_storage(root) as st:
+        raw = st.read_bytes(f"{names[0]}/manifest.json")
+    at = raw.index(b'"created_unix_s":') + len(b'"created_unix_s":') + 2
+    flip_byte(f"{root}/{names[0]}", "manifest.json", at)  # a digit: the crc32c fails
+
+    def reseal(name: str, change) -> None:
+        with open_storage(root) as st:
+            doc = json.loads(st.read_bytes(f"{name}/manifest.json"))
+            doc.pop("manifest_crc32c")
+            change(doc)
+            st.write_atomic(f"{name}/manifest.json", [seal(json.dumps(doc).encode())])
+
+    def hostile(doc: dict) -> None:  # a chunk pointing at an item that does not exist
+        doc["version"] = 2
+        doc["global_tensors"] = [{"key": "state['x']", "dtype": "float32", "shape": [4],
+                                  "placement": "Shard(0)",
+                                  "chunks": [{"item": "chunks/00007", "tensor": 0,
+                                              "offsets": [0], "sizes": [4]}]}]
+
+    reseal(names[1], hostile)
+    reseal(names[2], lambda doc: doc.update(version=3))
+    r = cli("ls", root)
+    assert r.code == 0, r.err
+    lines = r.out.splitlines()
+    assert lines[0].endswith(": 1 committed, 1 incomplete, 3 committed but unreadable"), lines
+    at = lines.index(next(ln for ln in lines if ln.startswith("committed but unreadable")))
+    rows = lines[at + 1:at + 4]
+    assert [row.split()[0] for row in rows] == names
+    assert "(unreadable: manifest crc32c mismatch" in rows[0]
+    assert "(unreadable: " in rows[1] and "chunks/00007" in rows[1]
+    assert rows[2] == ("  checkpoint_3_300  (unreadable: manifest version 3 is newer than this "
+                       "xla_ckpt reads (versions 1, 2); upgrade xla_ckpt)")
+    assert lines[at + 4:at + 6] == ["incomplete (no commit marker; never restored):",
+                                    "  checkpoint_9_900"]
+    doc = json.loads(cli("ls", root, "--json").out)
+    assert [u["name"] for u in doc["unreadable"]] == names
+    assert doc["unreadable"][2]["reason"] == rows[2].split("(", 1)[1][:-1]
+    assert all(u["reason"].startswith("unreadable: ") and u["error"] for u in doc["unreadable"])
+    assert doc["incomplete"] == [{"name": "checkpoint_9_900", "error": ""}]
+    r = cli("gc", root, "--keep-last", "1")
+    assert all(exists(root, f"{n}/manifest.json") for n in names), r.out
 
 
 def test_ls_empty_and_missing(cli, root, tmp_path):

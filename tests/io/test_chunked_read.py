@@ -21,7 +21,13 @@ import torch
 
 import xla_ckpt
 from xla_ckpt.cli.main import main
-from xla_ckpt.errors import CheckpointCorruptError, IntegrityError, PartiallyOverwrittenError
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    ConfigError,
+    IntegrityError,
+    PartiallyOverwrittenError,
+    StateMismatchError,
+)
 from xla_ckpt.format import typed
 from xla_ckpt.format.chunks import Box, ChunkRecord, GlobalTensor, chunk_item, chunk_key
 from xla_ckpt.format.dtypes import dtype_name
@@ -164,23 +170,49 @@ def test_load_into_fills_plain_tensors_in_place(tmp_path):
     write_chunked(uri, state, model_layout(), world=4)
     target_w = torch.zeros(10, 6)
     target_b_t = torch.zeros(7, dtype=torch.bfloat16)
-    wrong_dtype = torch.zeros(13, 4, 3, dtype=torch.int32)
+    stepped = torch.zeros(13, 4, 6, dtype=state["model"]["emb"].dtype)[..., ::2]
+    assert not stepped.is_contiguous()  # gaps: filled through a checked staging copy
     transposed = torch.zeros(6, 10).t()  # any strides that fill their memory once
     reader = CheckpointReader.open(uri)
     try:
         version = target_w._version
         got = reader.load(into={"state['model']['w']": transposed,
                                 "state['model']['b']": target_b_t,
-                                "state['model']['emb']": wrong_dtype})
+                                "state['model']['emb']": stepped})
     finally:
         reader.storage.close()
     assert got["model"]["w"] is transposed and torch.equal(transposed, state["model"]["w"])
     assert got["model"]["b"] is target_b_t and torch.equal(target_b_t, state["model"]["b"])
-    assert got["model"]["emb"] is not wrong_dtype and torch.equal(got["model"]["emb"],
-                                                                  state["model"]["emb"])
-    assert torch.equal(wrong_dtype, torch.zeros(13, 4, 3, dtype=torch.int32))
+    assert got["model"]["emb"] is stepped and torch.equal(stepped, state["model"]["emb"])
     assert target_w._version == version  # untouched: not a target
     assert transposed._version > 0
+
+
+@pytest.mark.parametrize("key,target,says", [
+    ("state['model']['emb']", torch.zeros(13, 4, 3, dtype=torch.int32),
+     "state['model']['emb'] is int64[13, 4, 3] in the checkpoint but int32[13, 4, 3]"),
+    ("state['model']['w']", torch.zeros(10, 7),
+     "state['model']['w'] is float32[10, 6] in the checkpoint but float32[10, 7]"),
+    ("w", torch.zeros(10, 6), "w is not a tensor of this item (keys look like state["),
+])
+def test_load_into_a_target_that_cannot_be_filled_raises_naming_the_key(tmp_path, key, target,
+                                                                       says):
+    """Never a stale target: a key the item lacks, or another dtype or shape, raises before
+    anything is read, and the target keeps its values."""
+    uri = str(tmp_path / "ck")
+    state = model_state()
+    write_chunked(uri, state, model_layout(), world=4)
+    before = target.clone()
+    reader = CheckpointReader.open(uri)
+    try:
+        with pytest.raises(StateMismatchError) as e:
+            reader.load(into={key: target})
+        with pytest.raises(ConfigError, match="into= or map_location="):
+            reader.load(into={"state['model']['w']": torch.zeros(10, 6)}, map_location="cpu")
+    finally:
+        reader.storage.close()
+    assert says in str(e.value) and "nothing was read" in str(e.value)
+    assert torch.equal(target, before)
 
 
 def test_keys_load_only_the_selected_global_tensors(uri):

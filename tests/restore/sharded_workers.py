@@ -276,6 +276,53 @@ def same_size_rank_item(root: str) -> Any:
     return {"iterator": r.rank_state["iterator"], "rng": r.rank_state["rng"].tolist()}
 
 
+def _errors(e: BaseException) -> tuple[str, str, dict[int, str]]:
+    return type(e).__name__, str(e), dict(getattr(e, "failures", {}) or {})
+
+
+def _overwritten(name: str, uri: str, into: Any, out: dict[str, Any], **kw: Any) -> None:
+    """``out[name]``: the error of ``restore(uri, into=into)`` (class names of its MRO, text,
+    failures, ``overwritten``, ``keys``) and this rank's target keys whose values changed."""
+    before = local_shards(into)
+    try:
+        restore(uri, into=into, **kw)
+        out[name] = None
+        return
+    except Exception as e:  # noqa: BLE001 - the test checks type, text and failures
+        err = e
+    after = local_shards(into)
+    out[name] = {"mro": [c.__name__ for c in type(err).__mro__], "text": str(err),
+                 "failures": dict(getattr(err, "failures", {}) or {}),
+                 "overwritten": dict(getattr(err, "overwritten", {}) or {}),
+                 "keys": sorted(getattr(err, "keys", ()) or ()),
+                 "changed": sorted(k for k in before if before[k] != after[k])}
+
+
+def _staged_like(tree: Any) -> Any:
+    """Plain CPU targets of the global shapes and dtypes of ``tree``'s tensors that are not
+    contiguous (so a restore stages them and copies only at the end), filled with 7."""
+    def one(v: torch.Tensor) -> torch.Tensor:
+        t = torch.full((*v.shape, 2), 7, dtype=v.dtype)[..., 0]
+        assert v.dim() == 0 or not t.is_contiguous()
+        return t
+    return {k: one(v) if isinstance(v, torch.Tensor) else v for k, v in tree.items()}
+
+
+def overwrite_cases(corrupt_uri: str) -> dict[str, Any]:
+    """A chunk with a flipped byte, read into live targets, both strategies: the error on
+    every rank says whose targets were overwritten; then the same into non-contiguous
+    (staged) model targets only: nothing is overwritten anywhere (a plain DistributedError,
+    targets unchanged)."""
+    model, optim = build("fsdp", seed=1)
+    out: dict[str, Any] = {}
+    for s in ("all_ranks", "broadcast"):
+        _overwritten(s, corrupt_uri, state_of(model, optim), out, strategy=s)
+        staged = {"model": _staged_like(get_model_state_dict(model))}
+        _overwritten(f"staged_{s}", corrupt_uri, staged, out, strategy=s)
+    tdist.barrier()
+    return out
+
+
 def failure_cases(root: str, corrupt_uri: str) -> dict[str, Any]:
     """Failures reach every rank: a key only rank 1's targets have, a target of another
     shape (every rank), ``into`` on rank 0 only, and a corrupt chunk only rank 1 reads
@@ -288,7 +335,7 @@ def failure_cases(root: str, corrupt_uri: str) -> dict[str, Any]:
             restore(uri, into=into, **kw)
             out[name] = None
         except Exception as e:  # noqa: BLE001 - the test checks type, text and failures
-            out[name] = (type(e).__name__, str(e), dict(getattr(e, "failures", {}) or {}))
+            out[name] = _errors(e)
 
     extra = state_of(model, optim)
     if tdist.get_rank() == 1:
@@ -304,6 +351,6 @@ def failure_cases(root: str, corrupt_uri: str) -> dict[str, Any]:
     attempt("into_on_rank0_only", f"{root}/ours_ddp",
             state_of(model, optim) if tdist.get_rank() == 0 else None)
     for s in ("all_ranks", "broadcast"):
-        attempt(f"corrupt_{s}", corrupt_uri, state_of(model, optim), strategy=s)
+        _overwritten(f"corrupt_{s}", corrupt_uri, state_of(model, optim), out, strategy=s)
     tdist.barrier()
     return out

@@ -279,14 +279,81 @@ def test_failures_reach_every_rank_naming_the_rank_and_key(pools, saved4, tmp_pa
         kind, text, _ = g["into_on_rank0_only"]
         assert kind == "StateMismatchError"
         assert "restore(into=...) was given on rank(s) 0 but not on rank(s) 1" in text
-        # the last row of l1.weight is rank 1's (rows 5-9) to read straight into its live
-        # shard (which now holds unchecked bytes, and says so), or rank 0's to send
-        kind, text, failures = g["corrupt_all_ranks"]
-        assert kind == "DistributedError" and list(failures) == [1], g
-        assert failures[1].startswith("PartiallyOverwrittenError") and "l1.weight" in failures[1]
-        kind, text, failures = g["corrupt_broadcast"]
-        assert kind == "DistributedError" and list(failures) == [0], g
-        assert failures[0].startswith("IntegrityError") and "l1.weight" in failures[0]
+    # the last row of l1.weight is rank 1's (rows 5-9) to read straight into its live
+    # shard (which now holds unchecked bytes, and says so), or rank 0's to send
+    for rank, g in enumerate(got):
+        e = g["corrupt_all_ranks"]
+        assert e["mro"][:2] == ["TargetsOverwrittenError", "PartiallyOverwrittenError"], e
+        assert {"IntegrityError", "DistributedError"} <= set(e["mro"])
+        assert list(e["failures"]) == [1], e
+        assert e["failures"][1].startswith("PartiallyOverwrittenError")
+        assert "l1.weight" in e["failures"][1]
+        # every rank read straight into all of its targets before the agreement
+        assert sorted(e["overwritten"]) == [0, 1] and e["changed"], e
+        assert set(e["changed"]) <= set(e["keys"]), e
+        assert "overwritten on rank(s) 0 (" in e["text"] and "re-initialise" in e["text"]
+        # broadcast: rank 0 reads into its own targets first, then fails reading rank 1's
+        e = g["corrupt_broadcast"]
+        assert e["mro"][0] == "TargetsOverwrittenError" and list(e["failures"]) == [0], e
+        assert e["failures"][0].startswith("IntegrityError") and "l1.weight" in e["failures"][0]
+        assert list(e["overwritten"]) == [0], e
+        assert set(e["changed"]) <= set(e["keys"]) and bool(e["keys"]) == (rank == 0), (rank, e)
+        assert f"overwritten on this rank ({rank}): " + ("none" if rank else "state[") in e["text"]
+
+
+def _flip_chunk_byte(src: str, dst: str, rank: int) -> str:
+    """Copy checkpoint ``src`` to ``dst`` and flip a byte in the middle of the first chunk
+    of ``chunks/<rank>``; returns that chunk's key."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    item = read_manifest(open_storage(dst)).item(f"chunks/{rank:05d}")
+    rec = max(item.tensors, key=lambda t: t.numel)
+    blob = item.blobs[rec.blob]
+    at = blob.offset + rec.byte_offset + rec.span_bytes() // 2
+    with open(f"{dst}/{blob.file}", "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+    return rec.key
+
+
+@slow
+def test_a_failed_restore_into_says_on_every_rank_whose_targets_were_overwritten(
+        pools, saved4, tmp_path):
+    """4 FSDP2 ranks saved, 3 restore; a flipped byte in a chunk rank 1 wrote.  Every rank's
+    error is one class (TargetsOverwrittenError: a PartiallyOverwrittenError and a
+    DistributedError) naming the ranks whose live targets were written and its own keys
+    (every target whose value changed among them), both strategies; into staged targets only
+    (nothing written before the final copy) it stays a plain DistributedError and the
+    targets keep their values."""
+    root, _ = saved4
+    bad = str(tmp_path / "flipped")
+    chunk = _flip_chunk_byte(f"{root}/ours_fsdp", bad, 1)
+    got = values(pools(3).run(W.overwrite_cases, bad, timeout_s=RUN_TIMEOUT_S))
+    for rank, g in enumerate(got):
+        for s in ("all_ranks", "broadcast"):
+            e = g[s]
+            assert e is not None, (rank, s)
+            assert e["mro"][:2] == ["TargetsOverwrittenError", "PartiallyOverwrittenError"], e
+            assert {"IntegrityError", "DistributedError"} <= set(e["mro"]), e
+            assert len(e["failures"]) == 1, e
+            (failed, cause), = e["failures"].items()
+            assert chunk in cause and "crc32c mismatch" in cause, cause
+            assert set(e["changed"]) <= set(e["keys"]), (rank, s, e)
+            assert bool(e["keys"]) == (rank in e["overwritten"]), (rank, s, e)
+            assert e["overwritten"], e
+            assert all(str(r) in e["text"] for r in e["overwritten"]), e
+            assert "restore again" in e["text"] and "re-initialise" in e["text"], e
+            if s == "all_ranks":  # every rank read straight into all of its targets
+                assert sorted(e["overwritten"]) == [0, 1, 2] and e["changed"], e
+            # the message is the same on every rank but for this rank's own keys
+            assert e["overwritten"] == got[0][s]["overwritten"], (rank, s)
+            staged = g[f"staged_{s}"]
+            assert staged["mro"][0] == "DistributedError", staged
+            assert staged["overwritten"] == {} and staged["changed"] == [], staged
+            assert chunk in next(iter(staged["failures"].values())), staged
 
 
 @slow

@@ -231,3 +231,71 @@ def save_and_restore(folder: str, run_dir: str) -> dict[str, Any]:
                                 len(empty.optimizer.state), empty.get_num_updates())
     tdist.barrier()
     return out
+
+
+def resize_save(folder: str, dcp_dir: str) -> None:
+    """2 ranks: one update, ``save_checkpoint`` with per-rank extra state, and the same model
+    and optimizer state through ``dcp.save`` (the reference)."""
+    import torch.distributed.checkpoint as dcp
+
+    _join()
+    ckpt = _checkpointer(seed=0)
+    _step(ckpt, 1)
+    ckpt.save_checkpoint(folder, {"train_iterator": {"epoch": 1, "iterations_in_epoch": 1,
+                                                     "version": 2}},
+                         rank_extra_state={"position": 100 + tdist.get_rank()})
+    msd, osd = get_state_dict(ckpt.model, ckpt.optimizer)
+    dcp.save({"model": msd, "last_optimizer_state": osd}, checkpoint_id=dcp_dir)
+    tdist.barrier()
+
+
+def resize_load(folder: str, dcp_dir: str) -> dict[str, Any]:
+    """3 ranks (saved by 2): ``load_checkpoint`` with the default (an error), with
+    ``rank_state_on_resize="drop"``, with ``rank_state_remap`` (per call, in
+    CheckpointerConfig, and through ``make_restorer``); each one's shards, and DCP's."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from xla_ckpt.restore import make_restorer
+    from xla_ckpt.trainer.sources import accepts_keyword
+
+    _join()
+    rank = tdist.get_rank()
+    out: dict[str, Any] = {}
+
+    def remap(saved: dict[int, Any], r: int, world: int) -> Any:
+        return {"position": saved[min(r, max(saved))]["position"], "world": world}
+
+    ck = _checkpointer(seed=1)
+    try:
+        ck.load_checkpoint(folder)
+        out["default"] = None
+    except Exception as e:  # noqa: BLE001 - the test checks type and text
+        out["default"] = (type(e).__name__, str(e))
+    ck = _checkpointer(seed=1)
+    extra = ck.load_checkpoint(folder, rank_state_on_resize="drop")
+    out["drop"] = (dict(extra or {}), _shards(ck), ck.get_num_updates())
+    ck = _checkpointer(seed=1)
+    extra = ck.load_checkpoint(folder, rank_state_remap=remap)
+    out["remap"] = (dict(extra or {}), _shards(ck), ck.get_num_updates())
+    ck = _checkpointer(seed=1)
+    ck.config = dataclasses.replace(ck.config, rank_state_remap=remap)
+    extra = ck.load_checkpoint(folder)
+    out["remap_config"] = (dict(extra or {}), _shards(ck))
+    ck = _checkpointer(seed=1)
+    ck.restorer = make_restorer(rank_state_remap=remap)
+    out["make_restorer_takes_into"] = accepts_keyword(ck.restorer, "into")
+    extra = ck.load_checkpoint(folder)
+    out["make_restorer"] = (dict(extra or {}), _shards(ck))
+    ref = _checkpointer(seed=2)
+    targets = ref.restore_targets()
+    assert targets is not None
+    dcp.load(targets, checkpoint_id=dcp_dir)
+    set_state_dict(ref.model, ref.optimizer, model_state_dict=targets["model"],
+                   optim_state_dict=targets["last_optimizer_state"])
+    out["dcp"] = _shards(ref)
+    out["rank"] = rank
+    tdist.barrier()
+    return out

@@ -84,3 +84,54 @@ def test_tensor_parallel_checkpointer_restores_and_steps_bitwise(tmp_path):
     assert [tuple(g["saved"]["model.l1.weight"].shape) for g in got] == [(4, 6), (4, 6)]
     assert [tuple(g["saved"]["model.l2.weight"].shape) for g in got] == [(3, 4), (3, 4)]
     assert not torch.equal(got[0]["saved"]["model.l2.weight"], got[1]["saved"]["model.l2.weight"])
+
+
+def test_fsdp2_checkpointer_2_to_3_ranks_and_the_per_rank_extra_state(tmp_path):
+    """Saved by 2 FSDP2 ranks with ``rank_extra_state``, loaded by 3: the default error names
+    the Checkpointer's own options; ``rank_state_on_resize="drop"`` and ``rank_state_remap``
+    (per call, in CheckpointerConfig, through make_restorer, which takes ``into=``) restore
+    values bitwise equal to DCP's on the new mesh."""
+    folder, ref = str(tmp_path / "ckpt"), str(tmp_path / "dcp")
+    for r in shared_pool(2, xla=False).run(W.resize_save, folder, ref, timeout_s=300):
+        r.unwrap()
+    got = [r.unwrap() for r in shared_pool(3, xla=False).run(
+        W.resize_load, folder, ref, timeout_s=300)]
+    for rank, g in enumerate(got):
+        kind, msg = g["default"]
+        assert kind == "WorldSizeMismatchError", msg
+        assert "load_checkpoint(uri, rank_state_remap=fn(saved, rank, world_size))" in msg
+        assert "load_checkpoint(uri, rank_state_on_resize='drop')" in msg
+        assert "CheckpointerConfig" in msg
+        dcp_ref = g["dcp"]
+        assert dcp_ref
+        extra, shards, updates = g["drop"]
+        assert "position" not in extra and extra["train_iterator"]["iterations_in_epoch"] == 1
+        assert updates == 1
+        _same(shards, dcp_ref, f"rank {rank}: drop vs DCP")
+        want = {"position": 100 + min(rank, 1), "world": 3}
+        for mode in ("remap", "remap_config", "make_restorer"):
+            extra, shards = g[mode][0], g[mode][1]
+            assert {k: extra.get(k) for k in want} == want, (mode, extra)
+            _same(shards, dcp_ref, f"rank {rank}: {mode} vs DCP")
+        assert g["make_restorer_takes_into"] is True
+
+
+def test_rank_state_options_need_a_restorer_that_takes_them():
+    """Options the restorer cannot take are refused, naming them (never silently dropped);
+    a bad value is a ConfigError at construction."""
+    from xla_ckpt.errors import ConfigError
+    from xla_ckpt.trainer import Checkpointer, CheckpointerConfig
+
+    with pytest.raises(ConfigError, match="rank_state_on_resize: must be one of error, drop"):
+        CheckpointerConfig(rank_state_on_resize="keep")
+    model = torch.nn.Linear(2, 2)
+    ck = Checkpointer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      restorer=lambda uri: None,
+                      config=CheckpointerConfig(rank_state_on_resize="drop"))
+    with pytest.raises(ConfigError, match="rank_state_on_resize: the Checkpointer's restorer "
+                                          "function takes no such keyword"):
+        ck.load_checkpoint("/nonexistent/run")
+    with pytest.raises(ConfigError, match="rank_state_on_resize and rank_state_remap: "):
+        ck.load_checkpoint("/nonexistent/run", rank_state_remap=lambda s, r, w: None)
+    ck.config = CheckpointerConfig()
+    assert ck.load_checkpoint("/nonexistent/run") is None  # nothing set: the restorer is called

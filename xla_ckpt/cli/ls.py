@@ -4,11 +4,15 @@ Columns: NAME, EPOCH, STEP (the saver's ``step`` metadata, else
 ``iterations_in_epoch``: the step within the epoch), UPDATES (``num_updates``),
 LOSS, SIZE (bytes of data files), SAVED (UTC) and POINTERS (``last``/``best``
 when a pointer names it).  Folders without a commit marker are listed apart:
-a restore never uses them.  Checkpoints of another kind in the run folder (a
-PyTorch DCP step folder with its ``.metadata``, an HF model folder, a fairseq
-``checkpoint_last.pt``) are listed apart too, with their kind: they are not
-incomplete saves, ``rm``/``gc`` never delete them, ``xla_ckpt.load`` and
-``xla-ckpt convert`` read them.
+a restore never uses them.  Folders whose commit marker is present but cannot be
+used (a corrupt manifest, a hostile chunk table, a format version newer than this
+xla_ckpt reads) are listed apart again, as "committed but unreadable", each with
+its reason: they are not incomplete saves (upgrade xla_ckpt, or run
+``xla-ckpt verify`` on them); ``gc`` leaves them alone and a restore skips them.
+Checkpoints of another kind in the run folder (a PyTorch DCP step folder with
+its ``.metadata``, an HF model folder, a fairseq ``checkpoint_last.pt``) are
+listed apart too, with their kind: they are not incomplete saves, ``rm``/``gc``
+never delete them, ``xla_ckpt.load`` and ``xla-ckpt convert`` read them.
 
 In-flight objects that interrupted uploads of this library left (upload parts
 named ``<file>.tmp-<upload id>-part-<n>``, which no other listing shows) are
@@ -92,9 +96,12 @@ def run(args: argparse.Namespace) -> int:
         if name is not None:
             named.setdefault(name, []).append(which)
     committed = [e for e in entries if e.committed]
-    incomplete = [e for e in entries if not e.committed and not e.kind]
+    unreadable = [e for e in entries if e.unreadable]
+    incomplete = [e for e in entries if not e.committed and not e.kind and not e.unreadable]
     if args.json:
         doc = _as_json(uri, committed, incomplete, pointers, named)
+        doc["unreadable"] = [{"name": e.name, "reason": e.reason, "error": e.error}
+                             for e in unreadable]
         doc["other_kinds"] = [{"name": n, "kind": kind} for n, kind in others]
         doc["in_flight_grace_s"] = grace_s
         doc["in_flight"] = [_upload_json(u, now, grace_s) for u in uploads]
@@ -102,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     n_stale = sum(len(u.objects) for u in stale)
     print(f"{uri}: {len(committed)} committed, {len(incomplete)} incomplete"
+          + (f", {len(unreadable)} committed but unreadable" if unreadable else "")
           + (f", {len(others)} of another kind" if others else "")
           + (f", {n_stale} in flight ({exact_bytes(sum(u.nbytes for u in stale))})"
              if stale else ""))
@@ -116,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
         if name is not None and name not in {e.name for e in committed}:
             print(f"warning: pointer checkpoint_{which} names {name!r}, which is not a committed "
                   "checkpoint (restores ignore it)")
+    if unreadable:
+        print("committed but unreadable (a manifest is present but cannot be used: corrupt, "
+              "or written by a newer xla_ckpt; never restored, gc leaves them; not incomplete "
+              "saves: upgrade xla_ckpt or run `xla-ckpt verify`):")
+        for e in unreadable:
+            print(f"  {e.name}  ({e.reason})")
     if incomplete:
         print("incomplete (no commit marker; never restored):")
         for e in incomplete:

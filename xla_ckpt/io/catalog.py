@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +78,9 @@ class CheckpointEntry:
         manifest: the parsed manifest (None if not committed).
         metadata: the typed-decoded metadata summary the saver passed.
         nbytes: bytes of its data files (listed size if not committed).
-        error: why a folder with a manifest is still not usable (corrupt manifest).
+        error: why a folder with a manifest is still not usable (a corrupt or hostile
+            manifest, a format version newer than this library reads); such a folder is
+            committed-but-unreadable (:attr:`unreadable`), not an incomplete save.
         kind: ``""`` for a folder of this library; otherwise, in words, the checkpoint of
             another kind the folder holds without an xla_ckpt manifest (``"a PyTorch DCP
             checkpoint"``, ``"an HF model folder"``; :func:`xla_ckpt.io.resolve.
@@ -92,6 +95,31 @@ class CheckpointEntry:
     nbytes: int = 0
     error: str = ""
     kind: str = ""
+
+    @property
+    def unreadable(self) -> bool:
+        """A manifest (commit marker) is present but cannot be used: corrupt, a hostile
+        chunk table, or written by a newer xla_ckpt.  Never restored; ``gc`` leaves it
+        alone; ``ls`` lists it apart from incomplete saves, with :attr:`reason`."""
+        return not self.committed and bool(self.error)
+
+    @property
+    def reason(self) -> str:
+        """One line on why an :attr:`unreadable` checkpoint cannot be used (``""`` if it can),
+        e.g. ``"unreadable: manifest version 3 is newer than this xla_ckpt reads (versions
+        1, 2); upgrade xla_ckpt"``."""
+        if not self.unreadable:
+            return ""
+        text = self.error
+        head = f"{MANIFEST_NAME}: "
+        if head in text:  # drop the "<folder>/manifest.json: " prefix: the row names it
+            text = text.split(head, 1)[1]
+        m = _UNSUPPORTED_VERSION.search(text)
+        known = [int(v) for v in re.findall(r"\d+", m.group(2))] if m else []
+        if m and known and int(m.group(1)) > max(known):
+            text = (f"manifest version {m.group(1)} is newer than this xla_ckpt reads "
+                    f"(versions {m.group(2)}); upgrade xla_ckpt")
+        return f"unreadable: {text}"
 
     @property
     def num_updates(self) -> int:
@@ -109,6 +137,10 @@ class CheckpointEntry:
         """Oldest first: ``(lease_epoch, num_updates, created, name)`` (module docstring)."""
         created = self.manifest.created_unix_s if self.manifest else 0.0
         return (self.lease_epoch, self.num_updates, created, self.name)
+
+
+_UNSUPPORTED_VERSION = re.compile(
+    r"manifest version (\d+) is not supported by this xla_ckpt \(reads versions ([^)]*)\)")
 
 
 def epoch_of(doc: Any) -> int:

@@ -51,10 +51,12 @@ import torch
 from xla_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    ConfigError,
     DataFileMissingError,
     IncompleteCheckpointError,
     IntegrityError,
     PartiallyOverwrittenError,
+    StateMismatchError,
 )
 from xla_ckpt.format import typed
 from xla_ckpt.format.crc import crc32c
@@ -384,11 +386,19 @@ class CheckpointReader:
         with every global tensor assembled whole on CPU from its chunks
         (:func:`xla_ckpt.io.chunked.read_boxes`: crc32c-checked in staging buffers, then
         copied), then placed as ``map_location`` says; ``into`` is then keyed by global
-        tensor key (the same tree path) and a plain CPU target of the saved dtype and
-        shape (any strides that fill their memory once) is filled in place; ``mmap`` does
-        not apply.  What DCP's ``dcp_to_torch_save`` gives, without a second copy.
+        tensor key (the same tree path) and every target is filled in place and returned
+        as the leaf: a plain CPU tensor of the saved dtype and shape whose elements fill
+        their memory once (any order of strides) directly, any other plain tensor of the
+        saved dtype and shape (stepped slices, other devices) through a checked staging
+        copy; a target the item lacks, or of another dtype or shape, or a tensor subclass,
+        raises instead (never a stale target); ``mmap`` does not apply.  What DCP's
+        ``dcp_to_torch_save`` gives, without a second copy.
 
         Raises:
+            StateMismatchError: chunked item: an ``into`` key that is not one of its
+                tensors, or a target of another dtype or shape, or a tensor subclass
+                (names the key); before anything is read.
+            ConfigError: chunked item: ``into`` together with ``map_location``.
             PartiallyOverwrittenError: a crc32c failure after the re-reads in the bytes
                 of a target (its key is named; the target holds unchecked bytes).
             IntegrityError / CheckpointCorruptError: as :meth:`read_into`.
@@ -431,9 +441,15 @@ class CheckpointReader:
                       into: Mapping[str, torch.Tensor] | None) -> Any:
         """:meth:`load` of a chunked item: every global tensor it refers to, assembled whole.
 
-        ``into`` is keyed by global tensor key; a target that is a plain CPU tensor of the
-        saved dtype and shape whose elements fill their memory once is filled in place
-        (any strides), the others get fresh tensors (all of them with ``map_location``).
+        ``into`` is keyed by global tensor key; every target is filled in place (a plain
+        CPU tensor of the saved dtype and shape whose elements fill their memory once
+        directly, any other plain tensor of that dtype and shape through a checked staging
+        copy) and returned as its leaf; the other tensors get fresh ones.
+
+        Raises:
+            StateMismatchError: an ``into`` key the item lacks, another dtype or shape, or
+                a tensor subclass (names the key); before anything is read.
+            ConfigError: ``into`` together with ``map_location``.
         """
         from xla_ckpt.io.chunked import (  # noqa: PLC0415 - chunked builds on this module
             read_boxes,
@@ -443,16 +459,23 @@ class CheckpointReader:
         refs: set[int] = set()
         typed.decode(item.state, refs.add)
         gts = self.manifest.global_tensors
+        if into and map_location is not None:
+            raise ConfigError("CheckpointReader.load: into= targets keep their own devices; "
+                              "pass into= or map_location=, not both")
+        _check_chunked_targets(into or {}, {gts[g].key: gts[g] for g in refs})
         requests = []
         live: list[torch.Tensor] = []
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, checked staging)
         for g in sorted(refs):
             gt = gts[g]
-            target = into.get(gt.key) if into and map_location is None else None
+            target = into.get(gt.key) if into else None
             if target is not None and _fits_box(target, gt.dtype, gt.shape):
                 live.append(target)
                 requests.append(whole_tensor_request(self.manifest, g, target))
             else:
                 requests.append(whole_tensor_request(self.manifest, g))
+                if target is not None:
+                    staged.append((target, requests[-1].out))
         try:
             read_boxes(self, requests)
         except PartiallyOverwrittenError:
@@ -464,9 +487,16 @@ class CheckpointReader:
                 f"{e} (targets given in into= may already hold some of the checkpoint's "
                 "values, checked ones only: restore again or re-initialise them)",
                 path=e.path, key=e.key) from e
+        with torch.no_grad():
+            for target, checked in staged:
+                target.copy_(checked)
+        staged_out = {id(checked): target for target, checked in staged}
         _bump_versions(live)
         placed: dict[int, torch.Tensor] = {}
         for req in requests:
+            if id(req.out) in staged_out:
+                placed[req.tensor] = staged_out[id(req.out)]
+                continue
             dev = resolve_device(map_location, gts[req.tensor].key)
             placed[req.tensor] = req.out if dev is None or dev.type == "cpu" else req.out.to(dev)
         return typed.decode(item.state, placed.__getitem__)
@@ -955,6 +985,34 @@ def _fits_in_place(t: torch.Tensor, rec: TensorRecord) -> bool:
             and not t.is_neg() and t.numel() > 0 and dtype_name(t.dtype) == rec.dtype
             and tuple(t.shape) == rec.shape and tuple(t.stride()) == rec.stride
             and _dense_layout(t))
+
+
+def _check_chunked_targets(into: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """Every ``into`` target of a chunked load names one of the item's global tensors
+    (``saved``: key -> GlobalTensor) and has its dtype and shape, as a plain tensor.
+
+    Raises:
+        StateMismatchError: the first few that do not (names the keys, what to do).
+    """
+    bad = []
+    for key, t in into.items():
+        gt = saved.get(key)
+        if gt is None:
+            bad.append(f"{key} is not a tensor of this item (keys look like "
+                       f"{next(iter(saved), 'state[...]')})")
+        elif not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor,
+                                                                 torch.nn.Parameter):
+            bad.append(f"{key} is a {type(t).__name__}, not a plain tensor (restore sharded "
+                       "targets with xla_ckpt.restore.restore(uri, into=...))")
+        elif dtype_name(t.dtype) != gt.dtype or tuple(t.shape) != tuple(gt.shape):
+            bad.append(f"{key} is {gt.dtype}{list(gt.shape)} in the checkpoint but "
+                       f"{dtype_name(t.dtype)}{list(t.shape)} in the target")
+    if bad:
+        more = f"; ... ({len(bad) - 8} more)" if len(bad) > 8 else ""
+        raise StateMismatchError(
+            f"CheckpointReader.load(into=...): {'; '.join(bad[:8])}{more}. Pass targets of the "
+            "saved keys, dtypes and shapes (or leave a tensor out of into= to get a fresh "
+            "one); nothing was read")
 
 
 def _fits_box(t: torch.Tensor, dtype: str, shape: Sequence[int]) -> bool:

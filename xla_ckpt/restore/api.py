@@ -27,6 +27,7 @@ from xla_ckpt.errors import (
     CollectiveTimeoutError,
     DistributedError,
     NothingCommittedError,
+    TargetsOverwrittenError,
 )
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM
@@ -148,8 +149,15 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
         StateMismatchError: a target of ``into`` is not in the checkpoint or has
             another global shape or dtype (names the rank(s) and keys); every rank,
             before anything is read.
+        TargetsOverwrittenError: with ``into``, a read or copy failed on some rank after
+            some rank's live targets were (possibly partially) written: on every rank,
+            naming the failed rank(s) and cause, the ranks whose targets were written and
+            (``keys``) this rank's; restore again into every rank's targets or
+            re-initialise them.  A :class:`PartiallyOverwrittenError` (an IntegrityError)
+            and a DistributedError.
         DistributedError: a read or rebuild failed on some rank(s);
-            ``failures`` names them and the cause, on every rank.
+            ``failures`` names them and the cause, on every rank (with ``into``: no
+            rank's target memory was written).
         CollectiveTimeoutError: a rank died or hung (nothing waits forever).
         ConfigError: bad options.
     """
@@ -283,10 +291,13 @@ def _remap(decision: Decision, dist: Dist, me: RankPlan, name: str, cfg: Restore
 
 def _replaced(decision: Decision, now: str, e: DistributedError) -> CheckpointReplacedError:
     before = decision.manifest.save_id
+    touched = ("; the live targets passed as into= were (possibly partially) overwritten "
+               "on some ranks: restore again into every rank's targets or re-initialise them"
+               if isinstance(e, TargetsOverwrittenError) else "")
     return CheckpointReplacedError(
         f"{decision.checkpoint} was replaced while reading (save id {before} -> {now}); retry "
-        "or pause the other writer", e.failures, uri=decision.checkpoint, before=before,
-        after=now)
+        f"or pause the other writer{touched}", e.failures, uri=decision.checkpoint,
+        before=before, after=now)
 
 
 def _decide_again(uri: str, dist: Dist, decision: Decision, e: DistributedError,
@@ -303,13 +314,34 @@ def _decide_again(uri: str, dist: Dist, decision: Decision, e: DistributedError,
     return again
 
 
-def make_restorer(*, dist: Dist | None = None, **kwargs: Any) -> Callable[[str], Restored]:
-    """A ``restorer(uri) -> Restored`` for :class:`xla_ckpt.trainer.Checkpointer`.
+def make_restorer(*, dist: Dist | None = None, **kwargs: Any) -> Callable[..., Restored]:
+    """A ``restorer(uri, *, into=None, rank_state_on_resize=None, rank_state_remap=None)
+    -> Restored`` for :class:`xla_ckpt.trainer.Checkpointer`.
 
-    ``kwargs`` are passed to :func:`restore` (strategy, map_location, ...).
+    ``kwargs`` are passed to :func:`restore` (strategy, map_location, config,
+    rank_state_remap, ...).  Every rank calls the restorer.  The Checkpointer passes a
+    sharded model's live targets as ``into`` (:meth:`~xla_ckpt.trainer.Checkpointer.
+    restore_targets`), so each rank fills its own shards in place, reading only their byte
+    ranges; ``rank_state_on_resize`` / ``rank_state_remap`` given to the call (from
+    :class:`~xla_ckpt.trainer.CheckpointerConfig` or ``load_checkpoint``) win over the
+    ones in ``kwargs`` (``rank_state_on_resize`` replaces that field of
+    ``kwargs["config"]``).
+
+    Raises:
+        ConfigError: (at the call) a bad ``rank_state_on_resize`` (from
+            :class:`RestoreConfig`); TypeError for a ``kwargs`` name :func:`restore` lacks.
     """
 
-    def restorer(uri: str) -> Restored:
-        return restore(uri, dist=dist, **kwargs)
+    def restorer(uri: str, *, into: Any = None, rank_state_on_resize: str | None = None,
+                 rank_state_remap: RankStateRemap | None = None) -> Restored:
+        kw = dict(kwargs)
+        if into is not None:
+            kw["into"] = into
+        if rank_state_remap is not None:
+            kw["rank_state_remap"] = rank_state_remap
+        if rank_state_on_resize is not None:
+            kw["config"] = dataclasses.replace(kw.get("config") or RestoreConfig(),
+                                               rank_state_on_resize=rank_state_on_resize)
+        return restore(uri, dist=dist, **kw)
 
     return restorer

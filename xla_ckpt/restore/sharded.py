@@ -28,12 +28,19 @@ Strategies (every rank calls :func:`restore_into` with the same arguments):
 
 Failures: a target the checkpoint lacks, or whose global shape or dtype differs, is one
 :class:`~xla_ckpt.errors.StateMismatchError` on every rank naming the rank(s) and keys,
-before anything is read; a read failure anywhere is a
-:class:`~xla_ckpt.errors.DistributedError` on every rank naming the rank and the cause.
-With ``all_ranks`` the bytes of a target's rows go straight into its live memory and are
-checked there, so a crc32c failure the re-reads do not clear is a
-:class:`~xla_ckpt.errors.PartiallyOverwrittenError` cause naming the key (restore another
-checkpoint into it); with ``broadcast`` rank 0 checks every byte before it is sent.
+before anything is read.  A read or copy failure anywhere reaches every rank as one error
+naming the failed rank(s) and the cause.  Its class says whether the live targets were
+touched: with ``all_ranks`` every rank reads straight into its live targets (and checks the
+bytes there), with ``broadcast`` rank 0 reads into its own and the others receive round by
+round, so by the time a rank fails others may already hold this checkpoint's values.  When
+any rank had begun writing any live target, EVERY rank raises
+:class:`~xla_ckpt.errors.TargetsOverwrittenError` (a
+:class:`~xla_ckpt.errors.PartiallyOverwrittenError` and a
+:class:`~xla_ckpt.errors.DistributedError`) naming the ranks whose targets were (possibly
+partially) overwritten and this rank's keys: restore again into every rank's targets, or
+re-initialise them.  A plain :class:`~xla_ckpt.errors.DistributedError` means no rank's
+target memory was written (targets staged for a copy, e.g. XLA or non-contiguous ones, are
+written only by the last step).
 """
 
 from __future__ import annotations
@@ -48,7 +55,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from xla_ckpt.comm.base import Dist, describe_error
-from xla_ckpt.errors import ConfigError, DistributedError, StateMismatchError
+from xla_ckpt.comm.failures import is_broken_collective
+from xla_ckpt.errors import (
+    CollectiveTimeoutError,
+    ConfigError,
+    DistributedError,
+    StateMismatchError,
+    TargetsOverwrittenError,
+)
 from xla_ckpt.format import typed
 from xla_ckpt.format.chunks import Box, ChunkRecord, GlobalTensor, contiguous_strides
 from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
@@ -146,12 +160,27 @@ class RankRequests:
         requests: every box this rank fills (targets first, then whole leaves).
         whole: ``g`` -> fresh CPU tensor of a saved leaf that ``into`` lacks.
         mismatches: one line per target that does not fit the checkpoint (empty when all fit).
+        live: parallel to ``requests``: the target key when that request's ``out`` is the
+            target's live memory (a CPU destination filled in place), else None (a staging
+            tensor, or a fresh whole leaf).
+        touched: keys of targets whose live memory this rank has begun to write (filled in
+            as the restore goes, conservatively: before the write), for the error of a
+            restore that fails half way.
     """
 
     targets: list[Target]
     requests: list[BoxRequest]
     whole: dict[int, torch.Tensor]
     mismatches: list[str]
+    live: list[str | None] = field(default_factory=list)
+    touched: set[str] = field(default_factory=set)
+
+    def touch(self, indices: Sequence[int] | None = None) -> None:
+        """Record that the live targets of ``requests[i]`` (every one when None) are about to
+        be written."""
+        for i in range(len(self.requests)) if indices is None else indices:
+            if i < len(self.live) and self.live[i] is not None:
+                self.touched.add(str(self.live[i]))
 
     @property
     def nbytes(self) -> int:
@@ -217,6 +246,8 @@ def plan_rank_requests(saved: SavedTensors, into: Any) -> RankRequests:
     if mismatches:
         targets = []
     requests = [BoxRequest(t.g, s.box, s.tensor) for t in targets for s in t.view.shards]
+    live_keys: list[str | None] = [t.key if t.view.finish is None else None
+                                   for t in targets for _ in t.view.shards]
     wanted = {t.g for t in targets}
     whole: dict[int, torch.Tensor] = {}
     if not mismatches:
@@ -228,7 +259,8 @@ def plan_rank_requests(saved: SavedTensors, into: Any) -> RankRequests:
             whole[g] = out
             if out.numel():
                 requests.append(BoxRequest(g, Box.whole(gt.shape), out, fresh=True))
-    return RankRequests(targets, requests, whole, mismatches)
+    live_keys += [None] * (len(requests) - len(live_keys))
+    return RankRequests(targets, requests, whole, mismatches, live_keys)
 
 
 # ---- reading -----------------------------------------------------------------------------
@@ -268,9 +300,10 @@ def read_requests(reader: CheckpointReader, saved: SavedTensors,
     return fetched
 
 
-def _finish(targets: Sequence[Target]) -> None:
-    for t in targets:
+def _finish(mine: RankRequests) -> None:
+    for t in mine.targets:
         if t.view.finish is not None:
+            mine.touched.add(t.key)
             t.view.finish()
 
 
@@ -334,8 +367,12 @@ def restore_into(decision: Decision, dist: Dist, *, into: Any, strategy: str, it
     Raises:
         StateMismatchError: on every rank, before anything is read, when a target is not in
             the checkpoint or has another global shape or dtype (names the rank(s) and keys).
-        DistributedError: on every rank when a read or a copy failed somewhere.
-        CollectiveTimeoutError: a rank died or hung.
+        TargetsOverwrittenError: on every rank when a read or a copy failed somewhere after
+            some rank's live targets were (possibly partially) written; names those ranks
+            and (``keys``) this rank's written targets.  Restore again or re-initialise.
+        DistributedError: on every rank when a read or a copy failed somewhere before any
+            rank's live target memory was written (targets unchanged).
+        CollectiveTimeoutError: a rank died or hung (targets in an unknown state).
     """
     t0 = time.perf_counter()
     saved = saved_tensors(decision.manifest, item)
@@ -343,24 +380,61 @@ def restore_into(decision: Decision, dist: Dist, *, into: Any, strategy: str, it
                                  f"{what}: match the targets to the checkpoint")
     _raise_mismatches(dist, mine.mismatches, what)
     stats = RestoreStats(shard_bytes=mine.nbytes)
-    if strategy == ALL_RANKS:
-        def read_mine() -> int:
-            storage = open_storage(decision.checkpoint, storage_config)
-            try:
-                return read_requests(CheckpointReader(storage, saved.manifest), saved,
-                                     mine.requests)
-            finally:
-                storage.close()
+    try:
+        if strategy == ALL_RANKS:
+            def read_mine() -> int:
+                storage = open_storage(decision.checkpoint, storage_config)
+                try:
+                    reader = CheckpointReader(storage, saved.manifest)
+                    mine.touch()  # the boxes go straight into the live targets
+                    return read_requests(reader, saved, mine.requests)
+                finally:
+                    storage.close()
 
-        stats.bytes_read = dist.run_collectively(read_mine, f"{what}: read this rank's boxes")
-        stats.read_seconds = time.perf_counter() - t0
-    else:
-        _Broadcast(decision, dist, saved, mine, storage_config, bucket_size_bytes, what,
-                   stats).run()
-    dist.run_collectively(lambda: _finish(mine.targets), f"{what}: copy into the targets")
+            stats.bytes_read = dist.run_collectively(read_mine,
+                                                     f"{what}: read this rank's boxes")
+            stats.read_seconds = time.perf_counter() - t0
+        else:
+            _Broadcast(decision, dist, saved, mine, storage_config, bucket_size_bytes, what,
+                       stats).run()
+        dist.run_collectively(lambda: _finish(mine), f"{what}: copy into the targets")
+    except CollectiveTimeoutError:
+        raise  # a rank died or hung: no further exchange can complete
+    except DistributedError as e:  # every rank got it at the same step: one more exchange
+        if not is_broken_collective(e):  # the group is unusable: no further exchange
+            _raise_if_overwritten(dist, mine, e, what)
+        raise
     state = dist.run_collectively(lambda: _state_tree(saved, mine, map_location),
                                   f"{what}: rebuild the state")
     return Loaded(state=state, stats=stats)
+
+
+def _raise_if_overwritten(dist: Dist, mine: RankRequests, error: DistributedError,
+                          what: str) -> None:
+    """Every rank, after a failed read or copy: one exchange of which live targets each rank
+    had begun to write; when any had, raise :class:`TargetsOverwrittenError` on every rank
+    (naming those ranks and this rank's keys), else return (the caller re-raises ``error``).
+    """
+    touched = sorted(mine.touched)
+    every = dist.exchange([len(touched), len(mine.targets)])
+    overwritten = {r: int(n) for r, (n, _) in enumerate(every) if n}
+    if not overwritten:
+        return
+    ranks = ", ".join(f"{r} ({n} of {every[r][1]} targets)" for r, n in sorted(overwritten.items()))
+    failed = ", ".join(str(r) for r in sorted(error.failures)) or "?"
+    shown = touched[:MAX_LISTED_MISMATCHES]
+    more = f", ... ({len(touched) - len(shown)} more)" if len(touched) > len(shown) else ""
+    here = (f"this rank ({dist.rank}): {', '.join(shown)}{more}" if touched
+            else f"this rank ({dist.rank}): none")
+    detail = "; ".join(f"rank {r}: {c}" for r, c in sorted(error.failures.items()))
+    raise TargetsOverwrittenError(
+        f"{what}: restore into the live targets failed on rank(s) {failed} after the targets "
+        f"passed as into= were (possibly partially) overwritten on rank(s) {ranks}; "
+        f"overwritten on {here}. The targets now hold a mix of this checkpoint's values and "
+        "their old ones (and, where a check failed, bytes that did not pass it): do not use "
+        "them; restore again into every rank's targets (this checkpoint once repaired, or "
+        "another one) or re-initialise them [" + detail + "]",
+        error.failures, keys=tuple(touched), overwritten=overwritten) from error
 
 
 def agree_on_inputs(dist: Dist, into: Any, remap: bool) -> bool:
@@ -508,10 +582,11 @@ class _Broadcast:
                 rounds = len(batches)
                 self._pipeline(rounds, reader,
                                lambda k, rd: self._read_into_own(rd, batches[k], staged[k][0]),
-                               lambda k, _got: self._broadcast_round(staged[k]))
+                               lambda k, _got: self._broadcast_round(batches[k], staged[k]))
             else:
                 def read_own() -> None:
                     if reader is not None:
+                        self.mine.touch()
                         stats.bytes_read += read_requests(reader, self.saved,
                                                           self.mine.requests)
 
@@ -586,12 +661,16 @@ class _Broadcast:
                        outs: list[torch.Tensor]) -> None:
         """Rank 0, replicated boxes: read a batch straight into its own destinations."""
         mine = self.mine.requests
+        self.mine.touch([p.index for p in batch])
         self.stats.bytes_read += read_requests(
             reader, self.saved, [BoxRequest(p.g, p.box, o, fresh=mine[p.index].fresh)
                                  for p, o in zip(batch, outs, strict=True)])
 
-    def _broadcast_round(self, staged: tuple[list[torch.Tensor], Callable[[], None]]) -> None:
+    def _broadcast_round(self, batch: list[_Piece],
+                         staged: tuple[list[torch.Tensor], Callable[[], None]]) -> None:
         outs, copy_back = staged
+        if self.dist.rank:  # rank 0's own were read in place (_read_into_own)
+            self.mine.touch(sorted({p.index for p in batch}))
         n = self.dist.broadcast_tensors(outs, src=0, bucket_size_bytes=self.bucket_size_bytes,
                                         check_layout=False)  # every rank planned the same batch
         if self.dist.rank:
@@ -625,6 +704,7 @@ class _Broadcast:
                        ) -> None:
         dist, stats = self.dist, self.stats
         outputs, copy_back = self._outputs(batch)
+        self.mine.touch(sorted({p.index for p in batch}))
         n = dist.scatter_tensors(outputs, inputs if dist.rank == 0 else None, src=0,
                                  bucket_size_bytes=self.budget)
         if dist.rank == 0:

@@ -78,6 +78,7 @@ import torch
 
 from xla_ckpt.config.sections import CRITERION_CHECKS
 from xla_ckpt.errors import ConfigError
+from xla_ckpt.restore.config import RANK_STATE_ON_RESIZE
 from xla_ckpt.trainer.metrics import Metrics
 from xla_ckpt.trainer.module_load import check_dtype_policy
 from xla_ckpt.trainer.restore_state import RestoreState
@@ -120,6 +121,21 @@ class CheckpointerConfig:
             :func:`~xla_ckpt.trainer.lr_scheduler.load_lr_scheduler_state`).  On by
             default; off, the saved optimizer name must equal the live class name
             (fairseq's own rule).  Config key ``train.fairseq_compat``.
+        rank_state_on_resize: a sharded model's restore from a checkpoint saved with
+            another world size that holds per-rank items (``rank_extra_state``: iterator
+            position, RNG): ``"error"`` (default) raises
+            :class:`~xla_ckpt.errors.WorldSizeMismatchError` on every rank naming them and
+            these options; ``"drop"`` restores without them (a WARNING names what was
+            dropped; ``extra_state`` then lacks the per-rank values).  Passed to the
+            restorer (the default one, or one from
+            :func:`xla_ckpt.restore.make_restorer`) as
+            :attr:`xla_ckpt.restore.RestoreConfig.rank_state_on_resize`.
+        rank_state_remap: ``fn(saved: dict[int, Any], rank: int, world_size: int) -> Any``
+            mapping every saved rank's per-rank state (saved rank -> its
+            ``rank_extra_state``) onto this rank when the world size differs; its value is
+            merged over ``extra_state`` as the saved rank's own was.  Called on every rank.
+            Wins over ``rank_state_on_resize``.  Both can also be given per call to
+            :meth:`load_checkpoint`.
     """
 
     dtype_policy: str = "error"
@@ -127,12 +143,21 @@ class CheckpointerConfig:
     no_save_optimizer_state: bool = False
     criterion_check: str = "warn"
     fairseq_compat: bool = True
+    rank_state_on_resize: str = "error"
+    rank_state_remap: Optional[Callable[[dict[int, Any], int, int], Any]] = None
 
     def __post_init__(self) -> None:
         check_dtype_policy(self.dtype_policy, "dtype_policy")
         if self.criterion_check not in CRITERION_CHECKS:
             raise ConfigError(f"criterion_check: must be one of {', '.join(CRITERION_CHECKS)}, "
                               f"got {self.criterion_check!r}")
+        if self.rank_state_on_resize not in RANK_STATE_ON_RESIZE:
+            raise ConfigError(f"rank_state_on_resize: must be one of "
+                              f"{', '.join(RANK_STATE_ON_RESIZE)}, got "
+                              f"{self.rank_state_on_resize!r}")
+        if self.rank_state_remap is not None and not callable(self.rank_state_remap):
+            raise ConfigError("rank_state_remap: must be fn(saved, rank, world_size) or None, "
+                              f"got {self.rank_state_remap!r}")
         for name in ("strip_prefixes", "no_save_optimizer_state", "fairseq_compat"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
@@ -172,7 +197,14 @@ class Checkpointer(SaveState, RestoreState):
             default :class:`~xla_ckpt.trainer.sources.SingleProcessRestorer`.  One
             that takes the keyword ``targets`` is passed the in-place targets
             (:meth:`SingleProcessRestorer.__call__
-            <xla_ckpt.trainer.sources.SingleProcessRestorer.__call__>`).
+            <xla_ckpt.trainer.sources.SingleProcessRestorer.__call__>`).  For a sharded
+            model, one that takes ``into`` is passed :meth:`restore_targets` (filled in
+            place, each rank reading only its shards: the default, and
+            :func:`xla_ckpt.restore.make_restorer`'s); one that does not reads the whole
+            state on every rank (logged at WARNING).  ``rank_state_on_resize`` /
+            ``rank_state_remap`` (config or :meth:`load_checkpoint`) are passed to a
+            restorer that takes those keywords; one that does not gets ConfigError when
+            they are set.
         saver: ``fn(state, uri, *, metadata, rank_state)``; default
             :class:`~xla_ckpt.trainer.sources.SingleProcessSaver`.
         device: where a model built on the meta device is materialised

@@ -26,8 +26,15 @@ from typing import Any, Optional
 
 import torch
 
-from xla_ckpt.errors import NothingCommittedError, StateMismatchError, UncommittedCheckpointError
+from xla_ckpt.errors import (
+    ConfigError,
+    NothingCommittedError,
+    StateMismatchError,
+    UncommittedCheckpointError,
+    WorldSizeMismatchError,
+)
 from xla_ckpt.format.manifest import Item
+from xla_ckpt.restore.config import RANK_STATE_ON_RESIZE
 from xla_ckpt.trainer import keys as K
 from xla_ckpt.trainer.fairseq_compat import (
     adapt_fairseq_optimizer_state,
@@ -40,7 +47,12 @@ from xla_ckpt.trainer.prefixes import unwrap_module
 from xla_ckpt.trainer.sharded import is_sharded_module, model_state, optimizer_state
 from xla_ckpt.trainer.sharded import load_model as load_sharded_model
 from xla_ckpt.trainer.sharded import load_optimizer as load_sharded_optimizer
-from xla_ckpt.trainer.sources import accepts_keyword, accepts_targets, unpack_restored
+from xla_ckpt.trainer.sources import (
+    RankStateRemap,
+    accepts_keyword,
+    accepts_targets,
+    unpack_restored,
+)
 from xla_ckpt.trainer.training_surface import TrainingSurface, has_parameters, logger
 
 
@@ -50,7 +62,9 @@ class RestoreState(TrainingSurface):
     def load_checkpoint(self, uri: str, reset_optimizer: bool = False,
                         reset_lr_scheduler: bool = False,
                         optimizer_overrides: Optional[Mapping[str, Any]] = None,
-                        reset_meters: bool = False) -> Optional[dict]:
+                        reset_meters: bool = False, *,
+                        rank_state_on_resize: Optional[str] = None,
+                        rank_state_remap: Optional[RankStateRemap] = None) -> Optional[dict]:
         """Restore all training state from ``uri`` (fairseq ``Trainer.load_checkpoint``).
 
         Called by every rank with the same ``uri``.
@@ -66,6 +80,12 @@ class RestoreState(TrainingSurface):
             optimizer_overrides: param-group values replacing the saved ones
                 (e.g. ``{"lr": 1e-4}``).
             reset_meters: do not load the saved meters.
+            rank_state_on_resize: ``"error"`` / ``"drop"``, for this call (default
+                ``config.rank_state_on_resize``): what a sharded model's restore does with
+                per-rank items (``rank_extra_state``) saved by another world size
+                (:class:`CheckpointerConfig`).
+            rank_state_remap: ``fn(saved, rank, world_size)``, for this call (default
+                ``config.rank_state_remap``): maps them onto this rank instead.
 
         Returns:
             ``extra_state`` (with this rank's private values merged over it),
@@ -88,8 +108,14 @@ class RestoreState(TrainingSurface):
                 scheduler (names the class, the missing/extra keys and
                 ``reset_lr_scheduler=True``).
             CheckpointCorruptError / IntegrityError: bad bytes (names the path).
+            WorldSizeMismatchError: on every rank, the checkpoint holds per-rank items of
+                another world size and neither ``rank_state_remap`` nor
+                ``rank_state_on_resize="drop"`` was given (names them and both options).
+            ConfigError: those options were given with a restorer that cannot take them.
         """
-        restored = self._restore(uri, reset_optimizer=reset_optimizer)
+        restored = self._restore(uri, reset_optimizer=reset_optimizer,
+                                 rank_state_on_resize=rank_state_on_resize,
+                                 rank_state_remap=rank_state_remap)
         return self._load_state(restored, where=uri, reset_optimizer=reset_optimizer,
                                 reset_lr_scheduler=reset_lr_scheduler,
                                 optimizer_overrides=optimizer_overrides,
@@ -268,21 +294,69 @@ class RestoreState(TrainingSurface):
         elif self._restore_was_empty:
             built.state.clear()  # exactly the empty state DCP's initialisation started from
 
-    def _restore(self, uri: str, *, reset_optimizer: bool = False) -> Any:
+    def _rank_state_options(self, rank_state_on_resize: Optional[str],
+                            rank_state_remap: Optional[RankStateRemap]) -> dict[str, Any]:
+        """The per-rank item options to pass to the restorer (only those set).
+
+        Raises:
+            ConfigError: a bad ``rank_state_on_resize``, or options set for a restorer
+                that takes no such keyword.
+        """
+        on_resize = rank_state_on_resize or self.config.rank_state_on_resize
+        if on_resize not in RANK_STATE_ON_RESIZE:
+            raise ConfigError(f"rank_state_on_resize: must be one of "
+                              f"{', '.join(RANK_STATE_ON_RESIZE)}, got {on_resize!r}")
+        remap = rank_state_remap or self.config.rank_state_remap
+        wanted: dict[str, Any] = {}
+        if on_resize != "error":
+            wanted["rank_state_on_resize"] = on_resize
+        if remap is not None:
+            wanted["rank_state_remap"] = remap
+        refused = [k for k in wanted if not accepts_keyword(self.restorer, k)]
+        if refused:
+            raise ConfigError(
+                f"{' and '.join(refused)}: the Checkpointer's restorer "
+                f"{type(self.restorer).__name__} takes no such keyword; use the default "
+                "restorer or xla_ckpt.restore.make_restorer(...) (or pass them to yours)")
+        return wanted
+
+    def _restore(self, uri: str, *, reset_optimizer: bool = False,
+                 rank_state_on_resize: Optional[str] = None,
+                 rank_state_remap: Optional[RankStateRemap] = None) -> Any:
         """What the restorer read, or None (logged at WARNING) when nothing is committed.
 
         A sharded model: a restorer that takes ``into`` fills :meth:`restore_targets` in
-        place (the default does, through :func:`xla_ckpt.restore.restore`); any other reads
-        full tensors, which :meth:`load_state` shards onto the live placements."""
+        place (the default does, through :func:`xla_ckpt.restore.restore`, and so does
+        :func:`xla_ckpt.restore.make_restorer`'s); any other reads full tensors on every rank
+        (logged at WARNING), which :meth:`load_state` shards onto the live placements."""
         into = None
+        options = self._rank_state_options(rank_state_on_resize, rank_state_remap)
         try:
             into = self.restore_targets(reset_optimizer=reset_optimizer)
             if into is not None and accepts_keyword(self.restorer, "into"):
-                restored = self.restorer(uri, into=into)
+                restored = self.restorer(uri, into=into, **options)
             elif into is None and accepts_targets(self.restorer):
-                restored = self.restorer(uri, targets=self._in_place_targets)
+                restored = self.restorer(uri, targets=self._in_place_targets, **options)
             else:
-                restored = self.restorer(uri)
+                if into is not None:
+                    logger.warning(
+                        "rank %d: the Checkpointer's restorer %s takes no into=: every rank "
+                        "reads the WHOLE sharded state of %s (host memory about the full "
+                        "model and optimizer per rank) and then keeps only its shards; use "
+                        "the default restorer or xla_ckpt.restore.make_restorer(...) to fill "
+                        "each rank's shards in place by byte range", self.rank,
+                        type(self.restorer).__name__, uri)
+                restored = self.restorer(uri, **options)
+        except WorldSizeMismatchError as e:
+            self._discard_restore_targets()
+            if "rank_state_remap" not in str(e):
+                raise
+            raise WorldSizeMismatchError(
+                f"{e}. With Checkpointer.load_checkpoint: pass "
+                "load_checkpoint(uri, rank_state_remap=fn(saved, rank, world_size)) to map "
+                "the saved per-rank extra state onto the new ranks, or "
+                "load_checkpoint(uri, rank_state_on_resize='drop') to restore without it "
+                "(or set the same fields of CheckpointerConfig)") from e
         except UncommittedCheckpointError as e:
             logger.warning("rank %d: ignoring %s; no existing checkpoint is used", self.rank, e)
             return None  # load_state discards the restore targets

@@ -52,6 +52,9 @@ Restorer = Callable[..., Any]
 tensors in place."""
 
 Targets = Callable[[Item], Mapping[str, torch.Tensor]]
+
+#: ``fn(saved: {saved rank: per-rank state}, rank, world_size) -> this rank's per-rank state``.
+RankStateRemap = Callable[[dict[int, Any], int, int], Any]
 """The manifest's ``state`` item -> live tensors to read into, by tensor key."""
 
 
@@ -87,7 +90,8 @@ class SingleProcessRestorer:
         self.legacy = legacy
 
     def __call__(self, uri: str, *, targets: Optional[Targets] = None,
-                 into: Any = None) -> Any:
+                 into: Any = None, rank_state_on_resize: str = "error",
+                 rank_state_remap: Optional[RankStateRemap] = None) -> Any:
         """Returns ``(state, rank_state or None)`` with CPU tensors.
 
         ``into`` (a sharded model's :meth:`~xla_ckpt.trainer.Checkpointer.restore_targets`:
@@ -95,6 +99,10 @@ class SingleProcessRestorer:
         ``into=`` over the job's process group (:func:`xla_ckpt.comm.get_dist`) fills
         this rank's shards in place, reading only their byte ranges, and its
         :class:`~xla_ckpt.restore.Restored` is returned (``.state``, ``.rank_state``).
+        ``rank_state_on_resize`` (``"error"`` / ``"drop"``) and ``rank_state_remap``
+        (``fn(saved, rank, world_size)``) then say what becomes of per-rank items saved by
+        another world size (:class:`~xla_ckpt.restore.RestoreConfig`); without ``into``
+        only this rank's own ``rank/<rank>`` item is read and they are not used.
 
         ``targets``: for an xla_ckpt checkpoint, called with the manifest's ``state``
         item before any byte is read; it returns live tensors by tensor key
@@ -118,9 +126,14 @@ class SingleProcessRestorer:
         """
         if into is not None:
             from xla_ckpt.comm import get_dist  # noqa: PLC0415 - the sharded path only
-            from xla_ckpt.restore import restore  # noqa: PLC0415 - restore imports trainer-free io
+            from xla_ckpt.restore import (  # noqa: PLC0415 - restore imports trainer-free io
+                RestoreConfig,
+                restore,
+            )
 
-            return restore(uri, dist=get_dist(), into=into, storage_config=self.config)
+            return restore(uri, dist=get_dist(), into=into, storage_config=self.config,
+                           config=RestoreConfig(rank_state_on_resize=rank_state_on_resize),
+                           rank_state_remap=rank_state_remap)
         own = rank_item(self.rank)
 
         def read(resolved: Resolved) -> tuple[Any, Any | None]:
