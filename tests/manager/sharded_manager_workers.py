@@ -10,6 +10,7 @@ an int64 buffer held whole by every rank) with AdamW, and saves or restores it t
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 from typing import Any
@@ -322,3 +323,59 @@ def save_disagreeing(run_dir: str) -> dict[str, Any]:
         mgr.save({"w": sharded_w()}, epoch=1, num_updates=10)
     tdist.barrier()
     return out
+
+
+def _caught(fn: Any) -> tuple[str, str, dict[int, str]] | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts type, message and failures
+        return type(e).__name__, str(e), dict(getattr(e, "failures", {}) or {})
+    return None
+
+
+def _sharded_w(rank: int) -> DTensor:
+    """A (6, 2) weight, rows 3 and 3 on 2 ranks, without communication."""
+    mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+    w = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    return DTensor.from_local(w[3 * rank:3 * rank + 3].clone(), mesh, [Shard(0)],
+                              run_check=False, shape=w.shape, stride=w.stride())
+
+
+def save_per_rank_run(root: str) -> Any:
+    """Each rank's manager has its own run folder ``<root>/run<rank>`` (a bug): the sharded
+    save is refused on every rank before anything is written."""
+    from xla_ckpt.manager import CheckpointManager
+
+    dist = _dist()
+    with CheckpointManager(_cfg(f"{root}/run{dist.rank}"), dist=dist) as mgr:
+        return _caught(lambda: mgr.save({"w": _sharded_w(dist.rank)}, epoch=1, num_updates=1))
+
+
+def save_node_local_run(root: str) -> Any:
+    """One run folder string, ``/proc/self/cwd/run``, every rank in the same working directory
+    ``<root>/shared`` for the first save (committed), then rank 1 in ``<root>/host1`` (its own
+    "node-local" disk) for the second: that save must fail on every rank and commit nothing,
+    and retention (keep 1) must not delete the first checkpoint.  Returns what the second save
+    raised."""
+    from xla_ckpt.manager import CheckpointManager
+
+    dist = _dist()
+    shared, own = f"{root}/shared", f"{root}/host{dist.rank}"
+    os.makedirs(shared, exist_ok=True)
+    os.makedirs(own, exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(shared)
+    try:
+        with CheckpointManager(_cfg("/proc/self/cwd/run", keep_interval_updates=1),
+                               dist=dist) as mgr:
+            mgr.save({"w": _sharded_w(dist.rank)}, epoch=1, num_updates=1, block=True)
+            if dist.rank == 1:
+                os.chdir(own)
+            tdist.barrier()
+            err = _caught(lambda: mgr.save({"w": _sharded_w(dist.rank) * 2}, epoch=1,
+                                           num_updates=2, block=True))
+            os.chdir(shared)
+            tdist.barrier()
+    finally:
+        os.chdir(cwd)
+    return err

@@ -171,3 +171,42 @@ def test_sharded_async_save_and_restore_on_gcs(gcs_emulator, tmp_path):
         _same_shards(g["latest"], g["theirs_latest"], what=f"rank {rank}: latest vs DCP")
         assert g["latest_name"] == "checkpoint_1_2"
         assert g["rank_state_1"] == {"rank": rank, "position": 10 + rank}
+
+
+def test_ranks_with_different_run_folders_are_refused_before_anything_is_written(tmp_path):
+    got = [r.unwrap() for r in shared_pool(2, xla=False).run(W.save_per_rank_run, str(tmp_path),
+                                                             timeout_s=300)]
+    run0, run1 = str(tmp_path / "run0"), str(tmp_path / "run1")
+    for g in got:
+        assert g is not None, "a save to two run folders returned"
+        kind, msg, failures = g
+        assert kind == "CheckpointSaveError"
+        assert "ranks save to different checkpoint folders" in msg
+        assert "nothing was written" in msg
+        assert failures == {1: f"saves to {run1 + '/checkpoint_1_1'!r}, rank 0 to "
+                               f"{run0 + '/checkpoint_1_1'!r}"}
+    assert got[0] == got[1]
+    for run in (run0, run1):
+        assert committed(run) == [] and not os.path.exists(os.path.join(run, "checkpoint_1_1"))
+
+
+def test_run_folder_not_shared_between_ranks_commits_nothing_and_keeps_the_last(tmp_path):
+    got = [r.unwrap() for r in shared_pool(2, xla=False).run(W.save_node_local_run,
+                                                             str(tmp_path), timeout_s=300)]
+    for g in got:
+        assert g is not None, "a save rank 0 cannot see whole returned"
+        kind, msg, failures = g
+        assert kind == "CheckpointSaveError" and "nothing was committed" in msg, g
+        assert set(failures) == {0}
+        assert "StorageNotSharedError" in failures[0] and "written by rank 1" in failures[0]
+        assert "chunks-00001.safetensors" in failures[0]
+    assert got[0][2] == got[1][2]
+    run = str(tmp_path / "shared" / "run")
+    # Retention (keep 1) did not run: the first checkpoint is there, still the last one.
+    assert committed(run) == ["checkpoint_1_1"]
+    assert json.loads(open(os.path.join(run, "checkpoint_last.json")).read())["checkpoint"] \
+        == "checkpoint_1_1"
+    w = xla_ckpt.load(os.path.join(run, "checkpoint_1_1"))["w"]
+    assert torch.equal(w, torch.arange(12, dtype=torch.float32).reshape(6, 2))
+    second = os.path.join(run, "checkpoint_1_2")
+    assert (os.listdir(second) if os.path.isdir(second) else []) == []  # rank 0's file removed

@@ -231,3 +231,105 @@ def save_failing_on(uri: str, bad_rank: int) -> Any:
             raise OSError(f"disk full (injected on rank {rank})")
 
     save_distributed(state, uri, rank_state={"rank": rank}, progress=progress)
+
+
+def _error(fn: Any) -> tuple[str, str, dict[int, str]] | None:
+    """``(type name, message, failures)`` of what ``fn()`` raised; None if it returned."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test checks type, message and failures
+        return type(e).__name__, str(e), dict(getattr(e, "failures", {}) or {})
+    return None
+
+
+def _small_dtensor_state() -> dict[str, Any]:
+    """A (6, 4) weight sharded over the ranks, a plain buffer, a plain value."""
+    w = torch.arange(24.0).reshape(6, 4)
+    return {"w": _dtensor(w, [Shard(0)]), "b": torch.arange(3), "lr": 0.5}
+
+
+def save_per_rank_uri(root: str, case: str) -> Any:
+    """Every rank saves to its own folder ``<root>/u<rank>`` (a bug: one checkpoint, one
+    folder): the sharded state (``xla_ckpt.save``), or a plain state with ``rank_state=``
+    (``save_distributed``, manifest v1).  Returns what was raised."""
+    _join()
+    rank = dist.get_rank()
+    uri = f"{root}/u{rank}"
+    if case == "sharded":
+        return _error(lambda: xla_ckpt.save(_small_dtensor_state(), uri))
+    return _error(lambda: save_distributed({"w": torch.ones(3)}, uri,
+                                           rank_state={"pos": rank}))
+
+
+def save_node_local(root: str, case: str) -> Any:
+    """Every rank passes the SAME uri, ``/proc/self/cwd/ckpt``, from its own working directory
+    ``<root>/host<rank>``: one path string, a different folder per process -- what a
+    node-local path (``/tmp/ckpt``, local NVMe) is on several hosts.  Returns what was raised
+    and what each rank's folder holds afterwards."""
+    _join()
+    rank = dist.get_rank()
+    here = os.path.join(root, f"host{rank}")
+    os.makedirs(here, exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(here)
+    try:
+        uri = "/proc/self/cwd/ckpt"
+        if case == "sharded":
+            err = _error(lambda: save_distributed(_small_dtensor_state(), uri,
+                                                  rank_state={"pos": rank}))
+        else:
+            err = _error(lambda: save_distributed({"w": torch.ones(3)}, uri,
+                                                  rank_state={"pos": rank}))
+        dist.barrier()
+    finally:
+        os.chdir(cwd)
+    folder = os.path.join(here, "ckpt")
+    return err, sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def save_tied(uri: str) -> dict[str, Any]:
+    """Tied tensors saved on every rank with ``xla_ckpt.save``: one DTensor object under
+    "emb" and "head", its ``detach()`` (another DTensor over the same local tensor) under
+    "head2"; a plain tensor "a" under "b" too, "c" = ``a.view(12)`` (same memory, another
+    object) and "view" = ``a[4:8]`` (another shape: its own global tensor)."""
+    _join()
+    full = torch.arange(24.0).reshape(6, 4)
+    t = _dtensor(full, [Shard(0)])
+    a = torch.arange(12.0)
+    state = {"emb": t, "head": t, "head2": t.detach(), "a": a, "b": a, "c": a.view(12),
+             "view": a[4:8], "step": torch.tensor(3.0)}
+    m = xla_ckpt.save(state, uri)
+    return {"version": m.version, "local": t.to_local().clone()}
+
+
+def restore_tied(uri: str) -> dict[str, Any]:
+    """``restore(into=)`` of the tied checkpoint: one DTensor target under both tied keys, and
+    separate plain targets for "a" and "b"; what every target holds afterwards."""
+    from xla_ckpt.restore import restore
+
+    _join()
+    target = _dtensor(torch.zeros(6, 4), [Shard(0)])
+    ta, tb = torch.zeros(12), torch.zeros(12)
+    res = restore(uri, into={"emb": target, "head": target, "a": ta, "b": tb})
+    return {"local": target.to_local().clone(), "a": ta, "b": tb,
+            "same": res.state["emb"] is target and res.state["head"] is target}
+
+
+def save_meta_differs(uri: str) -> Any:
+    """Rank 0's non-tensor ``meta`` has an int key (typed-encoded as ``$dict``) and a key
+    rank 1 lacks; rank 1's "step" value differs (values are rank 0's: not a difference)."""
+    _join()
+    rank = dist.get_rank()
+    state = _small_dtensor_state()
+    state["meta"] = {"step": 5, "name": "x", 3: "intkey"} if rank == 0 else {"step": 6}
+    return _error(lambda: xla_ckpt.save(state, uri))
+
+
+def save_values_differ(uri: str) -> dict[str, Any]:
+    """Same structure, other non-tensor values on rank 1: saved, rank 0's values committed."""
+    _join()
+    rank = dist.get_rank()
+    state = _small_dtensor_state()
+    state["meta"] = {"step": 5 + rank, 3: ["x", rank]}
+    m = xla_ckpt.save(state, uri)
+    return {"version": m.version}

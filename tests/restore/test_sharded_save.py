@@ -23,6 +23,7 @@ from xla_ckpt.io import read_manifest
 from xla_ckpt.restore.owners import (
     GlobalSpec,
     _assign,
+    _listing,
     _split_replicas,
     _structure_difference,
     _tiling_problem,
@@ -104,8 +105,11 @@ def test_large_replicas_are_cut_into_row_blocks_one_per_holder():
 
 
 def test_structure_difference_names_the_key_in_words():
-    def doc(specs, skeleton=None, none=False):
-        return {"none": none, "skeleton": skeleton, "specs": [s.to_json() for s in specs]}
+    def doc(specs, tree=None, none=False, ties=()):
+        tree = {s.key[len("state['"):-2]: {"$tensor": g} for g, s in enumerate(specs)} \
+            if tree is None else tree
+        return {"none": none, "listing": _listing(tree), "ties": [list(t) for t in ties],
+                "specs": [s.to_json() for s in specs]}
 
     w = GlobalSpec("state['w']", "float32", (4, 3), "replicated")
     wd = GlobalSpec("state['w']", "float32", (4, 3), "Shard(0) on mesh (4,)", "dtensor")
@@ -114,8 +118,24 @@ def test_structure_difference_names_the_key_in_words():
     assert _structure_difference(doc([GlobalSpec("state['w']", "float16", (4, 3),
                                                  "replicated")]), doc([w])) == (
         "has state['w'] of shape [4, 3] float16, rank 0 [4, 3] float32")
-    assert _structure_difference(doc([w], {"w": None, "x": None}), doc([w], {"w": None})) == (
+    assert _structure_difference(doc([w], {"w": {"$tensor": 0}, "x": None}),
+                                 doc([w], {"w": {"$tensor": 0}})) == (
         "has state['x'] that rank 0 lacks")
+    # The user's key paths, never the typed encoding ($dict, $tuple); values not compared.
+    mine = {"w": {"$tensor": 0}, "meta": {"step": 6}}
+    ref = {"w": {"$tensor": 0}, "meta": {"$dict": [["step", 5], ["name", "x"], [3, "i"]]}}
+    assert _structure_difference(doc([w], mine), doc([w], ref)) == (
+        "lacks state['meta']['name'], state['meta'][3] that rank 0 has")
+    assert _structure_difference(doc([w], {"w": {"$tensor": 0}, "o": {"$tuple": [1, [2]]}}),
+                                 doc([w], {"w": {"$tensor": 0}, "o": [1, [2]]})) == (
+        "has a tuple at state['o'], rank 0 a list")  # nothing more named below it
+    assert _structure_difference(doc([w], {"w": {"$tensor": 0}, "m": {"k": 1}}),
+                                 doc([w], {"w": {"$tensor": 0}, "m": {"k": 2}})) is None
+    tied = {"w": {"$tensor": 0}, "v": {"$tensor": 0}}
+    v = GlobalSpec("state['v']", "float32", (4, 3), "replicated")
+    assert _structure_difference(doc([w, v]), doc([w], tied, ties=[("state['v']",
+                                                                    "state['w']")])) == (
+        "passes state['v'] as a separate tensor, rank 0 as the same tensor as state['w']")
     assert "passed no state (None)" in str(_structure_difference(doc([], none=True), doc([w])))
 
 
@@ -255,7 +275,7 @@ def test_replicated_plain_state_is_written_once_balanced_over_ranks(pool, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case, failure", [
-    ("extra_key", "rank 1: has keys state['4.weight'], state['4.bias'] that rank 0 lacks"),
+    ("extra_key", "rank 1: has state['4.weight'], state['4.bias'] that rank 0 lacks"),
     ("dtensor_alone", "rank 1: passes state['w'] as a DTensor, rank 0 as a plain tensor"),
     ("placement", ("rank 1: has state['w'] placed Replicate() on mesh (4,), rank 0 Shard(0) "
                    "on mesh (4,)")),
@@ -357,3 +377,110 @@ def test_2d_mesh_replicated_dims_are_written_once_by_balanced_holders(pool, tmp_
     loaded = xla_ckpt.load(str(path))
     assert tensors_identical(loaded["w"], torch.arange(60.0).reshape(10, 6))
     assert tensors_identical(loaded["v"], torch.arange(35.0).reshape(5, 7))
+
+
+# ---- 2 gloo ranks: where the ranks write (H9-6), ties (H9-1), structure words (H9-2) --------
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    return shared_pool(2, xla=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["sharded", "rank_state"])
+def test_ranks_passing_different_uris_are_refused_before_anything_is_written(
+        pool2, tmp_path, case):
+    errs = _values(pool2.run(W.save_per_rank_uri, str(tmp_path), case, timeout_s=120))
+    u0, u1 = str(tmp_path / "u0"), str(tmp_path / "u1")
+    for err in errs:
+        assert err is not None, "a save to two folders returned"
+        kind, msg, failures = err
+        assert kind == "DistributedError", err
+        assert failures == {1: f"saves to {u1!r}, rank 0 to {u0!r}"}
+        assert "ranks passed different checkpoint URIs" in msg and "nothing was written" in msg
+    assert errs[0] == errs[1]  # one error, on every rank
+    assert _files(tmp_path) == []  # neither folder was created
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["sharded", "rank_state"])
+def test_storage_not_shared_between_ranks_is_never_committed(pool2, tmp_path, case):
+    # Rank 0's "host" already holds a checkpoint at that path: it must stay whole.
+    old = tmp_path / "host0" / "ckpt"
+    xla_ckpt.save({"w": torch.full((3,), 7.0)}, str(old))
+    before = _files(old)
+    res = _values(pool2.run(W.save_node_local, str(tmp_path), case, timeout_s=120))
+    (err0, files0), (err1, files1) = res
+    assert err0 is not None and err1 is not None
+    assert err0[0] == err1[0] == "DistributedError" and err0[2] == err1[2]  # every rank
+    kind, msg, failures = err0
+    assert set(failures) == {0} and "commit (rank 0) failed" in msg, err0
+    assert failures[0].startswith("StorageNotSharedError: /proc/self/cwd/ckpt: not committed: "
+                                  "1 of 2 data files"), failures[0]
+    rank1_item = "chunks-00001" if case == "sharded" else "rank-00001"
+    assert f"{rank1_item}.safetensors (written by rank 1, " in failures[0]
+    assert "not found" in failures[0]
+    assert "one folder shared by all hosts" in failures[0]
+    # Rank 0's folder: the earlier checkpoint untouched (no new manifest, the commit's
+    # clean-up of other saves' files never ran), this save's data file removed.  Rank 1's
+    # file stays on its "host" (rank 0 cannot see it to remove it).
+    assert files0 == before and len(before) == 2
+    assert tensors_identical(xla_ckpt.load(str(old))["w"], torch.full((3,), 7.0))
+    assert len(files1) == 1 and files1[0].endswith(f"{rank1_item}.safetensors")
+
+
+@pytest.mark.slow
+def test_tied_tensors_are_one_global_tensor_written_once_and_load_tied(pool2, tmp_path):
+    path = tmp_path / "tied"
+    res = _values(pool2.run(W.save_tied, str(path), timeout_s=120))
+    assert [r["version"] for r in res] == [2, 2]
+    m = _manifest(str(path))
+    tree = m.items["state"].state
+    assert tree["emb"] == tree["head"] == tree["head2"]  # one global tensor, three keys
+    assert tree["a"] == tree["b"] == tree["c"] and tree["view"] != tree["a"]
+    gts = {gt.key: gt for gt in m.global_tensors}
+    assert sorted(gts) == ["state['a']", "state['emb']", "state['step']", "state['view']"]
+    # Each byte once: the (6, 4) float32 weight, 12 + 4 floats of a and its view, the step.
+    assert sum(_chunk_bytes_per_item(m).values()) == (24 + 12 + 4 + 1) * 4
+    assert len(gts["state['emb']"].chunks) == 2
+    loaded = xla_ckpt.load(str(path))
+    assert loaded["emb"] is loaded["head"] is loaded["head2"]
+    assert loaded["a"] is loaded["b"] is loaded["c"]
+    assert tensors_identical(loaded["emb"], torch.arange(24.0).reshape(6, 4))
+    assert tensors_identical(loaded["a"], torch.arange(12.0))
+    assert tensors_identical(loaded["view"], torch.arange(4.0, 8.0))
+    assert loaded["view"].untyped_storage().data_ptr() != loaded["a"].untyped_storage().data_ptr()
+
+
+@pytest.mark.slow
+def test_restore_into_both_keys_of_a_tied_tensor(pool2, tmp_path):
+    path = tmp_path / "tied"
+    _values(pool2.run(W.save_tied, str(path), timeout_s=120))
+    got = _values(pool2.run(W.restore_tied, str(path), timeout_s=120))
+    full = torch.arange(24.0).reshape(6, 4)
+    for rank, g in enumerate(got):
+        assert g["same"]
+        assert tensors_identical(g["local"], full[3 * rank:3 * rank + 3])
+        assert tensors_identical(g["a"], torch.arange(12.0))
+        assert tensors_identical(g["b"], torch.arange(12.0))
+
+
+@pytest.mark.slow
+def test_structure_message_uses_the_users_key_paths(pool2, tmp_path):
+    errs = _values(pool2.run(W.save_meta_differs, str(tmp_path / "meta"), timeout_s=120))
+    assert errs[0] == errs[1] and errs[0] is not None
+    kind, msg, failures = errs[0]
+    assert kind == "DistributedError"
+    assert failures == {1: "lacks state['meta']['name'], state['meta'][3] that rank 0 has"}
+    assert "$dict" not in msg
+    assert _files(tmp_path / "meta") == []
+
+
+@pytest.mark.slow
+def test_other_non_tensor_values_on_a_rank_save_rank_0s(pool2, tmp_path):
+    path = tmp_path / "values"
+    assert [r["version"] for r in _values(pool2.run(W.save_values_differ, str(path),
+                                                     timeout_s=120))] == [2, 2]
+    loaded = xla_ckpt.load(str(path))
+    assert loaded["meta"] == {"step": 5, 3: ["x", 0]}

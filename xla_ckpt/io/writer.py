@@ -34,6 +34,7 @@ concurrent saves to one path exactly one commits and the other raises.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -42,7 +43,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, Iterable, Mapping, Sequence, overload
 
-from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, PreconditionFailedError
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    PreconditionFailedError,
+    StorageNotSharedError,
+)
 from xla_ckpt.format import typed
 from xla_ckpt.format.chunks import GlobalTensor
 from xla_ckpt.format.crc import crc32c
@@ -59,6 +65,7 @@ from xla_ckpt.format.manifest import (
 from xla_ckpt.format.plan import PlannedBlob, blob_pieces, blob_record, plan_item
 from xla_ckpt.format.safetensors_layout import build_header
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
+from xla_ckpt.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
 
@@ -298,16 +305,30 @@ def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
     refuse (a gap, an overlap, a record of the wrong dtype or shape) is never committed.
     Without, the manifest is version 1, byte for byte what earlier versions wrote.
 
+    Before the manifest is written, every data file the parts list is checked to be there
+    for this process with the size its writer reported (one ``stat`` per file, in parallel
+    for several files; :func:`check_files_visible`): a file another rank wrote to storage
+    this process does not share (a node-local path on another host, another folder) is
+    never committed as if it were part of the checkpoint.
+
     Raises:
         PreconditionFailedError: the condition did not hold; nothing was committed.
+        StorageNotSharedError: a data file of ``parts`` is missing here or has another size
+            than its writer reported (names the file and the rank that wrote it); nothing
+            was committed.
         ValueError: the chunk table does not describe the parts (names the global
             tensor and what is wrong); nothing was committed.
     """
     items: dict[str, Item] = {}
     files: dict[str, int] = {}
+    writers: dict[str, int | None] = {}
     for p in parts:
         items[p.name] = p.item
         files.update(p.files)
+        rank = writer_rank(p.name)
+        for f in p.files:
+            if writers.get(f) is None:
+                writers[f] = rank
     manifest = Manifest(save_id=save_id, items=items, files=files,
                         metadata=typed.encode(metadata) if metadata is not None else None,
                         world_size=world_size, created_unix_s=time.time(),
@@ -320,6 +341,7 @@ def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
             raise ValueError(f"{storage.uri}: not committed: the manifest would not be "
                              f"readable: {e}") from None
         manifest.version = manifest.written_version
+    check_files_visible(storage, files, writers)
     body = [manifest.to_json_bytes()]
     if if_generation_match is None:
         storage.write_atomic(MANIFEST_NAME, body)
@@ -328,6 +350,77 @@ def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
     if cleanup:
         remove_other_data_files(storage, files)
     return manifest
+
+
+_WRITER_ITEM_RE = re.compile(r"(?:rank|chunks|shard)/(\d+)")
+
+#: At most this many files are named in a :class:`StorageNotSharedError` message.
+MAX_LISTED_FILES = 8
+
+
+def writer_rank(item_name: str) -> int | None:
+    """The rank that writes item ``item_name`` (``rank/<r>``, ``chunks/<r>``, ``shard/<r>``),
+    or None for an item no rank is named in (``state``)."""
+    m = _WRITER_ITEM_RE.fullmatch(item_name)
+    return int(m.group(1)) if m else None
+
+
+def check_files_visible(storage: Storage, files: Mapping[str, int],
+                        writers: Mapping[str, int | None] | None = None) -> None:
+    """Check that every data file of ``files`` (name -> size in bytes its writer reported) is
+    in ``storage`` for this process, with that size.
+
+    One ``stat`` per file (a metadata GET on gs://, several at once on a small thread pool; a
+    local ``stat`` syscall each, in turn); called by
+    :func:`commit` right before the manifest is written.  ``writers``: file -> the rank that
+    wrote it (None: not known), for the message.
+
+    Raises:
+        StorageNotSharedError: some file is missing or has another size (names up to
+            :data:`MAX_LISTED_FILES` of them with their writers and sizes, and says the
+            storage must be one every rank shares).
+        StorageError: a ``stat`` failed for another reason (permissions, the service).
+    """
+    if not files:
+        return
+    names = sorted(files)
+
+    def look(name: str) -> int | None:
+        try:
+            return storage.stat(name).size
+        except CheckpointNotFoundError:
+            return None
+
+    if len(names) == 1 or isinstance(storage, LocalStorage):  # a stat is a syscall: ~10 us
+        sizes = [look(n) for n in names]
+    else:
+        with ThreadPoolExecutor(min(len(names), storage.config.max_workers),
+                                thread_name_prefix="xla_ckpt-stat") as pool:
+            sizes = list(pool.map(look, names))
+    writers = writers or {}
+    bad: list[str] = []
+    first: tuple[str, int | None] | None = None
+    for name, size in zip(names, sizes, strict=True):
+        want = files[name]
+        if size == want:
+            continue
+        rank = writers.get(name)
+        who = f"written by rank {rank}" if rank is not None else "written"
+        seen = "not found" if size is None else f"has {size} bytes"
+        bad.append(f"{name} ({who}, {want} bytes): {seen}")
+        if first is None:
+            first = (name, rank)
+    if first is None:
+        return
+    shown = "; ".join(bad[:MAX_LISTED_FILES]) + (
+        f" (+{len(bad) - MAX_LISTED_FILES} more)" if len(bad) > MAX_LISTED_FILES else "")
+    raise StorageNotSharedError(
+        f"{storage.uri}: not committed: {len(bad)} of {len(names)} data files are not there "
+        f"as their writers wrote them, for the committing process: {shown}. Every rank must "
+        "write to storage the committing rank (rank 0) reads too: one folder shared by all "
+        "hosts (a shared filesystem, not a node-local path such as /tmp) or gs://, and the "
+        "same uri on every rank; or the file was deleted meanwhile. Nothing was committed",
+        path=storage.url(first[0]), rank=first[1], checkpoint=storage.uri)
 
 
 def remove_other_data_files(storage: Storage, keep: Iterable[str]) -> int:
@@ -373,8 +466,10 @@ def save(state: Any, uri: str, *, metadata: Any = None,
 
     **Sharded state** (a ``DTensor`` from FSDP2 / tensor parallel, a torch_xla SPMD tensor):
     with ``torch.distributed`` initialised this is a COLLECTIVE -- every rank calls it, in the
-    same order, with its own shards -- and runs :func:`xla_ckpt.restore.save_distributed`
-    with the default :func:`~xla_ckpt.comm.get_dist`: the ranks agree on the structure, each
+    same order, with its own shards and the same ``uri`` (one folder on storage every rank
+    shares; different URIs are refused before anything is written) -- and runs
+    :func:`xla_ckpt.restore.save_distributed` with the default
+    :func:`~xla_ckpt.comm.get_dist`: the ranks agree on the structure, each
     writes the boxes it owns, rank 0 commits (chunked global tensors, manifest version 2;
     it replaces an existing checkpoint without the compare-and-swap).  A single process
     without a process group may save SPMD tensors (it addresses every device), not a
@@ -401,11 +496,15 @@ def save(state: Any, uri: str, *, metadata: Any = None,
         PreconditionFailedError: another save committed at ``uri`` after this one
             started; nothing of this one was committed.
         StorageError: the backend failed; nothing was committed.
+        StorageNotSharedError: a data file just written is not there (with its size) when
+            the manifest is about to be written (see :func:`commit`); nothing committed.
         ShardedStateError: a ``DTensor`` while ``torch.distributed`` is not initialised, or
             a sharded state with ``rank_states`` / ``storage`` (names the key, says what to
             do).
-        DistributedError: sharded state: the ranks disagree on its structure, or a write or
-            the commit failed on some rank (see ``save_distributed``); nothing committed.
+        DistributedError: sharded state: the ranks pass different URIs or disagree on its
+            structure, or a write or the commit failed on some rank (a rank's data file not
+            visible to rank 0: storage not shared; see ``save_distributed``); nothing
+            committed.
     """
     candidates: list[tuple[str, Any]] = []
 

@@ -15,7 +15,10 @@ callables, on the training thread) and one exchange tells every rank:
   ``state``): when two differ, a second exchange of the layouts names the first rank and
   key that differ from rank 0's (C16: a rank whose model has extra keys was silently not
   written before);
-* the layout of the flat ``shards`` pieces (ZeRO), which every rank passes or none.
+* the layout of the flat ``shards`` pieces (ZeRO), which every rank passes or none;
+* the checkpoint folder's URI: every rank must save to the same one (a rank with another
+  run folder or checkpoint name would write its files where rank 0's commit does not look:
+  refused before anything is written, naming every rank's URI).
 
 Pure decisions over the exchanged messages, so every rank takes the same branch.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -92,10 +95,12 @@ def _digest(layout: Layout | None) -> str | None:
     return hashlib.blake2b(json.dumps(layout).encode("utf-8"), digest_size=16).hexdigest()
 
 
-def message(inputs: SaveInputs) -> dict[str, Any]:
-    """What this rank sends in the agreement exchange (small: no tensor data)."""
+def message(inputs: SaveInputs, uri: str = "") -> dict[str, Any]:
+    """What this rank sends in the agreement exchange (small: no tensor data); ``uri``: the
+    checkpoint folder this rank writes to (normalised, ``Storage.url``)."""
     sharded = inputs.error is None and has_sharded(inputs.state)
     return {
+        "uri": uri,
         "error": describe_error(inputs.error) if inputs.error is not None else None,
         "sharded": sharded,
         "digest": None if sharded or inputs.error is not None
@@ -117,6 +122,9 @@ class SaveAgreement:
         shard_errors: rank -> what is wrong with its ``shards`` (keys or dtypes differ).
         bounds / numels: this rank's element range of each flat sharded tensor, and
             each tensor's total numel (empty without ``shards``).
+        uri_errors: rank -> the URI it saves to, for ranks whose checkpoint URI differs
+            from rank 0's (nothing is written).
+        rank0_uri: rank 0's checkpoint URI (what every rank's message names).
     """
 
     input_errors: dict[int, str]
@@ -125,6 +133,8 @@ class SaveAgreement:
     shard_errors: dict[int, str]
     bounds: dict[str, tuple[int, int]]
     numels: dict[str, int]
+    uri_errors: dict[int, str] = field(default_factory=dict)
+    rank0_uri: str = ""
 
 
 def agree(msgs: list[dict[str, Any]], rank: int) -> SaveAgreement:
@@ -133,9 +143,13 @@ def agree(msgs: list[dict[str, Any]], rank: int) -> SaveAgreement:
     sharded = any(m["sharded"] for m in msgs)
     digests = {m["digest"] for m in msgs if m["digest"] is not None}
     shard_errors, bounds, numels = _shard_layout([m["shards"] for m in msgs], rank)
+    uris = [str(m.get("uri", "")) for m in msgs]
+    uri_errors = {r: f"saves to {u!r}, rank 0 to {uris[0]!r}" for r, u in enumerate(uris)
+                  if u != uris[0]}
     return SaveAgreement(input_errors=errors, sharded=sharded,
                          layouts_differ=not sharded and len(digests) > 1,
-                         shard_errors=shard_errors, bounds=bounds, numels=numels)
+                         shard_errors=shard_errors, bounds=bounds, numels=numels,
+                         uri_errors=uri_errors, rank0_uri=uris[0])
 
 
 def _shard_layout(every: list[Mapping[str, list] | None], rank: int
@@ -210,6 +224,10 @@ def _keys(keys: list[str]) -> str:
     shown = ", ".join(keys[:_SHOWN_KEYS])
     return shown + (f" (+{len(keys) - _SHOWN_KEYS} more)" if len(keys) > _SHOWN_KEYS else "")
 
+
+URI_HINT = ("every rank must save to the same checkpoint folder, on storage every rank shares "
+            "(a shared filesystem or gs://, not a node-local path): give every rank's manager "
+            "the same save_dir")
 
 LAYOUT_HINT = ("only one copy of the replicated state is written, so every rank must hold the "
                "same tensors; pass per-rank values as rank_state, and shard a model across "

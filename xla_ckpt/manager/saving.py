@@ -261,7 +261,7 @@ class SavePath(ManagerBase):
         inputs = agreement.evaluate_inputs(state, rank_state, shards)
         head = ((new_save_id(), self._newer_lease(lease), self._score(name, metadata))
                 if self.rank == 0 else None)
-        msgs = self._exchange((head, agreement.message(inputs)))
+        msgs = self._exchange((head, agreement.message(inputs, url)))
         save_id, newer, scored = msgs[0][0]
         if newer is not None:
             self._fenced = fenced_error(self.run, lease, newer[0], newer[1],
@@ -329,9 +329,15 @@ class SavePath(ManagerBase):
         Collective only when the tensor layouts differ (a second exchange names rank and key).
 
         Raises:
-            CheckpointSaveError: ranks passed ``shards`` with different keys or dtypes, or
+            CheckpointSaveError: ranks save to different checkpoint URIs (names each
+                rank's); ranks passed ``shards`` with different keys or dtypes, or
                 (on some ranks only); their plain states hold different tensors (C16).
         """
+        if agreed.uri_errors:
+            raise CheckpointSaveError(f"saving checkpoint {agreed.rank0_uri} refused: ranks save "
+                                      "to different "
+                                      f"checkpoint folders ({agreement.URI_HINT}); nothing was "
+                                      "written", agreed.uri_errors)
         if agreed.input_errors:
             return  # reported by _sync as the save's failure, as any rank's failure is
         if agreed.shard_errors:

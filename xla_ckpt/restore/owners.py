@@ -9,16 +9,31 @@ manifest's global tensors.  :func:`plan_chunked_save` decides all of it, collect
 1. **Structure agreement, before anything is written.**  Every rank describes its state
    (:func:`xla_ckpt.restore.views.for_save` for each tensor leaf: global shape, dtype,
    placement, its boxes) and the ranks compare: the tensor keys, global shapes, dtypes,
-   kinds (plain / DTensor / XLA) and placements, and the shape of the tree (containers and
-   keys; non-tensor *values* are rank 0's, as for any replicated state).  A plain tensor is
-   not declared sharded, so it must have the same key, shape and dtype on every rank.  Any
-   difference is one :class:`~xla_ckpt.errors.DistributedError` on every rank whose
-   ``failures`` name each differing rank and key, e.g. ``rank 1: has keys
-   state['4.weight'], state['4.bias'] that rank 0 lacks`` or ``rank 1: passes state['w'] as
-   a DTensor, rank 0 as a plain tensor``.  The sharded boxes must tile each global tensor.
-   The common case costs one small all-gather (a crc32c digest of each rank's structure
-   plus its boxes); the full structures travel only when the digests differ, to name the
-   difference.
+   kinds (plain / DTensor / XLA), placements and ties (below), and the shape of the whole
+   tree: every key path (tensor or not) and what is there (a tensor, a value, a dict, a
+   list, a tuple...).  Non-tensor *values* are not compared: rank 0's are committed (as
+   for any replicated state), so ``{"step": 5}`` on rank 0 and ``{"step": 6}`` on rank 1
+   save ``5``, while a key only one rank has is refused.  A plain tensor is not declared
+   sharded, so it must have the same key, shape and dtype on every rank (its values are
+   compared only with ``check_replicas``).  Any difference is one
+   :class:`~xla_ckpt.errors.DistributedError` on every rank whose ``failures`` name each
+   differing rank by the key paths the user wrote, e.g. ``rank 1: has state['4.weight'],
+   state['4.bias'] that rank 0 lacks``, ``rank 1: lacks state['meta']['name'],
+   state['meta'][3] that rank 0 has`` or ``rank 1: passes state['w'] as a DTensor, rank 0
+   as a plain tensor``.  The sharded boxes must tile each global tensor.  The common case
+   costs one small all-gather (a crc32c digest of each rank's structure plus its boxes);
+   the full structures travel only when the digests differ, to name the difference.
+
+   **Ties.**  A tensor leaf that is the same object as an earlier leaf, or a tensor over
+   the same memory (same storage, storage offset, shape, stride and dtype; for a DTensor,
+   the same local tensor and the same global shape and placement) -- a tied embedding and
+   output projection -- is the same global tensor: one ``{"$tensor": g}`` under both keys,
+   its bytes written once, and a whole load gives one tensor back under both keys (as a
+   version-1 save keeps aliasing).  Views of one storage with other shapes or offsets (a
+   slice ``a[4:8]`` of ``a``) are separate global tensors here: each is written with its
+   own bytes and loads as its own tensor (the chunked format keeps ties, not partial
+   overlaps).  Ranks must see the same ties (a rank that passes equal copies where rank 0
+   passes one tensor twice is refused, naming the keys).
 2. **Owners.**  A box held by one rank (a DTensor shard) is written by that rank.  A box
    held by several (a plain tensor, a ``Replicate()`` mesh dim, an SPMD replica) is written
    by exactly one of its holders: boxes are taken largest first (ties by tensor index and
@@ -234,11 +249,16 @@ class _Local:
     specs: list[GlobalSpec]
     values: list[views.ShardedValue]
     none: bool = False
-    skeleton: Any = field(default=None)
+    listing: list[list[Any]] = field(default_factory=list)
+    ties: list[list[str]] = field(default_factory=list)
+
+    def structure(self) -> dict[str, Any]:
+        """What the ranks compare (exchanged in full only when the digests differ)."""
+        return {"none": self.none, "listing": self.listing,
+                "specs": [s.to_json() for s in self.specs], "ties": self.ties}
 
     def digest(self) -> int:
-        doc = [self.none, self.skeleton, [s.to_json() for s in self.specs]]
-        return crc32c(json.dumps(doc, separators=(",", ":")).encode())
+        return crc32c(json.dumps(self.structure(), separators=(",", ":")).encode())
 
     def boxes(self) -> list[list[Any]]:
         """``[g, offsets, sizes]`` of every box this rank holds of a sharded tensor (plain
@@ -247,26 +267,110 @@ class _Local:
                 for g, v in enumerate(self.values) if v.kind != "plain" for s in v.shards]
 
 
-def _skeleton(x: Any) -> Any:
-    """The typed tree with non-tensor leaf values blanked: what must agree across ranks."""
-    if isinstance(x, dict):
-        if "$tensor" in x:
-            return x
-        for tag in ("$dict", "$odict"):
-            if tag in x:
-                return {tag: [[k, _skeleton(v)] for k, v in x[tag]]}
-        return {k: _skeleton(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_skeleton(v) for v in x]
-    return None
+_CONTAINER_TAGS = {"$dict": "dict", "$odict": "OrderedDict", "$namespace": "Namespace",
+                   "$tuple": "tuple"}
+
+
+def _decoded_key(k: Any) -> Any:
+    try:
+        return typed.decode(k)
+    except Exception:  # noqa: BLE001 - a key encode wrote always decodes; shown as encoded
+        return k
+
+
+def _listing(tree: Any) -> list[list[Any]]:
+    """``[key path, what, parent path]`` of every node of the typed tree, parents first, in
+    the user's terms: paths as :func:`typed.format_path` writes them (``state['meta'][3]``,
+    never the encoding's ``$dict``), what = ``tensor``, ``value``, ``dict``, ``list``,
+    ``tuple``, ``OrderedDict``, ``Namespace``."""
+    return [[key, what, parent] for key, what, parent, _ in _walk(tree)]
+
+
+def tensor_paths(tree: Any) -> dict[str, int]:
+    """Key path (``state['emb']``) -> ``g`` of every ``{"$tensor": g}`` node of a typed tree.
+
+    Tied leaves (see the module docstring) are several paths with one ``g``; a restore that
+    matches targets by key uses this to find every key of a global tensor, not only the
+    global tensor's own ``key`` (the first of them).  Local, no communication.
+    """
+    return {key: g for key, what, _, g in _walk(tree) if what == "tensor" and g is not None}
+
+
+def _walk(tree: Any) -> list[tuple[str, str, str | None, int | None]]:
+    """``(key path, what, parent path, tensor index or None)`` of every node, parents first."""
+    out: list[tuple[str, str, str | None, int | None]] = []
+    stack: list[tuple[Any, tuple, str | None]] = [(tree, (), None)]
+    while stack:
+        node, path, parent = stack.pop()
+        key = typed.format_path(path)
+        children: list[tuple[Any, Any]] = []
+        index: int | None = None
+        if isinstance(node, list):
+            what = "list"
+            children = list(enumerate(node))
+        elif isinstance(node, dict):
+            tag = next((k for k in node if isinstance(k, str) and k.startswith("$")), None)
+            if tag is None:
+                what = "dict"
+                children = list(node.items())
+            elif tag == "$tensor":
+                what = "tensor"
+                index = node[tag] if isinstance(node[tag], int) else None
+            elif tag in ("$dict", "$odict"):
+                what = _CONTAINER_TAGS[tag]
+                children = [(_decoded_key(k), v) for k, v in node[tag]]
+            elif tag == "$namespace":
+                what = "Namespace"
+                inner = node[tag]
+                if isinstance(inner, dict) and "$dict" in inner:
+                    children = [(_decoded_key(k), v) for k, v in inner["$dict"]]
+                elif isinstance(inner, dict):
+                    children = list(inner.items())
+            elif tag == "$tuple":
+                what = "tuple"
+                children = list(enumerate(node[tag]))
+            else:
+                what = "value"
+        else:
+            what = "value"
+        out.append((key, what, parent, index))
+        for k, v in reversed(children):
+            stack.append((v, path + (k,), key))
+    return out
+
+
+def _storage_key(t: torch.Tensor, v: views.ShardedValue) -> tuple | None:
+    """What identifies the memory of a leaf (the local tensor of a DTensor), for ties; None
+    when it cannot be told (an XLA tensor, no storage)."""
+    if v.kind == "xla":
+        return None
+    try:
+        local = t.to_local() if v.kind == "dtensor" else t  # type: ignore[attr-defined]  # DTensor
+        if local.device.type in ("meta", "xla"):
+            return None
+        ptr = local.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - a tensor subclass without storage: identity ties only
+        return None
+    if ptr == 0:
+        return None
+    return (str(local.device), ptr, local.storage_offset(), tuple(local.shape),
+            tuple(local.stride()), local.dtype)
 
 
 def _describe(state: Any, owned_devices: Sequence[int] | None) -> _Local:
     specs: list[GlobalSpec] = []
     values: list[views.ShardedValue] = []
+    ties: list[list[str]] = []
+    by_id: dict[int, int] = {}
+    by_memory: dict[tuple, int] = {}
+    held: list[torch.Tensor] = []  # keeps ids in by_id unique while describing
 
     def hook(t: torch.Tensor, path: tuple) -> int:
         key = typed.format_path(path)
+        g = by_id.get(id(t))
+        if g is not None:  # the same object again: a tie
+            ties.append([key, specs[g].key])
+            return g
         try:
             v = views.for_save(t, owned_devices=owned_devices)
         except ValueError as e:
@@ -275,12 +379,25 @@ def _describe(state: Any, owned_devices: Sequence[int] | None) -> _Local:
             raise MetaTensorError(
                 f"tensor at {key} is on the meta device and holds no data; materialise it "
                 "(e.g. model.to_empty(device=...) and load/initialise weights) before saving")
-        specs.append(GlobalSpec(key, dtype_name(v.dtype), v.global_shape, v.placement, v.kind))
+        spec = GlobalSpec(key, dtype_name(v.dtype), v.global_shape, v.placement, v.kind)
+        memory = _storage_key(t, v)
+        mkey = (memory, spec.dtype, spec.shape, spec.placement, spec.kind) if memory else None
+        g = by_memory.get(mkey) if mkey is not None else None
+        held.append(t)
+        if g is not None:  # another tensor object over the same memory: a tie
+            by_id[id(t)] = g
+            ties.append([key, specs[g].key])
+            return g
+        specs.append(spec)
         values.append(v)
-        return len(specs) - 1
+        g = len(specs) - 1
+        by_id[id(t)] = g
+        if mkey is not None:
+            by_memory[mkey] = g
+        return g
 
     tree = typed.encode(state, hook)
-    return _Local(tree, specs, values, none=state is None, skeleton=_skeleton(tree))
+    return _Local(tree, specs, values, none=state is None, listing=_listing(tree), ties=ties)
 
 
 # ---- naming what differs --------------------------------------------------------------------
@@ -292,60 +409,66 @@ def _listed(keys: Sequence[str]) -> str:
                     else "")
 
 
-def _json_path(where: str, k: Any) -> str:
-    return f"{where}[{k!r}]"
+_WHAT_WORDS = {"tensor": "a tensor", "value": "a value (not a tensor)", "dict": "a dict",
+               "list": "a list", "tuple": "a tuple", "OrderedDict": "an OrderedDict",
+               "Namespace": "an argparse.Namespace"}
 
 
-def _tree_difference(a: Any, b: Any, where: str = "state") -> str | None:
-    """Where skeleton ``a`` (a rank's) first differs from ``b`` (rank 0's), in words."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        if "$tensor" in a and "$tensor" in b:
-            return None
-        ka, kb = list(a), list(b)
-        if set(ka) != set(kb):
-            extra = [_json_path(where, k) for k in ka if k not in b]
-            missing = [_json_path(where, k) for k in kb if k not in a]
-            parts = []
-            if extra:
-                parts.append(f"has {_listed(extra)} that rank 0 lacks")
-            if missing:
-                parts.append(f"lacks {_listed(missing)} that rank 0 has")
-            return "; ".join(parts)
-        if ka != kb:
-            return f"has the keys of {where} in another order than rank 0"
-        for k in ka:
-            if k in ("$dict", "$odict"):
-                la, lb = a[k], b[k]
-                if [p[0] for p in la] != [p[0] for p in lb]:
-                    return f"has other keys in {where} than rank 0"
-                for (key, va), (_, vb) in zip(la, lb, strict=True):
-                    d = _tree_difference(va, vb, _json_path(where, key))
-                    if d:
-                        return d
-                continue
-            d = _tree_difference(a[k], b[k], where if k.startswith("$") else _json_path(where, k))
-            if d:
-                return d
-        return None
-    if isinstance(a, list) and isinstance(b, list):
-        if len(a) != len(b):
-            return f"has {len(a)} entries in {where}, rank 0 {len(b)}"
-        for i, (va, vb) in enumerate(zip(a, b, strict=True)):
-            d = _tree_difference(va, vb, f"{where}[{i}]")
-            if d:
-                return d
-        return None
-    if a is None and b is None:
-        return None
+def _tree_difference(mine: Sequence[Sequence[Any]], ref: Sequence[Sequence[Any]]) -> list[str]:
+    """How listing ``mine`` (a rank's) differs from ``ref`` (rank 0's), in the user's key
+    paths: what only one side has, what is of another kind; below a difference nothing more
+    is named."""
+    a = {p: (w, par) for p, w, par in mine}
+    b = {p: (w, par) for p, w, par in ref}
+    extra: list[str] = []
+    missing: list[str] = []
+    other: list[str] = []
+    below: set[str] = set()  # paths under a named difference
+    order = [p for p, _, _ in ref] + [p for p, _, _ in mine if p not in b]
+    for p in order:
+        parent = (b.get(p) or a[p])[1]
+        if parent in below:
+            below.add(p)
+            continue
+        if p not in b:
+            extra.append(p)
+        elif p not in a:
+            missing.append(p)
+        elif a[p][0] != b[p][0]:
+            other.append(f"has {_WHAT_WORDS.get(a[p][0], a[p][0])} at {p}, rank 0 "
+                         f"{_WHAT_WORDS.get(b[p][0], b[p][0])}")
+        else:
+            continue
+        below.add(p)
+    lines = []
+    if extra:
+        lines.append(f"has {_listed(extra)} that rank 0 lacks")
+    if missing:
+        lines.append(f"lacks {_listed(missing)} that rank 0 has")
+    lines.extend(other[:MAX_LISTED_KEYS])
+    if len(other) > MAX_LISTED_KEYS:
+        lines.append(f"(+{len(other) - MAX_LISTED_KEYS} more like it)")
+    return lines
 
-    def what(x: Any) -> str:
-        if isinstance(x, dict) and "$tensor" in x:
-            return "a tensor"
-        if isinstance(x, (dict, list)):
-            return "a container"
-        return "a value"
 
-    return f"has {what(a)} at {where}, rank 0 {what(b)}"
+def _tie_difference(mine: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    """Keys one rank passes as the same tensor as an earlier key and the other does not."""
+    a = {k: first for k, first in mine["ties"]}
+    b = {k: first for k, first in ref["ties"]}
+    tensors = ({p for p, w, _ in mine["listing"] if w == "tensor"}
+               & {p for p, w, _ in ref["listing"] if w == "tensor"})
+
+    def words(first: str | None) -> str:
+        return "a separate tensor" if first is None else f"the same tensor as {first}"
+
+    out = []
+    for k in [p for p, _, _ in ref["listing"] if p in tensors]:
+        if a.get(k) != b.get(k):
+            out.append(f"passes {k} as {words(a.get(k))}, rank 0 as {words(b.get(k))}")
+    shown = out[:MAX_LISTED_KEYS]
+    if len(out) > MAX_LISTED_KEYS:
+        shown.append(f"(+{len(out) - MAX_LISTED_KEYS} more like it)")
+    return shown
 
 
 def _structure_difference(mine: dict[str, Any], ref: dict[str, Any]) -> str | None:
@@ -355,16 +478,9 @@ def _structure_difference(mine: dict[str, Any], ref: dict[str, Any]) -> str | No
         ref_who = "rank 0 none" if ref["none"] else "rank 0 did"
         return (f"{who}, {ref_who}: with sharded tensors (or balance_replicated) every rank "
                 "passes its whole state, with the same structure")
+    lines = _tree_difference(mine["listing"], ref["listing"])
     specs = [GlobalSpec.from_json(s) for s in mine["specs"]]
     ref_specs = {s.key: s for s in (GlobalSpec.from_json(s) for s in ref["specs"])}
-    by_key = {s.key: s for s in specs}
-    lines: list[str] = []
-    extra = [s.key for s in specs if s.key not in ref_specs]
-    missing = [k for k in ref_specs if k not in by_key]
-    if extra:
-        lines.append(f"has keys {_listed(extra)} that rank 0 lacks")
-    if missing:
-        lines.append(f"lacks keys {_listed(missing)} that rank 0 has")
     kinds, shapes, placements = [], [], []
     for s in specs:
         r = ref_specs.get(s.key)
@@ -383,9 +499,8 @@ def _structure_difference(mine: dict[str, Any], ref: dict[str, Any]) -> str | No
         lines.extend(group[:MAX_LISTED_KEYS])
         if len(group) > MAX_LISTED_KEYS:
             lines.append(f"(+{len(group) - MAX_LISTED_KEYS} more like it)")
-    if lines:
-        return "; ".join(lines)
-    return _tree_difference(mine["skeleton"], ref["skeleton"])
+    lines.extend(_tie_difference(mine, ref))
+    return "; ".join(lines) if lines else None
 
 
 def _tiling_problem(spec: GlobalSpec, boxes: Sequence[Box]) -> str | None:
@@ -543,8 +658,7 @@ def plan_chunked_save(dist: Dist, state: Any, *, owned_devices: Sequence[int] | 
                f"{', '.join(str(r) for r in sorted(failed))}", failed, error)
     assert local is not None  # no rank failed, this one included
     if len({m["digest"] for m in every}) > 1:
-        full = dist.exchange({"none": local.none, "skeleton": local.skeleton,
-                              "specs": [s.to_json() for s in local.specs]})
+        full = dist.exchange(local.structure())
         diffs = {r: _structure_difference(full[r], full[0]) for r in range(1, dist.world_size)}
         failures = {r: d for r, d in diffs.items() if d}
         if not failures:  # same structure, different encoding (cannot happen): say so anyway

@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from xla_ckpt.comm.base import Dist
+from xla_ckpt.comm.failures import describe_error
 from xla_ckpt.comm.select import get_dist
 from xla_ckpt.errors import DistributedError
 from xla_ckpt.format.dtypes import dtype_name
@@ -78,12 +79,37 @@ def _committed_manifest(storage: Any, save_id: str) -> bytes | None:
         return None
 
 
-def _shard_layout(dist: Dist, shards: Mapping[str, torch.Tensor], chunked: bool
+def uri_mismatch(uris: Sequence[str]) -> dict[int, str]:
+    """Rank -> how its checkpoint URI differs from rank 0's (empty: every rank's is the same).
+
+    ``uris``: each rank's normalised URI (``Storage.uri``: an absolute local path, or
+    ``gs://bucket/prefix``), in rank order."""
+    return {r: f"saves to {u!r}, rank 0 to {uris[0]!r}" for r, u in enumerate(uris)
+            if u != uris[0]}
+
+
+URI_HINT = ("every rank must pass the same uri: one checkpoint folder on storage every rank "
+            "shares (a shared filesystem or gs://; not a node-local path)")
+
+
+def _shard_layout(dist: Dist, shards: Mapping[str, torch.Tensor], chunked: bool,
+                  uri: str | None, *, error: BaseException | None = None
                   ) -> tuple[dict[str, tuple[int, int]], dict[str, int], bool]:
     """This rank's element range of each sharded tensor, each tensor's total numel, and
-    whether any rank asks for the chunked path (one exchange)."""
+    whether any rank asks for the chunked path (one exchange, which also checks that every
+    rank saves to the same ``uri``; ``error``: this rank could not open it)."""
     mine = {k: [int(t.numel()), dtype_name(t.dtype)] for k, t in shards.items()}
-    gathered = dist.exchange({"shards": mine, "chunked": bool(chunked)})
+    gathered = dist.exchange({"shards": mine, "chunked": bool(chunked), "uri": uri,
+                              "error": describe_error(error) if error is not None else None})
+    failed = {r: g["error"] for r, g in enumerate(gathered) if g["error"] is not None}
+    if failed:
+        raise DistributedError("save_distributed: the checkpoint uri could not be opened on "
+                               f"rank(s) {', '.join(str(r) for r in sorted(failed))}; nothing "
+                               "was written", failed)
+    differ = uri_mismatch([g["uri"] for g in gathered])
+    if differ:
+        raise DistributedError(f"save_distributed: ranks passed different checkpoint URIs "
+                               f"({URI_HINT}); nothing was written", differ)
     every = [g["shards"] for g in gathered]
     any_chunked = any(g["chunked"] for g in gathered)
     keys = set(every[0])
@@ -119,6 +145,13 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
     COLLECTIVE: every rank calls it, in the same order.  Matches the trainer's
     ``saver(state, uri, *, metadata, rank_state)`` protocol.
 
+    ``uri`` must be one folder on storage every rank shares (a shared filesystem or
+    ``gs://``): the ranks compare their (normalised) URIs in their first exchange and refuse
+    different ones before anything is written, and rank 0 checks that every rank's data file
+    is there for it, with the size its writer reported, before it writes the manifest, so
+    ranks writing to storage they do not share (a node-local ``/tmp/ckpt`` on several hosts)
+    never commit a checkpoint that misses their files.
+
     Two layouts (see the module docstring):
 
     * plain (the default for a state of plain tensors): only rank 0's ``state`` is written,
@@ -126,11 +159,17 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
     * chunked, when any rank's ``state`` holds a ``DTensor`` / ``XLAShardedTensor``, or
       ``balance_replicated`` / ``check_replicas`` is set: every rank passes its *whole* state
       (its shards; the plain tensors, which must be equal on every rank); the ranks agree on
-      its structure first (keys, global shapes, dtypes, placements; a difference is one
-      :class:`DistributedError` on every rank naming the rank and the key, and nothing is
-      written); each box is written once, by its owner (its shard's rank; replicated boxes
-      balanced by bytes over their holders); non-tensor values are rank 0's.  Manifest
-      version 2; ``xla_ckpt.load(uri)`` gives the full tensors on one process.
+      its structure first, before anything is written: every key path of the tree (tensor
+      or not) and what is there (tensor, value, dict, list, tuple...), and for tensors the
+      global shape, dtype, kind (plain / DTensor / XLA), placement and ties.  A difference is
+      one :class:`DistributedError` on every rank naming the rank and the user's key paths
+      (``rank 1: lacks state['meta']['name'] that rank 0 has``).  Non-tensor *values* are
+      not compared: rank 0's are committed (a ``step`` of 5 on rank 0 and 6 on rank 1 saves
+      5); plain tensors' values are compared only with ``check_replicas``.  Each box is
+      written once, by its owner (its shard's rank; replicated boxes balanced by bytes over
+      their holders); a tensor passed under several keys (the same object, or the same
+      memory: a tied weight) is one global tensor, written once and loaded back tied.
+      Manifest version 2; ``xla_ckpt.load(uri)`` gives the full tensors on one process.
 
     Args:
         state: the state (see the two layouts above).
@@ -159,9 +198,13 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
     Raises:
         DistributedError: a write or the commit failed on some rank(s)
             (``failures`` names them); nothing was committed and the stray
-            data files are deleted.  Also, before anything is written: ranks pass
-            different sharded keys or dtypes (``shards``), or (chunked) states of
-            different structure, or differing replicas with ``check_replicas``.
+            data files rank 0 sees are deleted.  The commit fails (rank 0's failure a
+            :class:`~xla_ckpt.errors.StorageNotSharedError` naming the file and the rank
+            that wrote it) when a rank's data file is not there for rank 0: storage not
+            shared by the ranks.  Also, before anything is written: ranks pass different
+            URIs (``failures`` names each rank's), different sharded keys or dtypes
+            (``shards``), or (chunked) states of different structure, or differing
+            replicas with ``check_replicas``.
         CollectiveTimeoutError: a rank died or hung.  One case commits all the same:
             rank 0 stalls past the timeout *inside* its manifest write, the other ranks
             give up naming rank 0, then rank 0's write lands.  That checkpoint is
@@ -172,15 +215,21 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
     t0 = time.perf_counter()
     flat = {k: t.detach().reshape(-1) for k, t in (shards or {}).items()}
     wants_chunked = balance_replicated or check_replicas or has_sharded(state)
-    # Every rank enters it, shards or not; the path is chosen by all ranks together.
-    bounds, numels, chunked = _shard_layout(dist, flat, wants_chunked)
-    plan: ChunkedSavePlan | None = None
-    if chunked:
-        plan = plan_chunked_save(dist, state, owned_devices=owned_devices,
-                                 check_replicas=check_replicas, what=f"save of {uri}")
-    save_id = dist.broadcast_object(new_save_id() if dist.rank == 0 else None, src=0)
-    storage = open_storage(uri, storage_config)
     try:
+        storage = open_storage(uri, storage_config)
+    except Exception as e:  # told to every rank in the first exchange, then raised there
+        _shard_layout(dist, flat, wants_chunked, None, error=e)
+        raise  # not reached: the exchange raised on every rank
+    try:
+        # Every rank enters it, shards or not; the path is chosen by all ranks together, and
+        # they check they save to the same folder before anyone writes.
+        bounds, numels, chunked = _shard_layout(dist, flat, wants_chunked, storage.uri)
+        plan: ChunkedSavePlan | None = None
+        if chunked:
+            plan = plan_chunked_save(dist, state, owned_devices=owned_devices,
+                                     check_replicas=check_replicas, what=f"save of {uri}")
+        save_id = dist.broadcast_object(new_save_id() if dist.rank == 0 else None, src=0)
+
         def write() -> bytes:
             # This rank's items go into one data file (one object, one fsync).
             mine: list[tuple[str, Any]] = []
