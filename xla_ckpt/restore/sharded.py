@@ -72,6 +72,7 @@ from xla_ckpt.io import CheckpointReader
 from xla_ckpt.io.chunked import BoxRequest, fresh_tensor, read_boxes
 from xla_ckpt.restore.all_ranks import place
 from xla_ckpt.restore.decide import Decision
+from xla_ckpt.restore.owners import tensor_paths
 from xla_ckpt.restore.result import Loaded, RestoreStats
 from xla_ckpt.restore.select import ALL_RANKS
 from xla_ckpt.restore.views import ShardedValue, for_restore, is_sharded
@@ -123,7 +124,10 @@ def saved_tensors(manifest: Manifest, item: str) -> SavedTensors:
     it = manifest.item(item)
     if it.chunked:
         gts = list(manifest.global_tensors)
-        return SavedTensors(manifest, item, it.state, gts, {g.key: i for i, g in enumerate(gts)})
+        by_key = {g.key: i for i, g in enumerate(gts)}
+        for k, g in tensor_paths(it.state).items():  # tied leaves: every key of one tensor
+            by_key.setdefault(k, g)
+        return SavedTensors(manifest, item, it.state, gts, by_key)
     gts = []
     strided: dict[int, TensorRecord] = {}
     for i, rec in enumerate(it.tensors):
