@@ -12,6 +12,12 @@
 5. **Verdict** per strategy: losses of the preempted run up to the checkpoint plus the
    resumed run's losses equal the reference losses bit for bit, and so do the final
    parameters on every worker.
+6. **The sharded leg** (:func:`run_sharded_leg`, workers :mod:`xla_ckpt.demo.fsdp`): the same
+   run with FSDP2 -- reference, preempted run (every rank saves only its own shards; DCP saves
+   the same state alongside), a restore on the same number of workers that trains on, and a
+   restore resharded onto half as many.  Verdict per restore: every restored local shard
+   equals its box of the saved global tensors and DCP's restore of the same state; the
+   same-size resume also reproduces the FSDP2 reference bit for bit.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from xla_ckpt.config import load_config
 from xla_ckpt.demo import corpus
@@ -42,6 +48,7 @@ from xla_ckpt.storage.uri import parse_uri
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("all_ranks", "broadcast")
+LEGS = ("ddp", "fsdp")
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -77,13 +84,18 @@ def _free_port() -> int:
 
 def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], env: dict,
               workdir: str, device: str = "cpu", preempt_after_update: int | None = None,
-              timeout_s: float = 1200.0) -> PhaseResult:
+              timeout_s: float = 1200.0, module: str = "xla_ckpt.demo.worker",
+              args: list[str] | None = None, label: str | None = None) -> PhaseResult:
     """Launch ``workers`` worker processes (torchrun-style env) and collect their reports.
 
-    With ``preempt_after_update``, SIGTERM goes to every worker once rank 0 has finished that
+    ``module`` is the worker program (:mod:`xla_ckpt.demo.worker`, or :mod:`xla_ckpt.demo.fsdp`
+    for the sharded leg, which takes no ``--device``), ``args`` extra arguments for it, ``label``
+    the folder name of the phase's logs and reports (default ``phase``).  With
+    ``preempt_after_update``, SIGTERM goes to every worker once rank 0 has finished that
     update.  Raises :class:`DemoError` if a worker fails or the phase outlives ``timeout_s``.
     """
-    out = os.path.join(workdir, phase)
+    name = label or phase
+    out = os.path.join(workdir, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     port = _free_port()
@@ -99,8 +111,10 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
                      "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                      "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
                      "PYTHONUNBUFFERED": "1"})
-        cmd = [sys.executable, "-m", "xla_ckpt.demo.worker", "--config", config, "--phase", phase,
-               "--out", out, "--device", device]
+        cmd = [sys.executable, "-m", module, "--config", config, "--phase", phase, "--out", out]
+        if module == "xla_ckpt.demo.worker":
+            cmd += ["--device", device]
+        cmd += list(args or [])
         for o in overrides:
             cmd += ["--set", o]
         log = open(os.path.join(out, f"log{rank}.txt"), "w")
@@ -111,13 +125,13 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
     try:
         while any(p.poll() is None for p in procs):
             if time.perf_counter() - t0 > timeout_s:
-                raise DemoError(f"{phase}: workers still running after {timeout_s:.0f} s",
+                raise DemoError(f"{name}: workers still running after {timeout_s:.0f} s",
                                 _tails(out, workers))
             if preempt_after_update is not None and not sent:
                 done = _read_int(os.path.join(out, "progress0"))
                 if done is not None and done >= preempt_after_update:
                     logger.info("%s: rank 0 finished update %d; sending SIGTERM to every worker",
-                                phase, done)
+                                name, done)
                     for p in procs:
                         if p.poll() is None:
                             p.send_signal(signal.SIGTERM)
@@ -136,20 +150,20 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
     codes = [p.returncode for p in procs]
     if any(codes):
         bad = next(r for r, c in enumerate(codes) if c)
-        raise DemoError(f"{phase}: rank {bad} exited with {codes[bad]} ({_last_error(out, bad)}); "
+        raise DemoError(f"{name}: rank {bad} exited with {codes[bad]} ({_last_error(out, bad)}); "
                         f"exit codes {codes}; logs in {out}", _tails(out, workers))
     reports = []
     for rank in range(workers):
         path = os.path.join(out, f"rank{rank}.json")
         if not os.path.exists(path):
-            raise DemoError(f"{phase}: rank {rank} wrote no report; logs in {out}",
+            raise DemoError(f"{name}: rank {rank} wrote no report; logs in {out}",
                             _tails(out, workers))
         with open(path) as f:
             reports.append(json.load(f))
     if preempt_after_update is not None and not all(r.get("preempted") for r in reports):
-        raise DemoError(f"{phase}: the job ended before the preemption at update "
+        raise DemoError(f"{name}: the job ended before the preemption at update "
                         f"{preempt_after_update}; lower train.preempt_at_update")
-    return PhaseResult(phase, reports, codes, time.perf_counter() - t0)
+    return PhaseResult(name, reports, codes, time.perf_counter() - t0)
 
 
 def _read_int(path: str) -> int | None:
@@ -212,12 +226,22 @@ def _plan(config: str, overrides: list[str]) -> tuple[Any, int, int]:
 
 def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
              uri: str | None = None, workers: int | None = None, model: str | None = None,
-             device: str = "cpu", keep: bool = False) -> dict:
+             device: str = "cpu", keep: bool = False, legs: Sequence[str] = LEGS) -> dict:
     """Run the whole demo and return the report (what ``--json`` prints).
+
+    ``legs``: ``"ddp"`` (the replicated run: every worker holds the whole model; resumed with
+    both strategies) and/or ``"fsdp"`` (the same run sharded with FSDP2; restored on the same
+    number of workers and resharded onto half as many, checked against DCP).
+    ``report["bitwise_identical"]`` has one entry per restore; the CLI exits 0 only when all
+    are true.
 
     Raises:
         DemoError: a phase failed (names the phase and the ranks' log tails).
+        ValueError: an unknown leg.
     """
+    bad = sorted(set(legs) - set(LEGS))
+    if bad or not legs:
+        raise ValueError(f"legs must be a non-empty subset of {LEGS}, got {list(legs)}")
     config = config or default_config_path()
     overrides = list(overrides or [])
     if workers:
@@ -226,6 +250,8 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
         overrides.append(f"train.model={model}")
     cfg, total, preempt = _plan(config, overrides)
     n = cfg.train.workers
+    report: dict[str, Any] = {"workers": n, "model": cfg.train.model, "updates": total,
+                              "legs": list(legs), "restores": [], "bitwise_identical": {}}
     with contextlib.ExitStack() as stack:
         env: dict[str, str] = {}
         if uri is None:
@@ -237,6 +263,7 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
             storage_kind = "GCS emulator on " + emu.host
         else:
             storage_kind = "gs://" if parse_uri(uri).is_gcs else "local path"
+        report.update(uri=uri, storage=storage_kind)
         workdir = tempfile.mkdtemp(prefix="xla-ckpt-demo-")
         if not keep:  # a failed demo keeps the worker logs its error points to
             stack.push(lambda exc_type, *_: None if exc_type is not None
@@ -244,34 +271,178 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
         base = overrides + [f"checkpoint.save_dir={uri}", f"train.max_updates={total}"]
         logger.info("demo: %d workers, model %s, %d updates, checkpoints to %s (%s)", n,
                     cfg.train.model, total, uri, storage_kind)
-        ref = run_phase("reference", workers=n, config=config, overrides=base, env=env,
-                        workdir=workdir, device=device)
-        ref_losses = _losses(ref.reports)
-        ref_digest = {r["digest"] for r in ref.reports}
-        logger.info("demo: reference run done in %.1f s", ref.seconds)
-        pre = run_phase("train", workers=n, config=config, overrides=base, env=env,
-                        workdir=workdir, device=device, preempt_after_update=preempt)
-        pre_losses = _losses(pre.reports)
+        if "ddp" in legs:
+            report.update(_replicated_leg(n, config, base, env, workdir, device, preempt, uri))
+            report["bitwise_identical"].update(
+                {r["strategy"]: r["bitwise_identical"] for r in report["restores"]})
+        if "fsdp" in legs:
+            sharded = run_sharded_leg(n, config=config, overrides=base, env=env,
+                                      workdir=workdir, preempt=preempt,
+                                      save_dir=f"{uri.rstrip('/')}-fsdp")
+            report["sharded"] = sharded
+            report["bitwise_identical"].update(
+                {f"fsdp_{r['restore']}": r["bitwise_identical"] for r in sharded["restores"]})
+    return report
 
-        with _env(env), open_storage(uri) as run_storage:
-            checkpoint = resolve_latest(run_storage)
-        if checkpoint is None:
-            raise DemoError("the preempted run left no committed checkpoint")
-        logger.info("demo: preempted after update %d; latest committed checkpoint %s",
-                    pre.reports[0]["num_updates"], checkpoint)
-        results = []
-        for strategy in STRATEGIES:
-            ov = base + [f"restore.strategy={strategy}",
-                         f"checkpoint.restore_file={uri.rstrip('/')}/{checkpoint}",
-                         f"checkpoint.save_dir={uri.rstrip('/')}-resumed-{strategy}"]
-            res = run_phase("resume", workers=n, config=config, overrides=ov, env=env,
-                            workdir=workdir, device=device)
-            results.append(_verdict(strategy, res, pre_losses, ref_losses, ref_digest))
-    return {"workers": n, "model": cfg.train.model, "updates": total, "uri": uri,
-            "storage": storage_kind, "preempted_at_update": pre.reports[0]["num_updates"],
-            "checkpoint": checkpoint, "reference_seconds": round(ref.seconds, 2),
-            "restores": results,
-            "bitwise_identical": {r["strategy"]: r["bitwise_identical"] for r in results}}
+
+def _replicated_leg(n: int, config: str, base: list[str], env: dict, workdir: str,
+                    device: str, preempt: int, uri: str) -> dict:
+    """Reference, preempted run and the two resumes of the replicated (DDP-style) model."""
+    ref = run_phase("reference", workers=n, config=config, overrides=base, env=env,
+                    workdir=workdir, device=device)
+    ref_losses = _losses(ref.reports)
+    ref_digest = {r["digest"] for r in ref.reports}
+    logger.info("demo: reference run done in %.1f s", ref.seconds)
+    pre = run_phase("train", workers=n, config=config, overrides=base, env=env,
+                    workdir=workdir, device=device, preempt_after_update=preempt)
+    pre_losses = _losses(pre.reports)
+
+    with _env(env), open_storage(uri) as run_storage:
+        checkpoint = resolve_latest(run_storage)
+    if checkpoint is None:
+        raise DemoError("the preempted run left no committed checkpoint")
+    logger.info("demo: preempted after update %d; latest committed checkpoint %s",
+                pre.reports[0]["num_updates"], checkpoint)
+    results = []
+    for strategy in STRATEGIES:
+        ov = base + [f"restore.strategy={strategy}",
+                     f"checkpoint.restore_file={uri.rstrip('/')}/{checkpoint}",
+                     f"checkpoint.save_dir={uri.rstrip('/')}-resumed-{strategy}"]
+        res = run_phase("resume", workers=n, config=config, overrides=ov, env=env,
+                        workdir=workdir, device=device)
+        results.append(_verdict(strategy, res, pre_losses, ref_losses, ref_digest))
+    return {"preempted_at_update": pre.reports[0]["num_updates"], "checkpoint": checkpoint,
+            "reference_seconds": round(ref.seconds, 2), "restores": results}
+
+
+# ---- the sharded leg (FSDP2) ---------------------------------------------------------------
+def run_sharded_leg(n: int, *, config: str, overrides: list[str], env: dict, workdir: str,
+                    preempt: int, save_dir: str) -> dict:
+    """The FSDP2 leg (:mod:`xla_ckpt.demo.fsdp`): reference, preempted run, two restores.
+
+    1. ``n`` workers train the sharded model without checkpoints (the reference);
+    2. ``n`` workers train it with the manager's save schedule into ``save_dir``; SIGTERM after
+       update ``preempt``; every rank saves its own shards (and DCP saves the same state into
+       the work folder) and exits 0;
+    3. restore the latest committed checkpoint on ``n`` workers and train on (``same_size``),
+       and on ``max(1, n // 2)`` workers (``resharded``; per-rank items dropped), each also
+       restored by DCP into a second model.
+
+    Verdicts (:func:`sharded_verdict`) check every restored local shard against the saved
+    global tensors (read back whole by :func:`xla_ckpt.load`, itself checked against the
+    shards every rank saved) and against DCP's restore of the same state; the same-size resume
+    must also reproduce the reference's losses and final shards bit for bit.
+    """
+    module = "xla_ckpt.demo.fsdp"
+    dcp_dir = os.path.join(workdir, "fsdp-dcp")
+    base = overrides + [f"checkpoint.save_dir={save_dir}"]
+    ref = run_phase("reference", workers=n, config=config, overrides=base, env=env,
+                    workdir=workdir, module=module, label="fsdp-reference")
+    logger.info("demo: FSDP2 reference run done in %.1f s", ref.seconds)
+    pre = run_phase("train", workers=n, config=config, overrides=base, env=env,
+                    workdir=workdir, module=module, label="fsdp-train",
+                    preempt_after_update=preempt, args=["--dcp-dir", dcp_dir])
+    with _env(env), open_storage(save_dir) as run_storage:
+        name = resolve_latest(run_storage)
+    if name is None:
+        raise DemoError("the preempted FSDP2 run left no committed checkpoint")
+    checkpoint = f"{save_dir.rstrip('/')}/{name}"
+    logger.info("demo: FSDP2 run preempted after update %d; restoring %s",
+                pre.reports[0]["num_updates"], checkpoint)
+    global_tensors = _saved_global_tensors(checkpoint, env)
+    saved_bad = _shards_match(global_tensors, [r["saved"]["shards"] for r in pre.reports])
+    restores = []
+    for kind, workers in (("same_size", n), ("resharded", max(1, n // 2))):
+        ov = base + [f"checkpoint.restore_file={checkpoint}",
+                     f"checkpoint.save_dir={save_dir.rstrip('/')}-resumed-{kind}"]
+        if kind == "resharded":
+            ov.append("restore.rank_state_on_resize=drop")
+        res = run_phase("resume" if kind == "same_size" else "reshard", workers=workers,
+                        config=config, overrides=ov, env=env, workdir=workdir, module=module,
+                        label=f"fsdp-{kind}", args=["--dcp-dir", dcp_dir])
+        restores.append(sharded_verdict(kind, res.reports, global_tensors, saved_bad,
+                                        ref=ref.reports if kind == "same_size" else None,
+                                        pre=pre.reports))
+    return {"workers": n, "checkpoint": checkpoint, "checkpoint_name": name,
+            "preempted_at_update": pre.reports[0]["num_updates"],
+            "reference_seconds": round(ref.seconds, 2), "saved_shards_match": saved_bad == [],
+            "restores": restores}
+
+
+def _saved_global_tensors(checkpoint: str, env: dict) -> dict[str, Any]:
+    """The checkpoint's model and optimizer tensors as whole CPU tensors (``xla_ckpt.load``
+    assembles them from their chunks), flattened DCP-style (``model.<fqn>``,
+    ``optim.state.<fqn>.exp_avg``, ...)."""
+    import torch  # noqa: PLC0415 - the orchestrator needs torch only here
+    from torch.distributed.checkpoint._nested_dict import (  # noqa: PLC0415 - DCP helper
+        flatten_state_dict,
+    )
+
+    import xla_ckpt  # noqa: PLC0415 - the top-level API, loaded once here
+
+    with _env(env):
+        tree = xla_ckpt.load(checkpoint)
+    flat, _ = flatten_state_dict({"model": tree["model"], "optim": tree["optim"]})
+    return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+def _shards_match(global_tensors: dict[str, Any], tables: list[dict]) -> list[str]:
+    """``"rank r: key"`` for every local shard (of :func:`xla_ckpt.demo.fsdp.shard_table`)
+    whose crc32c differs from its box of the global tensor (or whose key is missing)."""
+    from xla_ckpt.format.crc import crc32c  # noqa: PLC0415 - light
+    from xla_ckpt.testing.asserts import tensor_bits  # noqa: PLC0415 - light
+
+    bad = []
+    for rank, table in enumerate(tables):
+        for key, e in table.items():
+            full = global_tensors.get(key)
+            if full is None:
+                bad.append(f"rank {rank}: {key} (not in the checkpoint)")
+                continue
+            box = full[tuple(slice(o, o + s) for o, s in
+                             zip(e["offsets"], e["sizes"], strict=True))]
+            crc = crc32c(tensor_bits(box.contiguous())) if box.numel() else 0
+            if list(box.shape) != e["sizes"] or crc != e["crc32c"]:
+                bad.append(f"rank {rank}: {key}")
+    return bad
+
+
+def sharded_verdict(kind: str, reports: list[dict], global_tensors: dict[str, Any],
+                    saved_bad: list[str], *, ref: list[dict] | None, pre: list[dict]) -> dict:
+    """One restore of the sharded leg, judged.
+
+    ``shards_equal_saved``: every rank's restored local shards equal their boxes of the saved
+    global tensors (and those equal the shards every rank saved: ``saved_bad`` is empty);
+    ``shards_equal_dcp``: the same boxes and bytes as DCP's restore of the same state; for
+    ``same_size`` (``ref`` given) also ``losses_identical`` (the preempted run's losses up to
+    the checkpoint plus the resumed run's equal the reference's) and ``shards_identical`` (each
+    rank's final local shards equal the reference rank's).
+    """
+    restores = [r["restore"] for r in reports]
+    mismatched = _shards_match(global_tensors, [r["shards"] for r in restores]) + saved_bad
+    dcp_equal = all(r.get("dcp_shards") == r["shards"] for r in restores)
+    out: dict[str, Any] = {
+        "restore": kind, "workers": len(reports),
+        "saved_workers": restores[0]["saved_world_size"], "strategy": restores[0]["strategy"],
+        "resumed_at_update": restores[0]["num_updates"],
+        "bytes_read_per_rank": [r["bytes_read"] for r in restores],
+        "shard_bytes_per_rank": [r["shard_bytes"] for r in restores],
+        "seconds": round(max(r["seconds"] for r in restores), 3),
+        "rank_state_kept": all(r["rank_state_kept"] for r in restores),
+        "shards_equal_saved": not mismatched, "mismatched_shards": mismatched[:10],
+        "shards_equal_dcp": dcp_equal,
+    }
+    ok = not mismatched and dcp_equal
+    if ref is not None:
+        start = out["resumed_at_update"]
+        combined = {u: v for u, v in _losses(pre).items() if u <= start}
+        combined.update(_losses(reports))
+        out["losses_identical"] = combined == _losses(ref)
+        out["shards_identical"] = [r["digest"] for r in reports] == [r["digest"] for r in ref]
+        ok = ok and out["losses_identical"] and out["shards_identical"]
+    out["bitwise_identical"] = ok
+    out["verdict"] = "bitwise identical" if ok else "MISMATCH"
+    return out
 
 
 @contextlib.contextmanager
@@ -316,26 +487,55 @@ def _verdict(strategy: str, res: PhaseResult, pre_losses: dict, ref_losses: dict
     }
 
 
-def format_table(report: dict) -> str:
-    """The human-readable table ``xla-ckpt demo`` prints."""
-    head = (f"xla_ckpt demo: {report['workers']} workers, model {report['model']}, "
-            f"{report['updates']} updates, storage {report['storage']}\n"
-            f"preempted (SIGTERM) after update {report['preempted_at_update']}; "
-            f"restoring {report['checkpoint']}\n")
-    cols = ("strategy", "checkpoint", "MiB read/rank", "MiB bcast/rank", "MiB mapped/rank",
-            "seconds", "MiB/s", "on device", "verdict")
-    rows = []
-    for r in report["restores"]:
-        rows.append((r["strategy"], r["checkpoint"].rsplit("/", 1)[-1],
-                     "/".join(f"{b / 2**20:.0f}" for b in r["bytes_read_per_rank"]),
-                     "/".join(f"{b / 2**20:.0f}" for b in r["bytes_received_per_rank"]),
-                     "/".join(f"{b / 2**20:.0f}" for b in r.get("bytes_mapped_per_rank",
-                                                              [0] * len(r["bytes_read_per_rank"]))),
-                     f"{r['seconds']:.2f}", f"{r['mib_per_s']:.0f}",
-                     ",".join(r["state_devices"]), r["verdict"]))
+def _grid(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
     sep = "  ".join("-" * w for w in widths)
     body = "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True))
                      for row in rows)
-    return head + line + "\n" + sep + "\n" + body
+    return line + "\n" + sep + "\n" + body
+
+
+def _mib(values: Sequence[int]) -> str:
+    return "/".join(f"{b / 2**20:.0f}" for b in values)
+
+
+def format_table(report: dict) -> str:
+    """The human-readable tables ``xla-ckpt demo`` prints (one per leg that ran)."""
+    out = (f"xla_ckpt demo: {report['workers']} workers, model {report['model']}, "
+           f"{report['updates']} updates, storage {report['storage']}\n")
+    if report.get("restores"):
+        out += (f"preempted (SIGTERM) after update {report['preempted_at_update']}; "
+                f"restoring {report['checkpoint']}\n")
+        cols = ("strategy", "checkpoint", "MiB read/rank", "MiB bcast/rank", "MiB mapped/rank",
+                "seconds", "MiB/s", "on device", "verdict")
+        rows = []
+        for r in report["restores"]:
+            rows.append((r["strategy"], r["checkpoint"].rsplit("/", 1)[-1],
+                         _mib(r["bytes_read_per_rank"]), _mib(r["bytes_received_per_rank"]),
+                         _mib(r.get("bytes_mapped_per_rank",
+                                    [0] * len(r["bytes_read_per_rank"]))),
+                         f"{r['seconds']:.2f}", f"{r['mib_per_s']:.0f}",
+                         ",".join(r["state_devices"]), r["verdict"]))
+        out += _grid(cols, rows)
+    sh = report.get("sharded")
+    if sh:
+        if report.get("restores"):
+            out += "\n\n"
+        out += (f"FSDP2 (fully_shard per layer, {sh['workers']} workers): preempted (SIGTERM) "
+                f"after update {sh['preempted_at_update']}; restoring {sh['checkpoint_name']}\n")
+        cols = ("restore", "workers", "MiB read/rank", "MiB shards/rank", "seconds",
+                "= saved", "= DCP", "resume", "verdict")
+        rows = []
+        for r in sh["restores"]:
+            resume = "-"
+            if "losses_identical" in r:
+                resume = ("bitwise" if r["losses_identical"] and r["shards_identical"]
+                          else "DIFFERS")
+            rows.append((r["restore"].replace("_", " "),
+                         f"{r['saved_workers']}->{r['workers']}",
+                         _mib(r["bytes_read_per_rank"]), _mib(r["shard_bytes_per_rank"]),
+                         f"{r['seconds']:.2f}", "yes" if r["shards_equal_saved"] else "NO",
+                         "yes" if r["shards_equal_dcp"] else "NO", resume, r["verdict"]))
+        out += _grid(cols, rows)
+    return out
