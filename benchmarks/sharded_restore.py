@@ -38,6 +38,16 @@ tensors, equal on every rank) to local disk, interleaved:
                    gets one writer, chosen to balance bytes over the ranks
   save_rank0       save_distributed(state, uri): rank 0 writes the whole replicated state
 
+Part ``save_gcs``: the same two saves to the GCS emulator, each rank through its own shaping
+proxy that also shapes uploads (``Shaping(shape_uploads=True)``): 30 ms first byte, 32 MiB/s
+per connection (``--stream-mib-s``) and ``--upload-host-mib-s`` (64) MiB/s for all of the
+rank's connections together (its VM's link: one proxy per rank, so the cap is per rank).
+xla_ckpt uploads each large file as parallel 32 MiB parts, so the per-stream cap alone would
+let rank 0 go ``max_workers`` times faster; GCS also limits one VM's upload rate, which is what
+spreading the replicated writes over the ranks is for.  Lines ``save_balanced_gcs`` /
+``save_rank0_gcs``; ``mib_written_per_rank`` is the request-body bytes each rank's proxy read.
+Not in ``--quick``'s default parts.
+
 Part ``manifest``: a version-2 manifest of ``--manifest-tensors`` (1000) global tensors x
 ``--manifest-chunks`` (256) chunks each (a 16 x 16 grid of boxes, one chunk item per rank), its
 size in bytes and the median seconds of ``Manifest.from_json_bytes`` (every validation included)
@@ -48,6 +58,7 @@ whether it was met.
 
   .venv/bin/python benchmarks/sharded_restore.py                       # 512 MiB, everything
   .venv/bin/python benchmarks/sharded_restore.py --repeat 5 --parts restore
+  .venv/bin/python benchmarks/sharded_restore.py --parts save,save_gcs   # the replicated save
   .venv/bin/python benchmarks/sharded_restore.py --quick               # seconds-long smoke run
 """
 
@@ -76,10 +87,12 @@ RESTORE_METHODS = ("xla_ckpt_local", "dcp_local", "xla_ckpt_gcs", "dcp_gcs",
                    "xla_ckpt_local_broadcast")
 DEFAULT_RESTORE = "xla_ckpt_local,dcp_local,xla_ckpt_gcs,dcp_gcs"
 SAVE_METHODS = ("save_balanced", "save_rank0")
-PARTS = ("restore", "save", "manifest")
+PARTS = ("restore", "save", "save_gcs", "manifest")
+QUICK_PARTS = ("restore", "save", "manifest")
 #: method -> the peer its ``ratio_vs_peer`` and the targets compare it with
 PEER = {"xla_ckpt_local": "dcp_local", "xla_ckpt_gcs": "dcp_gcs",
-        "xla_ckpt_local_broadcast": "dcp_local", "save_balanced": "save_rank0"}
+        "xla_ckpt_local_broadcast": "dcp_local", "save_balanced": "save_rank0",
+        "save_balanced_gcs": "save_rank0_gcs"}
 INSTALL_GCSFS = ".venv/bin/pip install -e '.[bench]'"
 
 
@@ -339,12 +352,20 @@ def setup_replicated(spec: dict) -> dict:
 
 
 def run_save(method: str, spec: dict, run: int) -> dict:
-    """One timed ``save_distributed`` of the replicated state on every rank, to a fresh folder."""
+    """One timed ``save_distributed`` of the replicated state on every rank, to a fresh folder
+    (``<workdir>/<method>-<run>``, or ``<gcs_prefix>/<method>-<run>`` through this rank's proxy
+    when ``spec["proxies"]`` is set)."""
     from xla_ckpt.restore import save_distributed
 
     d = _join()
-    uri = os.path.join(spec["workdir"], f"{method}-{run}")
-    kwargs: dict[str, Any] = {"balance_replicated": True} if method == "save_balanced" else {}
+    gcs = bool(spec.get("proxies"))
+    if gcs:
+        os.environ["STORAGE_EMULATOR_HOST"] = spec["proxies"][d.rank]
+        uri = f"{spec['gcs_prefix']}/{method}-{run}"
+    else:
+        uri = os.path.join(spec["workdir"], f"{method}-{run}")
+    balanced = method.startswith("save_balanced")
+    kwargs: dict[str, Any] = {"balance_replicated": True} if balanced else {}
     base = _reset_peak()
     w0 = _io("wchar")
     d.barrier()
@@ -364,7 +385,9 @@ def run_save(method: str, spec: dict, run: int) -> dict:
 
             got = xla_ckpt.load(uri)["model"]
             ok = {k: crc32c(tensor_bits(v)) for k, v in got.items()} == _HELD["rep_crc"]
-        shutil.rmtree(uri, ignore_errors=True)
+            del got
+        if not gcs:  # the parent deletes the GCS objects
+            shutil.rmtree(uri, ignore_errors=True)
     d.barrier()
     return {"seconds": seconds, "written": written, "peak_over_base": peak - base, "ok": ok}
 
@@ -507,6 +530,8 @@ def summary(lines: dict[str, dict], manifest: dict | None, size_mib: int) -> dic
             out[f"{m}_peak_rss_over_shard_max"] = {"ratio": worst, "target": 1.2,
                                                   "met": worst <= 1.2}
     ratio("save_balanced", 2.0, f"save_balanced_vs_rank0_{size_mib}mib_replicated")
+    ratio("save_balanced_gcs", 2.0,
+          f"save_balanced_vs_rank0_{size_mib}mib_replicated_shaped_emulator")
     if manifest is not None and "parse_seconds" in manifest:
         out["manifest_parse_seconds"] = {"seconds": manifest["parse_seconds"],
                                          "bytes": manifest["bytes"], "target": "well under 1 s",
@@ -521,7 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=None, help="runs per method (default 3; "
                                                               "1 with --quick)")
-    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--parts", default=None,
+                    help=f"of {', '.join(PARTS)} (default all; --quick: "
+                         f"{','.join(QUICK_PARTS)})")
     ap.add_argument("--methods", default=DEFAULT_RESTORE,
                     help=f"restore methods, in run order (of {', '.join(RESTORE_METHODS)})")
     ap.add_argument("--save-methods", default=",".join(SAVE_METHODS))
@@ -529,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--manifest-chunks", type=int, default=None, help="default 256 (--quick 16)")
     ap.add_argument("--first-byte-latency-ms", type=float, default=30.0)
     ap.add_argument("--stream-mib-s", type=float, default=32.0)
+    ap.add_argument("--upload-host-mib-s", type=float, default=64.0,
+                    help="save_gcs: upload cap of each rank's proxy (the rank's VM), MiB/s")
     ap.add_argument("--quick", action="store_true",
                     help="small sizes for a smoke run: 8 MiB, 1 repeat, a 50 x 16 manifest")
     a = ap.parse_args(argv)
@@ -536,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     repeat = a.repeat or (1 if a.quick else 3)
     n_tensors = a.manifest_tensors or (50 if a.quick else 1000)
     n_chunks = a.manifest_chunks or (16 if a.quick else 256)
-    parts = [p for p in a.parts.split(",") if p]
+    parts = [p for p in (a.parts or ",".join(QUICK_PARTS if a.quick else PARTS)).split(",")
+             if p]
     methods = [m for m in a.methods.split(",") if m]
     save_methods = [m for m in a.save_methods.split(",") if m]
     for p in parts:
@@ -574,21 +604,31 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix="xla_ckpt_sharded_"))
         need_gcs = "restore" in parts and any(m.endswith("_gcs") for m in methods)
+        save_gcs = "save_gcs" in parts and bool(save_methods)
         proxies: list[Any] = []
+        up_proxies: list[Any] = []
         env = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024),
                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
         gcs_prefix = ""
-        if need_gcs:
+        emu: Any = None
+        if need_gcs or save_gcs:
             from xla_ckpt.testing.fault_proxy import FaultProxy, Shaping
             from xla_ckpt.testing.gcs_emulator import GCSEmulator
 
             emu = stack.enter_context(GCSEmulator())
+            env.update(emu.env())
+            gcs_prefix = emu.unique_uri("sharded")
+        if need_gcs:
             shaping = Shaping(first_byte_latency_s=a.first_byte_latency_ms / 1000,
                               stream_mib_s=a.stream_mib_s)
             proxies = [stack.enter_context(FaultProxy(emu.host, shaping=shaping))
                        for _ in range(a.ranks)]
-            env.update(emu.env())
-            gcs_prefix = emu.unique_uri("sharded")
+        if save_gcs:
+            up_shaping = Shaping(first_byte_latency_s=a.first_byte_latency_ms / 1000,
+                                 stream_mib_s=a.stream_mib_s, host_mib_s=a.upload_host_mib_s,
+                                 shape_uploads=True)
+            up_proxies = [stack.enter_context(FaultProxy(emu.host, shaping=up_shaping))
+                          for _ in range(a.ranks)]
         pool = WorkerPool(a.ranks, xla=False, env=env)
         stack.callback(pool.close)
 
@@ -644,35 +684,59 @@ def main(argv: list[str] | None = None) -> int:
                                          {**common, "state_mib": round(state_mib, 1)})
             pool.run(drop_held, timeout_s=600)
 
-        if "save" in parts and save_methods:
-            spec = {"workdir": os.path.join(work, "save"), "size_mib": size}
+        held_replicated: dict | None = None
+        for part in ("save", "save_gcs"):
+            if part not in parts or not save_methods:
+                continue
+            gcs = part == "save_gcs"
+            spec = {"workdir": os.path.join(work, part), "size_mib": size,
+                    "proxies": [p.url for p in up_proxies] if gcs else [],
+                    "gcs_prefix": f"{gcs_prefix}/save" if gcs else ""}
             os.makedirs(spec["workdir"])
-            info = [r.unwrap() for r in pool.run(setup_replicated, spec, timeout_s=3600)]
+            if held_replicated is None:
+                held_replicated = [r.unwrap() for r in pool.run(setup_replicated, spec,
+                                                                timeout_s=3600)][0]
+            names = {m: f"{m}_gcs" if gcs else m for m in save_methods}
             sruns: dict[str, list[list[dict]]] = {m: [] for m in save_methods}
             sfailed: dict[str, str] = {}
             for i in range(repeat):
                 for m in save_methods:
                     if m in sfailed:
                         continue
-                    res = pool.run(run_save, m, spec, i, timeout_s=3600)
+                    for p in up_proxies:
+                        p.reset_log()
+                    res = pool.run(run_save, names[m], spec, i, timeout_s=3600)
                     bad = [r for r in res if not r.ok]
                     if bad:
                         sfailed[m] = f"rank {bad[0].rank}: {bad[0].error!r}"[:800]
-                        print(json.dumps({"method": m, "part": "save", "failed": sfailed[m]}),
-                              flush=True)
+                        print(json.dumps({"method": names[m], "part": part,
+                                          "failed": sfailed[m]}), flush=True)
                         if pool.broken:
                             break
                         continue
-                    sruns[m].append([r.unwrap() for r in res])
-                    print(f"# {m}: {max(r.unwrap()['seconds'] for r in res):.2f} s",
+                    per_rank = [r.unwrap() for r in res]
+                    if gcs:
+                        for r, p in zip(per_rank, up_proxies, strict=True):
+                            r["written"] = p.snapshot().bytes_received
+                        bucket_prefix = f"{spec['gcs_prefix']}/{names[m]}-{i}/"
+                        emu.delete_prefix(bucket_prefix[len(f"gs://{emu.bucket}/"):])
+                    sruns[m].append(per_rank)
+                    print(f"# {names[m]}: {max(v['seconds'] for v in per_rank):.2f} s",
                           file=sys.stderr, flush=True)
                 if pool.broken:
                     break
+            extra: dict[str, Any] = {"storage": "local"}
+            if gcs:
+                extra = {"storage": "gcs_emulator", "shaping": {
+                    "first_byte_latency_ms": a.first_byte_latency_ms,
+                    "stream_mib_s": a.stream_mib_s, "upload_host_mib_s": a.upload_host_mib_s,
+                    "proxy": "one per rank, uploads shaped"}}
             for m in save_methods:
                 if sruns[m] and m not in sfailed:
-                    lines[m] = summarise(m, "save", sruns[m], None,
-                                         {**common, "state_mib": round(info[0]["bytes"] / MiB, 1),
-                                          "storage": "local"})
+                    lines[names[m]] = summarise(
+                        names[m], "save", sruns[m], None,
+                        {**common, "state_mib": round(held_replicated["bytes"] / MiB, 1),
+                         **extra})
     for m, line in lines.items():
         peer = PEER.get(m)
         if peer in lines:

@@ -9,6 +9,7 @@ host's link apart.  The shaping schedule itself is checked on an injected clock 
 from __future__ import annotations
 
 import http.client
+import io
 import uuid
 from typing import Any, Iterator
 from urllib.parse import quote
@@ -165,3 +166,106 @@ def test_shaping_rejects_bad_caps() -> None:
         Shaping(host_mib_s=0)
     with pytest.raises(ValueError, match="seconds must be >= 0"):
         Fault.stall(-1)
+
+
+class _RecordingShaper(_Shaper):
+    """The proxy's upload schedule on a frozen clock: each wait is recorded, none is slept."""
+
+    def __init__(self, shaping: Shaping) -> None:
+        self.clock = _Clock()
+        super().__init__(shaping, self.clock)
+        self.waits: list[tuple[str, int, float]] = []
+
+    def wait_s(self, address: str, n: int, *, stream_start: float, stream_sent: int) -> float:
+        w = super().wait_s(address, n, stream_start=stream_start, stream_sent=stream_sent)
+        self.waits.append((address, n, w))
+        return 0.0
+
+
+def _upload_shaped(proxy: FaultProxy, shaping: Shaping) -> _RecordingShaper:
+    proxy.shaping = shaping
+    rec = _RecordingShaper(shaping)
+    proxy._up_shaper = rec
+    return rec
+
+
+def _streams(waits: list[tuple[str, int, float]]) -> list[list[tuple[int, float]]]:
+    """Split a frozen-clock record into streams: each request body restarts at wait 0."""
+    out: list[list[tuple[int, float]]] = []
+    for _a, n, w in waits:
+        if w == 0.0:
+            out.append([])
+        out[-1].append((n, w))
+    return out
+
+
+def test_uploads_of_the_gcs_client_are_shaped_per_stream(
+        fault_proxy: FaultProxy, gcs_emulator: GCSEmulator, stem: str) -> None:
+    """Multipart and resumable uploads of the real client go through the upload schedule:
+    every body byte is scheduled on host 1's address, each piece of a body paced at the
+    stream cap (1 MiB/s: the k-th 256 KiB piece of a body may be read k * 0.25 s after its
+    start), downloads' schedule untouched; the objects arrive whole."""
+    rec = _upload_shaped(fault_proxy, Shaping(stream_mib_s=1.0, shape_uploads=True))
+    data = bytes(range(256)) * (4 * 1024 + 3)  # 1 MiB + 768 bytes
+    bucket = _gcs_client(fault_proxy, H1).bucket(gcs_emulator.bucket)
+    bucket.blob(f"{stem}/multipart").upload_from_string(data)
+    resumable = bucket.blob(f"{stem}/resumable", chunk_size=256 * 1024)
+    resumable.upload_from_file(io.BytesIO(data))  # no size given: a resumable upload
+    check = _gcs_client(fault_proxy, H0).bucket(gcs_emulator.bucket)
+    assert check.blob(f"{stem}/multipart").download_as_bytes() == data
+    assert check.blob(f"{stem}/resumable").download_as_bytes() == data
+    received = fault_proxy.bytes_received_by_address()
+    assert set(received) == {H1} and received[H1] > 2 * len(data)  # + multipart framing
+    assert dict(rec.scheduled_bytes) == received
+    assert {a for a, _, _ in rec.waits} == {H1}
+    for stream in _streams(rec.waits):
+        assert [w for _, w in stream] == pytest.approx([0.25 * k for k in range(len(stream))])
+        assert all(n == 256 * 1024 for n, _ in stream[:-1])
+    # The multipart body (5 pieces), the resumable session's JSON metadata, then its 256 KiB
+    # chunks, each a PUT of its own (a body of one piece) through the proxy.
+    streams = _streams(rec.waits)
+    assert len(streams[0]) == 5 and len(streams[1]) == 1 and streams[1][0][0] < 1024
+    assert [n for s in streams[2:] for n, _ in s] == [256 * 1024] * 4 + [768]
+    puts = [r for r in fault_proxy.records() if r.method == "PUT"]
+    assert len(puts) == 5 and all("upload_id=" in r.query for r in puts)
+    assert fault_proxy._shaper.scheduled_bytes.get(H1, 0) == \
+        fault_proxy.bytes_served_by_address().get(H1, 0)  # only answers went out to host 1
+    snap = fault_proxy.snapshot()
+    assert snap.bytes_received == received[H1] and snap.bytes_received_by_address == received
+
+
+def test_xla_ckpt_composite_upload_shaped_per_host(
+        fault_proxy: FaultProxy, gcs_emulator: GCSEmulator, stem: str) -> None:
+    """A parallel composite upload of GCSStorage from host 2 books host 2's upload link: its
+    parts' pieces follow one another at the host cap (2 MiB/s: 0.125 s per 256 KiB piece)
+    whichever stream carries them; the object is whole."""
+    from xla_ckpt.storage.base import StorageConfig
+
+    rec = _upload_shaped(fault_proxy, Shaping(host_mib_s=2.0, shape_uploads=True))
+    data = bytes(range(256)) * (12 * 1024)  # 3 MiB: three 1 MiB parts
+    cfg = StorageConfig(parallel_upload_threshold_bytes=MiB, upload_part_size_bytes=MiB)
+    with fault_proxy.storage(gcs_emulator.uri(stem), cfg, source_address=H2) as st:
+        st.write_atomic("big", [data])
+        out = bytearray(len(data))
+        st.read_range("big", 0, memoryview(out))
+    assert bytes(out) == data
+    received = fault_proxy.bytes_received_by_address()
+    assert received[H2] >= len(data) and dict(rec.scheduled_bytes) == received
+    host2 = [(n, w) for a, n, w in rec.waits if a == H2]
+    # Back to back on one link: each piece starts when the bytes booked before it are through.
+    booked = 0
+    for n, w in host2:
+        assert w == pytest.approx(booked / (2.0 * MiB))
+        booked += n
+    assert booked == received[H2]
+
+
+def test_uploads_unshaped_by_default(fault_proxy: FaultProxy, gcs_emulator: GCSEmulator,
+                                     stem: str) -> None:
+    """Without shape_uploads the upload schedule is never consulted; bodies are still counted."""
+    rec = _upload_shaped(fault_proxy, Shaping(stream_mib_s=1.0, host_mib_s=1.0))
+    bucket = _gcs_client(fault_proxy, H0).bucket(gcs_emulator.bucket)
+    bucket.blob(f"{stem}/plain").upload_from_string(BODY)
+    assert rec.waits == [] and not rec.scheduled_bytes
+    assert fault_proxy.bytes_received_by_address()[H0] >= len(BODY)
+    assert bucket.blob(f"{stem}/plain").download_as_bytes() == BODY

@@ -10,6 +10,8 @@ not make it faster; this proxy models the real service in front of it:
   the client after ``first_byte_latency_s`` and at most ``stream_mib_s`` per
   connection, ``host_mib_s`` per client source address (one emulated host's
   network link) and ``total_mib_s`` across all of them (the service's aggregate);
+  with ``Shaping(shape_uploads=True)`` request bodies (uploads) are read from the
+  client under the same caps, on their own schedule;
 * emulated hosts each connect from their own loopback address,
   ``127.0.0.(10+h)`` (:func:`host_address`; :func:`bind_session` or
   ``proxy.storage(uri, source_address=...)`` bind a client to it), and the bytes

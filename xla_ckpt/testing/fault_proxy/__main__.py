@@ -21,10 +21,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--total-mib-s", type=float, default=None)
     ap.add_argument("--host-mib-s", type=float, default=None,
                     help="cap per client source address (one emulated host's link)")
+    ap.add_argument("--shape-uploads", action="store_true",
+                    help="apply the caps to request bodies (uploads) too")
     a = ap.parse_args(argv)
     shaping = Shaping(first_byte_latency_s=a.first_byte_latency_ms / 1000,
                       stream_mib_s=a.stream_mib_s, total_mib_s=a.total_mib_s,
-                      host_mib_s=a.host_mib_s)
+                      host_mib_s=a.host_mib_s, shape_uploads=a.shape_uploads)
     with FaultProxy(a.upstream, shaping=shaping) as proxy:
         print(f"STORAGE_EMULATOR_HOST={proxy.url}", flush=True)
         try:

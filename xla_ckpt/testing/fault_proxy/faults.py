@@ -132,6 +132,10 @@ class ProxyStats:
         bytes_by_address: response body bytes sent, per client source address
             (``{"127.0.0.10": n, ...}``; sums to ``bytes_served``).
         connections_by_address: client connections accepted, per source address.
+        bytes_received: request body bytes read from clients (uploads and JSON
+            bodies), in all.
+        bytes_received_by_address: request body bytes read, per client source address
+            (sums to ``bytes_received``).
     """
 
     requests: int = 0
@@ -140,6 +144,8 @@ class ProxyStats:
     faults: Counter[str] = field(default_factory=Counter)
     bytes_by_address: Counter[str] = field(default_factory=Counter)
     connections_by_address: Counter[str] = field(default_factory=Counter)
+    bytes_received: int = 0
+    bytes_received_by_address: Counter[str] = field(default_factory=Counter)
 
 
 Matcher = Callable[[RequestInfo], bool]

@@ -5,7 +5,9 @@ name, download or upload), asks its :class:`~.proxy.FaultProxy` for a fault,
 forwards the request to the emulator and sends the answer back, shaped
 (:class:`~.shaping.Shaping`: per connection, per client source address, in all) and
 damaged as the fault says.  Body bytes are counted per client source address
-(:attr:`~.faults.ProxyStats.bytes_by_address`).
+(:attr:`~.faults.ProxyStats.bytes_by_address`), and so are request body bytes
+(:attr:`~.faults.ProxyStats.bytes_received_by_address`); with ``Shaping.shape_uploads``
+request bodies are read under the same caps.
 """
 
 from __future__ import annotations
@@ -128,21 +130,56 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._respond(rec, status, reason, headers, payload, fault)
 
     def _read_body(self) -> bytes:
+        """The request body (Content-Length or chunked), read under upload shaping if on.
+
+        With ``Shaping.shape_uploads`` each piece of at most ``_SEND_CHUNK_BYTES`` is read
+        no earlier than the proxy's upload schedule allows (per connection, per source
+        address, in all); the client's sends block meanwhile once the socket buffers fill.
+        Body bytes are counted in ``stats.bytes_received`` (per source address too).
+        """
+        p = self.server.proxy
+        shaper = p._up_shaper if p.shaping.shape_uploads else None
+        t0 = shaper.now() if shaper is not None else 0.0
+        got = 0
+
+        def read(n: int) -> bytes:
+            nonlocal got
+            parts = []
+            while n > 0:
+                k = min(n, _SEND_CHUNK_BYTES)
+                if shaper is not None:
+                    wait = shaper.wait_s(self._address, k, stream_start=t0, stream_sent=got)
+                    if wait > 0:
+                        time.sleep(wait)
+                piece = self.rfile.read(k)
+                if not piece:
+                    break
+                parts.append(piece)
+                got += len(piece)
+                n -= len(piece)
+            return b"".join(parts)
+
         n = self.headers.get("Content-Length")
         if n is not None:
-            return self.rfile.read(int(n)) if int(n) else b""
-        if (self.headers.get("Transfer-Encoding") or "").lower() == "chunked":
-            parts = []
+            body = read(int(n)) if int(n) else b""
+        elif (self.headers.get("Transfer-Encoding") or "").lower() == "chunked":
+            chunks = []
             while True:
                 size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
                 if size == 0:
                     while self.rfile.readline() not in (b"\r\n", b"\n", b""):
                         pass
                     break
-                parts.append(self.rfile.read(size))
+                chunks.append(read(size))
                 self.rfile.readline()
-            return b"".join(parts)
-        return b""
+            body = b"".join(chunks)
+        else:
+            body = b""
+        if body:
+            with p._lock:
+                p.stats.bytes_received += len(body)
+                p.stats.bytes_received_by_address[self._address] += len(body)
+        return body
 
     def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
         p = self.server.proxy

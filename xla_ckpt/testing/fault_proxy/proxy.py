@@ -53,6 +53,7 @@ class FaultProxy:
         self.upstream_host = u.hostname or "127.0.0.1"
         self.upstream_port = u.port or 80
         self._shaper = _Shaper(shaping or Shaping())
+        self._up_shaper = _Shaper(self._shaper.shaping)  # request bodies (shape_uploads)
         self._stopping = threading.Event()
         self.stats = ProxyStats()
         self._bind = host
@@ -74,6 +75,7 @@ class FaultProxy:
     def shaping(self, shaping: Shaping) -> None:
         """Replace the model; the caps' schedules and per-address counts start afresh."""
         self._shaper = _Shaper(shaping)
+        self._up_shaper = _Shaper(shaping)
 
     # ---- lifecycle ---------------------------------------------------------------------
     @property
@@ -186,7 +188,8 @@ class FaultProxy:
         with self._lock:
             st = self.stats
             return ProxyStats(st.requests, st.connections, st.bytes_served, Counter(st.faults),
-                              Counter(st.bytes_by_address), Counter(st.connections_by_address))
+                              Counter(st.bytes_by_address), Counter(st.connections_by_address),
+                              st.bytes_received, Counter(st.bytes_received_by_address))
 
     def bytes_served_by_address(self) -> dict[str, int]:
         """Response body bytes sent so far, per client source address (``{"127.0.0.10": n}``).
@@ -196,6 +199,11 @@ class FaultProxy:
         """
         with self._lock:
             return dict(self.stats.bytes_by_address)
+
+    def bytes_received_by_address(self) -> dict[str, int]:
+        """Request body bytes read so far (uploads, JSON bodies), per client source address."""
+        with self._lock:
+            return dict(self.stats.bytes_received_by_address)
 
     def reset_log(self) -> None:
         """Forget logged requests and zero the counters."""

@@ -5,6 +5,9 @@ allow (:class:`_Shaper`): per connection (``stream_mib_s``, one GCS stream), per
 source address (``host_mib_s``, one host's network link: emulated host ``h`` binds its
 client sockets to ``127.0.0.(10+h)``, see :mod:`.hosts`), and across every connection
 (``total_mib_s``, the service's aggregate).
+
+With ``shape_uploads=True`` the same three caps also pace request bodies (uploads) as the
+proxy reads them, on a schedule of their own (a link carries both directions at once).
 """
 
 from __future__ import annotations
@@ -31,12 +34,17 @@ class Shaping:
             connections of one emulated host together: its network link), MiB/s
             (None: uncapped).
         total_mib_s: body throughput cap across all connections, MiB/s (None: uncapped).
+        shape_uploads: also apply the three caps to request bodies (uploads: multipart,
+            resumable and composite-part bodies), each read from the client no faster than
+            they allow, on their own schedule (uploads and downloads do not share a cap).
+            Default False: request bodies are read at full speed.
     """
 
     first_byte_latency_s: float = 0.0
     stream_mib_s: float | None = None
     total_mib_s: float | None = None
     host_mib_s: float | None = None
+    shape_uploads: bool = False
 
     def __post_init__(self) -> None:
         if self.first_byte_latency_s < 0:
@@ -46,10 +54,13 @@ class Shaping:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"shaping.{name} must be > 0 or None, got {v}")
+        if not isinstance(self.shape_uploads, bool):
+            raise ConfigError(f"shaping.shape_uploads must be a bool, got "
+                              f"{self.shape_uploads!r}")
 
 
 class _Shaper:
-    """When each chunk of a response body may go out, under the three caps of a :class:`Shaping`.
+    """When each chunk of a body may go out (an upload's: be read), under a :class:`Shaping`.
 
     Bytes are scheduled back to back at each cap's rate: a chunk starts at the latest of
     now, its connection's pace (``stream start + bytes already sent / stream rate``), its
