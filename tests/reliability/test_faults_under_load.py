@@ -161,7 +161,9 @@ def test_sharded_restore_names_the_key_when_every_read_is_flipped(pool3, gcs_emu
     # Never wrong bytes: one clean error, the same on every rank, naming the rank(s) whose
     # reads failed and the chunk's key (global key and box) after its bounded re-reads.
     assert {o["outcome"] for o in outs} == {"clean_error"}, outs
-    assert {o["error"] for o in outs} == {"DistributedError"}
+    # The ranks whose reads passed filled their live targets, so every rank gets the
+    # DistributedError that says so (TargetsOverwrittenError), never a silent mix.
+    assert {o["error"] for o in outs} == {"TargetsOverwrittenError"}
     assert len({tuple(o["failed_ranks"]) for o in outs}) == 1 and outs[0]["failed_ranks"]
     for o in outs:
         assert "IntegrityError" in o["message"] and "after 3 reads" in o["message"]
