@@ -486,6 +486,53 @@ def test_boxes_of_several_targets_in_one_saved_chunk_each_go_in_place(tmp_path, 
     assert staged == []
 
 
+@pytest.mark.parametrize("n_rows", [3, 130], ids=["blob-shorter-than-a-crc-chunk",
+                                                    "short-final-crc-chunk"])
+def test_a_range_ending_in_the_blobs_short_final_crc_chunk_goes_in_place(tmp_path, monkeypatch,
+                                                                          n_rows):
+    """A saved chunk whose blob ends in a short crc32c chunk (3 rows of 1 KiB: the whole blob
+    is one 3 KiB chunk under 4 KiB crc32c chunks, checked by the blob's crc32c; 130 rows:
+    32 whole chunks and a 2 KiB one) restored into a contiguous target of the same rows:
+    read straight into the target, no staging buffer, exactly the blob's bytes fetched."""
+    t = torch.arange(n_rows * 256, dtype=torch.float32).reshape(n_rows, 256)
+    uri = str(tmp_path / "ck")
+    m = write_chunked(uri, {"w": t}, {}, world=1, chunk_size_bytes=4096)
+    it = m.items[chunk_item(0)]
+    blob = it.blobs[it.tensors[0].blob]
+    assert blob.length == n_rows * 1024 and bool(blob.chunk_crc32c) == (n_rows > 4)
+    staged: list[int] = []
+    monkeypatch.setattr(chunked, "_copy_out", lambda r, seg, buf: staged.append(seg.length))
+    takes: list[int] = []
+    real_take = chunked._Staging.take
+
+    def take(self: Any, n: int) -> torch.Tensor:
+        takes.append(n)
+        return real_take(self, n)
+
+    monkeypatch.setattr(chunked._Staging, "take", take)
+    live = torch.zeros(n_rows, 256)
+    ptr = live.data_ptr()
+    reader = CheckpointReader.open(uri)
+    try:
+        n = reader.read_boxes([BoxRequest(0, Box.whole((n_rows, 256)), live)])
+    finally:
+        reader.storage.close()
+    assert torch.equal(live, t) and live.data_ptr() == ptr
+    assert n == blob.length == reader.stats.bytes_read
+    assert staged == [] and takes == []
+    # the short chunk is still checked: a flipped byte in it, in place, names the target
+    _flip(uri, blob.file, blob.offset + blob.length - 5)
+    reader = CheckpointReader.open(uri)
+    try:
+        live.zero_()
+        with pytest.raises(PartiallyOverwrittenError, match="partially overwritten") as err:
+            reader.read_boxes([BoxRequest(0, Box.whole((n_rows, 256)), live)])
+        assert err.value.keys == ("state['w']",) and reader.stats.crc_retries == 2
+    finally:
+        reader.storage.close()
+    assert takes == []
+
+
 @pytest.mark.parametrize("rows", [(0, 128), (5, 96)], ids=["in-place", "staged-ends"])
 def test_bytes_flipped_in_transit_are_read_again_and_the_values_are_right(gcs_uri, fault_proxy,
                                                                          rows):

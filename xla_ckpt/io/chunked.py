@@ -17,9 +17,12 @@ that read it (a mismatch re-reads that chunk alone, up to ``reader.crc_retries``
 then :class:`~xla_ckpt.errors.IntegrityError` names the global tensor and the chunk):
 
 * bytes that are exactly a contiguous run of one contiguous ``out`` in whole crc32c
-  chunks (saved rows restored onto rows of a local shard, a tensor assembled from row
-  chunks: the bulk of a restore) are read straight into ``out`` in slices of about
-  ``storage.config.slice_size_bytes``, then checked there, as
+  chunks (a blob's final, shorter chunk up to the blob's end counts as whole, and so does
+  a blob no longer than one chunk, checked by its whole-blob crc32c) -- saved rows
+  restored onto rows of a local shard, a tensor assembled from row chunks: the bulk of a
+  restore -- are read straight into ``out`` in slices of about
+  ``storage.config.slice_size_bytes``, then checked there (from local disk each crc32c
+  chunk is read and checked at once, while it is still in the CPU cache), as
   :meth:`~xla_ckpt.io.reader.CheckpointReader.read_into` reads live buffers: no staging,
   no copy, so host memory stays near the shards themselves.  A mismatch that the re-reads
   do not clear raises :class:`~xla_ckpt.errors.PartiallyOverwrittenError` naming the
@@ -55,7 +58,7 @@ from xla_ckpt.errors import CheckpointCorruptError, IntegrityError, PartiallyOve
 from xla_ckpt.format import typed
 from xla_ckpt.format.chunks import Box, ChunkRecord, GlobalTensor, intersect, row_span
 from xla_ckpt.format.crc import crc32c
-from xla_ckpt.format.dtypes import dtype_from_name, itemsize
+from xla_ckpt.format.dtypes import dtype_from_name
 from xla_ckpt.format.manifest import BlobRecord, Manifest, TensorRecord
 from xla_ckpt.format.plan import tensor_bytes
 from xla_ckpt.io.reader import (
@@ -65,8 +68,14 @@ from xla_ckpt.io.reader import (
     host_buffer,
 )
 from xla_ckpt.io.writer import WrittenItem
+from xla_ckpt.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (its ``itemsize``: no tensor is made per call)."""
+    return dtype.itemsize
 
 
 @dataclass
@@ -177,17 +186,26 @@ def _check_requests(manifest: Manifest, requests: Sequence[BoxRequest]) -> None:
 def _plan(manifest: Manifest, boxes: Sequence[tuple[int, Box]]) -> list[_Range]:
     """The merged ranges that hold ``boxes`` (global tensor index, box; already checked)."""
     per_blob: dict[tuple[str, int], list[tuple[int, int, _Copy]]] = {}
+    # A box that is exactly a saved chunk (a restore onto the layout it was saved from) is
+    # found by one dict look-up; the chunks tile the tensor, so it overlaps no other chunk.
+    exact: dict[int, dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkRecord]] = {}
+    isizes: dict[str, int] = {}
     for ri, (g, box) in enumerate(boxes):
         gt = manifest.global_tensors[g]
         if box.numel == 0:
             continue
-        isz = itemsize(dtype_from_name(gt.dtype, where=gt.key))
+        isz = isizes.get(gt.dtype) or isizes.setdefault(
+            gt.dtype, itemsize(dtype_from_name(gt.dtype, where=gt.key)))
+        by_box = exact.get(g)
+        if by_box is None:
+            by_box = exact[g] = {(tuple(c.offsets), tuple(c.sizes)): c for c in gt.chunks}
+        hit = by_box.get((tuple(box.offsets), tuple(box.sizes)))
         covered = 0
-        for chunk, ov in gt.overlapping(box):
+        for chunk, ov in ([(hit, box)] if hit is not None else gt.overlapping(box)):
             it = manifest.item(chunk.item)
             rec = it.tensors[chunk.tensor]
             blob = it.blobs[rec.blob]
-            lo, hi = row_span(chunk.box, ov)
+            lo, hi = (0, box.numel) if chunk is hit else row_span(chunk.box, ov)
             b0, b1 = rec.byte_offset + lo * isz, rec.byte_offset + hi * isz
             if blob.chunk_crc32c:
                 c = blob.chunk_size
@@ -279,7 +297,8 @@ def _is_run(sizes: tuple[int, ...], sub: Box) -> bool:
     return all(n == 1 for n in sub.sizes[:max(d - 1, 0)])
 
 
-def _direct_part(rng: _Range, requests: Sequence[BoxRequest]) -> tuple[int, int, memoryview] | None:
+def _direct_part(rng: _Range, requests: Sequence[BoxRequest],
+                 views: dict[int, memoryview]) -> tuple[int, int, memoryview] | None:
     """Blob bytes ``[a, b)`` of ``rng`` that are exactly a contiguous run of its one
     request's ``out`` (whole crc32c chunks), with that run's bytes; None when there are none.
 
@@ -287,14 +306,17 @@ def _direct_part(rng: _Range, requests: Sequence[BoxRequest]) -> tuple[int, int,
     onto rows of a contiguous local shard, a whole tensor assembled from its row chunks.
     """
     blob = rng.blob
-    if len(rng.copies) != 1 or not blob.chunk_crc32c:
+    if len(rng.copies) != 1:
         return None
     cp = rng.copies[0]
     req = requests[cp.request]
     out = req.out
     isz = itemsize(out.dtype)
-    c = blob.chunk_size
-    if not out.is_contiguous() or cp.rec.byte_offset % isz or c % isz:
+    # A blob without per-chunk crc32c (one no longer than a crc32c chunk) is one chunk: its
+    # whole-blob crc32c checks it, so a copy that is the whole blob goes in place too.
+    c = blob.chunk_size if blob.chunk_crc32c else max(blob.length, 1)
+    if not out.is_contiguous() or cp.rec.byte_offset % isz \
+            or (blob.chunk_crc32c and c % isz):
         return None
     chunk, ov, box = cp.chunk.box, cp.overlap, req.box
     in_chunk = Box(tuple(o - x for o, x in zip(ov.offsets, chunk.offsets, strict=True)),
@@ -304,12 +326,15 @@ def _direct_part(rng: _Range, requests: Sequence[BoxRequest]) -> tuple[int, int,
         return None
     b0, b1 = cp.rec.byte_offset + cp.lo * isz, cp.rec.byte_offset + cp.hi * isz
     a = -(-b0 // c) * c
-    b = b1 if b1 == blob.length else b1 // c * c
-    if b - a < c:
+    b = b1 if b1 == blob.length else b1 // c * c  # the final chunk may be short: whole too
+    if b <= a:
         return None
     first = sum(o * st for o, st in zip(in_out.offsets, _strides(box.sizes), strict=True))
     at = (first + (a - b0) // isz) * isz
-    return a, b, tensor_bytes(out)[at:at + (b - a)]
+    view = views.get(cp.request)
+    if view is None:  # one byte view per out, however many ranges land in it
+        view = views[cp.request] = tensor_bytes(out)
+    return a, b, view[at:at + (b - a)]
 
 
 def _cut(rng: _Range, start: int, end: int, step: int | None,
@@ -327,11 +352,12 @@ def _tasks(ranges: list[_Range], requests: Sequence[BoxRequest],
            slice_size: int) -> list[_Task]:
     staged: list[_Segment] = []
     tasks: list[_Task] = []
+    views: dict[int, memoryview] = {}
     for rng in ranges:
         r = rng.read
         end = r.start + r.length
         step = _split_step(rng, min(slice_size, STAGING_SLICE_BYTES))
-        direct = _direct_part(rng, requests)
+        direct = _direct_part(rng, requests, views)
         if direct is None:
             staged.extend(_cut(rng, r.start, end, step))
             continue
@@ -512,9 +538,16 @@ def _run_in_place(reader: CheckpointReader, requests: Sequence[BoxRequest], seg:
     blob = seg.range.blob
     view = seg.dest
     assert view is not None  # in-place segments carry their destination
-    reader._fetch(blob.file, blob.offset + seg.start, view, generation)
+    # From local disk a request costs no round trip: each crc32c chunk is read, then checked
+    # while its bytes are still in the CPU cache (one pass over memory, not two).  Remote
+    # storage fetches the segment in one request, then checks each chunk.
+    per_piece = isinstance(reader.storage, LocalStorage)
+    if not per_piece:
+        reader._fetch(blob.file, blob.offset + seg.start, view, generation)
     for start, n, want in _pieces(seg):
         piece = view[start - seg.start:start - seg.start + n]
+        if per_piece:
+            reader._fetch(blob.file, blob.offset + start, piece, generation)
         attempt = 0
         while crc32c(piece) != want:
             if attempt >= reader.crc_retries:

@@ -39,8 +39,9 @@ class Decision:
     manifest_bytes: int
 
 
-def _resolve(uri: str, config: StorageConfig | None) -> tuple[str, bytes]:
-    """On rank 0: the checkpoint URI to restore and its manifest bytes.
+def _resolve(uri: str, config: StorageConfig | None) -> tuple[str, bytes, Manifest | None]:
+    """On rank 0: the checkpoint URI to restore, its manifest bytes and the manifest the
+    resolver parsed and validated from those bytes (so rank 0 does not parse it again).
 
     Raises:
         what :func:`xla_ckpt.io.resolve.resolve` raises; ConfigError for a legacy file.
@@ -51,7 +52,7 @@ def _resolve(uri: str, config: StorageConfig | None) -> tuple[str, bytes]:
                           f"xla_ckpt checkpoints: convert it with `xla-ckpt convert "
                           f"{r.checkpoint} DST`, or read it on one process with "
                           "xla_ckpt.trainer.SingleProcessRestorer")
-    return r.checkpoint, r.manifest_bytes
+    return r.checkpoint, r.manifest_bytes, r.manifest
 
 
 def _status_of(e: BaseException) -> dict[str, Any]:
@@ -91,9 +92,10 @@ def decide(uri: str, dist: Dist, *, config: StorageConfig | None = None,
     status: dict = {}
     payload = b""
     local_error: BaseException | None = None
+    parsed: Manifest | None = None
     if dist.rank == 0:
         try:
-            ckpt, payload = _resolve(uri, config)
+            ckpt, payload, parsed = _resolve(uri, config)
             status = {"status": "ok", "checkpoint": ckpt}
         except Exception as e:  # noqa: BLE001 - sent to every rank, then raised everywhere
             status, local_error = _status_of(e), e
@@ -120,7 +122,9 @@ def decide(uri: str, dist: Dist, *, config: StorageConfig | None = None,
                                f"from {uri}{suffix}", {0: status.get("message", "?")}) \
             from local_error
     ckpt = status["checkpoint"]
-    manifest = Manifest.from_json_bytes(data, where=f"{ckpt}/{MANIFEST_NAME}")
+    # the other ranks parse and validate the bytes they got (rank 0's resolver already did)
+    manifest = parsed if parsed is not None else \
+        Manifest.from_json_bytes(data, where=f"{ckpt}/{MANIFEST_NAME}")
     if dist.rank == 0:
         logger.info("rank 0: restoring %s (save %s, %d bytes of data, manifest %d bytes)%s", ckpt,
                     manifest.save_id, manifest.nbytes, len(data), suffix)

@@ -325,9 +325,9 @@ def _state_tree(saved: SavedTensors, mine: RankRequests, map_location: MapLocati
 
 # ---- the two strategies -----------------------------------------------------------------
 
-def _raise_mismatches(dist: Dist, mine: list[str], what: str) -> None:
-    """Every rank: one StateMismatchError everywhere if any rank's targets do not fit."""
-    every = dist.exchange(mine[:MAX_LISTED_MISMATCHES + 1])
+def _raise_agreed_mismatches(dist: Dist, every: list[list[str]], what: str) -> None:
+    """One StateMismatchError (the same on every rank) if any rank's list in ``every`` (rank
+    -> its mismatch lines, as exchanged) is not empty."""
     bad = {r: m for r, m in enumerate(every) if m}
     if not bad:
         return
@@ -380,9 +380,7 @@ def restore_into(decision: Decision, dist: Dist, *, into: Any, strategy: str, it
     """
     t0 = time.perf_counter()
     saved = saved_tensors(decision.manifest, item)
-    mine = dist.run_collectively(lambda: plan_rank_requests(saved, into),
-                                 f"{what}: match the targets to the checkpoint")
-    _raise_mismatches(dist, mine.mismatches, what)
+    mine, tree, needs_finish = _plan_everywhere(dist, saved, into, map_location, what)
     stats = RestoreStats(shard_bytes=mine.nbytes)
     try:
         if strategy == ALL_RANKS:
@@ -401,16 +399,63 @@ def restore_into(decision: Decision, dist: Dist, *, into: Any, strategy: str, it
         else:
             _Broadcast(decision, dist, saved, mine, storage_config, bucket_size_bytes, what,
                        stats).run()
-        dist.run_collectively(lambda: _finish(mine), f"{what}: copy into the targets")
+        if needs_finish:  # else every rank's targets were filled in place: nothing to copy
+            dist.run_collectively(lambda: _finish(mine), f"{what}: copy into the targets")
     except CollectiveTimeoutError:
         raise  # a rank died or hung: no further exchange can complete
     except DistributedError as e:  # every rank got it at the same step: one more exchange
         if not is_broken_collective(e):  # the group is unusable: no further exchange
             _raise_if_overwritten(dist, mine, e, what)
         raise
-    state = dist.run_collectively(lambda: _state_tree(saved, mine, map_location),
-                                  f"{what}: rebuild the state")
-    return Loaded(state=state, stats=stats)
+    if tree is None:  # leaves go to a device: only once they hold their bytes
+        tree = dist.run_collectively(lambda: _state_tree(saved, mine, map_location),
+                                     f"{what}: rebuild the state")
+    return Loaded(state=tree.state, stats=stats)
+
+
+@dataclass
+class _Tree:
+    state: Any
+
+
+def _plan_everywhere(dist: Dist, saved: SavedTensors, into: Any, map_location: MapLocation,
+                     what: str) -> tuple[RankRequests, _Tree | None, bool]:
+    """Every rank: match its targets and plan its boxes, then ONE exchange carries every
+    rank's outcome: a failure (DistributedError everywhere), its mismatches (one
+    StateMismatchError everywhere) and whether it has targets staged for a copy
+    (``finish``).  Returns this rank's requests, the rebuilt state tree when nothing has to
+    move after the read (``map_location`` None: the tree holds the live targets and the
+    fresh CPU tensors the read fills), and whether any rank needs the copy step.
+
+    Raises:
+        DistributedError: matching or planning failed on some rank (names the ranks).
+        StateMismatchError: some rank's targets do not fit the checkpoint.
+    """
+    step = f"{what}: match the targets to the checkpoint"
+    error: BaseException | None = None
+    mine: RankRequests | None = None
+    tree: _Tree | None = None
+    try:
+        mine = plan_rank_requests(saved, into)
+        if map_location is None and not mine.mismatches:
+            tree = _Tree(_state_tree(saved, mine, None))
+    except DistributedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported to every rank just below
+        logger.debug("rank %d: %s failed locally: %s", dist.rank, step, describe_error(e))
+        error = e
+    answers = dist.exchange([
+        None if error is None else describe_error(error),
+        mine.mismatches[:MAX_LISTED_MISMATCHES + 1] if mine is not None else [],
+        mine is not None and any(t.view.finish is not None for t in mine.targets)])
+    failures = {r: a[0] for r, a in enumerate(answers) if a[0] is not None}
+    if failures:
+        ranks = ", ".join(str(r) for r in sorted(failures))
+        raise DistributedError(f"{step} failed on rank(s) {ranks} of {dist.world_size} "
+                               f"(reported on rank {dist.rank})", failures) from error
+    _raise_agreed_mismatches(dist, [a[1] for a in answers], what)
+    assert mine is not None  # no failure anywhere, this rank's included
+    return mine, tree, any(bool(a[2]) for a in answers)
 
 
 def _raise_if_overwritten(dist: Dist, mine: RankRequests, error: DistributedError,
