@@ -560,9 +560,11 @@ class SavePath(ManagerBase):
         fence = None
         if self.rank == 0 and isinstance(own, FencedError):
             fence = (str(own), own.own_epoch, own.current_epoch, own.run)
-        fence = self._exchange(fence)[0]
+        # Rank 0 removes the stray files *before* the exchange (discard never raises), so no
+        # rank returns from the failed save while its files are still being deleted.
         if self.rank == 0 and not fl.manifest_written:
             discard(fl.storage, fl.save_id)
+        fence = self._exchange(fence)[0]
         fl.storage.close()
         if fence is not None:
             self._fenced = FencedError(fence[0], own_epoch=fence[1], current_epoch=fence[2],
