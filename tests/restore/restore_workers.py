@@ -227,7 +227,7 @@ def host_share_restore(uri: str, enabled: bool = True, hosts: int = 1, *, poke: 
         os.environ["GROUP_RANK"] = launcher_value
     real_open = host_share.open_segment
     if cannot_open_rank == d.rank:
-        def refuse(handle):  # a fault no same-host process produces: another PID namespace
+        def refuse(handle, **_):  # a fault no same-host process produces: another PID namespace
             raise HostMemoryError(f"cannot open /proc/{handle['pid']}/fd/{handle['fd']}: "
                                   "[Errno 13] Permission denied")
 

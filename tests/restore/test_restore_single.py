@@ -110,7 +110,7 @@ def test_strategy_choice_and_config():
     assert choose_strategy(d, RestoreConfig(load_checkpoint_on_all_dp_ranks=True)) == (
         "all_ranks", "load_checkpoint_on_all_dp_ranks=True (fairseq option)")
     with pytest.raises(ConfigError, match="restore.strategy must be one of auto, all_ranks, "
-                                          "broadcast; got 'rank0'"):
+                                          "per_host, broadcast, striped; got 'rank0'"):
         RestoreConfig(strategy="rank0")
     with pytest.raises(ConfigError, match="load_checkpoint_on_all_dp_ranks=true asks every rank "
                                           "to read, but restore.strategy is 'broadcast'"):

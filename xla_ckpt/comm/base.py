@@ -359,6 +359,37 @@ class Dist(abc.ABC):
                                send=False)
         return moved
 
+    def all_gather_tensors(self, parts: Sequence[Sequence[torch.Tensor]],
+                           bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES) -> int:
+        """Every rank ends with every rank's bytes: an all-gather of tensor lists, in buckets.
+
+        ``parts[r]`` are rank ``r``'s contiguous tensors (``len(parts) == world_size``): on
+        rank ``r`` they hold its data, on the other ranks they are destinations of the same
+        byte sizes (e.g. views of one preallocated buffer).  Every rank derives the sizes
+        from the same plan, so they are not checked.  The default moves each rank's part
+        with :meth:`broadcast_tensors` from that rank (bounded buckets, no staging beyond
+        one bucket); a backend may override it with a native all-gather (the XLA data
+        plane, :mod:`xla_ckpt.comm.xla_dist`).  Used by the striped restore
+        (:mod:`xla_ckpt.restore.striped`): each rank's stripes reach every other rank.
+
+        Returns:
+            Bytes this rank received (the other ranks' parts).
+
+        Raises:
+            ValueError: ``parts`` does not have ``world_size`` entries, or a tensor is not
+                contiguous.
+            DistributedError / CollectiveTimeoutError: a collective failed.
+        """
+        if len(parts) != self.world_size:
+            raise ValueError(f"all_gather_tensors needs one part per rank ({self.world_size}), "
+                             f"got {len(parts)}")
+        received = 0
+        for src, tensors in enumerate(parts):
+            n = self.broadcast_tensors(tensors, src=src, bucket_size_bytes=bucket_size_bytes,
+                                       check_layout=False)
+            received += 0 if src == self.rank else n
+        return received
+
     def _move(self, views: list[torch.Tensor], bucket_size_bytes: int, dev: torch.device,
               op: Callable[[torch.Tensor, int], None], peer: int, *, send: bool) -> int:
         """Move ``views`` to or from rank ``peer`` in buckets: ``op`` is the send or the receive."""

@@ -213,8 +213,12 @@ class Segment:
             self.fd = -1
 
 
-def open_segment(handle: dict) -> int:
+def open_segment(handle: dict, *, writable: bool = False) -> int:
     """A reader's descriptor of the leader's segment ``handle`` (``O_RDONLY``), its nonce checked.
+
+    ``writable=True`` opens it ``O_RDWR`` instead: a rank of the host that fills part of
+    the leader's segment with ``os.pwrite`` before the leader seals it (the striped
+    restore); it must never map it writable (that would block the seal).
 
     Raises:
         HostMemoryError: the segment cannot be opened from this process (another
@@ -222,7 +226,7 @@ def open_segment(handle: dict) -> int:
     """
     path = f"/proc/{int(handle['pid'])}/fd/{int(handle['fd'])}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     except OSError as e:
         raise HostMemoryError(f"cannot open the leader's segment at {path}: {e}") from None
     head = os.pread(fd, len(MAGIC) + 16, 0)

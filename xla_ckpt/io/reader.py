@@ -265,8 +265,15 @@ class CheckpointReader:
 
     def read_into_file(self, item_name: str, fd: int, offsets: dict[int, int], *,
                        staging_buffers: int = 2,
-                       on_written: Callable[[int], None] | None = None) -> None:
+                       on_written: Callable[[int], None] | None = None,
+                       ranges: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> None:
         """Read blobs into a file at ``offsets`` (blob index -> byte offset in ``fd``), checked.
+
+        ``ranges`` (blob index -> ``[(start, length), ...]`` bytes of that blob, each start a
+        multiple of the blob's crc32c chunk size and each end a chunk boundary or the blob's
+        end) reads only those byte ranges, written at ``offsets[blob] + start``; blobs
+        without per-chunk crc32c can only be read whole (``[(0, length)]``).  Default: every
+        blob of ``offsets``, whole.  The striped restore reads its stripes this way.
 
         Each chunk-aligned slice is read into one of ``staging_buffers``
         reusable buffers of the slice size, crc32c-checked there, and only
@@ -285,12 +292,20 @@ class CheckpointReader:
             OSError: the write to ``fd`` failed (out of memory or space).
         """
         item = self.manifest.item(item_name)
-        self.check_files({item.blobs[i].file for i in offsets})
+        wanted = ranges if ranges is not None else \
+            {i: [(0, item.blobs[i].length)] for i in offsets}
+        self.check_files({item.blobs[i].file for i in wanted})
         tasks: list[tuple[Item, int, BlobRecord, int, int]] = []  # (item, blob, rec, start, n)
-        for i in offsets:
+        nbytes = 0
+        for i, spans in wanted.items():
             rec = item.blobs[i]
-            tasks.extend((item, i, rec, s, n) for s, n in _slice_ranges(rec, rec.length,
-                                                                        self.storage.config))
+            for lo, length in spans:
+                if length == 0 and rec.length == 0:
+                    continue
+                _check_range(rec, i, lo, length)
+                nbytes += length
+                tasks.extend((item, i, rec, lo + s, n)
+                             for s, n in _slice_ranges(rec, length, self.storage.config))
         tasks.sort(key=lambda t: offsets[t[1]] + t[3])
         done = [False] * len(tasks)
         lock = threading.Lock()
@@ -331,7 +346,44 @@ class CheckpointReader:
 
             self._run([(i,) + t for i, t in enumerate(tasks)], fn=one)
         self.stats.seconds = time.perf_counter() - t0
-        self.stats.bytes_read = sum(item.blobs[i].length for i in offsets)
+        self.stats.bytes_read = nbytes
+
+    def read_ranges_into(self, item_name: str, buffers: Mapping[int, torch.Tensor],
+                         ranges: Mapping[int, Sequence[tuple[int, int]]]) -> int:
+        """Fill byte ranges of blob buffers, every byte crc32c-checked, all in one thread pool.
+
+        ``buffers[blob]`` is a fresh (not live) contiguous CPU ``uint8[blob length]`` tensor;
+        ``ranges[blob]`` lists ``(start, length)`` byte ranges of that blob, aligned as for
+        :meth:`read_into_file`.  Bytes land in place and are checked there (a mismatch is
+        re-read; the buffer is the caller's staging, never a live tensor).
+
+        Returns:
+            Bytes fetched (the sum of the ranges).
+
+        Raises:
+            IntegrityError / CheckpointCorruptError / DataFileMissingError: as :meth:`read_into`.
+            ValueError: a buffer of another size, or a range that is not chunk-aligned.
+        """
+        item = self.manifest.item(item_name)
+        self.check_files({item.blobs[i].file for i in ranges})
+        tasks: list[tuple] = []
+        nbytes = 0
+        for i, spans in ranges.items():
+            rec, buf = item.blobs[i], buffers[i]
+            if buf.numel() != rec.length or buf.dtype != torch.uint8 or not buf.is_contiguous() \
+                    or buf.device.type != "cpu":
+                raise ValueError(f"buffer for blob {i} must be a contiguous CPU "
+                                 f"uint8[{rec.length}] tensor")
+            for lo, length in spans:
+                _check_range(rec, i, lo, length)
+                nbytes += length
+                tasks.extend(self._slices(item, i, rec, tensor_bytes(buf[lo:lo + length]), lo))
+        t0 = time.perf_counter()
+        self.stats = ReadStats()
+        self._run(tasks)
+        self.stats.seconds = time.perf_counter() - t0
+        self.stats.bytes_read = nbytes
+        return nbytes
 
     def read_blob_range(self, item_name: str, blob_id: int, start: int,
                         length: int) -> torch.Tensor:
@@ -693,6 +745,23 @@ def data_file_missing(storage: Storage, name: str, expected: int | None, *,
         "another host's local disk? a filesystem not mounted here?) and that the checkpoint was "
         "not deleted or replaced while it was read (rotation, a save to the same folder).",
         path=url, checkpoint=storage.uri)
+
+
+def _check_range(rec: BlobRecord, blob_id: int, start: int, length: int) -> None:
+    """Raise unless ``[start, start+length)`` of blob ``rec`` can be read and checked alone."""
+    end = start + length
+    if start < 0 or length < 1 or end > rec.length:
+        raise ValueError(f"range [{start}, {end}) of blob {blob_id} is outside its "
+                         f"{rec.length} bytes (or empty)")
+    if not rec.chunk_crc32c:
+        if (start, length) != (0, rec.length):
+            raise ValueError(f"blob {blob_id} has one crc32c for all its {rec.length} bytes; "
+                             f"it can only be read whole, not [{start}, {end})")
+        return
+    c = rec.chunk_size
+    if start % c or (end % c and end != rec.length):
+        raise ValueError(f"range [{start}, {end}) of blob {blob_id} is not aligned to its "
+                         f"crc32c chunks of {c} bytes")
 
 
 def _slice_ranges(rec: BlobRecord, length: int, config: StorageConfig) -> list[tuple[int, int]]:

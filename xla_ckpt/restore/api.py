@@ -32,19 +32,32 @@ from xla_ckpt.errors import (
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.format.plan import MapLocation
+from xla_ckpt.restore import cost
 from xla_ckpt.restore.all_ranks import restore_all_ranks
 from xla_ckpt.restore.broadcast import restore_broadcast
 from xla_ckpt.restore.config import RestoreConfig
 from xla_ckpt.restore.decide import Decision, decide
+from xla_ckpt.restore.per_host import restore_per_host
 from xla_ckpt.restore.plan import RankPlan, plan_ranks
 from xla_ckpt.restore.result import Loaded, Restored
-from xla_ckpt.restore.select import ALL_RANKS, choose_strategy
+from xla_ckpt.restore.select import (
+    ALL_RANKS,
+    AUTO,
+    BROADCAST,
+    PER_HOST,
+    STRIPED,
+    choose_plan_for_job,
+    choose_strategy,
+    job_shape,
+    sizes_of,
+)
 from xla_ckpt.restore.sharded import (
     agree_on_inputs,
     read_items_everywhere,
     remap_rank_state,
     restore_into,
 )
+from xla_ckpt.restore.striped import restore_striped
 from xla_ckpt.storage import StorageConfig
 
 logger = logging.getLogger(__name__)
@@ -182,6 +195,13 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
                                    "the byte ranges of its own shards")
     context = f"strategy {name}: {reason}"
     decision = decide(uri, dist, config=storage_config, context=context)
+    shape = job_shape(dist)  # every rank: one exchange of host ids
+    sizes = sizes_of(decision.manifest, item, cfg, storage_config)
+    predictions = {p: e.seconds for p, e in cost.predict(
+        shape.topology, sizes, cfg.cost_model, backend_kind=shape.backend_kind).items()}
+    if name == AUTO:
+        choice = choose_plan_for_job(shape, sizes, cfg)
+        name, reason = choice.plan, choice.reason
     for attempt in range(2):
         plans = plan_ranks(decision.manifest, dist.world_size, item=item,
                            restore_rank_items=rank_item, zero_sharding=cfg.zero_sharding,
@@ -224,6 +244,11 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
                        dist.rank, me.dropped)
     stats = loaded.stats
     stats.seconds = time.perf_counter() - t0
+    stats.plan = stats.plan or name
+    stats.predictions = predictions
+    stats.predicted_s = predictions.get(stats.plan, 0.0)
+    if stats.plan != name:  # e.g. per_host without host shared memory: every rank read
+        reason = f"{reason}; ran the {stats.plan} plan ({stats.data_path})"
     md = decision.manifest.metadata
     result = Restored(
         state=loaded.state, rank_state=loaded.rank_state, shards=loaded.shards,
@@ -232,9 +257,10 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
         metadata=typed.decode(md) if md is not None else None, strategy=name, reason=reason,
         stats=stats)
     if dist.rank == 0:
-        logger.info("rank 0: restored %s with strategy %s in %.2f s (read %d bytes, %.1f MiB/s)%s",
-                    decision.checkpoint, name, stats.seconds, stats.bytes_read,
-                    stats.bytes_read / max(stats.seconds, 1e-9) / 2**20,
+        logger.info("rank 0: restored %s with strategy %s (plan %s) in %.2f s, predicted "
+                    "%.2f s (read %d bytes, %.1f MiB/s)%s",
+                    decision.checkpoint, name, stats.plan, stats.seconds, stats.predicted_s,
+                    stats.bytes_read, stats.bytes_read / max(stats.seconds, 1e-9) / 2**20,
                     f"; data plane: {stats.data_path}" if stats.data_path else "")
     return result
 
@@ -242,13 +268,37 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
 def _strategy(decision: Decision, dist: Dist, plans: list[RankPlan], name: str,
               cfg: RestoreConfig, *, map_location: MapLocation,
               storage_config: StorageConfig | None, what: str) -> Loaded:
-    if name == ALL_RANKS:
-        return restore_all_ranks(decision, dist, plans[dist.rank], map_location=map_location,
-                                 storage_config=storage_config, what=what)
-    return restore_broadcast(decision, dist, plans, map_location=map_location,
-                             storage_config=storage_config,
-                             bucket_size_bytes=cfg.bucket_size_bytes, what=what,
-                             host_shared_memory=cfg.host_shared_memory)
+    """Run plan ``name`` for the replicated item, the per-rank items and the flat shards."""
+    if name in (ALL_RANKS, PER_HOST) and (name == PER_HOST or cfg.host_shared_memory) \
+            and dist.world_size > 1:
+        # all_ranks with host shared memory: the ranks of a host share one read (per_host)
+        loaded, fallback = restore_per_host(decision, dist, plans, map_location=map_location,
+                                            storage_config=storage_config, what=what,
+                                            host_shared_memory=cfg.host_shared_memory)
+        if fallback and dist.rank == 0:
+            logger.info("rank 0: %s: every rank reads for itself (%s)", what, fallback)
+        return loaded
+    if name in (ALL_RANKS, PER_HOST):
+        loaded = restore_all_ranks(decision, dist, plans[dist.rank], map_location=map_location,
+                                   storage_config=storage_config, what=what)
+        loaded.stats.plan = ALL_RANKS
+        return loaded
+    if name == STRIPED:
+        return restore_striped(decision, dist, plans, map_location=map_location,
+                               storage_config=storage_config,
+                               bucket_size_bytes=cfg.bucket_size_bytes, what=what,
+                               host_shared_memory=cfg.host_shared_memory)
+    loaded = restore_broadcast(decision, dist, plans, map_location=map_location,
+                               storage_config=storage_config,
+                               bucket_size_bytes=cfg.bucket_size_bytes, what=what,
+                               host_shared_memory=cfg.host_shared_memory)
+    loaded.stats.plan = BROADCAST
+    return loaded
+
+
+def _box_strategy(name: str) -> str:
+    """The strategy of the into= / remap paths: rank 0 sends (broadcast) or each rank reads."""
+    return BROADCAST if name == BROADCAST else ALL_RANKS
 
 
 def _run(decision: Decision, dist: Dist, plans: list[RankPlan], name: str, cfg: RestoreConfig,
@@ -259,9 +309,10 @@ def _run(decision: Decision, dist: Dist, plans: list[RankPlan], name: str, cfg: 
     if into is None and not decision.manifest.item(item).chunked:
         return _strategy(decision, dist, plans, name, cfg, map_location=map_location,
                          storage_config=storage_config, what=what)
-    loaded = restore_into(decision, dist, into=into, strategy=name, item=item,
+    loaded = restore_into(decision, dist, into=into, strategy=_box_strategy(name), item=item,
                           map_location=map_location, storage_config=storage_config,
                           bucket_size_bytes=cfg.bucket_size_bytes, what=what)
+    loaded.stats.plan = _box_strategy(name)  # the boxes: each rank reads, or rank 0 sends
     # the same on every rank: the plans come from the manifest alone
     if any(p.rank_item is not None or p.shards for p in plans):
         rest = _strategy(decision, dist,
@@ -282,7 +333,7 @@ def _remap(decision: Decision, dist: Dist, me: RankPlan, name: str, cfg: Restore
            storage_config: StorageConfig | None, what: str) -> Any:
     """Every rank reads every saved per-rank item and maps them with ``hook``."""
     states = read_items_everywhere(decision, dist, list(me.remap_items.values()),
-                                   strategy=name, map_location=map_location,
+                                   strategy=_box_strategy(name), map_location=map_location,
                                    storage_config=storage_config,
                                    bucket_size_bytes=cfg.bucket_size_bytes, what=what)
     saved = {r: states[n] for r, n in me.remap_items.items()}

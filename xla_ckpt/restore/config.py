@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xla_ckpt.comm.buckets import DEFAULT_BUCKET_SIZE_BYTES
 from xla_ckpt.errors import ConfigError
+from xla_ckpt.restore.cost import Bandwidths
 
-STRATEGIES = ("auto", "all_ranks", "broadcast")
+STRATEGIES = ("auto", "all_ranks", "per_host", "broadcast", "striped")
 ZERO_SHARDING = ("none", "os")
 RANK_STATE_ON_RESIZE = ("error", "drop")
 
@@ -17,8 +18,21 @@ class RestoreConfig:
     """How :func:`xla_ckpt.restore.restore` moves a checkpoint onto every rank.
 
     Attributes:
-        strategy: ``"auto"`` (every rank reads on XLA/TPU; rank 0 reads and
-            broadcasts on CUDA/NCCL and gloo), ``"all_ranks"`` or ``"broadcast"``.
+        strategy: the read plan (:mod:`xla_ckpt.restore.cost` describes each):
+
+            * ``"auto"`` (default): the plan with the lowest predicted seconds
+              (:func:`~xla_ckpt.restore.cost.choose_plan` on the job's hosts x ranks per
+              host, the checkpoint's size and ``cost_model``) among those the backend
+              can run; on XLA never one that needs an XLA collective unless
+              ``allow_xla_data_plane``;
+            * ``"all_ranks"``: every rank reads what it needs from storage; with
+              ``host_shared_memory`` (the default) the ranks of one host share one read
+              of the replicated state (the ``per_host`` plan), else each rank reads all;
+            * ``"per_host"``: one read per host, the host's other ranks map its sealed copy;
+            * ``"broadcast"``: rank 0 reads, the data plane fans out in buckets;
+            * ``"striped"``: every byte is fetched once per job, in crc32c-chunk-aligned
+              stripes spread over all ranks, then exchanged (host shared memory within a
+              host, bucketed broadcasts across hosts).
         load_checkpoint_on_all_dp_ranks: fairseq's flag; True means
             ``"all_ranks"`` (and conflicts with an explicit ``"broadcast"``).
         bucket_size_bytes: largest single collective of the broadcast path,
@@ -28,7 +42,14 @@ class RestoreConfig:
             each rank gets the whole of every sharded tensor.
         allow_reshard: restore sharded tensors saved with another world size
             by exact resharding; False raises ``WorldSizeMismatchError`` instead.
-        host_shared_memory: broadcast strategy only.  True: ranks on the
+        allow_xla_data_plane: on XLA/TPU, let ``auto`` pick plans that move tensor bytes
+            over a data-plane collective across hosts (``broadcast``, multi-host
+            ``striped``).  False (default): ``auto`` keeps to plans with no cross-host
+            collective (``all_ranks`` / ``per_host``).
+        cost_model: :class:`~xla_ckpt.restore.cost.Bandwidths` the cost model predicts
+            with (storage per stream / per host / aggregate in bytes/s, first-byte latency
+            in seconds, data-plane bandwidths); defaults describe a Cloud VM reading GCS.
+        host_shared_memory: per_host, striped and broadcast.  True: ranks on the
             same host share one sealed, copy-on-write copy of the replicated
             state that their host's leader holds (rank 0 reads into its copy,
             other hosts' leaders receive one over the data plane), falling
@@ -55,6 +76,8 @@ class RestoreConfig:
     allow_reshard: bool = True
     host_shared_memory: bool = True
     rank_state_on_resize: str = "error"
+    allow_xla_data_plane: bool = False
+    cost_model: Bandwidths = field(default_factory=Bandwidths)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -67,13 +90,19 @@ class RestoreConfig:
             raise ConfigError(f"restore.rank_state_on_resize must be one of "
                               f"{', '.join(RANK_STATE_ON_RESIZE)}; got "
                               f"{self.rank_state_on_resize!r}")
-        for name in ("load_checkpoint_on_all_dp_ranks", "allow_reshard", "host_shared_memory"):
+        if isinstance(self.cost_model, dict):
+            self.cost_model = Bandwidths(**self.cost_model)
+        if not isinstance(self.cost_model, Bandwidths):
+            raise ConfigError(f"restore.cost_model must be a Bandwidths (or a mapping of its "
+                              f"fields), got {type(self.cost_model).__name__}")
+        for name in ("load_checkpoint_on_all_dp_ranks", "allow_reshard", "host_shared_memory",
+                     "allow_xla_data_plane"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"restore.{name} must be true or false, got "
                                   f"{getattr(self, name)!r}")
         b = self.bucket_size_bytes
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
             raise ConfigError(f"restore.bucket_size_bytes must be an integer >= 1, got {b!r}")
-        if self.load_checkpoint_on_all_dp_ranks and self.strategy == "broadcast":
-            raise ConfigError("restore.load_checkpoint_on_all_dp_ranks=true asks every rank to "
-                              "read, but restore.strategy is 'broadcast'; set one of them")
+        if self.load_checkpoint_on_all_dp_ranks and self.strategy in ("broadcast", "striped"):
+            raise ConfigError(f"restore.load_checkpoint_on_all_dp_ranks=true asks every rank to "
+                              f"read, but restore.strategy is {self.strategy!r}; set one of them")

@@ -46,6 +46,7 @@ class HostShare:
     fd: int | None = None
     leaders_dist: Dist | None = None
     leader_pid: int = 0
+    plan: str = "broadcast"
     closed: bool = field(default=False, repr=False)
 
     def own_segment(self) -> Segment:
@@ -66,9 +67,17 @@ class HostShare:
     def describe(self) -> str:
         sizes = sorted({len(h) for h in self.hosts})
         per = "/".join(str(n) for n in sizes)
-        how = ("rank 0 reads, the other ranks map its memory" if len(self.hosts) == 1 else
-               "rank 0 reads, host leaders receive over the data plane, the other ranks "
-               "map their leader's memory")
+        if self.plan == "per_host":
+            how = "each host's leader reads, the other ranks of the host map its memory"
+        elif self.plan == "striped":
+            how = ("every rank reads its stripes into its host's memory" +
+                   ("" if len(self.hosts) == 1 else
+                    ", host leaders all-gather the stripes over the data plane"))
+        elif len(self.hosts) == 1:
+            how = "rank 0 reads, the other ranks map its memory"
+        else:
+            how = ("rank 0 reads, host leaders receive over the data plane, the other ranks "
+                   "map their leader's memory")
         return (f"host shared memory ({len(self.hosts)} host(s) x {per} rank(s): {how}; "
                 "one copy per host)")
 
@@ -82,13 +91,20 @@ class HostShare:
         self.closed = True
 
 
-def negotiate(dist: Dist, enabled: bool, nbytes: int, what: str) -> tuple[HostShare | None, str]:
+def negotiate(dist: Dist, enabled: bool, nbytes: int, what: str, *, writable: bool = False,
+              leaders_group: bool = True, plan: str = "broadcast") -> tuple[HostShare | None, str]:
     """Every rank calls it; returns this rank's :class:`HostShare` (or None) and why.
 
     Args:
         enabled: ``restore.host_shared_memory`` on this rank.
         nbytes: bytes of the replicated state to be shared.
         what: the restore, for log lines.
+        writable: non-leaders open the leader's segment read-write (they ``pwrite`` their
+            part of it before the seal: the striped restore); default read-only.
+        leaders_group: with several hosts, make the host leaders' subgroup (the plans that
+            move bytes across hosts); False for the per-host plan, which never does.
+        plan: the plan sharing the memory (``broadcast``, ``per_host``, ``striped``), for
+            :attr:`HostShare.describe`.
 
     Returns:
         ``(share, reason)``: ``share`` is None on every rank when the
@@ -114,20 +130,21 @@ def negotiate(dist: Dist, enabled: bool, nbytes: int, what: str) -> tuple[HostSh
     hosts = sorted(by_host.values(), key=lambda h: h[0])
     if all(len(h) == 1 for h in hosts):
         return None, "one rank per host: nothing to share"
-    if len(hosts) > 1 and not dist.supports_subgroups:
+    if len(hosts) > 1 and leaders_group and not dist.supports_subgroups:
         return None, (f"{len(hosts)} hosts, and {type(dist).__name__} cannot make the host "
                       "leaders' subgroup")
     leaders = [h[0] for h in hosts]
     mine = next(h for h in hosts if dist.rank in h)
-    share = HostShare(hosts=hosts, leaders=leaders, leader=mine[0])
+    share = HostShare(hosts=hosts, leaders=leaders, leader=mine[0], plan=plan)
     try:
-        return _open(dist, share, what)
+        return _open(dist, share, what, writable=writable, leaders_group=leaders_group)
     except BaseException:
         share.close()
         raise
 
 
-def _open(dist: Dist, share: HostShare, what: str) -> tuple[HostShare | None, str]:
+def _open(dist: Dist, share: HostShare, what: str, *, writable: bool,
+          leaders_group: bool) -> tuple[HostShare | None, str]:
     report: dict = {"handle": None, "error": None}
     if dist.rank == share.leader:
         try:
@@ -142,7 +159,7 @@ def _open(dist: Dist, share: HostShare, what: str) -> tuple[HostShare | None, st
         share.leader_pid = int(reports[share.leader]["handle"]["pid"])
     if not failed and dist.rank != share.leader:
         try:
-            share.fd = open_segment(reports[share.leader]["handle"])
+            share.fd = open_segment(reports[share.leader]["handle"], writable=writable)
         except HostMemoryError as e:
             error = describe_error(e)
     opened = dist.exchange(error)
@@ -151,7 +168,7 @@ def _open(dist: Dist, share: HostShare, what: str) -> tuple[HostShare | None, st
         share.close()
         causes = "; ".join(f"rank {r}: {c}" for r, c in sorted(failed.items()))
         return None, f"host shared memory unavailable ({causes})"
-    if len(share.hosts) > 1:
+    if len(share.hosts) > 1 and leaders_group:
         share.leaders_dist = dist.subgroup(share.leaders)  # every rank calls it
     if dist.rank == 0:
         logger.info("rank 0: %s: data plane is %s", what, share.describe)

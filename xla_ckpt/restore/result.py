@@ -24,6 +24,11 @@ class RestoreStats:
         read_seconds: wall time of this rank's storage reads.
         data_path: how the tensor bytes reached the ranks (broadcast strategy:
             host shared memory or the collective, and why); ``""`` for all_ranks.
+        plan: the read plan that ran (``all_ranks``, ``per_host``, ``broadcast`` or
+            ``striped``; :mod:`xla_ckpt.restore.cost`).
+        predicted_s: the cost model's predicted seconds for ``plan`` on this job
+            (compare with ``seconds``, the measured wall time).
+        predictions: predicted seconds of every plan (what ``auto`` chose from).
         shard_bytes: restores into live targets (``restore(into=...)``): bytes of the
             boxes this rank fills (its own shards of every target, plus the saved tensors
             ``into`` lacks, whole); what ``bytes_read`` is compared with.  0 otherwise.
@@ -37,6 +42,9 @@ class RestoreStats:
     read_seconds: float = 0.0
     data_path: str = ""
     shard_bytes: int = 0
+    plan: str = ""
+    predicted_s: float = 0.0
+    predictions: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,7 +80,8 @@ class Restored:
         checkpoint: URI of the checkpoint restored (the one rank 0 decided on).
         manifest: its manifest.
         metadata: the typed-decoded metadata summary the saver passed.
-        strategy: ``"all_ranks"`` or ``"broadcast"``.
+        strategy: the plan that ran: ``"all_ranks"``, ``"per_host"``, ``"broadcast"`` or
+            ``"striped"`` (``stats.plan``).
         reason: why that strategy ran.
         stats: :class:`RestoreStats` of this rank.
     """

@@ -1,31 +1,93 @@
-"""Which restore strategy runs, and why (the reason goes into every log line and error)."""
+"""Which restore plan runs, and why (the reason goes into every log line and error).
+
+The plans (:mod:`xla_ckpt.restore.cost`): ``all_ranks``, ``per_host``, ``broadcast`` and
+``striped``.  An explicit ``strategy`` wins; ``auto`` asks the cost model, once the
+manifest (the checkpoint's size) and the job's shape (hosts x ranks per host, from one
+exchange of every rank's host id) are known, for the plan with the lowest predicted
+seconds among those this backend may run.  Every rank computes the same answer from the
+same inputs.
+"""
 
 from __future__ import annotations
 
-from xla_ckpt.comm.base import Dist
-from xla_ckpt.restore.config import RestoreConfig
+from dataclasses import dataclass
 
-ALL_RANKS = "all_ranks"
-BROADCAST = "broadcast"
+from xla_ckpt.comm.base import Dist
+from xla_ckpt.format.manifest import Manifest
+from xla_ckpt.restore import cost
+from xla_ckpt.restore.config import RestoreConfig
+from xla_ckpt.storage import StorageConfig
+
+ALL_RANKS = cost.ALL_RANKS
+PER_HOST = cost.PER_HOST
+BROADCAST = cost.BROADCAST
+STRIPED = cost.STRIPED
+AUTO = "auto"
 
 
 def choose_strategy(dist: Dist, config: RestoreConfig) -> tuple[str, str]:
-    """``(strategy, reason)`` for this job; every rank computes the same answer.
+    """``(strategy, reason)`` before the checkpoint is known; every rank gets the same answer.
 
     * fairseq ``load_checkpoint_on_all_dp_ranks=True`` -> ``all_ranks``;
     * an explicit ``strategy`` wins;
-    * ``auto``: one process -> ``all_ranks``; XLA/TPU -> ``all_ranks``
-      (every rank reads storage in parallel; XLA cannot broadcast objects);
-      NCCL or gloo -> ``broadcast`` (rank 0 reads, the data plane fans out).
+    * ``auto`` with one process -> ``all_ranks``;
+    * ``auto`` otherwise -> ``("auto", ...)``: :func:`choose_plan_for_job` decides once the
+      manifest is known.
     """
     if config.load_checkpoint_on_all_dp_ranks:
         return ALL_RANKS, "load_checkpoint_on_all_dp_ranks=True (fairseq option)"
-    if config.strategy != "auto":
+    if config.strategy != AUTO:
         return config.strategy, f"strategy={config.strategy!r} was requested"
     if dist.world_size == 1:
         return ALL_RANKS, "auto: a single process reads the checkpoint itself"
-    if dist.kind == "xla":
-        return ALL_RANKS, ("auto: XLA/TPU job, every rank reads from storage in parallel "
-                           "(XLA object broadcast is broken, pytorch/xla#5492)")
-    return BROADCAST, (f"auto: {dist.backend} job, rank 0 reads and broadcasts in buckets over "
-                       f"{dist.backend}")
+    return AUTO, "auto: the cost model decides once the checkpoint's size is known"
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """The job as the cost model sees it (the same on every rank)."""
+
+    topology: cost.RestoreTopology
+    backend_kind: str
+
+
+def job_shape(dist: Dist) -> JobShape:
+    """Every rank calls it (one exchange when there are several ranks): hosts are the distinct
+    topology ``host_id`` values, ranks per host the most ranks any host has."""
+    kind = "single" if dist.world_size == 1 else ("xla" if dist.kind == "xla" else dist.backend)
+    if kind not in cost.BACKEND_KINDS:
+        kind = "torch"
+    if dist.world_size == 1:
+        return JobShape(cost.RestoreTopology(hosts=1, ranks_per_host=1), kind)
+    hosts: dict[int, int] = {}
+    for h in dist.exchange(dist.topology.host_id):
+        hosts[h] = hosts.get(h, 0) + 1
+    return JobShape(cost.RestoreTopology(hosts=len(hosts), ranks_per_host=max(hosts.values())),
+                    kind)
+
+
+def sizes_of(manifest: Manifest, item: str, config: RestoreConfig,
+             storage_config: StorageConfig | None) -> cost.RestoreSizes:
+    """The cost model's sizes for restoring ``item`` of ``manifest`` whole."""
+    nbytes = sum(b.length for b in manifest.item(item).blobs) if item in manifest.items else 0
+    return cost.RestoreSizes(state_bytes=nbytes,
+                             request_bytes=(storage_config or StorageConfig()).slice_size_bytes,
+                             bucket_bytes=config.bucket_size_bytes)
+
+
+def choose_plan_for_job(shape: JobShape, sizes: cost.RestoreSizes,
+                        config: RestoreConfig) -> cost.PlanChoice:
+    """``auto``'s plan for this job (:func:`xla_ckpt.restore.cost.choose_plan`).
+
+    Runnable here: every plan with several ranks (``per_host`` and ``striped`` fall back
+    when host memory cannot be shared, with the reason logged); on XLA the plans that need
+    a cross-host collective only with ``restore.allow_xla_data_plane``.
+    """
+    runnable = set(cost.PLANS)
+    if not config.host_shared_memory:
+        runnable.discard(PER_HOST)  # it would be all_ranks
+    if shape.topology.world_size == 1:
+        runnable = {ALL_RANKS}
+    return cost.choose_plan(shape.topology, sizes, config.cost_model, runnable=runnable,
+                            allow_xla_data_plane=config.allow_xla_data_plane,
+                            backend_kind=shape.backend_kind)
