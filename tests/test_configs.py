@@ -138,7 +138,8 @@ F = "configs/cpu-emulation.yaml"
     ("checkpoint.async_save=yes please",
      f"{F}: checkpoint.async_save must be true or false, got 'yes please' (str)"),
     ("restore.strategy=fastest",
-     f"{F}: restore.strategy must be one of auto, all_ranks, broadcast; got 'fastest'"),
+     (f"{F}: restore.strategy must be one of auto, all_ranks, per_host, broadcast, striped; "
+      "got 'fastest'")),
     ("restore.bucket_size_bytes=0",
      f"{F}: restore.bucket_size_bytes must be an integer >= 1, got 0"),
     ("restore.host_shared_memory=sometimes",

@@ -373,3 +373,27 @@ def test_4_to_3_from_gcs_by_byte_range(pools, saved4, gcs_emulator, gcs_uri):
         ours = case["all_ranks"]
         assert ours["bytes_read"] <= 1.05 * ours["shard_bytes"] + 2 * W.CHUNK_SIZE_BYTES * len(
             ours["shards"])
+
+
+@slow
+def test_striped_into_targets_splits_replicated_boxes_and_matches_dcp(pools, saved4):
+    """``striped`` into live targets: ranks holding the same box (the dp replicas of a 2-D
+    dp x tp mesh, plain DDP-style targets, FSDP2's replicated ``step`` scalars) each read a
+    share of its rows and exchange them; bitwise DCP's values, each box fetched once."""
+    root, _ = saved4
+    results = values(pools(4).run(
+        W.restore_cases, root, [("2d", "2d"), ("ddp", "ddp"), ("fsdp", "fsdp")],
+        strategies=("all_ranks", "striped"), timeout_s=RUN_TIMEOUT_S,
+        config=RestoreConfig(bucket_size_bytes=64 * 1024)))
+    for res in results:
+        for case in res.values():
+            _same_as_dcp(case, strategies=("all_ranks", "striped"))
+            assert case["striped"]["strategy"] == "striped"
+    for name in ("2d->2d", "fsdp->fsdp"):  # FSDP2 x TP shards are distinct: only the scalars
+        every = sum(r[name]["all_ranks"]["bytes_read"] for r in results)
+        assert sum(r[name]["striped"]["bytes_read"] for r in results) <= every, name
+    every = sum(r["ddp->ddp"]["all_ranks"]["bytes_read"] for r in results)
+    once = sum(r["ddp->ddp"]["striped"]["bytes_read"] for r in results)
+    # replicated plain targets: the job fetches them once (4x fewer bytes), not once per rank
+    assert once <= every / 4 + 4 * W.CHUNK_SIZE_BYTES, (once, every)
+    assert all(r["ddp->ddp"]["striped"]["received"] > 0 for r in results)

@@ -390,6 +390,28 @@ class Dist(abc.ABC):
             received += 0 if src == self.rank else n
         return received
 
+    def send_tensors(self, tensors: Sequence[torch.Tensor], dst: int,
+                     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES) -> int:
+        """Send contiguous ``tensors`` to rank ``dst`` (point to point, in buckets).
+
+        ``dst`` calls :meth:`recv_tensors` with tensors of the same byte sizes at the same
+        point of the same global order of transfers (the caller's schedule); nothing else
+        is exchanged.  Returns the bytes sent.
+        """
+        views = [byte_view(t) for t in tensors]
+        return self._move(views, bucket_size_bytes, self.data_device, self._data_send, dst,
+                          send=True)
+
+    def recv_tensors(self, tensors: Sequence[torch.Tensor], src: int,
+                     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES) -> int:
+        """Receive into contiguous ``tensors`` what rank ``src`` sends with :meth:`send_tensors`.
+
+        Returns the bytes received.
+        """
+        views = [byte_view(t) for t in tensors]
+        return self._move(views, bucket_size_bytes, self.data_device, self._data_recv, src,
+                          send=False)
+
     def _move(self, views: list[torch.Tensor], bucket_size_bytes: int, dev: torch.device,
               op: Callable[[torch.Tensor, int], None], peer: int, *, send: bool) -> int:
         """Move ``views`` to or from rank ``peer`` in buckets: ``op`` is the send or the receive."""

@@ -297,8 +297,9 @@ def _strategy(decision: Decision, dist: Dist, plans: list[RankPlan], name: str,
 
 
 def _box_strategy(name: str) -> str:
-    """The strategy of the into= / remap paths: rank 0 sends (broadcast) or each rank reads."""
-    return BROADCAST if name == BROADCAST else ALL_RANKS
+    """The strategy of the into= path: rank 0 sends (broadcast), the holders of each box split
+    and exchange its rows (striped), or each rank reads its own (all_ranks, per_host)."""
+    return name if name in (BROADCAST, STRIPED) else ALL_RANKS
 
 
 def _run(decision: Decision, dist: Dist, plans: list[RankPlan], name: str, cfg: RestoreConfig,
@@ -333,7 +334,8 @@ def _remap(decision: Decision, dist: Dist, me: RankPlan, name: str, cfg: Restore
            storage_config: StorageConfig | None, what: str) -> Any:
     """Every rank reads every saved per-rank item and maps them with ``hook``."""
     states = read_items_everywhere(decision, dist, list(me.remap_items.values()),
-                                   strategy=_box_strategy(name), map_location=map_location,
+                                   strategy=BROADCAST if name == BROADCAST else ALL_RANKS,
+                                   map_location=map_location,
                                    storage_config=storage_config,
                                    bucket_size_bytes=cfg.bucket_size_bytes, what=what)
     saved = {r: states[n] for r, n in me.remap_items.items()}

@@ -74,7 +74,7 @@ from xla_ckpt.restore.all_ranks import place
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.owners import tensor_paths
 from xla_ckpt.restore.result import Loaded, RestoreStats
-from xla_ckpt.restore.select import ALL_RANKS
+from xla_ckpt.restore.select import ALL_RANKS, STRIPED
 from xla_ckpt.restore.views import ShardedValue, for_restore, is_sharded
 from xla_ckpt.storage import StorageConfig, open_storage
 
@@ -358,7 +358,7 @@ def restore_into(decision: Decision, dist: Dist, *, into: Any, strategy: str, it
         into: a state tree whose tensor leaves (plain, DTensor, XLAShardedTensor) are the
             targets, e.g. ``{"model": get_model_state_dict(m), "optim":
             get_optimizer_state_dict(m, o)}``; None: every saved tensor comes back whole.
-        strategy: ``"all_ranks"`` or ``"broadcast"``.
+        strategy: ``"all_ranks"``, ``"striped"`` or ``"broadcast"``.
         item: the state item.
         map_location: where the leaves ``into`` lacks are placed (targets stay where they are).
         bucket_size_bytes: broadcast only: bytes rank 0 has in flight per round.
@@ -395,6 +395,10 @@ def restore_into(decision: Decision, dist: Dist, *, into: Any, strategy: str, it
 
             stats.bytes_read = dist.run_collectively(read_mine,
                                                      f"{what}: read this rank's boxes")
+            stats.read_seconds = time.perf_counter() - t0
+        elif strategy == STRIPED:
+            _striped_boxes(decision, dist, saved, mine, storage_config, bucket_size_bytes,
+                           what, stats)
             stats.read_seconds = time.perf_counter() - t0
         else:
             _Broadcast(decision, dist, saved, mine, storage_config, bucket_size_bytes, what,
@@ -536,6 +540,119 @@ def agree_on_inputs(dist: Dist, into: Any, remap: bool) -> bool:
             f"restore(rank_state_remap=...) was given on rank(s) {given} but not on rank(s) "
             f"{missing}; pass the same hook on every rank")
     return any(m[1] for m in every)
+
+
+# ---- striped: the ranks that need the same box split its rows, then exchange them -------
+
+@dataclass(frozen=True)
+class _Block:
+    """Rows ``[lo, hi)`` of request ``index`` of ``rank``: read by ``rank``, sent to others."""
+
+    rank: int
+    index: int
+    lo: int
+    hi: int
+
+
+def _replica_blocks(every: list[list[list[Any]]]) -> tuple[dict[int, list[_Block]],
+                                                             list[tuple[_Block, list[_Block]]]]:
+    """From every rank's described requests: each rank's blocks to read, and each block
+    with the other holders' blocks it fills (the same rows of the same box on another rank).
+
+    Ranks that request the same box of the same global tensor (replicas: plain targets,
+    replicated DTensor placements, HSDP) split its rows as evenly as they can, in rank
+    order; a box of one row, a 0-d box and a box only one rank needs is read whole by its
+    first holder.  Pure: every rank computes the same answer.
+    """
+    holders: dict[tuple, list[tuple[int, int]]] = {}
+    for rank, desc in enumerate(every):
+        for index, (g, offsets, sizes) in enumerate(desc):
+            holders.setdefault((g, tuple(offsets), tuple(sizes)), []).append((rank, index))
+    reads: dict[int, list[_Block]] = {r: [] for r in range(len(every))}
+    sends: list[tuple[_Block, list[_Block]]] = []
+    for (_, _, sizes), hs in sorted(holders.items(), key=lambda kv: kv[0]):
+        rows = sizes[0] if sizes else 1
+        k = max(1, min(len(hs), rows))
+        for i in range(k):
+            lo, hi = rows * i // k, rows * (i + 1) // k
+            rank, index = hs[i]
+            block = _Block(rank, index, lo, hi)
+            reads[rank].append(block)
+            others = [_Block(r, j, lo, hi) for r, j in hs if r != rank]
+            if others:
+                sends.append((block, others))
+    return reads, sends
+
+
+def _rows(out: torch.Tensor, block: _Block) -> torch.Tensor:
+    return out if out.dim() == 0 else out[block.lo:block.hi]
+
+
+def _striped_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: RankRequests,
+                   storage_config: StorageConfig | None, bucket_size_bytes: int, what: str,
+                   stats: RestoreStats) -> None:
+    """Every rank: fetch each box once per job and exchange rows among the box's holders.
+
+    One exchange of every rank's box list; each rank reads its share of rows of every box
+    it holds (straight into its targets, checked); then, in one global order of (sender,
+    receiver) pairs the same on every rank, each block goes point to point to the other
+    holders of its box (buckets of ``bucket_size_bytes``).  A box only one rank holds (a
+    fully sharded FSDP2 shard) is read by it alone and never moves.
+    """
+    every = dist.exchange(_describe(mine.requests))
+    reads, sends = _replica_blocks(every)
+    me = dist.rank
+
+    def read_mine() -> int:
+        reqs = [BoxRequest(mine.requests[b.index].tensor,
+                           _sub_box(mine.requests[b.index].box, b),
+                           _rows(mine.requests[b.index].out, b), mine.requests[b.index].fresh)
+                for b in reads[me]]
+        if not reqs:
+            return 0
+        storage = open_storage(decision.checkpoint, storage_config)
+        try:
+            reader = CheckpointReader(storage, saved.manifest)
+            mine.touch([b.index for b in reads[me]])
+            return read_requests(reader, saved, reqs)
+        finally:
+            storage.close()
+
+    stats.bytes_read = dist.run_collectively(read_mine, f"{what}: read this rank's rows")
+    pairs: dict[tuple[int, int], list[tuple[_Block, _Block]]] = {}
+    for block, others in sends:
+        for o in others:
+            pairs.setdefault((block.rank, o.rank), []).append((block, o))
+
+    def exchange() -> int:
+        moved = 0
+        for (src, dst), items in sorted(pairs.items()):
+            if me == src:
+                moved += dist.send_tensors(
+                    [_rows(mine.requests[b.index].out, b).contiguous() for b, _ in items],
+                    dst, bucket_size_bytes)
+            elif me == dst:
+                outs = [_rows(mine.requests[o.index].out, o) for _, o in items]
+                mine.touch([o.index for _, o in items])
+                bufs = [t if t.is_contiguous() else torch.empty_like(t, memory_format=
+                                                                     torch.contiguous_format)
+                        for t in outs]
+                n = dist.recv_tensors(bufs, src, bucket_size_bytes)
+                stats.bytes_received += n
+                with torch.no_grad():
+                    for t, buf in zip(outs, bufs, strict=True):
+                        if buf is not t:
+                            t.copy_(buf)
+        return moved
+
+    stats.bytes_sent = dist.run_collectively(exchange, f"{what}: exchange rows between holders")
+
+
+def _sub_box(box: Box, block: _Block) -> Box:
+    if box.ndim == 0:
+        return box
+    return Box((box.offsets[0] + block.lo,) + box.offsets[1:],
+               (block.hi - block.lo,) + box.sizes[1:])
 
 
 # ---- broadcast: rank 0 reads every rank's boxes and sends each its own ------------------
