@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures as cf
+import ipaddress
 import logging
 import threading
 from dataclasses import dataclass
@@ -118,6 +119,20 @@ class StorageConfig:
         parallel_upload_threshold_bytes: objects at least this large are
             uploaded in parallel parts and composed (GCS).
         upload_part_size_bytes: size of each such part.
+        source_address: local IP address (an IPv4 or IPv6 literal, no port) every
+            connection of a network backend (GCS) is bound to before connecting, or
+            None: the environment variable :data:`SOURCE_ADDRESS_ENV`
+            (``XLA_CKPT_GCS_SOURCE_ADDRESS``) when it is set and non-empty, read when the
+            backend opens its connection (so a launcher can set it per process), else
+            the kernel's choice.  What it is for: on a machine with several NICs, pin
+            checkpoint traffic to one of them; in tests and the demo, each emulated host
+            ``h`` binds to its own loopback address ``127.0.0.(10+h)``
+            (:func:`xla_ckpt.testing.fault_proxy.host_address`), so the fault proxy can
+            shape and count each host's traffic as that host's network link.  The local
+            backend ignores it.  See :mod:`xla_ckpt.storage.gcs.transport`.
+
+    Raises:
+        ConfigError: a value out of range, naming the key (``storage.<field>``).
     """
 
     max_workers: int = 16
@@ -128,6 +143,7 @@ class StorageConfig:
     max_attempts: int = 8
     parallel_upload_threshold_bytes: int = 64 * MiB
     upload_part_size_bytes: int = 32 * MiB
+    source_address: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_workers", "slice_size_bytes", "max_attempts",
@@ -139,6 +155,35 @@ class StorageConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"storage.{name} must be a number >= 0, got {v!r}")
+        if self.source_address is not None:
+            check_source_address(self.source_address, "storage.source_address")
+
+
+SOURCE_ADDRESS_ENV = "XLA_CKPT_GCS_SOURCE_ADDRESS"
+"""Environment variable naming the local address GCS connections leave from, when
+:attr:`StorageConfig.source_address` is None (set per emulated host by the test launcher)."""
+
+
+def check_source_address(value: object, what: str) -> str:
+    """``value`` as given, after checking it is an IPv4 or IPv6 address literal.
+
+    ``what`` names the setting in the error (``storage.source_address`` or the
+    environment variable).  Host names are refused: a bind address must not depend on
+    name resolution.
+
+    Raises:
+        ConfigError: not a string holding an IP address literal.
+    """
+    if not isinstance(value, str):
+        raise ConfigError(f"{what} must be an IP address string such as '10.0.0.2' or "
+                          f"'127.0.0.11', got {value!r} ({type(value).__name__})")
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ConfigError(f"{what} must be an IPv4 or IPv6 address literal of this machine "
+                          f"(e.g. '10.0.0.2', '127.0.0.11', 'fd00::2'), got {value!r}; "
+                          "host names and ports are not accepted") from None
+    return value
 
 
 def join(*parts: str) -> str:

@@ -9,7 +9,27 @@
   retried (:meth:`_GCSBase._send`), HTTP answers mapped to library errors
   (:meth:`_GCSBase._http_error`) and control-plane client calls retried
   (:meth:`_GCSBase._api`).
+* :class:`SourceAddressAdapter`: a ``requests`` transport adapter whose connections
+  leave from one local address (:attr:`StorageConfig.source_address
+  <xla_ckpt.storage.base.StorageConfig>`, else ``XLA_CKPT_GCS_SOURCE_ADDRESS``;
+  :func:`source_address_for`).
 * Helpers: crc32c in GCS's base64 form, header parsing, byte views.
+
+**Source address.**  When one is set, :class:`_Connection` mounts a
+:class:`SourceAddressAdapter` on the client's authorised session
+(``google.cloud.storage.Client._http``).  That one session carries every request of
+this backend: the JSON API calls of the client (stat, list, delete, compose: its
+``Connection.api_request`` sends through ``client._http``), the client's own media
+up/downloads (``Blob`` methods take ``client._http`` as their transport), and our
+ranged GETs and uploads (:meth:`_GCSBase._request`).  So every data-plane and JSON-API
+byte of a :class:`~xla_ckpt.storage.gcs.GCSStorage` (and of its children, which share
+the connection) leaves from that address.  Not bound: credential refreshes, which
+``google-auth`` sends on a session of its own (the metadata server or the OAuth
+endpoint keep the default route), and a mutual-TLS channel, for which ``google-auth``
+mounts an adapter of its own.  What it is for: on a multi-NIC host, pinning
+checkpoint traffic to one NIC; under emulation, each emulated host ``h`` uses its
+own loopback address ``127.0.0.(10+h)``, so the fault proxy shapes and counts each
+host's traffic separately (:mod:`xla_ckpt.testing.fault_proxy.hosts`).
 
 Retries (:mod:`xla_ckpt.storage.retry`): 408/429/5xx, connection errors and
 short answers (:mod:`.reads`) with capped exponential backoff, full jitter,
@@ -34,16 +54,24 @@ from typing import Any, Callable
 from urllib.parse import quote
 
 import requests
+import requests.adapters
 import urllib3
 from google.auth import exceptions as auth_exc
 
 from xla_ckpt.errors import (
     CheckpointNotFoundError,
+    ConfigError,
     StorageError,
     StoragePermissionError,
     XlaCkptError,
 )
-from xla_ckpt.storage.base import Storage, StorageConfig, join
+from xla_ckpt.storage.base import (
+    SOURCE_ADDRESS_ENV,
+    Storage,
+    StorageConfig,
+    check_source_address,
+    join,
+)
 from xla_ckpt.storage.retry import Backoff, RetryLog, TransientFault, parse_retry_after
 
 CONNECT_TIMEOUT_S = 20.0
@@ -131,14 +159,93 @@ class _PreconditionNotMet(StorageError):
         self.retried = retried
 
 
+class SourceAddressAdapter(requests.adapters.HTTPAdapter):
+    """A ``requests`` transport adapter whose connections all leave from ``address``.
+
+    urllib3 binds each new socket to ``(address, 0)`` (port chosen by the kernel) before
+    connecting.  Mounted by :class:`_Connection` when a source address is set, and by
+    :func:`xla_ckpt.testing.fault_proxy.bind_session` on any session.
+
+    Args:
+        address: local IP address literal (IPv4 or IPv6) of this machine.
+        **kwargs: :class:`requests.adapters.HTTPAdapter` arguments (``pool_maxsize``...).
+    """
+
+    def __init__(self, address: str, **kwargs: Any) -> None:
+        self.source_address = (address, 0)
+        super().__init__(**kwargs)
+
+    def init_poolmanager(self, connections: int, maxsize: int, block: bool = False,
+                         **pool_kwargs: Any) -> None:
+        pool_kwargs["source_address"] = self.source_address
+        super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
+
+
+def source_address_for(config: StorageConfig) -> str | None:
+    """The local address GCS connections should leave from, or None (the kernel's choice).
+
+    ``config.source_address`` when set; else the environment variable
+    ``XLA_CKPT_GCS_SOURCE_ADDRESS`` when set and non-empty (read now, so a launcher can set
+    it per process after the config was built).
+
+    Raises:
+        ConfigError: the environment variable does not hold an IP address literal
+            (names the variable).
+    """
+    if config.source_address is not None:
+        return config.source_address
+    value = os.environ.get(SOURCE_ADDRESS_ENV, "").strip()
+    if not value:
+        return None
+    return check_source_address(value, f"environment variable {SOURCE_ADDRESS_ENV}")
+
+
+def _check_bindable(address: str, what: str) -> None:
+    """Bind a throwaway socket to ``address``: a wrong address fails here, once, not as
+    connection errors retried until the deadline."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+    except OSError as e:
+        raise ConfigError(f"{what} {address!r} cannot be used as a source address: binding a "
+                          f"socket to it failed ({e.strerror or e}); give an address of one of "
+                          "this machine's interfaces, or unset it") from None
+
+
+def _pool_adapter(config: StorageConfig, address: str | None) -> requests.adapters.HTTPAdapter:
+    """The session's transport adapter: a pool large enough for every I/O thread, no
+    urllib3 retries (ours are in :mod:`xla_ckpt.storage.retry`), bound to ``address``."""
+    kwargs: dict[str, Any] = {"pool_connections": 8,
+                              "pool_maxsize": max(32, 2 * config.max_workers), "max_retries": 0}
+    if address is None:
+        return requests.adapters.HTTPAdapter(**kwargs)
+    return SourceAddressAdapter(address, **kwargs)
+
+
 class _Connection:
-    """Client, HTTP session (connection pool) and caches, shared by a storage and its children."""
+    """Client, HTTP session (connection pool) and caches, shared by a storage and its children.
+
+    Attributes:
+        source_address: the local address every connection of :attr:`session` is bound
+            to (:func:`source_address_for`), or None.
+
+    Raises:
+        ConfigError: the source address (config or environment) is not an IP literal,
+            or not an address of this machine.
+    """
 
     def __init__(self, config: StorageConfig, endpoint: str | None, project: str | None,
                  credentials: Any) -> None:
         from google.auth.credentials import AnonymousCredentials  # noqa: PLC0415 - with the client
         from google.cloud import storage as gcs  # noqa: PLC0415 - heavy; loaded by the first client
 
+        address = source_address_for(config)
+        if address is not None:
+            what = ("storage.source_address" if config.source_address is not None
+                    else f"environment variable {SOURCE_ADDRESS_ENV}")
+            _check_bindable(address, what)
+        self.source_address = address
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
         project = (project or os.environ.get("GOOGLE_CLOUD_PROJECT")
                    or os.environ.get("GCLOUD_PROJECT"))
@@ -152,11 +259,11 @@ class _Connection:
         else:
             self.client = gcs.Client(project=project, credentials=credentials)
         self.endpoint = self.client.api_endpoint.rstrip("/")
-        # The client's authorised session; enlarge its pool so every I/O thread keeps a connection.
+        # The client's authorised session, which carries the client's JSON-API calls and
+        # media transfers as well as ours: enlarge its pool so every I/O thread keeps a
+        # connection, and bind it to the source address (module docstring).
         self.session: requests.Session = self.client._http
-        pool = max(32, 2 * config.max_workers)
-        adapter = requests.adapters.HTTPAdapter(pool_connections=8, pool_maxsize=pool,
-                                                max_retries=0)
+        adapter = _pool_adapter(config, address)
         self.session.mount("https://", adapter)
         self.session.mount("http://", adapter)
         self.retries = RetryLog()

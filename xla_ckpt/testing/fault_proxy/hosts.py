@@ -9,14 +9,19 @@ counts the bytes served to each (:meth:`FaultProxy.bytes_served_by_address`).
 :func:`bind_session` makes a ``requests`` session (the transport of the
 google-cloud-storage client and of :class:`~xla_ckpt.storage.gcs.GCSStorage`) connect from
 such an address; :meth:`FaultProxy.storage` takes ``source_address=`` for the common case.
+A :class:`~xla_ckpt.storage.gcs.GCSStorage` binds itself when
+``StorageConfig.source_address`` or the environment variable
+``XLA_CKPT_GCS_SOURCE_ADDRESS`` is set (the test launcher sets the latter per emulated
+host: ``WorkerPool(world_size, hosts=H)``).  :class:`SourceAddressAdapter` lives in
+:mod:`xla_ckpt.storage.gcs.transport` (library code) and is re-exported here.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import requests
-import requests.adapters
+
+# Re-exported (its home is the GCS transport, which mounts it for StorageConfig.source_address).
+from xla_ckpt.storage.gcs.transport import SourceAddressAdapter as SourceAddressAdapter
 
 #: Host ``h`` uses ``127.0.0.(HOST_ADDRESS_BASE + h)``; 127.0.0.1 stays the default address.
 HOST_ADDRESS_BASE = 10
@@ -34,24 +39,6 @@ def host_address(host_id: int) -> str:
         raise ValueError(f"emulated host id must be an integer in [0, {MAX_EMULATED_HOSTS}), "
                          f"got {host_id!r}")
     return f"127.0.0.{HOST_ADDRESS_BASE + host_id}"
-
-
-class SourceAddressAdapter(requests.adapters.HTTPAdapter):
-    """A ``requests`` transport adapter whose connections all leave from ``address``.
-
-    Args:
-        address: local IP to bind before connecting (port chosen by the kernel).
-        **kwargs: :class:`requests.adapters.HTTPAdapter` arguments (``pool_maxsize``...).
-    """
-
-    def __init__(self, address: str, **kwargs: Any) -> None:
-        self.source_address = (address, 0)
-        super().__init__(**kwargs)
-
-    def init_poolmanager(self, connections: int, maxsize: int, block: bool = False,
-                         **pool_kwargs: Any) -> None:
-        pool_kwargs["source_address"] = self.source_address
-        super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
 
 
 def bind_session(session: requests.Session, address: str, *,

@@ -3,7 +3,13 @@
 Each worker is a fresh ``spawn``-ed interpreter with the environment a
 launcher gives a rank: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port)
-and ``PJRT_DEVICE=CPU`` (so every worker owns its own XLA CPU device).  Code
+and ``PJRT_DEVICE=CPU`` (so every worker owns its own XLA CPU device), and
+``GROUP_RANK`` (the host id).  ``WorkerPool(world_size, hosts=H)`` runs the ranks
+as ``H`` emulated hosts of ``world_size // H`` consecutive ranks (``GROUP_RANK``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` per rank, :func:`rank_environment`), each host's
+ranks with ``XLA_CKPT_GCS_SOURCE_ADDRESS=127.0.0.(10+h)`` so their GCS connections
+leave from the host's own loopback address and the fault proxy shapes and counts each
+host's link (opt out with ``bind_host_addresses=False``).  Code
 under test calls ``torch.distributed.init_process_group("gloo",
 init_method="env://")`` (or :func:`xla_ckpt.comm.get_dist`) as it would under
 torchrun.
@@ -40,10 +46,11 @@ from xla_ckpt.testing.launcher.pool import (
     WorkerPool,
     free_port,
     launch,
+    rank_environment,
     shared_pool,
 )
 from xla_ckpt.testing.launcher.results import RankResult, RemoteError
 from xla_ckpt.testing.launcher.worker import kill_self
 
 __all__ = ["DEFAULT_RUN_TIMEOUT_S", "DEFAULT_START_TIMEOUT_S", "RankResult", "RemoteError",
-           "WorkerPool", "free_port", "kill_self", "launch", "shared_pool"]
+           "WorkerPool", "free_port", "kill_self", "launch", "rank_environment", "shared_pool"]

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from xla_ckpt.storage.base import SOURCE_ADDRESS_ENV
+from xla_ckpt.testing.fault_proxy.hosts import MAX_EMULATED_HOSTS, host_address
 from xla_ckpt.testing.launcher.results import RankResult, RemoteError, _unpack_exception
 from xla_ckpt.testing.launcher.worker import _worker_main
 
@@ -30,6 +32,54 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_hosts(world_size: int, hosts: int) -> int:
+    """Ranks per emulated host (``world_size // hosts``), after checking the split is even.
+
+    Raises:
+        ValueError: ``hosts`` is not an integer in ``[1, world_size]`` (and at most
+            :data:`~xla_ckpt.testing.fault_proxy.hosts.MAX_EMULATED_HOSTS`), or
+            ``world_size`` is not a multiple of it.
+    """
+    if not isinstance(hosts, int) or isinstance(hosts, bool) or hosts < 1:
+        raise ValueError(f"hosts must be an integer >= 1, got {hosts!r}")
+    if hosts > MAX_EMULATED_HOSTS:
+        raise ValueError(f"hosts must be at most {MAX_EMULATED_HOSTS} (one loopback address "
+                         f"each), got {hosts}")
+    if world_size % hosts:
+        raise ValueError(f"world_size {world_size} is not a multiple of hosts {hosts}: every "
+                         "emulated host runs the same number of ranks; pick hosts dividing "
+                         "world_size")
+    return world_size // hosts
+
+
+def rank_environment(rank: int, world_size: int, hosts: int = 1, *,
+                     bind_host_addresses: bool = True) -> dict[str, str]:
+    """The per-rank launcher variables of ``rank`` when ``world_size`` ranks run as ``hosts``
+    emulated hosts (consecutive ranks share a host, as torchrun numbers them).
+
+    ``RANK``; ``GROUP_RANK = rank * hosts // world_size`` (the host id,
+    :attr:`Topology.host_id <xla_ckpt.comm.topology.Topology>`);
+    ``LOCAL_RANK = rank % (world_size // hosts)``; ``LOCAL_WORLD_SIZE = world_size // hosts``;
+    and, when ``hosts > 1`` and ``bind_host_addresses``,
+    ``XLA_CKPT_GCS_SOURCE_ADDRESS = host_address(GROUP_RANK)`` (``127.0.0.(10+h)``: the
+    rank's GCS connections leave from its host's own loopback address, so the fault proxy
+    shapes and counts per host).  ``hosts=1`` gives what the launcher always gave:
+    ``GROUP_RANK=0``, ``LOCAL_RANK=rank``, ``LOCAL_WORLD_SIZE=world_size``, no address.
+
+    Raises:
+        ValueError: see :func:`check_hosts`; ``rank`` outside ``[0, world_size)``.
+    """
+    per_host = check_hosts(world_size, hosts)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, {world_size})")
+    group_rank = rank * hosts // world_size
+    env = {"RANK": str(rank), "GROUP_RANK": str(group_rank),
+           "LOCAL_RANK": str(rank % per_host), "LOCAL_WORLD_SIZE": str(per_host)}
+    if hosts > 1 and bind_host_addresses:
+        env[SOURCE_ADDRESS_ENV] = host_address(group_rank)
+    return env
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -52,6 +102,17 @@ class WorkerPool:
         xla: preload ``torch_xla`` in every worker (its own XLA CPU device);
             False starts faster when a test needs no XLA.
         start_timeout_s: seconds to wait for every worker to import torch and answer.
+        hosts: run the ranks as this many emulated hosts of ``world_size // hosts``
+            consecutive ranks each (``GROUP_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` per
+            rank, see :func:`rank_environment`); 1 (the default) is one host holding every
+            rank.
+        bind_host_addresses: with ``hosts > 1``, give each rank
+            ``XLA_CKPT_GCS_SOURCE_ADDRESS`` = its host's loopback address
+            ``127.0.0.(10+h)``, so its GCS storage binds to it
+            (:attr:`StorageConfig.source_address <xla_ckpt.storage.base.StorageConfig>`).
+
+    Raises:
+        ValueError: ``world_size < 1``, or ``hosts`` does not divide it (:func:`check_hosts`).
 
     After a call in which a rank timed out or died, the pool is ``broken``:
     its surviving workers are stopped (their process group is no longer
@@ -62,6 +123,8 @@ class WorkerPool:
     env: Mapping[str, str] | None = None
     xla: bool = True
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    hosts: int = 1
+    bind_host_addresses: bool = True
     broken: bool = field(default=False, init=False)
     _workers: list[_Worker] = field(default_factory=list, init=False, repr=False)
     _store: Any = field(default=None, init=False, repr=False)
@@ -70,6 +133,7 @@ class WorkerPool:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        check_hosts(self.world_size, self.hosts)
         self._start()
 
     def _start(self) -> None:
@@ -85,16 +149,19 @@ class WorkerPool:
                                     master_listen_fd=sock.detach(), wait_for_workers=False)
         base = {
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.world_size),
-            "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "WORLD_SIZE": str(self.world_size), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "GLOO_SOCKET_IFNAME": "lo", "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1",
             "TF_CPP_MIN_LOG_LEVEL": "2",
         }
-        base.update(self.env or {})
         ctx = mp.get_context("spawn")
         preload = ("torch_xla", "torch_xla.runtime") if self.xla else ()
         for rank in range(self.world_size):
-            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            mine = rank_environment(rank, self.world_size, self.hosts,
+                                    bind_host_addresses=self.bind_host_addresses)
+            # As before hosts existed: ``env`` may override the host variables (GROUP_RANK,
+            # LOCAL_WORLD_SIZE, the address) but not RANK and LOCAL_RANK.
+            own = {k: mine.pop(k) for k in ("RANK", "LOCAL_RANK")}
+            env = {**base, **mine, **(self.env or {}), **own}
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker_main, args=(rank, self.world_size, env, child, preload),
                             name=f"xla_ckpt-rank{rank}", daemon=True)
@@ -222,12 +289,15 @@ class WorkerPool:
 
 def launch(fn: Callable, world_size: int, *, args: tuple = (), kwargs: Mapping | None = None,
            timeout_s: float = DEFAULT_RUN_TIMEOUT_S, env: Mapping[str, str] | None = None,
-           xla: bool = True) -> list[RankResult]:
+           xla: bool = True, hosts: int = 1,
+           bind_host_addresses: bool = True) -> list[RankResult]:
     """Start ``world_size`` workers, run ``fn(*args, **kwargs)`` on each once, stop them.
 
-    See :class:`WorkerPool` for the arguments; returns one :class:`RankResult` per rank.
+    See :class:`WorkerPool` for the arguments (``hosts``: emulated hosts); returns one
+    :class:`RankResult` per rank.
     """
-    pool = WorkerPool(world_size, env=env, xla=xla)
+    pool = WorkerPool(world_size, env=env, xla=xla, hosts=hosts,
+                      bind_host_addresses=bind_host_addresses)
     try:
         return pool.run(fn, *args, timeout_s=timeout_s, **dict(kwargs or {}))
     finally:
@@ -237,16 +307,19 @@ def launch(fn: Callable, world_size: int, *, args: tuple = (), kwargs: Mapping |
 _SHARED: dict[tuple, WorkerPool] = {}
 
 
-def shared_pool(world_size: int, *, xla: bool = True) -> WorkerPool:
+def shared_pool(world_size: int, *, xla: bool = True, hosts: int = 1,
+                bind_host_addresses: bool = True) -> WorkerPool:
     """A process-wide pool of ``world_size`` workers, started on first use, replaced when broken.
 
     Lets several test modules share one set of workers (starting torch and
-    torch_xla costs seconds per process).  Stopped at interpreter exit.
+    torch_xla costs seconds per process).  One pool per ``(world_size, xla, hosts,
+    bind_host_addresses)`` (see :class:`WorkerPool`).  Stopped at interpreter exit.
     """
-    key = (world_size, xla)
+    key = (world_size, xla, hosts, bind_host_addresses and hosts > 1)
     pool = _SHARED.get(key)
     if pool is None or pool.broken:
-        pool = _SHARED[key] = WorkerPool(world_size, xla=xla)
+        pool = _SHARED[key] = WorkerPool(world_size, xla=xla, hosts=hosts,
+                                         bind_host_addresses=bind_host_addresses)
     return pool
 
 
