@@ -128,7 +128,8 @@ class CheckpointManager(SaveSchedule, RestorePath):
             and ``exchange`` are used); default :func:`xla_ckpt.comm.get_dist`.
         storage_config: storage knobs for ``config.save_dir``.
         restore_config: how :meth:`restore_or_initialize` moves the bytes (strategy
-            ``auto`` / ``all_ranks`` / ``broadcast``, bucket size, ZeRO sharding).
+            ``auto`` / ``all_ranks`` / ``per_host`` / ``broadcast`` / ``striped``, bucket size,
+            ZeRO sharding).
         storage: an already open storage rooted at the run folder (overrides
             ``config.save_dir``; the caller keeps ownership).
         best_fn: ``best_fn(metrics) -> float`` (Orbax's ``best_fn``): the score of a

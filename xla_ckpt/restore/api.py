@@ -90,13 +90,21 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
     one when ``uri`` is a run folder) and sends the decision and its manifest
     to every rank; then the strategy moves the bytes:
 
-    * ``all_ranks`` — every rank reads from storage in parallel (XLA/TPU default);
-    * ``broadcast`` — rank 0 reads, the data plane broadcasts in buckets
-      (CUDA/NCCL and gloo default); ranks on one host share one sealed
-      copy in host memory when they can (``host_shared_memory``).
+    * ``all_ranks`` — every rank reads from storage in parallel; with
+      ``host_shared_memory`` (default) the ranks of one host share one read
+      (the ``per_host`` plan: :mod:`xla_ckpt.restore.per_host`);
+    * ``per_host`` — each host's leader reads once, the host's ranks map its copy;
+    * ``broadcast`` — rank 0 reads, the data plane broadcasts in buckets; ranks
+      on one host share one sealed copy in host memory when they can;
+    * ``striped`` — every byte fetched once per job, in stripes spread over every
+      rank, exchanged through host memory and across hosts
+      (:mod:`xla_ckpt.restore.striped`);
+    * ``auto`` (default) — the plan the cost model predicts fastest for this job
+      (:mod:`xla_ckpt.restore.cost`, ``RestoreConfig.cost_model``).
 
-    Both give every rank bitwise the same ``state``.  Log lines and errors
-    name the strategy and why it was chosen.
+    Every plan gives every rank bitwise the same ``state``.  Log lines and errors
+    name the strategy and why it was chosen; ``stats.plan``, ``stats.predicted_s``
+    and ``stats.seconds`` say what ran, what the model predicted and what it took.
 
     **Into live targets, onto any mesh** (``into=``; :mod:`xla_ckpt.restore.sharded`):
     each rank passes its live state tree; every tensor leaf (plain, DTensor from FSDP2 /
@@ -119,7 +127,8 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
     Args:
         uri: checkpoint folder or run folder (local path or ``gs://``).
         dist: the job's :class:`~xla_ckpt.comm.Dist` (default :func:`get_dist`).
-        strategy: ``"auto"``, ``"all_ranks"`` or ``"broadcast"`` (overrides ``config``).
+        strategy: ``"auto"``, ``"all_ranks"``, ``"per_host"``, ``"broadcast"`` or
+            ``"striped"`` (overrides ``config``).
         map_location: where tensors go on *this* rank, as in ``torch.load``:
             None (CPU), a device, ``{"cpu": device}`` or ``fn(key) -> device``.
             Pass ``dist.device`` for this rank's own device (CASES C2: nothing
