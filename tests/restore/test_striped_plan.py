@@ -27,11 +27,16 @@ def _item(lengths: list[int], chunk: int = MiB, whole: tuple[int, ...] = ()) -> 
     return Item(state=None, blobs=blobs)
 
 
+def _parts(stripes):
+    return [(b, lo, n, s.reader) for s in stripes for b, lo, n in s.parts]
+
+
 def test_stripes_cover_every_byte_once_and_respect_chunks():
     item = _item([10 * MiB + 5, 3 * MiB, 0, 700, 2 * MiB + 1], whole=(3,))
     stripes = plan_stripes(item, [[0, 1], [2, 3]], stripe_bytes=2 * MiB + 17)
+    parts = _parts(stripes)
     for i, rec in enumerate(item.blobs):
-        mine = sorted((s.start, s.length) for s in stripes if s.blob == i)
+        mine = sorted((lo, n) for b, lo, n, _ in parts if b == i)
         covered = 0
         for start, length in mine:
             assert start == covered  # no gap, no overlap
@@ -39,9 +44,23 @@ def test_stripes_cover_every_byte_once_and_respect_chunks():
                                          start + length == rec.length)
             covered += length
         assert covered == rec.length
-    assert [s.length for s in stripes if s.blob == 3] == [700]  # one crc32c: whole
-    assert not [s for s in stripes if s.blob == 2]  # empty blob: nothing to read
+    assert [n for b, _, n, _ in parts if b == 3] == [700]  # one crc32c: whole
+    assert not [p for p in parts if p[0] == 2]  # empty blob: nothing to read
     assert max(s.length for s in stripes) == 2 * MiB  # rounded down to whole chunks
+
+
+def test_small_adjacent_blobs_share_a_stripe():
+    # 40 blobs of 1 KiB back to back, then a 6 MiB one, then 3 more small ones
+    item = _item([1024] * 40 + [6 * MiB] + [512] * 3)
+    stripes = plan_stripes(item, [[0, 1]], stripe_bytes=16 * 1024)
+    small = [s for s in stripes if all(b != 40 for b, _, _ in s.parts)]
+    # 40 KiB of small blobs in runs of at most 16 KiB; the 3 after the big blob: one run
+    assert [s.length for s in small] == [16384, 16384, 8192, 1536]
+    for s in small:  # a run is file-adjacent: one ranged request reads it
+        ends = [item.blobs[b].offset + item.blobs[b].length for b, _, _ in s.parts[:-1]]
+        assert ends == [item.blobs[b].offset for b, _, _ in s.parts[1:]]
+    assert sorted(b for b, _, _, _ in _parts(stripes)) == sorted(
+        [b for b in range(44) if b != 40] + [40] * len([s for s in stripes if s not in small]))
 
 
 def test_stripes_balance_hosts_then_ranks():
@@ -53,12 +72,11 @@ def test_stripes_balance_hosts_then_ranks():
     assert per_host == [64 * MiB] * 4
     # every rank computes the same plan
     assert plan_stripes(item, [[0, 1], [2, 3], [4, 5], [6, 7]], 8 * MiB) == stripes
-    uneven = plan_stripes(_item([5 * MiB, 3 * MiB, MiB]), [[0], [1, 2]], stripe_bytes=MiB)
+    uneven = plan_stripes(_item([5 * MiB, 3 * MiB, 2 * MiB]), [[0], [1, 2]], stripe_bytes=MiB)
     loads = [sum(s.length for s in uneven if s.reader == r) for r in range(3)]
     assert loads[0] - (loads[1] + loads[2]) in (-MiB, 0, MiB)  # hosts within one stripe
-    assert ranges_of(uneven, 0) == {b: [(s.start, s.length) for s in uneven
-                                        if s.blob == b and s.reader == 0]
-                                    for b in sorted({s.blob for s in uneven if s.reader == 0})}
+    mine = ranges_of(uneven, 0)
+    assert sum(n for spans in mine.values() for _, n in spans) == loads[0]
 
 
 def test_stripe_size_bounds():

@@ -323,28 +323,37 @@ class CheckpointReader:
                     if on_written is not None:
                         on_written(offsets[blob_id] + start + n)
 
+        groups = _coalesce(tasks, self.storage.config.slice_size_bytes)
         t0 = time.perf_counter()
         self.stats = ReadStats()
         if tasks:
             free: queue.SimpleQueue = queue.SimpleQueue()
-            size = max(n for *_, n in tasks)
+            size = max(sum(tasks[i][4] for i in g) for g in groups)
             for _ in range(max(1, staging_buffers)):
                 free.put(memoryview(bytearray(size)))
 
-            def one(index: int, item: Item, blob_id: int, rec: BlobRecord, start: int,
-                    n: int) -> None:
+            def one(group: list[int]) -> None:
                 buf = free.get()
                 try:
-                    self._read_slice(item, blob_id, rec, start, buf[:n])
-                    view, at = buf[:n], offsets[blob_id] + start
-                    while view:
-                        k = os.pwrite(fd, view, at)
-                        view, at = view[k:], at + k
+                    parts = [tasks[i] for i in group]
+                    if len(parts) == 1:
+                        _, item, blob_id, rec, start, n = (0,) + parts[0]
+                        self._read_slice(item, blob_id, rec, start, buf[:n])
+                    else:  # small pieces side by side in one file: one request for them all
+                        self._read_adjacent(parts, buf)
+                    pos = 0
+                    for _, blob_id, _, start, n in parts:
+                        view, at = buf[pos:pos + n], offsets[blob_id] + start
+                        pos += n
+                        while view:
+                            k = os.pwrite(fd, view, at)
+                            view, at = view[k:], at + k
                 finally:
                     free.put(buf)
-                written(index)
+                for i in group:
+                    written(i)
 
-            self._run([(i,) + t for i, t in enumerate(tasks)], fn=one)
+            self._run([(g,) for g in groups], fn=one)
         self.stats.seconds = time.perf_counter() - t0
         self.stats.bytes_read = nbytes
 
@@ -384,6 +393,28 @@ class CheckpointReader:
         self.stats.seconds = time.perf_counter() - t0
         self.stats.bytes_read = nbytes
         return nbytes
+
+    def _read_adjacent(self, parts: Sequence[tuple[Item, int, BlobRecord, int, int]],
+                       buf: memoryview) -> None:
+        """Read file-adjacent pieces ``(item, blob, rec, start, n)`` with one ranged request
+        into ``buf`` (back to back), then check each against its own crc32c; a piece that
+        fails is read again alone (:meth:`_read_slice`: its retries and its error)."""
+        _, _, rec0, start0, _ = parts[0]
+        total = sum(p[4] for p in parts)
+        info = self._infos.get(rec0.file)
+        try:
+            self.storage.read_range(rec0.file, rec0.offset + start0, buf[:total],
+                                    info.generation if info else None)
+        except CheckpointNotFoundError as e:  # deleted or replaced after check_files
+            raise data_file_missing(self.storage, rec0.file,
+                                    self.manifest.files.get(rec0.file), during=str(e)) from e
+        pos = 0
+        for item, blob_id, rec, start, n in parts:
+            out = buf[pos:pos + n]
+            if _first_bad_chunk(rec, start, out) is not None:
+                self.stats.crc_retries += 1
+                self._read_slice(item, blob_id, rec, start, out)
+            pos += n
 
     def read_blob_range(self, item_name: str, blob_id: int, start: int,
                         length: int) -> torch.Tensor:
@@ -745,6 +776,29 @@ def data_file_missing(storage: Storage, name: str, expected: int | None, *,
         "another host's local disk? a filesystem not mounted here?) and that the checkpoint was "
         "not deleted or replaced while it was read (rotation, a save to the same folder).",
         path=url, checkpoint=storage.uri)
+
+
+def _coalesce(tasks: Sequence[tuple[Item, int, BlobRecord, int, int]],
+              limit: int) -> list[list[int]]:
+    """Group indices of read tasks ``(item, blob, rec, start, n)``: pieces of at most
+    :data:`COALESCE_BLOB_BYTES` that sit back to back in one data file share one request of
+    at most ``limit`` bytes; larger pieces (the slices of big blobs) go alone."""
+    order = sorted(range(len(tasks)), key=lambda i: (tasks[i][2].file,
+                                                    tasks[i][2].offset + tasks[i][3]))
+    groups: list[list[int]] = []
+    end, file, size = -1, "", 0
+    for i in order:
+        _, _, rec, start, n = tasks[i]
+        at = rec.offset + start
+        small = n <= COALESCE_BLOB_BYTES
+        if small and groups and rec.file == file and at == end and size + n <= limit:
+            groups[-1].append(i)
+            size += n
+        else:
+            groups.append([i])
+            size = n if small else limit  # a large piece takes no company
+        end, file = at + n, rec.file
+    return groups
 
 
 def _check_range(rec: BlobRecord, blob_id: int, start: int, length: int) -> None:

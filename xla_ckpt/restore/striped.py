@@ -41,6 +41,7 @@ from xla_ckpt.comm.host_memory import HEADER_BYTES, map_private, segment_layout
 from xla_ckpt.format.manifest import Item
 from xla_ckpt.format.plan import MapLocation, materialize_item
 from xla_ckpt.io import CheckpointReader
+from xla_ckpt.io.reader import COALESCE_BLOB_BYTES
 from xla_ckpt.restore.all_ranks import restore_all_ranks
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.host_share import HostShare, negotiate
@@ -57,16 +58,21 @@ STRIPES_PER_READER = 4  # enough stripes per reader to balance bytes within abou
 
 @dataclass(frozen=True)
 class Stripe:
-    """Bytes ``[start, start + length)`` of blob ``blob`` of the item, fetched by rank ``reader``.
+    """Byte ranges of the item's blobs fetched together by rank ``reader``.
 
-    ``start`` is a multiple of the blob's crc32c chunk size and the end is a chunk
-    boundary or the blob's end, so the reader checks every byte it passes on.
+    ``parts`` are ``(blob, start, length)``: a chunk-aligned range of one large blob
+    (``start`` a multiple of its crc32c chunk size, the end a chunk boundary or the blob's
+    end), or several small whole blobs that sit back to back in one data file (one ranged
+    request fetches them all), so the reader checks every byte it passes on.
     """
 
-    blob: int
-    start: int
-    length: int
+    parts: tuple[tuple[int, int, int], ...]
     reader: int
+
+    @property
+    def length(self) -> int:
+        """Bytes of the stripe."""
+        return sum(n for _, _, n in self.parts)
 
 
 def stripe_size(total_bytes: int, readers: int, slice_bytes: int) -> int:
@@ -76,18 +82,36 @@ def stripe_size(total_bytes: int, readers: int, slice_bytes: int) -> int:
     return max(MIN_STRIPE_BYTES, min(slice_bytes, want))
 
 
-def _pieces(item: Item, stripe_bytes: int) -> list[tuple[int, int, int]]:
-    """``(blob, start, length)`` of every stripe-sized, chunk-aligned piece of the item."""
-    out = []
-    for i, rec in enumerate(item.blobs):
-        if rec.length == 0:
-            continue
-        if not rec.chunk_crc32c:
-            out.append((i, 0, rec.length))
-            continue
-        c = rec.chunk_size
-        step = max(c, stripe_bytes // c * c)
-        out.extend((i, s, min(step, rec.length - s)) for s in range(0, rec.length, step))
+def _pieces(item: Item, stripe_bytes: int) -> list[tuple[tuple[int, int, int], ...]]:
+    """The stripes' parts (see :class:`Stripe`), in file order: large blobs cut at chunk
+    boundaries into pieces of about ``stripe_bytes``; runs of small blobs adjacent in one
+    file grouped up to ``stripe_bytes``."""
+    out: list[tuple[tuple[int, int, int], ...]] = []
+    run: list[tuple[int, int, int]] = []
+    run_bytes, run_end, run_file = 0, -1, ""
+    order = sorted((i for i, rec in enumerate(item.blobs) if rec.length),
+                   key=lambda i: (item.blobs[i].file, item.blobs[i].offset))
+    for i in order:
+        rec = item.blobs[i]
+        small = rec.length <= COALESCE_BLOB_BYTES or not rec.chunk_crc32c
+        if small and run and rec.file == run_file and rec.offset == run_end \
+                and run_bytes + rec.length <= stripe_bytes:
+            run.append((i, 0, rec.length))
+            run_bytes += rec.length
+        else:
+            if run:
+                out.append(tuple(run))
+            run, run_bytes = [], 0
+            if small:
+                run, run_bytes = [(i, 0, rec.length)], rec.length
+            else:
+                c = rec.chunk_size
+                step = max(c, stripe_bytes // c * c)
+                out.extend(((i, st, min(step, rec.length - st)),)
+                           for st in range(0, rec.length, step))
+        run_end, run_file = rec.offset + rec.length, rec.file
+    if run:
+        out.append(tuple(run))
     return out
 
 
@@ -98,14 +122,14 @@ def plan_stripes(item: Item, hosts: Sequence[Sequence[int]], stripe_bytes: int) 
         item: the manifest item every rank needs whole (the replicated state).
         hosts: the ranks of each host (every rank of the job once); with no host sharing,
             one rank per "host".
-        stripe_bytes: target stripe size (:func:`stripe_size`); rounded down to whole
-            crc32c chunks of each blob, at least one chunk.
+        stripe_bytes: target stripe size (:func:`stripe_size`); large blobs are cut at
+            whole crc32c chunks (at least one), small adjacent ones grouped up to it.
 
     Returns:
-        The stripes in blob and byte order; together they cover every byte of every blob
-        exactly once.  Assignment is greedy, largest stripe first, to the host with the
-        fewest bytes so far and within it the rank with the fewest (ties: the lower index),
-        so per-host bytes differ by at most one stripe.
+        The stripes in file order; together they cover every byte of every blob exactly
+        once.  Assignment is greedy, largest stripe first, to the host with the fewest
+        bytes so far and within it the rank with the fewest (ties: the lower index), so
+        per-host bytes differ by at most one stripe.
 
     Raises:
         ValueError: ``hosts`` is empty or has an empty host.
@@ -115,14 +139,15 @@ def plan_stripes(item: Item, hosts: Sequence[Sequence[int]], stripe_bytes: int) 
     pieces = _pieces(item, stripe_bytes)
     host_load = [0] * len(hosts)
     rank_load = {r: 0 for h in hosts for r in h}
-    owner: dict[tuple[int, int], int] = {}
-    for blob, start, length in sorted(pieces, key=lambda p: (-p[2], p[0], p[1])):
-        h = min(range(len(hosts)), key=lambda k: (host_load[k], k))
+    owner = [0] * len(pieces)
+    sizes = [sum(n for _, _, n in p) for p in pieces]
+    for k in sorted(range(len(pieces)), key=lambda k: (-sizes[k], k)):
+        h = min(range(len(hosts)), key=lambda j: (host_load[j], j))
         r = min(hosts[h], key=lambda x: (rank_load[x], x))
-        host_load[h] += length
-        rank_load[r] += length
-        owner[(blob, start)] = r
-    return [Stripe(b, s, n, owner[(b, s)]) for b, s, n in pieces]
+        host_load[h] += sizes[k]
+        rank_load[r] += sizes[k]
+        owner[k] = r
+    return [Stripe(p, owner[k]) for k, p in enumerate(pieces)]
 
 
 def ranges_of(stripes: Sequence[Stripe], rank: int) -> dict[int, list[tuple[int, int]]]:
@@ -130,7 +155,8 @@ def ranges_of(stripes: Sequence[Stripe], rank: int) -> dict[int, list[tuple[int,
     out: dict[int, list[tuple[int, int]]] = {}
     for s in stripes:
         if s.reader == rank:
-            out.setdefault(s.blob, []).append((s.start, s.length))
+            for blob, start, n in s.parts:
+                out.setdefault(blob, []).append((start, n))
     return out
 
 
@@ -272,7 +298,7 @@ class _Striped:
                 return 0
             parts: list[list[torch.Tensor]] = [[] for _ in hosts]
             for s in stripes:
-                parts[host_of[s.reader]].append(self.dest[s.blob][s.start:s.start + s.length])
+                parts[host_of[s.reader]].extend(self.dest[b][lo:lo + n] for b, lo, n in s.parts)
             return group.all_gather_tensors(parts, bucket_size_bytes=self.bucket_size_bytes)
 
         self.stats.bytes_received = dist.run_collectively(
