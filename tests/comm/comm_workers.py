@@ -142,3 +142,25 @@ def exchange_with_dead_peer(dead_rank: int, timeout_s: float) -> str:
         kill_self()
     d.exchange("second")
     return "passed"
+
+
+def all_gather_tensors(kind: str, bucket_size_bytes: int) -> dict:
+    """Every rank's uneven parts (one rank has none, some tensors empty) reach every rank."""
+    d = _dist(kind)
+
+    def part(r: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + r)
+        if r == 1:
+            return []
+        return [torch.randn(37 * (r + 1), generator=g), torch.empty(0),
+                torch.randint(0, 255, (1000 + r,), dtype=torch.uint8, generator=g),
+                torch.randn(3, 5, generator=g).double()]
+
+    parts = [part(r) if r == d.rank else [torch.zeros_like(t) for t in part(r)]
+             for r in range(d.world_size)]
+    got = d.all_gather_tensors(parts, bucket_size_bytes=bucket_size_bytes)
+    same = all(torch.equal(a, b) for r in range(d.world_size)
+               for a, b in zip(parts[r], part(r), strict=True))
+    expected = sum(t.numel() * t.element_size() for r in range(d.world_size) if r != d.rank
+                   for t in part(r))
+    return {"same": same, "received": got, "expected": expected}

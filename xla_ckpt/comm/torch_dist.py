@@ -20,6 +20,12 @@ import torch.distributed as tdist
 
 from xla_ckpt.comm import liveness
 from xla_ckpt.comm.base import Dist
+from xla_ckpt.comm.buckets import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    byte_view,
+    plan_all_gather,
+    run_all_gather,
+)
 from xla_ckpt.comm.topology import Topology
 from xla_ckpt.errors import CollectiveTimeoutError, ConfigError, DistributedError
 
@@ -304,3 +310,43 @@ class TorchDist(Dist):
         g = self._global(src, self._group)
         self._guard(f"recv of {t.numel()} bytes from rank {src} (data plane)",
                     lambda: tdist.recv(t, src=g, group=self._group), collective=False)
+
+    def all_gather_tensors(self, parts: Sequence[Sequence[torch.Tensor]],
+                           bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES) -> int:
+        """:meth:`Dist.all_gather_tensors` as ``torch.distributed.all_gather`` rounds.
+
+        Each rank's tensors are one byte stream cut into rounds
+        (:func:`~xla_ckpt.comm.buckets.plan_all_gather`): in each round every rank sends
+        one slot of at most ``bucket_size_bytes / world_size`` bytes (zero-padded) and
+        receives every other rank's, so a round moves at most one bucket per rank and
+        the whole exchange costs what a ring all-gather costs (each rank receives the
+        others' bytes once), not one broadcast tree per source rank.  Staging: one slot
+        and one round on :attr:`data_device` (NCCL: CUDA; gloo: host).
+        """
+        if len(parts) != self.world_size:
+            raise ValueError(f"all_gather_tensors needs one part per rank ({self.world_size}), "
+                             f"got {len(parts)}")
+        if self.world_size == 1:
+            return 0
+        views = [[byte_view(t) for t in ts] for ts in parts]
+        plan = plan_all_gather([[v.numel() for v in vs] for vs in views], bucket_size_bytes)
+        dev = self.data_device
+        out = torch.empty(self.world_size * plan.slot_bytes, dtype=torch.uint8, device=dev) \
+            if plan.rounds else None
+
+        def gather(k: int, rounds: int, send: torch.Tensor) -> torch.Tensor:
+            assert out is not None  # rounds > 0
+            src = send if send.device == dev else send.to(dev)
+            slots = list(out.chunk(self.world_size))
+            self._guard(f"all-gather round {k + 1} of {rounds} ({plan.slot_bytes} bytes per "
+                        "rank, data plane)",
+                        lambda: tdist.all_gather(slots, src, group=self._group))
+            return out if out.device.type == "cpu" else out.cpu()
+
+        t0 = time.perf_counter()
+        received = run_all_gather(plan, views, self.rank, gather)
+        dt = time.perf_counter() - t0
+        logger.debug("rank %d: all_gather_tensors received %d bytes in %d rounds in %.3f s "
+                     "(%.1f MiB/s)", self.rank, received, plan.rounds, dt,
+                     received / max(dt, 1e-9) / 2**20)
+        return received

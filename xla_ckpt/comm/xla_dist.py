@@ -59,13 +59,20 @@ import datetime
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as tdist
 
-from xla_ckpt.comm.buckets import DEFAULT_BUCKET_SIZE_BYTES, byte_view
+from xla_ckpt.comm.buckets import (  # noqa: F401 - AllGatherPlan, GatherPiece re-exported
+    _WORD,
+    DEFAULT_BUCKET_SIZE_BYTES,
+    AllGatherPlan,
+    GatherPiece,
+    byte_view,
+    plan_all_gather,
+    run_all_gather,
+)
 from xla_ckpt.comm.topology import Topology
 from xla_ckpt.comm.torch_dist import DEFAULT_TIMEOUT_S, TorchDist, init_process_group
 from xla_ckpt.errors import ConfigError
@@ -79,7 +86,6 @@ DATA_PLANES = ("gloo", "xla")
 
 WIRE_DTYPE = torch.int32
 """dtype the byte buffers are reinterpreted as on the XLA device (see the module docstring)."""
-_WORD = 4
 
 _BROADCAST_SIZE_STEP = 1024 * 1024
 
@@ -147,120 +153,8 @@ def padded_broadcast_bytes(nbytes: int) -> int:
     return -(-nbytes // _BROADCAST_SIZE_STEP) * _BROADCAST_SIZE_STEP
 
 
-@dataclass(frozen=True)
-class GatherPiece:
-    """Bytes ``[start, start + nbytes)`` of a rank's tensor ``index``, at ``offset`` in its
-    slot of one all-gather round."""
-
-    index: int
-    start: int
-    nbytes: int
-    offset: int
-
-
-@dataclass(frozen=True)
-class AllGatherPlan:
-    """How :meth:`XlaDist.all_gather_tensors` moves every rank's bytes in bounded rounds.
-
-    Each rank's tensors are read as one byte stream; round ``k`` carries bytes
-    ``[k * slot_bytes, (k + 1) * slot_bytes)`` of every rank's stream, each rank's
-    slot zero-padded to ``slot_bytes`` (an XLA all-gather needs equal shapes).
-
-    Attributes:
-        slot_bytes: bytes per rank per round (a multiple of 4); one round gathers
-            ``world_size * slot_bytes`` <= ``bucket_size_bytes`` bytes (or one word
-            per rank when the bucket is smaller than that).
-        rounds: number of all-gathers: ``ceil(max stream bytes / slot_bytes)``.
-        pieces: ``pieces[r][k]``: rank ``r``'s pieces in round ``k``.
-    """
-
-    slot_bytes: int
-    rounds: int
-    pieces: tuple[tuple[tuple[GatherPiece, ...], ...], ...]
-
-    @property
-    def wire_bytes(self) -> int:
-        """Bytes each rank receives in all (padding included): ``rounds * world * slot``."""
-        return self.rounds * len(self.pieces) * self.slot_bytes
-
-
-def plan_all_gather(sizes: Sequence[Sequence[int]], bucket_size_bytes: int) -> AllGatherPlan:
-    """Plan the rounds of an all-gather of ``sizes[r]`` (rank ``r``'s tensor byte sizes).
-
-    Every rank computes the same plan from the same sizes, so every rank enters the
-    same collectives in the same order.  Empty tensors get no piece; a rank with no
-    bytes contributes zero padding.
-
-    Raises:
-        ValueError: ``bucket_size_bytes`` < 1, no ranks, or a negative size.
-    """
-    if bucket_size_bytes < 1:
-        raise ValueError(f"bucket_size_bytes must be >= 1, got {bucket_size_bytes}")
-    world = len(sizes)
-    if world < 1:
-        raise ValueError("plan_all_gather needs the sizes of at least one rank")
-    for r, row in enumerate(sizes):
-        for i, n in enumerate(row):
-            if n < 0:
-                raise ValueError(f"rank {r}'s tensor {i} has negative size {n}")
-    slot = max(_WORD, bucket_size_bytes // world // _WORD * _WORD)
-    longest = max(sum(row) for row in sizes)
-    rounds = -(-longest // slot)
-    plan: list[tuple[tuple[GatherPiece, ...], ...]] = []
-    for row in sizes:
-        per_round: list[list[GatherPiece]] = [[] for _ in range(rounds)]
-        pos = 0
-        for i, n in enumerate(row):
-            start = 0
-            while start < n:
-                k, off = divmod(pos, slot)
-                take = min(n - start, slot - off)
-                per_round[k].append(GatherPiece(i, start, take, off))
-                start += take
-                pos += take
-        plan.append(tuple(tuple(p) for p in per_round))
-    return AllGatherPlan(slot, rounds, tuple(plan))
-
-
 def _env_launched() -> bool:
     return bool(os.environ.get("MASTER_ADDR")) and bool(os.environ.get("WORLD_SIZE"))
-
-
-def run_all_gather(plan: AllGatherPlan, views: Sequence[Sequence[torch.Tensor]], rank: int,
-                   gather: Callable[[int, int, torch.Tensor], torch.Tensor]) -> int:
-    """Run ``plan`` on this ``rank``: pack its slot, ``gather``, unpack the others' bytes.
-
-    Args:
-        plan: from :func:`plan_all_gather` on the byte sizes of ``views``.
-        views: ``views[r]``: rank ``r``'s tensors as flat uint8 views (this rank's hold
-            data; the others' are destinations).
-        rank: this rank.
-        gather: ``gather(k, rounds, send)`` -> every rank's ``send`` of round ``k``, back
-            to back (``world * slot_bytes`` host uint8 bytes): the collective.
-
-    Returns:
-        Bytes written into the other ranks' destinations.
-    """
-    slot = plan.slot_bytes
-    send = torch.zeros(slot, dtype=torch.uint8)
-    received = 0
-    for k in range(plan.rounds):
-        mine = plan.pieces[rank][k]
-        if sum(p.nbytes for p in mine) < slot:
-            send.zero_()
-        for p in mine:
-            send[p.offset:p.offset + p.nbytes].copy_(views[rank][p.index][p.start:
-                                                                          p.start + p.nbytes])
-        got = gather(k, plan.rounds, send)
-        for r, pieces in enumerate(plan.pieces):
-            if r == rank:
-                continue
-            base = r * slot
-            for p in pieces[k]:
-                views[r][p.index][p.start:p.start + p.nbytes].copy_(
-                    got[base + p.offset:base + p.offset + p.nbytes])
-                received += p.nbytes
-    return received
 
 
 class XlaDist(TorchDist):

@@ -33,7 +33,8 @@ Pure arithmetic, no I/O: every rank evaluates it on the same inputs and gets the
   ``f = 2(P-1)/P`` on XLA (``xm.collective_broadcast`` is an all-reduce),
   ``ceil(log2 P)`` on gloo (binomial tree of whole buckets) and 1 on NCCL
   (pipelined ring); an all-gather in which every host ends with ``M`` bytes costs
-  ``(P-1)/P x M / bw`` (ring) on every backend.
+  ``(P-1)/P x M / bw`` (ring) on every backend (``Dist.all_gather_tensors``: rounds of
+  ``torch.distributed.all_gather`` on gloo and NCCL, ``xm.all_gather`` on the XLA plane).
   Each bucket (``bucket_bytes``) of such a collective also costs one
   ``data_plane_latency_s`` round.
 * Within a host, a rank that gets its bytes from its leader's copy instead of
