@@ -173,3 +173,24 @@ def test_cost_model_from_yaml_mapping():
     with pytest.raises(ConfigError, match="restore.strategy must be one of auto, all_ranks, "
                                           "per_host, broadcast, striped"):
         RestoreConfig(strategy="rank0")
+
+
+def test_cost_model_refuses_infinite_latency_and_unknown_keys():
+    from xla_ckpt.errors import ConfigError
+    for name in ("first_byte_latency_s", "data_plane_latency_s"):
+        with pytest.raises(ConfigError, match=f"restore.cost_model.{name} must be a finite"):
+            RestoreConfig(cost_model={name: float("inf")})
+    with pytest.raises(ConfigError, match="restore.cost_model: unknown key.s. first_byte_latncy_s; "
+                                          "valid keys: data_plane_cross_host_bytes_per_s"):
+        RestoreConfig(cost_model={"first_byte_latncy_s": 0.03})
+
+
+def test_the_size_auto_sees_of_a_chunked_checkpoint_is_its_chunks():
+    """A sharded (manifest v2) state item holds no blobs of its own: its bytes are the saved
+    chunks', which is what the cost model must weigh (10 x 6 float32 rows + an int64)."""
+    from tests.format.test_chunked_manifest import parse, v2_doc
+    from xla_ckpt.restore.select import sizes_of
+
+    m = parse(v2_doc())
+    assert m.item("state").chunked and not m.item("state").blobs
+    assert sizes_of(m, "state", RestoreConfig(), None).state_bytes == 10 * 6 * 4 + 8

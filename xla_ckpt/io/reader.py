@@ -408,11 +408,17 @@ class CheckpointReader:
         except CheckpointNotFoundError as e:  # deleted or replaced after check_files
             raise data_file_missing(self.storage, rec0.file,
                                     self.manifest.files.get(rec0.file), during=str(e)) from e
+        self.stats.requests += 1
         pos = 0
         for item, blob_id, rec, start, n in parts:
             out = buf[pos:pos + n]
-            if _first_bad_chunk(rec, start, out) is not None:
+            bad = _first_bad_chunk(rec, start, out)
+            if bad is not None:
                 self.stats.crc_retries += 1
+                logger.warning("crc32c mismatch in %s bytes [%d, %d) (a read of %d adjacent "
+                               "pieces); re-reading that piece alone",
+                               self.storage.url(rec.file), rec.offset + bad[0],
+                               rec.offset + bad[1], len(parts))
                 self._read_slice(item, blob_id, rec, start, out)
             pos += n
 
@@ -700,6 +706,7 @@ class CheckpointReader:
         generation = info.generation if info else None
         bad: tuple[int, int] | None = None
         for attempt in range(self.crc_retries + 1):
+            self.stats.requests += 1
             try:
                 self.storage.read_range(rec.file, rec.offset + start, out, generation)
             except CheckpointNotFoundError as e:  # deleted or replaced after check_files

@@ -291,6 +291,9 @@ def _strategy(decision: Decision, dist: Dist, plans: list[RankPlan], name: str,
         loaded = restore_all_ranks(decision, dist, plans[dist.rank], map_location=map_location,
                                    storage_config=storage_config, what=what)
         loaded.stats.plan = ALL_RANKS
+        loaded.stats.data_path = ("one process reads for itself" if dist.world_size == 1 else
+                                  "every rank reads for itself (restore.host_shared_memory is "
+                                  "false)")
         return loaded
     if name == STRIPED:
         return restore_striped(decision, dist, plans, map_location=map_location,

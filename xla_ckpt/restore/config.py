@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from xla_ckpt.comm.buckets import DEFAULT_BUCKET_SIZE_BYTES
@@ -91,6 +92,11 @@ class RestoreConfig:
                               f"{', '.join(RANK_STATE_ON_RESIZE)}; got "
                               f"{self.rank_state_on_resize!r}")
         if isinstance(self.cost_model, dict):
+            known = {f.name for f in dataclasses.fields(Bandwidths)}
+            unknown = sorted(set(self.cost_model) - known)
+            if unknown:
+                raise ConfigError(f"restore.cost_model: unknown key(s) {', '.join(unknown)}; "
+                                  f"valid keys: {', '.join(sorted(known))}")
             self.cost_model = Bandwidths(**self.cost_model)
         if not isinstance(self.cost_model, Bandwidths):
             raise ConfigError(f"restore.cost_model must be a Bandwidths (or a mapping of its "

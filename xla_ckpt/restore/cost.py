@@ -233,9 +233,10 @@ class Bandwidths:
             if f.name == "streams_per_reader":
                 _positive_int("restore.cost_model", f.name, v)
             elif f.name in ("first_byte_latency_s", "data_plane_latency_s"):
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
-                    raise ConfigError(f"restore.cost_model.{f.name} must be a number >= 0 "
-                                      f"(seconds), got {v!r}")
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 \
+                        or math.isinf(v):
+                    raise ConfigError(f"restore.cost_model.{f.name} must be a finite number "
+                                      f">= 0 (seconds), got {v!r}")
             elif (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0
                   or math.isinf(v)):
                 raise ConfigError(f"restore.cost_model.{f.name} must be a finite number > 0 "

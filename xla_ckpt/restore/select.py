@@ -62,14 +62,27 @@ def job_shape(dist: Dist) -> JobShape:
     hosts: dict[int, int] = {}
     for h in dist.exchange(dist.topology.host_id):
         hosts[h] = hosts.get(h, 0) + 1
-    return JobShape(cost.RestoreTopology(hosts=len(hosts), ranks_per_host=max(hosts.values())),
-                    kind)
+    # uneven hosts (6 ranks as 2 + 4): the model's hosts x ranks must stay the world size
+    per = dist.world_size // len(hosts) if dist.world_size % len(hosts) == 0 else 0
+    if per:
+        return JobShape(cost.RestoreTopology(hosts=len(hosts), ranks_per_host=per), kind)
+    return JobShape(cost.RestoreTopology(hosts=1, ranks_per_host=dist.world_size)
+                    if max(hosts.values()) * 2 > dist.world_size else
+                    cost.RestoreTopology(hosts=dist.world_size, ranks_per_host=1), kind)
 
 
 def sizes_of(manifest: Manifest, item: str, config: RestoreConfig,
              storage_config: StorageConfig | None) -> cost.RestoreSizes:
-    """The cost model's sizes for restoring ``item`` of ``manifest`` whole."""
-    nbytes = sum(b.length for b in manifest.item(item).blobs) if item in manifest.items else 0
+    """The cost model's sizes for restoring ``item`` of ``manifest`` whole (a chunked item's
+    bytes are those of the saved chunks its global tensors point at)."""
+    nbytes = 0
+    if item in manifest.items:
+        it = manifest.item(item)
+        nbytes = sum(b.length for b in it.blobs)
+        if it.chunked:
+            blobs = {(c.item, manifest.item(c.item).tensors[c.tensor].blob)
+                     for gt in manifest.global_tensors for c in gt.chunks}
+            nbytes += sum(manifest.item(i).blobs[b].length for i, b in blobs)
     return cost.RestoreSizes(state_bytes=nbytes,
                              request_bytes=(storage_config or StorageConfig()).slice_size_bytes,
                              bucket_bytes=config.bucket_size_bytes)

@@ -554,15 +554,20 @@ class _Block:
     hi: int
 
 
-def _replica_blocks(every: list[list[list[Any]]]) -> tuple[dict[int, list[_Block]],
-                                                             list[tuple[_Block, list[_Block]]]]:
-    """From every rank's described requests: each rank's blocks to read, and each block
-    with the other holders' blocks it fills (the same rows of the same box on another rank).
+def _replica_blocks(every: list[list[list[Any]]], unit_rows: Callable[[int, tuple], int]
+                    ) -> tuple[dict[int, list[_Block]], list[tuple[_Block, list[_Block]]],
+                               dict[int, list[tuple[int, int]]]]:
+    """From every rank's described requests: each rank's blocks to read, each block with the
+    other holders' blocks it fills, and each rank's local copies.
 
     Ranks that request the same box of the same global tensor (replicas: plain targets,
-    replicated DTensor placements, HSDP) split its rows as evenly as they can, in rank
-    order; a box of one row, a 0-d box and a box only one rank needs is read whole by its
-    first holder.  Pure: every rank computes the same answer.
+    replicated DTensor placements, HSDP) split its rows as evenly as they can in rank
+    order, in whole units of ``unit_rows(g, sizes)`` rows (the rows of one crc32c chunk,
+    so no two holders fetch the same chunk); a box of one unit, a 0-d box and a box only
+    one rank needs is read whole by its first holder.  A rank with several requests for
+    one box (keys tied at save, restored into separate targets) reads and receives into
+    the first and copies it into the others (``copies[rank]``: ``(from, to)`` request
+    indices, after the exchange).  Pure: every rank computes the same answer.
     """
     holders: dict[tuple, list[tuple[int, int]]] = {}
     for rank, desc in enumerate(every):
@@ -570,18 +575,45 @@ def _replica_blocks(every: list[list[list[Any]]]) -> tuple[dict[int, list[_Block
             holders.setdefault((g, tuple(offsets), tuple(sizes)), []).append((rank, index))
     reads: dict[int, list[_Block]] = {r: [] for r in range(len(every))}
     sends: list[tuple[_Block, list[_Block]]] = []
-    for (_, _, sizes), hs in sorted(holders.items(), key=lambda kv: kv[0]):
+    copies: dict[int, list[tuple[int, int]]] = {r: [] for r in range(len(every))}
+    for (g, _, sizes), hs in sorted(holders.items(), key=lambda kv: kv[0]):
+        first: dict[int, int] = {}
+        for r, j in hs:
+            if r in first:
+                copies[r].append((first[r], j))
+            else:
+                first[r] = j
+        ranks = list(first.items())
         rows = sizes[0] if sizes else 1
-        k = max(1, min(len(hs), rows))
+        unit = max(1, unit_rows(g, sizes)) if sizes else 1
+        units = -(-rows // unit)
+        k = max(1, min(len(ranks), units))
         for i in range(k):
-            lo, hi = rows * i // k, rows * (i + 1) // k
-            rank, index = hs[i]
+            lo, hi = min(rows, units * i // k * unit), min(rows, units * (i + 1) // k * unit)
+            rank, index = ranks[i]
             block = _Block(rank, index, lo, hi)
             reads[rank].append(block)
-            others = [_Block(r, j, lo, hi) for r, j in hs if r != rank]
+            others = [_Block(r, j, lo, hi) for r, j in ranks if r != rank]
             if others:
                 sends.append((block, others))
-    return reads, sends
+    return reads, sends, copies
+
+
+def _unit_rows(saved: SavedTensors) -> Callable[[int, tuple], int]:
+    """Rows of a box of global tensor ``g`` that one crc32c chunk holds (all of them for a
+    tensor read through its storage span)."""
+    chunk = max((b.chunk_size for it in saved.manifest.items.values() for b in it.blobs
+                 if b.chunk_crc32c), default=0)
+
+    def rows(g: int, sizes: tuple) -> int:
+        if g in saved.strided or not chunk:
+            return sizes[0] if sizes else 1
+        row = itemsize(dtype_from_name(saved.globals[g].dtype, where=saved.globals[g].key))
+        for n in sizes[1:]:
+            row *= n
+        return -(-chunk // max(row, 1))
+
+    return rows
 
 
 def _rows(out: torch.Tensor, block: _Block) -> torch.Tensor:
@@ -600,7 +632,7 @@ def _striped_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: Ra
     fully sharded FSDP2 shard) is read by it alone and never moves.
     """
     every = dist.exchange(_describe(mine.requests))
-    reads, sends = _replica_blocks(every)
+    reads, sends, copies = _replica_blocks(every, _unit_rows(saved))
     me = dist.rank
 
     def read_mine() -> int:
@@ -643,6 +675,11 @@ def _striped_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: Ra
                     for t, buf in zip(outs, bufs, strict=True):
                         if buf is not t:
                             t.copy_(buf)
+        if copies[me]:  # the same box in two targets of this rank: one read, one copy
+            mine.touch([j for _, j in copies[me]])
+            with torch.no_grad():
+                for i, j in copies[me]:
+                    mine.requests[j].out.copy_(mine.requests[i].out)
         return moved
 
     stats.bytes_sent = dist.run_collectively(exchange, f"{what}: exchange rows between holders")
