@@ -144,7 +144,7 @@ def exchange_with_dead_peer(dead_rank: int, timeout_s: float) -> str:
     return "passed"
 
 
-def all_gather_tensors(kind: str, bucket_size_bytes: int) -> dict:
+def all_gather_tensors(kind: str, bucket_size_bytes: int, rounds: bool = False) -> dict:
     """Every rank's uneven parts (one rank has none, some tensors empty) reach every rank."""
     d = _dist(kind)
 
@@ -158,7 +158,8 @@ def all_gather_tensors(kind: str, bucket_size_bytes: int) -> dict:
 
     parts = [part(r) if r == d.rank else [torch.zeros_like(t) for t in part(r)]
              for r in range(d.world_size)]
-    got = d.all_gather_tensors(parts, bucket_size_bytes=bucket_size_bytes)
+    gather = d.all_gather_rounds if rounds else d.all_gather_tensors
+    got = gather(parts, bucket_size_bytes=bucket_size_bytes)
     same = all(torch.equal(a, b) for r in range(d.world_size)
                for a, b in zip(parts[r], part(r), strict=True))
     expected = sum(t.numel() * t.element_size() for r in range(d.world_size) if r != d.rank

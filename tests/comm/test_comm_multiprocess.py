@@ -105,9 +105,10 @@ def test_subgroup_numbers_its_ranks_from_zero(pool):
     assert got[3] == {"rank": 1, "world": 2, "every": ["1", "3"], "t": 41.0}
 
 
+@pytest.mark.parametrize("rounds", [False, True])  # gloo's broadcasts; NCCL's all_gather rounds
 @pytest.mark.parametrize("bucket", [64, 4096, 1 << 20])
-def test_all_gather_tensors_rounds_deliver_every_rank_bytes(pool, bucket):
+def test_all_gather_tensors_rounds_deliver_every_rank_bytes(pool, bucket, rounds):
     """The striped restore's exchange: uneven parts (a rank with none, empty tensors, sizes
     that are not whole words) in rounds of at most one bucket, bitwise on every rank."""
-    for v in values(pool.run(W.all_gather_tensors, "gloo", bucket)):
+    for v in values(pool.run(W.all_gather_tensors, "gloo", bucket, rounds)):
         assert v["same"] and v["received"] == v["expected"] > 0

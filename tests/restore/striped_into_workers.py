@@ -31,3 +31,17 @@ def restore_untied(uri: str, strategy: str) -> dict[str, Any]:
     return {"a": torch.equal(into["a"], want), "b": torch.equal(into["b"], want),
             "step": float(into["step"]), "read": r.stats.bytes_read,
             "received": r.stats.bytes_received, "plan": r.stats.plan}
+
+
+def restore_with_rank1_differing(uri: str, what: str) -> str:
+    """Rank 1 passes another strategy or bucket size than the others: every rank must refuse."""
+    from xla_ckpt.restore import RestoreConfig
+
+    d = get_dist(DistConfig(backend="gloo"))
+    cfg = RestoreConfig(strategy="striped" if what == "strategy" and d.rank == 1 else "all_ranks",
+                        bucket_size_bytes=(1 << 20) + (d.rank == 1 and what == "bucket"))
+    try:
+        restore(uri, dist=d, config=cfg)
+    except Exception as e:  # noqa: BLE001 - the test inspects the class and message
+        return f"{type(e).__name__}: {e}"
+    return "restored"

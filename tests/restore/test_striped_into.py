@@ -30,3 +30,18 @@ def test_replicated_plain_targets_fetch_each_chunk_once_and_fill_every_target(tm
     # saved tied, each key is its own box (one blob): each rank receives the rows it did not
     # read of both, and the 4-byte scalar one rank read: 2 x 3 x state + 3 x 4 in the job
     assert sum(v["received"] for v in striped) == 6 * state + 12, striped
+
+
+@pytest.mark.parametrize("what,key", [("strategy", "restore.strategy"),
+                                      ("bucket", "restore.bucket_size_bytes")])
+def test_ranks_with_different_restore_settings_all_refuse(tmp_path, what, key):
+    """Different plans enter different collectives (a hang, or a gloo abort that kills the
+    process): every rank gets one ConfigError naming the setting and the ranks instead."""
+    pool = shared_pool(4)
+    uri = str(tmp_path / "ck")
+    for r in pool.run(W.save_tied, uri):
+        r.unwrap()
+    for r in pool.run(W.restore_with_rank1_differing, uri, what):
+        got = r.unwrap()
+        assert got.startswith(f"ConfigError: {key} differs between ranks (rank 0: "), got
+        assert "rank 1: " in got

@@ -364,7 +364,8 @@ class CheckpointReader:
         ``buffers[blob]`` is a fresh (not live) contiguous CPU ``uint8[blob length]`` tensor;
         ``ranges[blob]`` lists ``(start, length)`` byte ranges of that blob, aligned as for
         :meth:`read_into_file`.  Bytes land in place and are checked there (a mismatch is
-        re-read; the buffer is the caller's staging, never a live tensor).
+        re-read; the buffer is the caller's staging, never a live tensor); small pieces side
+        by side in one file share one request, through a staging buffer.
 
         Returns:
             Bytes fetched (the sum of the ranges).
@@ -386,10 +387,27 @@ class CheckpointReader:
             for lo, length in spans:
                 _check_range(rec, i, lo, length)
                 nbytes += length
-                tasks.extend(self._slices(item, i, rec, tensor_bytes(buf[lo:lo + length]), lo))
+                tasks.extend((item, i, rec, lo + st, n)
+                             for st, n in _slice_ranges(rec, length, self.storage.config))
+        dests = [tensor_bytes(buffers[i]) for _, i, _, _, _ in tasks]
+
+        def one(group: list[int]) -> None:
+            if len(group) == 1:  # in place
+                item, i, rec, start, n = tasks[group[0]]
+                self._read_slice(item, i, rec, start, dests[group[0]][start:start + n])
+                return
+            # small pieces side by side in one file: one request into staging, then copied
+            staging = memoryview(bytearray(sum(tasks[k][4] for k in group)))
+            self._read_adjacent([tasks[k] for k in group], staging)
+            pos = 0
+            for k in group:
+                _, _, _, start, n = tasks[k]
+                dests[k][start:start + n] = staging[pos:pos + n]
+                pos += n
+
         t0 = time.perf_counter()
         self.stats = ReadStats()
-        self._run(tasks)
+        self._run([(g,) for g in _coalesce(tasks, self.storage.config.slice_size_bytes)], fn=one)
         self.stats.seconds = time.perf_counter() - t0
         self.stats.bytes_read = nbytes
         return nbytes

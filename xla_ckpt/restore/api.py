@@ -204,7 +204,7 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
                                    "the byte ranges of its own shards")
     context = f"strategy {name}: {reason}"
     decision = decide(uri, dist, config=storage_config, context=context)
-    shape = job_shape(dist)  # every rank: one exchange of host ids
+    shape = job_shape(dist, cfg)  # every rank: one exchange of host ids and settings
     sizes = sizes_of(decision.manifest, item, cfg, storage_config)
     predictions = {p: e.seconds for p, e in cost.predict(
         shape.topology, sizes, cfg.cost_model, backend_kind=shape.backend_kind).items()}

@@ -25,6 +25,11 @@ from xla_ckpt.comm.host_memory import HostMemoryError, Segment, host_identity, o
 
 logger = logging.getLogger(__name__)
 
+#: Slices a reader keeps in flight into host shared memory (per_host, striped): each is one
+#: staging buffer of up to ``StorageConfig.slice_size_bytes``, so this bounds the extra
+#: memory a reader holds (8 x 16 MiB by default) while keeping enough streams busy.
+STAGING_BUFFERS = 8
+
 @dataclass
 class HostShare:
     """This rank's part in a host-shared restore (the same ``hosts`` on every rank).

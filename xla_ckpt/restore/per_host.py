@@ -33,7 +33,7 @@ from xla_ckpt.format.plan import MapLocation, materialize_item
 from xla_ckpt.io import CheckpointReader
 from xla_ckpt.restore.all_ranks import restore_all_ranks
 from xla_ckpt.restore.decide import Decision
-from xla_ckpt.restore.host_share import HostShare, negotiate
+from xla_ckpt.restore.host_share import STAGING_BUFFERS, HostShare, negotiate
 from xla_ckpt.restore.plan import RankPlan
 from xla_ckpt.restore.result import Loaded, RestoreStats
 from xla_ckpt.storage import StorageConfig, open_storage
@@ -106,7 +106,8 @@ def _shared(decision: Decision, dist: Dist, plans: list[RankPlan], share: HostSh
             try:
                 reader = CheckpointReader(storage, decision.manifest)
                 reader.read_into_file(me.item, segment.fd, dict(enumerate(offsets)),
-                                      staging_buffers=storage.config.max_workers,
+                                      staging_buffers=min(storage.config.max_workers,
+                                                          STAGING_BUFFERS),
                                       on_written=lambda end: segment.publish(end - HEADER_BYTES))
             finally:
                 storage.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xla_ckpt.comm.base import Dist
+from xla_ckpt.errors import ConfigError
 from xla_ckpt.format.manifest import Manifest
 from xla_ckpt.restore import cost
 from xla_ckpt.restore.config import RestoreConfig
@@ -51,16 +52,36 @@ class JobShape:
     backend_kind: str
 
 
-def job_shape(dist: Dist) -> JobShape:
+#: The restore settings every rank must share (the collectives each plan enters follow them).
+AGREED_SETTINGS = ("strategy", "load_checkpoint_on_all_dp_ranks", "bucket_size_bytes",
+                   "zero_sharding", "host_shared_memory", "allow_xla_data_plane")
+
+
+def job_shape(dist: Dist, config: RestoreConfig | None = None) -> JobShape:
     """Every rank calls it (one exchange when there are several ranks): hosts are the distinct
-    topology ``host_id`` values, ranks per host the most ranks any host has."""
+    topology ``host_id`` values; with uneven hosts the model sees one host or one rank per
+    host, so its hosts x ranks stays the world size.
+
+    Raises:
+        ConfigError: on every rank, when ranks passed different :data:`AGREED_SETTINGS`
+            (different plans would enter different collectives and hang or crash); names
+            the setting and the ranks.
+    """
     kind = "single" if dist.world_size == 1 else ("xla" if dist.kind == "xla" else dist.backend)
     if kind not in cost.BACKEND_KINDS:
         kind = "torch"
     if dist.world_size == 1:
         return JobShape(cost.RestoreTopology(hosts=1, ranks_per_host=1), kind)
+    mine = [getattr(config, k) for k in AGREED_SETTINGS] if config is not None else []
+    every = dist.exchange([dist.topology.host_id, mine])
+    for i, k in enumerate(AGREED_SETTINGS if config is not None else ()):
+        values = {r: e[1][i] for r, e in enumerate(every)}
+        if len(set(values.values())) > 1:
+            shown = ", ".join(f"rank {r}: {v!r}" for r, v in values.items())
+            raise ConfigError(f"restore.{k} differs between ranks ({shown}); every rank must "
+                              "restore with the same restore settings")
     hosts: dict[int, int] = {}
-    for h in dist.exchange(dist.topology.host_id):
+    for h, _ in every:
         hosts[h] = hosts.get(h, 0) + 1
     # uneven hosts (6 ranks as 2 + 4): the model's hosts x ranks must stay the world size
     per = dist.world_size // len(hosts) if dist.world_size % len(hosts) == 0 else 0

@@ -44,7 +44,7 @@ from xla_ckpt.io import CheckpointReader
 from xla_ckpt.io.reader import COALESCE_BLOB_BYTES
 from xla_ckpt.restore.all_ranks import restore_all_ranks
 from xla_ckpt.restore.decide import Decision
-from xla_ckpt.restore.host_share import HostShare, negotiate
+from xla_ckpt.restore.host_share import STAGING_BUFFERS, HostShare, negotiate
 from xla_ckpt.restore.plan import RankPlan
 from xla_ckpt.restore.result import Loaded, RestoreStats
 from xla_ckpt.storage import StorageConfig, open_storage
@@ -223,7 +223,13 @@ class _Striped:
         self.share, why = negotiate(dist, self.host_shared_memory, total, what, writable=True,
                                     plan="striped")
         share = self.share
-        hosts = share.hosts if share is not None else [[r] for r in range(dist.world_size)]
+        if share is not None:
+            hosts = share.hosts
+        else:  # no shared copy, but the host links are still shared: balance per host
+            by_host: dict[int, list[int]] = {}
+            for r, h in enumerate(dist.exchange(dist.topology.host_id)):
+                by_host.setdefault(h, []).append(r)
+            hosts = sorted(by_host.values(), key=lambda ranks: ranks[0])
         readers = dist.world_size
         cfg = self.storage_config or StorageConfig()
         stripes = plan_stripes(self.item, hosts, stripe_size(total, readers,
@@ -280,7 +286,8 @@ class _Striped:
             offsets, _ = segment_layout(self.sizes)
             reader.read_into_file(self.me.item, self.share.copy_fd(),
                                   {b: HEADER_BYTES + offsets[b] for b in mine},
-                                  staging_buffers=storage.config.max_workers, ranges=mine)
+                                  staging_buffers=min(storage.config.max_workers,
+                                                      STAGING_BUFFERS), ranges=mine)
             return reader.stats.bytes_read
         finally:
             storage.close()
@@ -291,14 +298,16 @@ class _Striped:
         group = dist if share is None else share.leaders_dist
         if share is not None and len(share.hosts) == 1:
             return  # one host: its segment already holds every stripe
-        host_of = {r: k for k, h in enumerate(hosts) for r in h}
+        # with a shared copy the leaders gather one part per host; without, one per rank
+        owner = {r: k for k, h in enumerate(hosts) for r in h} if share is not None else \
+            {r: r for r in range(dist.world_size)}
 
         def gather() -> int:
             if group is None:  # not a leader: the leader receives for this host
                 return 0
-            parts: list[list[torch.Tensor]] = [[] for _ in hosts]
+            parts: list[list[torch.Tensor]] = [[] for _ in range(group.world_size)]
             for s in stripes:
-                parts[host_of[s.reader]].extend(self.dest[b][lo:lo + n] for b, lo, n in s.parts)
+                parts[owner[s.reader]].extend(self.dest[b][lo:lo + n] for b, lo, n in s.parts)
             return group.all_gather_tensors(parts, bucket_size_bytes=self.bucket_size_bytes)
 
         self.stats.bytes_received = dist.run_collectively(
