@@ -17,6 +17,7 @@ from xla_ckpt.config import (
 )
 from xla_ckpt.errors import ConfigError
 from xla_ckpt.restore import RestoreConfig
+from xla_ckpt.restore.cost import Bandwidths
 from xla_ckpt.storage import StorageConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -37,7 +38,11 @@ def test_cpu_emulation_is_the_demo_default():
     assert cfg.checkpoint.keep_interval_updates == 2
     assert cfg.checkpoint.keep_best_checkpoints == 1
     assert cfg.checkpoint.async_save is True and cfg.checkpoint.handle_sigterm is True
-    assert cfg.restore == RestoreConfig(strategy="auto")
+    # the demo's cost model describes its emulated link (tests/demo, README command 1)
+    assert cfg.restore == RestoreConfig(strategy="auto", cost_model=Bandwidths(
+        storage_stream_bytes_per_s=32 * 2**20, storage_host_bytes_per_s=64 * 2**20,
+        first_byte_latency_s=0.03, streams_per_reader=8))
+    assert cfg.train.hosts == 2
     assert (cfg.dist.backend, cfg.dist.init_method) == ("gloo", "env://")
     assert cfg.storage == StorageConfig(max_workers=8, slice_size_bytes=8 * 2**20,
                                         retry_deadline_s=60.0)

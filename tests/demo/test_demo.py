@@ -1,9 +1,12 @@
 """README command 1 in small: `xla-ckpt demo --model tiny` end to end, as a real subprocess.
 
-Real parts only: the GCS emulator subprocess, 2 worker processes with gloo and their own XLA CPU
-devices, a real SIGTERM, two resumes (every-rank reads, rank-0 broadcast); then the sharded leg:
-the same run with FSDP2, preempted, restored on 2 workers (and trained on) and resharded onto 1,
-each checked against the saved global tensors and DCP's restore of the same state.
+Real parts only: the GCS emulator subprocess and the shaped fault proxy in front of it, 2 worker
+processes on 2 emulated hosts (each its own loopback source address) with gloo and their own XLA
+CPU devices, a real SIGTERM, two resumes (every-rank reads, rank-0 broadcast) and the
+restore-only plans (per_host, striped, auto), the bytes served to each host counted by the
+proxy; then the sharded leg: the same run with FSDP2, preempted, restored on 2 workers (and
+trained on) and resharded onto 1, each checked against the saved global tensors and DCP's
+restore of the same state.
 """
 
 import json
@@ -16,7 +19,7 @@ import pytest
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_demo_tiny_resumes_bitwise_with_both_strategies():
+def test_demo_tiny_resumes_bitwise_with_every_plan():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, "-m", "xla_ckpt.cli.main", "demo", "--model", "tiny", "--workers", "2",
@@ -24,29 +27,53 @@ def test_demo_tiny_resumes_bitwise_with_both_strategies():
         capture_output=True, text=True, env=env, timeout=580)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["bitwise_identical"] == {"all_ranks": True, "broadcast": True,
-                                           "fsdp_same_size": True, "fsdp_resharded": True}
+    assert report["bitwise_identical"] == {
+        "all_ranks": True, "broadcast": True, "per_host": True, "striped": True, "auto": True,
+        "fsdp_same_size": True, "fsdp_resharded": True}
     assert report["workers"] == 2 and report["updates"] == 8
+    assert report["hosts"] == 2  # the default: 2 emulated hosts (here of 1 worker each)
+    assert report["restore_link"]["stream_mib_s"] == 32.0
     assert 1 <= report["preempted_at_update"] < 8
     assert report["checkpoint"].endswith(f"_{report['preempted_at_update']}")
+    assert [r["strategy"] for r in report["restores"]] == [
+        "all_ranks", "broadcast", "per_host", "striped", "auto"]
+    assert [r["kind"] for r in report["restores"]] == ["resume"] * 2 + ["restore"] * 3
     by = {r["strategy"]: r for r in report["restores"]}
-    # Every rank reads the whole checkpoint itself on the TPU path; nothing is broadcast.
-    ar = by["all_ranks"]
-    assert all(b > 0 for b in ar["bytes_read_per_rank"]) and ar["bytes_received_per_rank"] == [0, 0]
-    assert ar["bytes_read_per_rank"][0] == ar["bytes_read_per_rank"][1]
-    # Broadcast path: rank 0 reads, rank 1 reads nothing: on one host it maps rank 0's sealed
-    # copy of the replicated state and receives only its own rank item.
-    bc = by["broadcast"]
-    assert bc["bytes_read_per_rank"][1] == 0 and bc["bytes_read_per_rank"][0] > 0
-    assert bc["data_path"].startswith("host shared memory (1 host(s) x 2 rank(s)")
-    assert bc["bytes_mapped_per_rank"][0] == 0
-    got = bc["bytes_received_per_rank"][1] + bc["bytes_mapped_per_rank"][1]
-    assert 0.99 * bc["bytes_read_per_rank"][0] < got <= bc["bytes_read_per_rank"][0]
-    assert bc["bytes_received_per_rank"][1] < 0.01 * bc["bytes_mapped_per_rank"][1]
     for r in report["restores"]:
         assert r["resumed_at_update"] == report["preempted_at_update"]
-        assert r["losses_identical"] and r["params_identical"]
+        assert r["state_identical"] is True and r["verdict"] == "bitwise identical"
         assert r["state_devices"] == ["xla:0"]  # restored onto each worker's own XLA device
+        # Every byte came from one of the two hosts' own source addresses.
+        assert r["served_bytes_other"] == 0 and len(r["served_bytes_per_host"]) == 2
+        assert r["predicted_s"] > 0 and r["predicted_s"] == round(r["predictions"][r["plan"]], 3)
+    for r in (by["all_ranks"], by["broadcast"]):
+        assert r["losses_identical"] and r["params_identical"]
+    # Only the all_ranks resume's own restore runs without host shared memory.
+    assert [r["host_shared_memory"] for r in report["restores"]] == [False] + [True] * 4
+    # The every-rank read: each host fetches the whole checkpoint; nothing is exchanged.
+    ar = by["all_ranks"]
+    assert (ar["plan"], ar["host_shared_memory"]) == ("all_ranks", False)
+    size = ar["bytes_read_per_rank"][0]
+    assert size > 0 and ar["bytes_read_per_rank"] == [size, size]
+    assert ar["bytes_received_per_rank"] == [0, 0]
+    assert all(size <= b <= 1.01 * size for b in ar["served_bytes_per_host"])
+    # Broadcast: rank 0 reads; rank 1, alone on the other host, receives over the data plane.
+    bc = by["broadcast"]
+    assert bc["bytes_read_per_rank"][1] == 0 and bc["bytes_read_per_rank"][0] >= 0.99 * size
+    assert 0.99 * size < bc["bytes_received_per_rank"][1] <= size
+    assert bc["served_bytes_per_host"][1] == 0
+    # One host of one rank: its one read per host is the rank's own read.
+    ph = by["per_host"]
+    assert ph["bytes_read_per_rank"] == [size, size] and ph["bytes_received_per_rank"] == [0, 0]
+    # Striped: every byte fetched once per job, split over the two hosts, then exchanged.
+    st = by["striped"]
+    assert st["plan"] == "striped"
+    assert size <= sum(st["served_bytes_per_host"]) <= 1.01 * size
+    assert all(0 < b < size for b in st["served_bytes_per_host"])
+    assert all(b > 0 for b in st["bytes_received_per_rank"])
+    # auto ran the plan the cost model predicted fastest, and restored the same state.
+    auto = by["auto"]
+    assert auto["plan"] == min(auto["predictions"], key=auto["predictions"].get)
     sh = report["sharded"]
     assert sh["workers"] == 2 and sh["saved_shards_match"] is True
     assert 1 <= sh["preempted_at_update"] < 8
@@ -70,32 +97,201 @@ def test_demo_tiny_resumes_bitwise_with_both_strategies():
     assert "losses_identical" not in half  # a resharded run has other batches: no resume check
 
 
-def test_demo_table_lists_both_strategies_and_verdicts():
+def _row(strategy, plan, kind, read, recv, mapped, served, predicted, seconds, verdict,
+         host_shared_memory=True):
+    MiB = 2**20
+    return {"strategy": strategy, "plan": plan, "kind": kind,
+            "checkpoint": "gs://b/run/checkpoint_1_4", "host_shared_memory": host_shared_memory,
+            "bytes_read_per_rank": [b * MiB for b in read],
+            "bytes_received_per_rank": [b * MiB for b in recv],
+            "bytes_mapped_per_rank": [b * MiB for b in mapped],
+            "served_bytes_per_host": None if served is None else [b * MiB for b in served],
+            "predicted_s": predicted, "restore_seconds": seconds, "seconds": seconds + 0.1,
+            "mib_per_s": 2.0, "state_devices": ["xla:0"], "verdict": verdict}
+
+
+def test_demo_table_lists_every_plan_with_bytes_per_host_and_predictions():
     from xla_ckpt.demo.run import format_table
 
-    report = {"workers": 2, "model": "tiny", "updates": 8, "storage": "local path",
+    report = {"workers": 4, "hosts": 2, "model": "tiny", "updates": 8,
+              "storage": "GCS emulator on http://127.0.0.1:1",
+              "restore_link": {"first_byte_latency_s": 0.03, "stream_mib_s": 32.0,
+                               "host_mib_s": 64.0},
               "preempted_at_update": 4, "checkpoint": "checkpoint_1_4",
               "restores": [
-                  {"strategy": "all_ranks", "checkpoint": "gs://b/run/checkpoint_1_4",
-                   "bytes_read_per_rank": [2**20, 2**20], "bytes_received_per_rank": [0, 0],
-                   "bytes_mapped_per_rank": [0, 0],
-                   "seconds": 0.5, "mib_per_s": 2.0, "state_devices": ["xla:0"],
-                   "verdict": "bitwise identical"},
-                  {"strategy": "broadcast", "checkpoint": "gs://b/run/checkpoint_1_4",
-                   "bytes_read_per_rank": [2**20, 0], "bytes_received_per_rank": [0, 0],
-                   "bytes_mapped_per_rank": [0, 2**20],
-                   "seconds": 0.25, "mib_per_s": 4.0, "state_devices": ["xla:0"],
-                   "verdict": "MISMATCH"}]}
+                  _row("all_ranks", "all_ranks", "resume", [8] * 4, [0] * 4, [0] * 4, [16, 16],
+                       0.5, 0.75, "bitwise identical", host_shared_memory=False),
+                  _row("broadcast", "broadcast", "resume", [8, 0, 0, 0], [0, 0, 8, 0],
+                       [0, 8, 0, 8], [8, 0], 0.25, 0.5, "bitwise identical"),
+                  _row("per_host", "per_host", "restore", [8, 0, 8, 0], [0] * 4, [0, 8, 0, 8],
+                       [8, 8], 0.25, 0.4, "bitwise identical"),
+                  _row("striped", "striped", "restore", [2] * 4, [6, 0, 6, 0], [0, 8, 0, 8],
+                       [4, 4], 0.125, 0.3, "MISMATCH"),
+                  _row("auto", "striped", "restore", [2] * 4, [6, 0, 6, 0], [0, 8, 0, 8],
+                       None, 0.0, 0.3, "bitwise identical")]}
     table = format_table(report).splitlines()
-    assert table[0] == "xla_ckpt demo: 2 workers, model tiny, 8 updates, storage local path"
-    assert table[1] == "preempted (SIGTERM) after update 4; restoring checkpoint_1_4"
-    assert table[2].split() == ["strategy", "checkpoint", "MiB", "read/rank", "MiB",
-                                "bcast/rank", "MiB", "mapped/rank", "seconds", "MiB/s", "on",
-                                "device", "verdict"]
-    assert table[4].split() == ["all_ranks", "checkpoint_1_4", "1/1", "0/0", "0/0", "0.50", "2",
-                                "xla:0", "bitwise", "identical"]
-    assert table[5].split()[:5] == ["broadcast", "checkpoint_1_4", "1/0", "0/0", "0/1"]
-    assert table[5].split()[-1] == "MISMATCH"
+    assert table[0] == ("xla_ckpt demo: 4 workers, model tiny, 8 updates, storage GCS emulator "
+                        "on http://127.0.0.1:1")
+    assert table[1] == ("2 emulated host(s) x 2 workers; preempted (SIGTERM) after update 4; "
+                        "restoring checkpoint_1_4 through a link per host (30 ms first byte, "
+                        "32 MiB/s per stream, 64 MiB/s per host)")
+    assert table[2].split() == ["strategy", "plan", "MiB", "read/rank", "MiB", "recv/rank",
+                                "MiB", "mapped/rank", "MiB", "served/host", "predicted", "s",
+                                "seconds", "on", "device", "checked", "verdict"]
+    rows = [line.split() for line in table[4:9]]
+    assert rows[0] == ["all_ranks*", "all_ranks", "8/8/8/8", "0/0/0/0", "0/0/0/0", "16/16",
+                       "0.50", "0.75", "xla:0", "resume", "bitwise", "identical"]
+    assert rows[1] == ["broadcast", "broadcast", "8/0/0/0", "0/0/8/0", "0/8/0/8", "8/0", "0.25",
+                       "0.50", "xla:0", "resume", "bitwise", "identical"]
+    assert rows[2][:7] == ["per_host", "per_host", "8/0/8/0", "0/0/0/0", "0/8/0/8", "8/8",
+                           "0.25"]
+    assert rows[2][-3:] == ["state", "bitwise", "identical"]
+    assert rows[3][:6] == ["striped", "striped", "2/2/2/2", "6/0/6/0", "0/8/0/8", "4/4"]
+    assert rows[3][-2:] == ["state", "MISMATCH"]
+    # auto shows the plan it chose; no proxy count or prediction is shown as "-".
+    assert rows[4][:2] == ["auto", "striped"] and rows[4][5:8] == ["-", "-", "0.30"]
+    assert table[9] == "* restore.host_shared_memory=false: every rank reads everything"
+
+
+def test_host_env_spreads_workers_over_emulated_hosts():
+    from xla_ckpt.demo.run import host_env
+
+    envs = [host_env(r, 4, 2) for r in range(4)]
+    assert [(e["GROUP_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "2"), ("0", "1", "2"), ("1", "0", "2"), ("1", "1", "2")]
+    assert [e["XLA_CKPT_GCS_SOURCE_ADDRESS"] for e in envs] == [
+        "127.0.0.10", "127.0.0.10", "127.0.0.11", "127.0.0.11"]
+    # One host: torchrun's single-node variables, no source address (today's environment).
+    assert host_env(3, 4, 1) == {"GROUP_RANK": "0", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}
+    assert [host_env(r, 6, 3)["GROUP_RANK"] for r in range(6)] == ["0", "0", "1", "1", "2", "2"]
+    for workers, hosts in ((3, 2), (4, 0), (4, 8)):
+        with pytest.raises(ValueError) as e:
+            host_env(0, workers, hosts)
+        assert str(e.value) == (f"train.workers={workers} must be a multiple of "
+                                f"train.hosts={hosts} (>= 1); set train.hosts to a divisor of "
+                                f"train.workers")
+
+
+def test_demo_rejects_workers_not_a_multiple_of_hosts():
+    from xla_ckpt.config import load_config
+    from xla_ckpt.demo.run import default_config_path, run_demo
+    from xla_ckpt.errors import ConfigError
+
+    assert load_config(default_config_path(), environ={}).train.hosts == 2  # the default
+    for kw in ({"workers": 3}, {"workers": 4, "hosts": 3}):
+        with pytest.raises(ConfigError) as e:
+            run_demo(model="tiny", uri="/nonexistent", legs=["ddp"], **kw)
+        hosts = kw.get("hosts", 2)
+        assert str(e.value).endswith(f"train.workers={kw['workers']} is not a multiple of "
+                                     f"train.hosts={hosts}; set train.hosts to a divisor of "
+                                     "train.workers (1 = one host)")
+
+
+def test_demo_config_cost_model_is_the_restore_link():
+    from xla_ckpt.config import load_config
+    from xla_ckpt.demo.run import RESTORE_SHAPING_FIGURES, default_config_path
+
+    cm = load_config(default_config_path(), environ={}).restore.cost_model
+    link = RESTORE_SHAPING_FIGURES
+    assert (cm.storage_stream_bytes_per_s, cm.storage_host_bytes_per_s,
+            cm.first_byte_latency_s) == (link["stream_mib_s"] * 2**20,
+                                         link["host_mib_s"] * 2**20,
+                                         link["first_byte_latency_s"])
+    assert link == {"first_byte_latency_s": 0.03, "stream_mib_s": 32.0, "host_mib_s": 64.0}
+    assert cm.streams_per_reader == load_config(default_config_path(),
+                                                environ={}).storage.max_workers == 8
+
+
+def test_served_counter_counts_each_restore_per_host(gcs_emulator, tmp_path):
+    """Real downloads from two emulated hosts' source addresses through a real proxy."""
+    from xla_ckpt.demo.run import DemoError, ServedCounter
+    from xla_ckpt.testing.fault_proxy import FaultProxy, host_address
+
+    stem = f"served-{os.getpid()}"
+    with gcs_emulator.storage(stem) as st:
+        st.write_atomic("a", [b"x" * 1000])
+        st.write_atomic("b", [b"y" * 300])
+    with FaultProxy(gcs_emulator.host) as proxy:
+        counter = ServedCounter(proxy, hosts=2)
+        h0 = proxy.storage(gcs_emulator.uri(stem), source_address=host_address(0))
+        h1 = proxy.storage(gcs_emulator.uri(stem), source_address=host_address(1))
+        counter.reset()
+        assert h0.read_bytes("a") == b"x" * 1000 and h1.read_bytes("b") == b"y" * 300
+        counter.poll(str(tmp_path))  # the workers have not finished restore 0: nothing counted
+        assert counter.counts == [] and not (tmp_path / "counted0").exists()
+        (tmp_path / "restored0").write_text("0")
+        counter.poll(str(tmp_path))
+        assert (tmp_path / "counted0").read_text() == "0"
+        first = counter.served(0)
+        # Both reads' bodies (plus any metadata responses) went to their own host's address.
+        assert first["served_bytes_other"] == 0
+        assert first["served_bytes_per_host"][0] >= 1000
+        assert first["served_bytes_per_host"][1] >= 300
+        assert proxy.bytes_served_by_address() == {}  # zeroed for the next restore
+        assert h1.read_bytes("a") == b"x" * 1000
+        (tmp_path / "restored1").write_text("1")
+        counter.poll(str(tmp_path))
+        second = counter.served(1)
+        assert second["served_bytes_per_host"][0] == 0
+        assert second["served_bytes_per_host"][1] == first["served_bytes_per_host"][0]
+        with pytest.raises(DemoError, match="restore 2 was not counted"):
+            counter.served(2)
+        h0.close()
+        h1.close()
+    gcs_emulator.delete_prefix(stem + "/")
+
+
+def _state_row(strategy, kind, digests, ok=True):
+    return {"strategy": strategy, "kind": kind, "state_digests": digests,
+            "bitwise_identical": ok if kind == "resume" else False, "verdict": "?"}
+
+
+def test_every_plan_must_restore_the_all_ranks_state_bitwise():
+    from xla_ckpt.demo.run import _check_states
+
+    rows = [_state_row("all_ranks", "resume", ["a0", "a1"]),
+            _state_row("broadcast", "resume", ["a0", "a1"], ok=False),  # its resume diverged
+            _state_row("per_host", "restore", ["a0", "a1"]),
+            _state_row("striped", "restore", ["a0", "b1"]),  # rank 1 got other bytes
+            _state_row("auto", "restore", ["a0", "a1"])]
+    _check_states(rows)
+    assert [(r["state_identical"], r["bitwise_identical"], r["verdict"]) for r in rows] == [
+        (True, True, "bitwise identical"), (True, False, "MISMATCH"),
+        (True, True, "bitwise identical"), (False, False, "MISMATCH"),
+        (True, True, "bitwise identical")]
+    # A restore-only plan equal to a wrong all_ranks restore proves nothing.
+    rows = [_state_row("all_ranks", "resume", ["a0", "a1"], ok=False),
+            _state_row("per_host", "restore", ["a0", "a1"])]
+    _check_states(rows)
+    assert [r["verdict"] for r in rows] == ["MISMATCH", "MISMATCH"]
+    # No digest (a worker that did not report one) is never a match.
+    rows = [_state_row("all_ranks", "resume", ["", ""]),
+            _state_row("per_host", "restore", ["", ""])]
+    _check_states(rows)
+    assert [r["state_identical"] for r in rows] == [False, False]
+
+
+def test_state_digest_sees_every_byte_key_and_dtype():
+    import torch
+
+    from xla_ckpt.demo.worker import state_digest
+
+    base = {"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+                      "e": torch.empty(0)}, "num_updates": 4, "rank_state": None}
+    d = state_digest(base)
+    assert d == state_digest({"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+                                        "e": torch.empty(0)}, "num_updates": 4,
+                              "rank_state": None})
+    flipped = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    flipped.view(torch.int32)[1, 2] ^= 1  # one bit of one element
+    variants = [
+        {**base, "model": {"w": flipped, "e": torch.empty(0)}},
+        {**base, "model": {"w": base["model"]["w"].reshape(3, 2), "e": torch.empty(0)}},
+        {**base, "model": {"w": base["model"]["w"].view(torch.int32), "e": torch.empty(0)}},
+        {**base, "model": {"v": base["model"]["w"], "e": torch.empty(0)}},
+        {**base, "num_updates": 5},
+    ]
+    assert len({d, *(state_digest(v) for v in variants)}) == 1 + len(variants)
 
 
 @pytest.mark.slow

@@ -6,12 +6,22 @@
 3. **Preempted run**: the same job checkpoints every few updates to ``<uri>``; once it passes the
    middle of an epoch the orchestrator sends SIGTERM to every worker (as GKE / a TPU
    maintenance event would).  Every rank saves at the next update boundary and exits 0.
-4. **Resume**, twice from that same checkpoint: once with the every-rank strategy (the TPU
-   default, each worker reads the checkpoint itself in parallel), once with rank-0-reads-
-   then-broadcasts (the CUDA/gloo default).  Each resumed run trains to ``U`` updates.
+   The workers of this (replicated, DDP-style) leg run as ``train.hosts`` emulated hosts
+   (default 2 x 2 workers): rank ``r`` gets ``GROUP_RANK = r * hosts // workers``, its
+   ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` and its host's loopback source address
+   (``XLA_CKPT_GCS_SOURCE_ADDRESS = 127.0.0.(10+h)``), so each host has its own link.
+4. **Resume**, twice from that same checkpoint, through a :class:`FaultProxy` in front of the
+   emulator that shapes every host's link (:data:`RESTORE_SHAPING_FIGURES`: 30 ms first byte,
+   32 MiB/s per stream, 64 MiB/s per host) and counts the bytes it serves to each host: once
+   with every rank reading everything (``all_ranks`` with ``host_shared_memory=false``, the
+   old TPU path), once with rank-0-reads-then-broadcasts.  Each resumed run trains to ``U``
+   updates.  Before it trains on, the ``all_ranks`` resume restores the same checkpoint
+   again with the ``per_host`` and ``striped`` plans and with ``auto``
+   (:data:`RESTORE_ONLY`), one after the other (no worker start-up, no training of their own).
 5. **Verdict** per strategy: losses of the preempted run up to the checkpoint plus the
    resumed run's losses equal the reference losses bit for bit, and so do the final
-   parameters on every worker.
+   parameters on every worker; every restore's state (digest of every tensor's bytes, the
+   rank's own item included) equals the ``all_ranks`` resume's on the same rank.
 6. **The sharded leg** (:func:`run_sharded_leg`, workers :mod:`xla_ckpt.demo.fsdp`): the same
    run with FSDP2 -- reference, preempted run (every rank saves only its own shards; DCP saves
    the same state alongside), a restore on the same number of workers that trains on, and a
@@ -36,7 +46,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from xla_ckpt.config import load_config
 from xla_ckpt.demo import corpus
@@ -48,7 +58,16 @@ from xla_ckpt.storage.uri import parse_uri
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("all_ranks", "broadcast")
+"""Restores of the replicated leg that train on (resume phases), in order; ``all_ranks`` runs
+with ``restore.host_shared_memory=false`` (every rank reads everything)."""
+RESTORE_ONLY = ("per_host", "striped", "auto")
+"""Restores of the replicated leg without training of their own (done by the ``all_ranks``
+resume's workers before they train on), checked against that resume's restored state."""
 LEGS = ("ddp", "fsdp")
+RESTORE_SHAPING_FIGURES = {"first_byte_latency_s": 0.03, "stream_mib_s": 32.0,
+                           "host_mib_s": 64.0}
+"""The link every emulated host restores through (``Shaping`` arguments; the demo config's
+``restore.cost_model`` carries the same figures, so ``auto`` predicts this emulation)."""
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -82,15 +101,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def host_env(rank: int, workers: int, hosts: int) -> dict[str, str]:
+    """torchrun's per-rank host variables for ``hosts`` emulated hosts of ``workers // hosts``
+    (:func:`xla_ckpt.testing.launcher.rank_environment`, less ``RANK``).
+
+    ``GROUP_RANK = rank * hosts // workers``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``; with more
+    than one host also ``XLA_CKPT_GCS_SOURCE_ADDRESS`` = the host's loopback address
+    (:func:`xla_ckpt.testing.fault_proxy.host_address`), which the GCS storage binds.
+
+    Raises:
+        ValueError: ``hosts`` < 1 or ``workers`` not a multiple of it (names both keys).
+    """
+    if not isinstance(hosts, int) or isinstance(hosts, bool) or hosts < 1 or workers % hosts:
+        raise ValueError(f"train.workers={workers} must be a multiple of train.hosts={hosts} "
+                         f"(>= 1); set train.hosts to a divisor of train.workers")
+    from xla_ckpt.testing.launcher import rank_environment  # noqa: PLC0415 - the demo's launcher env only
+
+    env = rank_environment(rank, workers, hosts)
+    del env["RANK"]
+    return env
+
+
 def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], env: dict,
               workdir: str, device: str = "cpu", preempt_after_update: int | None = None,
               timeout_s: float = 1200.0, module: str = "xla_ckpt.demo.worker",
-              args: list[str] | None = None, label: str | None = None) -> PhaseResult:
+              args: list[str] | None = None, label: str | None = None, hosts: int = 1,
+              poll: Callable[[str], None] | None = None) -> PhaseResult:
     """Launch ``workers`` worker processes (torchrun-style env) and collect their reports.
 
     ``module`` is the worker program (:mod:`xla_ckpt.demo.worker`, or :mod:`xla_ckpt.demo.fsdp`
     for the sharded leg, which takes no ``--device``), ``args`` extra arguments for it, ``label``
-    the folder name of the phase's logs and reports (default ``phase``).  With
+    the folder name of the phase's logs and reports (default ``phase``).  ``hosts``: emulated
+    hosts the workers are spread over (:func:`host_env`).  ``poll(out)`` is called about every
+    50 ms while the workers run (``out``: the phase's folder).  With
     ``preempt_after_update``, SIGTERM goes to every worker once rank 0 has finished that
     update.  Raises :class:`DemoError` if a worker fails or the phase outlives ``timeout_s``.
     """
@@ -105,8 +148,9 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
     for rank in range(workers):
         wenv = dict(os.environ)
         wenv.update(env)
-        wenv.update({"RANK": str(rank), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(rank),
-                     "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
+        wenv.pop("XLA_CKPT_GCS_SOURCE_ADDRESS", None)
+        wenv.update(host_env(rank, workers, hosts))
+        wenv.update({"RANK": str(rank), "WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
                      "MASTER_PORT": str(port), "PJRT_DEVICE": "CPU", "GLOO_SOCKET_IFNAME": "lo",
                      "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                      "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
@@ -136,6 +180,8 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
                         if p.poll() is None:
                             p.send_signal(signal.SIGTERM)
                     sent = True
+            if poll is not None:
+                poll(out)
             if any(p.poll() not in (None, 0) for p in procs):
                 time.sleep(2.0)  # let the others fail with their own (named) error
                 break
@@ -209,11 +255,13 @@ def _losses(reports: list[dict]) -> dict[int, str]:
     return merged
 
 
-def _plan(config: str, overrides: list[str]) -> tuple[Any, int, int]:
-    """(config, total updates, update after which to preempt)."""
+def _plan(config: str, overrides: list[str]) -> tuple[Any, int, int, int]:
+    """(config, total updates, update after which to preempt, emulated hosts ``train.hosts``;
+    the config refuses ``train.workers`` that is not a multiple of it)."""
 
     cfg = load_config(config, overrides)
     tc = cfg.train
+    hosts = tc.hosts
     per_epoch = len(corpus.pairs()) // (tc.batch_size * tc.workers)
     if per_epoch < 2:
         raise DemoError(f"train.batch_size={tc.batch_size} x train.workers={tc.workers} leaves "
@@ -221,22 +269,70 @@ def _plan(config: str, overrides: list[str]) -> tuple[Any, int, int]:
     total = tc.max_updates or tc.max_epoch * per_epoch
     preempt = tc.preempt_at_update or (total - per_epoch // 2 if total > per_epoch else total // 2)
     preempt = max(1, min(preempt, total - 2))
-    return cfg, total, preempt
+    return cfg, total, preempt, hosts
+
+
+class ServedCounter:
+    """Bytes a :class:`~xla_ckpt.testing.fault_proxy.FaultProxy` served to each emulated host,
+    per restore of a phase whose workers run with ``--sync-restores``.
+
+    :meth:`poll` (run_phase's ``poll``) sees ``<out>/restored<k>`` (every rank finished
+    restore ``k``), records :meth:`FaultProxy.bytes_served_by_address`, zeroes the proxy's
+    counters and writes ``<out>/counted<k>`` (the workers go on).  :meth:`reset` before the
+    phase starts.
+    """
+
+    def __init__(self, proxy: Any, hosts: int) -> None:
+        self.proxy = proxy
+        self.hosts = hosts
+        self.counts: list[dict[str, int]] = []
+
+    def reset(self) -> None:
+        self.proxy.reset_log()
+        self.counts = []
+
+    def poll(self, out: str) -> None:
+        k = len(self.counts)
+        if os.path.exists(os.path.join(out, f"restored{k}")):
+            self.counts.append(self.proxy.bytes_served_by_address())
+            self.proxy.reset_log()
+            with open(os.path.join(out, f"counted{k}"), "w") as f:
+                f.write(str(k))
+
+    def served(self, k: int) -> dict[str, Any]:
+        """Restore ``k``: ``served_bytes_per_host`` (host ``h``: bytes sent to its address
+        ``127.0.0.(10+h)``; one host: every byte) and ``served_bytes_other`` (to any other
+        address: a client that did not bind its host's address)."""
+        if k >= len(self.counts):
+            raise DemoError(f"restore {k} was not counted (the workers did not sync)")
+        by = self.counts[k]
+        total = sum(by.values())
+        if self.hosts == 1:
+            return {"served_bytes_per_host": [total], "served_bytes_other": 0}
+        from xla_ckpt.testing.fault_proxy import host_address  # noqa: PLC0415 - light
+
+        per = [by.get(host_address(h), 0) for h in range(self.hosts)]
+        return {"served_bytes_per_host": per, "served_bytes_other": total - sum(per)}
 
 
 def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
              uri: str | None = None, workers: int | None = None, model: str | None = None,
-             device: str = "cpu", keep: bool = False, legs: Sequence[str] = LEGS) -> dict:
+             device: str = "cpu", keep: bool = False, legs: Sequence[str] = LEGS,
+             hosts: int | None = None) -> dict:
     """Run the whole demo and return the report (what ``--json`` prints).
 
     ``legs``: ``"ddp"`` (the replicated run: every worker holds the whole model; resumed with
-    both strategies) and/or ``"fsdp"`` (the same run sharded with FSDP2; restored on the same
-    number of workers and resharded onto half as many, checked against DCP).
-    ``report["bitwise_identical"]`` has one entry per restore; the CLI exits 0 only when all
-    are true.
+    ``all_ranks`` and ``broadcast``, then restored with ``per_host``, ``striped`` and
+    ``auto``) and/or ``"fsdp"`` (the same run sharded with FSDP2; restored on the same
+    number of workers and resharded onto half as many, checked against DCP).  ``hosts``:
+    emulated hosts of the ddp leg (``train.hosts``; the demo config says 2); the fsdp leg
+    runs on one host.  ``report["bitwise_identical"]`` has one entry per restore;
+    the CLI exits 0 only when all are true.
 
     Raises:
         DemoError: a phase failed (names the phase and the ranks' log tails).
+        ConfigError: a bad config value, e.g. ``train.workers`` not a multiple of
+            ``train.hosts``.
         ValueError: an unknown leg.
     """
     bad = sorted(set(legs) - set(LEGS))
@@ -248,19 +344,37 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
         overrides.append(f"train.workers={workers}")
     if model:
         overrides.append(f"train.model={model}")
-    cfg, total, preempt = _plan(config, overrides)
+    if hosts:
+        overrides.append(f"train.hosts={hosts}")
+    cfg, total, preempt, hosts = _plan(config, overrides)
     n = cfg.train.workers
-    report: dict[str, Any] = {"workers": n, "model": cfg.train.model, "updates": total,
-                              "legs": list(legs), "restores": [], "bitwise_identical": {}}
+    report: dict[str, Any] = {"workers": n, "hosts": hosts, "model": cfg.train.model,
+                              "updates": total, "legs": list(legs), "restores": [],
+                              "bitwise_identical": {}}
     with contextlib.ExitStack() as stack:
         env: dict[str, str] = {}
+        restore_env: dict[str, str] = {}
+        counter: ServedCounter | None = None
         if uri is None:
+            from xla_ckpt.testing.fault_proxy import (  # noqa: PLC0415 - only with the emulator
+                FaultProxy,
+                Shaping,
+            )
             from xla_ckpt.testing.gcs_emulator import GCSEmulator  # noqa: PLC0415 - only the gs:// default starts it
 
             emu = stack.enter_context(GCSEmulator(bucket="xla-ckpt-demo"))
             env.update(emu.env())
+            link = RESTORE_SHAPING_FIGURES
+            proxy = stack.enter_context(FaultProxy(emu.host, shaping=Shaping(
+                first_byte_latency_s=link["first_byte_latency_s"],
+                stream_mib_s=link["stream_mib_s"], host_mib_s=link["host_mib_s"])))
+            restore_env = dict(env, **proxy.env())
+            counter = ServedCounter(proxy, hosts)
             uri = emu.uri(f"demo-{uuid.uuid4().hex[:8]}/run")
             storage_kind = "GCS emulator on " + emu.host
+            report["restore_link"] = {
+                "proxy": proxy.url, **RESTORE_SHAPING_FIGURES,
+                "note": "every emulated host restores through its own shaped link"}
         else:
             storage_kind = "gs://" if parse_uri(uri).is_gcs else "local path"
         report.update(uri=uri, storage=storage_kind)
@@ -269,10 +383,12 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
             stack.push(lambda exc_type, *_: None if exc_type is not None
                        else shutil.rmtree(workdir, True))
         base = overrides + [f"checkpoint.save_dir={uri}", f"train.max_updates={total}"]
-        logger.info("demo: %d workers, model %s, %d updates, checkpoints to %s (%s)", n,
-                    cfg.train.model, total, uri, storage_kind)
+        logger.info("demo: %d workers (%d emulated host(s)), model %s, %d updates, checkpoints "
+                    "to %s (%s)", n, hosts, cfg.train.model, total, uri, storage_kind)
         if "ddp" in legs:
-            report.update(_replicated_leg(n, config, base, env, workdir, device, preempt, uri))
+            report.update(_replicated_leg(n, config, base, env, workdir, device, preempt, uri,
+                                          hosts=hosts, restore_env=restore_env or env,
+                                          counter=counter))
             report["bitwise_identical"].update(
                 {r["strategy"]: r["bitwise_identical"] for r in report["restores"]})
         if "fsdp" in legs:
@@ -286,15 +402,24 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
 
 
 def _replicated_leg(n: int, config: str, base: list[str], env: dict, workdir: str,
-                    device: str, preempt: int, uri: str) -> dict:
-    """Reference, preempted run and the two resumes of the replicated (DDP-style) model."""
+                    device: str, preempt: int, uri: str, *, hosts: int = 1,
+                    restore_env: dict | None = None,
+                    counter: ServedCounter | None = None) -> dict:
+    """Reference, preempted run, the two resumes and the restore-only plans of the replicated
+    (DDP-style) model, on ``hosts`` emulated hosts.
+
+    Saves go to storage through ``env``, restores through ``restore_env`` (the shaped proxy,
+    whose bytes per host ``counter`` counts; None: not counted).
+    """
+    renv = restore_env if restore_env is not None else env
+    sync = ["--sync-restores"] if counter is not None else []
     ref = run_phase("reference", workers=n, config=config, overrides=base, env=env,
-                    workdir=workdir, device=device)
+                    workdir=workdir, device=device, hosts=hosts)
     ref_losses = _losses(ref.reports)
     ref_digest = {r["digest"] for r in ref.reports}
     logger.info("demo: reference run done in %.1f s", ref.seconds)
     pre = run_phase("train", workers=n, config=config, overrides=base, env=env,
-                    workdir=workdir, device=device, preempt_after_update=preempt)
+                    workdir=workdir, device=device, preempt_after_update=preempt, hosts=hosts)
     pre_losses = _losses(pre.reports)
 
     with _env(env), open_storage(uri) as run_storage:
@@ -303,16 +428,41 @@ def _replicated_leg(n: int, config: str, base: list[str], env: dict, workdir: st
         raise DemoError("the preempted run left no committed checkpoint")
     logger.info("demo: preempted after update %d; latest committed checkpoint %s",
                 pre.reports[0]["num_updates"], checkpoint)
+    restore_file = f"checkpoint.restore_file={uri.rstrip('/')}/{checkpoint}"
     results = []
+    phase_seconds: dict[str, float] = {"reference": round(ref.seconds, 2),
+                                       "train": round(pre.seconds, 2)}
+    extra: list[dict] = []
     for strategy in STRATEGIES:
-        ov = base + [f"restore.strategy={strategy}",
-                     f"checkpoint.restore_file={uri.rstrip('/')}/{checkpoint}",
+        ov = base + [f"restore.strategy={strategy}", restore_file,
                      f"checkpoint.save_dir={uri.rstrip('/')}-resumed-{strategy}"]
-        res = run_phase("resume", workers=n, config=config, overrides=ov, env=env,
-                        workdir=workdir, device=device)
-        results.append(_verdict(strategy, res, pre_losses, ref_losses, ref_digest))
+        args = list(sync)
+        if strategy == "all_ranks":
+            # Its own restore: every rank reads everything (the old TPU path).  The other
+            # plans restore the same checkpoint in these workers before they train on (no
+            # start-up or training of their own), with the config as it is (host shared
+            # memory on); each must give every rank this state.
+            args += ["--resume-set", "restore.host_shared_memory=false",
+                     "--also-restore", ",".join(RESTORE_ONLY)]
+        if counter is not None:
+            counter.reset()
+        res = run_phase("resume", workers=n, config=config, overrides=ov, env=renv,
+                        workdir=workdir, device=device, hosts=hosts, args=args,
+                        label=f"resume-{strategy}",
+                        poll=counter.poll if counter is not None else None)
+        phase_seconds[f"resume-{strategy}"] = round(res.seconds, 2)
+        served = counter.served(0) if counter is not None else {}
+        results.append(_verdict(strategy, res, pre_losses, ref_losses, ref_digest, served))
+        if strategy == "all_ranks":
+            for k, plan in enumerate(RESTORE_ONLY):
+                served = counter.served(k + 1) if counter is not None else {}
+                extra.append(_restore_verdict(
+                    plan, [r["restores"][k] for r in res.reports], served))
+    results += extra
+    _check_states(results)
     return {"preempted_at_update": pre.reports[0]["num_updates"], "checkpoint": checkpoint,
-            "reference_seconds": round(ref.seconds, 2), "restores": results}
+            "reference_seconds": round(ref.seconds, 2), "phase_seconds": phase_seconds,
+            "restores": results}
 
 
 # ---- the sharded leg (FSDP2) ---------------------------------------------------------------
@@ -459,8 +609,36 @@ def _env(env: dict) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _restore_figures(strategy: str, restores: list[dict], served: dict) -> dict:
+    """The figures of one restore (``restores``: every rank's, in rank order) for the table."""
+    seconds = max(r["seconds"] for r in restores)
+    read = [r["bytes_read"] for r in restores]
+    received = [r["bytes_received"] for r in restores]
+    mapped = [r.get("bytes_mapped", 0) for r in restores]
+    moved = max(a + b + c for a, b, c in zip(read, received, mapped, strict=True))
+    return {
+        "strategy": strategy, "plan": restores[0].get("plan") or restores[0]["strategy"],
+        "reason": restores[0]["reason"],
+        "checkpoint": restores[0]["checkpoint"], "resumed_at_update": restores[0]["num_updates"],
+        "bytes_read_per_rank": read, "bytes_received_per_rank": received,
+        "bytes_mapped_per_rank": mapped, "data_path": restores[0].get("data_path", ""),
+        "host_shared_memory": restores[0].get("host_shared_memory", True),
+        "served_bytes_per_host": served.get("served_bytes_per_host"),
+        "served_bytes_other": served.get("served_bytes_other"),
+        "seconds": round(seconds, 3), "mib_per_s": round(moved / max(seconds, 1e-9) / 2**20, 1),
+        "restore_seconds": round(max(r.get("restore_seconds", r["seconds"]) for r in restores),
+                                 3),
+        "predicted_s": round(float(restores[0].get("predicted_s", 0.0)), 3),
+        "predictions": restores[0].get("predictions", {}),
+        "state_devices": restores[0]["state_devices"],
+        "state_digests": [r.get("state_digest", "") for r in restores],
+    }
+
+
 def _verdict(strategy: str, res: PhaseResult, pre_losses: dict, ref_losses: dict,
-             ref_digest: set) -> dict:
+             ref_digest: set, served: dict | None = None) -> dict:
+    """A resume that trained on: its losses and final parameters against the reference's
+    (``state_identical``, against the ``all_ranks`` resume, comes from :func:`_check_states`)."""
     restores = [r["restore"] for r in res.reports]
     start = restores[0]["num_updates"]
     resumed = _losses(res.reports)
@@ -469,22 +647,37 @@ def _verdict(strategy: str, res: PhaseResult, pre_losses: dict, ref_losses: dict
     digests = {r["digest"] for r in res.reports}
     losses_ok = combined == ref_losses
     params_ok = len(digests) == 1 and digests == ref_digest
-    seconds = max(r["seconds"] for r in restores)
-    read = [r["bytes_read"] for r in restores]
-    received = [r["bytes_received"] for r in restores]
-    mapped = [r.get("bytes_mapped", 0) for r in restores]
-    moved = max(a + b + c for a, b, c in zip(read, received, mapped, strict=True))
-    return {
-        "strategy": strategy, "reason": restores[0]["reason"],
-        "checkpoint": restores[0]["checkpoint"], "resumed_at_update": start,
-        "bytes_read_per_rank": read, "bytes_received_per_rank": received,
-        "bytes_mapped_per_rank": mapped, "data_path": restores[0].get("data_path", ""),
-        "seconds": round(seconds, 3), "mib_per_s": round(moved / max(seconds, 1e-9) / 2**20, 1),
-        "state_devices": restores[0]["state_devices"],
-        "losses_identical": losses_ok, "params_identical": params_ok,
-        "bitwise_identical": losses_ok and params_ok,
-        "verdict": "bitwise identical" if losses_ok and params_ok else "MISMATCH",
-    }
+    out = _restore_figures(strategy, restores, served or {})
+    out.update(kind="resume", losses_identical=losses_ok, params_identical=params_ok,
+               bitwise_identical=losses_ok and params_ok,
+               verdict="bitwise identical" if losses_ok and params_ok else "MISMATCH")
+    return out
+
+
+def _restore_verdict(strategy: str, restores: list[dict], served: dict | None = None) -> dict:
+    """A restore-only plan: judged by :func:`_check_states` (its state against the
+    ``all_ranks`` resume's on every rank)."""
+    out = _restore_figures(strategy, restores, served or {})
+    out.update(kind="restore", bitwise_identical=False, verdict="MISMATCH")
+    return out
+
+
+def _check_states(rows: list[dict]) -> None:
+    """Every row's restored state must equal the ``all_ranks`` row's on every rank (the
+    :func:`~xla_ckpt.demo.worker.state_digest` of the state and the rank's own item): sets
+    ``state_identical`` on each row and folds it into ``bitwise_identical`` / ``verdict``;
+    a restore-only row also needs the ``all_ranks`` resume itself to be bitwise identical.
+    """
+    ref = next((r for r in rows if r["strategy"] == "all_ranks"), None)
+    ref_states = ref["state_digests"] if ref is not None else None
+    ref_ok = ref is not None and ref["bitwise_identical"]
+    for r in rows:
+        same = (ref_states is not None and all(ref_states)
+                and r["state_digests"] == ref_states)
+        r["state_identical"] = same
+        ok = same and (r["bitwise_identical"] if r["kind"] == "resume" else ref_ok)
+        r["bitwise_identical"] = ok
+        r["verdict"] = "bitwise identical" if ok else "MISMATCH"
 
 
 def _grid(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -502,22 +695,42 @@ def _mib(values: Sequence[int]) -> str:
 
 def format_table(report: dict) -> str:
     """The human-readable tables ``xla-ckpt demo`` prints (one per leg that ran)."""
+    hosts = report.get("hosts", 1)
     out = (f"xla_ckpt demo: {report['workers']} workers, model {report['model']}, "
            f"{report['updates']} updates, storage {report['storage']}\n")
     if report.get("restores"):
-        out += (f"preempted (SIGTERM) after update {report['preempted_at_update']}; "
-                f"restoring {report['checkpoint']}\n")
-        cols = ("strategy", "checkpoint", "MiB read/rank", "MiB bcast/rank", "MiB mapped/rank",
-                "seconds", "MiB/s", "on device", "verdict")
-        rows = []
+        link = report.get("restore_link")
+        where = ""
+        if link:
+            where = (f" through a link per host ({link['first_byte_latency_s'] * 1000:.0f} ms "
+                     f"first byte, {link['stream_mib_s']:.0f} MiB/s per stream, "
+                     f"{link['host_mib_s']:.0f} MiB/s per host)")
+        out += (f"{hosts} emulated host(s) x {report['workers'] // max(hosts, 1)} workers; "
+                f"preempted (SIGTERM) after update {report['preempted_at_update']}; "
+                f"restoring {report['checkpoint']}{where}\n")
+        cols: tuple[str, ...] = (
+            "strategy", "plan", "MiB read/rank", "MiB recv/rank", "MiB mapped/rank",
+            "MiB served/host", "predicted s", "seconds", "on device", "checked", "verdict")
+        rows: list[tuple[str, ...]] = []
         for r in report["restores"]:
-            rows.append((r["strategy"], r["checkpoint"].rsplit("/", 1)[-1],
+            served = r.get("served_bytes_per_host")
+            strategy = r["strategy"]
+            if strategy == "all_ranks" and r.get("host_shared_memory") is False:
+                strategy += "*"
+            rows.append((strategy, r.get("plan") or r["strategy"],
                          _mib(r["bytes_read_per_rank"]), _mib(r["bytes_received_per_rank"]),
                          _mib(r.get("bytes_mapped_per_rank",
                                     [0] * len(r["bytes_read_per_rank"]))),
-                         f"{r['seconds']:.2f}", f"{r['mib_per_s']:.0f}",
-                         ",".join(r["state_devices"]), r["verdict"]))
+                         _mib(served) if served is not None else "-",
+                         f"{r['predicted_s']:.2f}" if r.get("predicted_s") else "-",
+                         f"{r.get('restore_seconds', r['seconds']):.2f}",
+                         ",".join(r["state_devices"]),
+                         "resume" if r.get("kind", "resume") == "resume" else "state",
+                         r["verdict"]))
         out += _grid(cols, rows)
+        if any(r["strategy"] == "all_ranks" and r.get("host_shared_memory") is False
+               for r in report["restores"]):
+            out += "\n* restore.host_shared_memory=false: every rank reads everything"
     sh = report.get("sharded")
     if sh:
         if report.get("restores"):

@@ -1,8 +1,10 @@
 """One training process of the demo (``python -m xla_ckpt.demo.worker``), launched like torchrun.
 
-Environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``PJRT_DEVICE=CPU`` (each worker owns an XLA CPU device) and, for the GCS emulator,
-``STORAGE_EMULATOR_HOST``.
+Environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``
+(the emulated host), ``MASTER_ADDR``, ``MASTER_PORT``, ``PJRT_DEVICE=CPU`` (each worker owns
+an XLA CPU device), for the GCS emulator ``STORAGE_EMULATOR_HOST`` (the emulator, or the
+shaped proxy in front of it) and, on several emulated hosts, ``XLA_CKPT_GCS_SOURCE_ADDRESS``
+(the host's loopback address, which its GCS connections leave from).
 
 The loop is fairseq's ``train.py`` shape: restore (:class:`CheckpointManager` +
 :class:`Checkpointer`), then per update: forward on this rank's shard of the batch, backward,
@@ -45,7 +47,12 @@ logger = logging.getLogger("xla_ckpt.demo.worker")
 
 PHASES = ("reference", "train", "resume")
 """reference: train without checkpoints; train: restore the latest checkpoint if there is one,
-train, checkpoint (the phase a real job runs); resume: train, but a checkpoint must exist."""
+train, checkpoint (the phase a real job runs); resume: train, but a checkpoint must exist
+(with ``--also-restore``, the same checkpoint is first restored again with each of those
+strategies, no training, each restore's figures and :func:`state_digest` in the report)."""
+
+SYNC_TIMEOUT_S = 300.0
+"""How long rank 0 waits for the orchestrator to count a restore's bytes (``--sync-restores``)."""
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -58,7 +65,49 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "xla", "cuda"), default="cpu",
                    help="where the model trains (cpu: fast CPU emulation; xla: this worker's "
                         "XLA device, as on a TPU; cuda: cuda:<LOCAL_RANK>)")
+    p.add_argument("--resume-set", dest="resume_overrides", action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="override for this phase's own restore and training only, not for "
+                        "the --also-restore restores (e.g. restore.host_shared_memory=false)")
+    p.add_argument("--also-restore", default="", metavar="STRATEGIES",
+                   help="resume phase: after its restore, restore the same checkpoint again "
+                        "with each of these comma-separated restore.strategy values (e.g. "
+                        "per_host,striped,auto), one after the other, before training on")
+    p.add_argument("--sync-restores", action="store_true",
+                   help="after each restore, every rank waits while the orchestrator counts "
+                        "the bytes storage served (rank 0 writes <out>/restored<k> and waits "
+                        "for <out>/counted<k>)")
     return p.parse_args(argv)
+
+
+def state_digest(tree: Any) -> str:
+    """sha256 over a restored state tree: every key, every tensor's dtype, shape and bytes
+    (CPU copies of XLA / CUDA tensors), every other leaf's ``repr``, in tree order.
+
+    Two restores of one checkpoint give the same digest only when they are bitwise equal.
+    """
+    h = hashlib.sha256()
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            h.update(f"D{len(obj)}".encode())
+            for k, v in obj.items():
+                h.update(f"K{k!r}".encode())
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            h.update(f"{type(obj).__name__}{len(obj)}".encode())
+            for v in obj:
+                walk(v)
+        else:
+            h.update(f"V{obj!r}".encode())
+
+    walk(tree)
+    return h.hexdigest()
 
 
 def param_digest(modules: list[torch.nn.Module]) -> str:
@@ -127,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides + args.resume_overrides)
     tc = cfg.train
     dist = get_dist(cfg.dist)
     world = dist.world_size
@@ -178,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     epoch, start_i = 1, 0
     if args.phase != "reference":
         res = _restore(mgr, rank, args.device)
+        if res is not None and args.sync_restores:
+            _sync(dist, args.out, 0)
+        if res is not None and args.also_restore:
+            report["restores"] = _also_restore(load_config(args.config, args.overrides), dist,
+                                               args)
         if res is None and args.phase == "resume":
             raise SystemExit(f"rank {rank}: nothing to resume from under {ck.save_dir}")
         if res is not None:
@@ -264,17 +318,9 @@ class _Restore:
 
 
 def _restore(mgr: CheckpointManager, rank: int, device: str) -> "_Restore | None":
-    """``restore_or_initialize`` onto this worker's own XLA device (C2), with its figures."""
-    map_location: Any = None
-    if device == "cuda":
-        map_location = torch.device("cuda", torch.cuda.current_device())  # this rank's own GPU
-    elif device == "xla" or os.environ.get("PJRT_DEVICE"):
-        try:
-            import torch_xla  # noqa: PLC0415 - only with --device xla
-
-            map_location = torch_xla.device()
-        except ImportError:  # pragma: no cover - torch_xla is pinned with the demo
-            map_location = None
+    """``restore_or_initialize`` onto this worker's own XLA device (C2), with its figures
+    (bytes, plan, predicted and measured seconds, :func:`state_digest` of what came back)."""
+    map_location = _map_location(device)
     t0 = time.perf_counter()
     res = mgr.restore_or_initialize(map_location=map_location)
     seconds = time.perf_counter() - t0
@@ -288,8 +334,77 @@ def _restore(mgr: CheckpointManager, rank: int, device: str) -> "_Restore | None
         "bytes_received": st.bytes_received if st else 0,
         "bytes_mapped": st.bytes_mapped if st else 0, "data_path": st.data_path if st else "",
         "seconds": seconds,
+        "plan": st.plan if st else "", "predicted_s": st.predicted_s if st else 0.0,
+        "predictions": dict(st.predictions) if st else {},
+        "restore_seconds": st.seconds if st else seconds,
+        "host_shared_memory": mgr.restore_config.host_shared_memory,
+        "state_digest": state_digest({"state": res.state, "rank_state": res.rank_state}),
         "state_devices": sorted({str(t.device) for t in _tensors(res.state)}),
     })
+
+
+def _map_location(device: str) -> Any:
+    """Where restored tensors go: this worker's own XLA device (C2) or GPU; None: CPU."""
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())  # this rank's own GPU
+    if device == "xla" or os.environ.get("PJRT_DEVICE"):
+        try:
+            import torch_xla  # noqa: PLC0415 - only with --device xla
+
+            return torch_xla.device()
+        except ImportError:  # pragma: no cover - torch_xla is pinned with the demo
+            return None
+    return None
+
+
+def _also_restore(cfg: Any, dist: Dist, args: argparse.Namespace) -> list[dict]:
+    """Restore ``checkpoint.restore_file`` again once per strategy of ``--also-restore`` (a
+    fresh manager each, ``no_save``; nothing is loaded into the model), with ``cfg`` (the
+    phase's config without ``--resume-set``): each restore's figures and
+    :func:`state_digest` (of the state and this rank's item), in order.
+    With ``--sync-restores`` restore ``k`` (from 1: the resume's own is 0) is counted.
+    """
+    import dataclasses  # noqa: PLC0415 - only with --also-restore
+
+    plans = [x.strip() for x in args.also_restore.split(",") if x.strip()]
+    ck = dataclasses.replace(cfg.checkpoint, no_save=True, handle_sigterm=False)
+    out = []
+    for k, plan in enumerate(plans, start=1):
+        mgr = CheckpointManager(ck, dist=dist, storage_config=cfg.storage,
+                                restore_config=dataclasses.replace(cfg.restore, strategy=plan))
+        try:
+            res = _restore(mgr, dist.rank, args.device)
+            if res is None:
+                raise SystemExit(f"rank {dist.rank}: nothing to restore under {ck.save_dir}")
+            out.append(dict(res.figures, requested=plan, num_updates=res.result.num_updates))
+            del res  # one extra copy of the state at a time
+        finally:
+            mgr.close()
+        if args.sync_restores:
+            _sync(dist, args.out, k)
+    return out
+
+
+def _sync(dist: Dist, out: str, k: int) -> None:
+    """Every rank: hold here until the orchestrator has counted restore ``k``'s bytes.
+
+    All ranks finish the restore (barrier); rank 0 writes ``<out>/restored<k>`` and waits
+    for ``<out>/counted<k>`` (the orchestrator read and reset the proxy's counters);
+    another barrier releases the others.
+    """
+    if dist.world_size > 1:
+        dist.barrier()
+    if dist.rank == 0:
+        with open(os.path.join(out, f"restored{k}"), "w") as f:
+            f.write(str(k))
+        deadline = time.monotonic() + SYNC_TIMEOUT_S
+        while not os.path.exists(os.path.join(out, f"counted{k}")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0: the orchestrator did not count restore {k} "
+                                   f"within {SYNC_TIMEOUT_S:.0f} s (no {out}/counted{k})")
+            time.sleep(0.02)
+    if dist.world_size > 1:
+        dist.barrier()
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
