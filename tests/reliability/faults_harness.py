@@ -323,3 +323,69 @@ def sharded_restore_round(uri: str, storage_kwargs: dict, timeout_s: float) -> d
     out["seconds"] = time.monotonic() - t0
     out["counts"] = dict(counter.counts)
     return out
+
+
+# ---- the per-host and striped plans: every byte fetched once per host / per job -----------------
+#
+# The same 8 ranks run as ``hosts`` emulated hosts (consecutive ranks; torchrun ``GROUP_RANK`` /
+# ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` and each host's own GCS source address), and restore
+# with ``per_host`` (one read per host into host shared memory) or ``striped`` (each stripe
+# read by one rank, exchanged over host shared memory and the leaders' all-gather) through the
+# same random faults.  A fault that survives its retries on one reader must fail the restore on
+# every rank with the same error; a restore that returns must be bitwise right on every rank.
+
+
+def plan_restore_round(strategy: str, hosts: int, uri: str, storage_kwargs: dict,
+                       timeout_s: float) -> dict:
+    """On every rank: restore ``uri`` with ``strategy`` on ``hosts`` emulated hosts, compare
+    bitwise; never raises (the outcome of :func:`restore_round`).  Bind with
+    ``functools.partial(plan_restore_round, strategy, hosts)`` for :func:`run_rounds`."""
+    import os
+
+    from xla_ckpt.comm import get_dist
+    from xla_ckpt.config import DistConfig
+    from xla_ckpt.errors import XlaCkptError
+    from xla_ckpt.restore import RestoreConfig, restore
+    from xla_ckpt.storage import StorageConfig
+    from xla_ckpt.storage.base import SOURCE_ADDRESS_ENV
+    from xla_ckpt.testing.asserts import assert_state_identical
+    from xla_ckpt.testing.fault_proxy import host_address
+
+    counter = _counter()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per = world // hosts
+    env = {"GROUP_RANK": str(rank // per), "LOCAL_RANK": str(rank % per),
+           "LOCAL_WORLD_SIZE": str(per), SOURCE_ADDRESS_ENV: host_address(rank // per)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    out: dict[str, Any] = {"rank": rank}
+    try:
+        # its own Dist (another timeout is another cache key): the topology of these hosts
+        d = get_dist(DistConfig(backend="gloo", timeout_s=timeout_s + hosts / 1000))
+        t0 = time.monotonic()
+        try:
+            r = restore(uri, dist=d, config=RestoreConfig(strategy=strategy,
+                                                          bucket_size_bytes=256 * 1024),
+                        storage_config=StorageConfig(**storage_kwargs))
+        except XlaCkptError as e:
+            out.update(outcome="clean_error", error=type(e).__name__, message=str(e)[:2000],
+                       failed_ranks=sorted(getattr(e, "failures", {}) or {}))
+        except Exception as e:  # noqa: BLE001 - what must never happen is recorded, not raised
+            out.update(outcome="other_error", error=type(e).__name__, message=str(e)[:400])
+        else:
+            try:
+                assert_state_identical(r.state, fault_state())
+                out["outcome"] = "correct"
+            except AssertionError as e:
+                out.update(outcome="silent_corruption", message=str(e)[:400])
+            out["bytes_read"] = r.stats.bytes_read
+            out["plan"] = r.stats.plan
+        out["seconds"] = time.monotonic() - t0
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    out["counts"] = dict(counter.counts)
+    return out

@@ -329,3 +329,95 @@ def sharded_restore_with_victim(rank: int, uri: str, strategy: str, scenario: st
         out["diff"] = H.sharded_diff(holder["r"].state, SHARDED_N, mesh)
     out["rank"] = rank
     return out
+
+
+# ---- the per-host and striped plans: 2 emulated hosts x 2 ranks ------------------------------
+#
+# The same 4 ranks run as 2 emulated hosts (ranks 0-1 and 2-3: torchrun ``GROUP_RANK`` /
+# ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``, and each host's own GCS source address
+# ``127.0.0.(10+h)`` so a proxy fault can target one host).  Plans: ``per_host`` (each host's
+# leader -- rank 0, rank 2 -- reads into host shared memory, rank 1 / rank 3 map it),
+# ``striped`` (every rank reads its stripes into its host's segment, the leaders all-gather)
+# and ``striped_private`` (striped without host shared memory: all-gather over every rank).
+# ``kill`` / ``stall`` hook the victim's first ranged read (its stripe; a per-host leader's
+# read into shared memory) or, with ``follow``, a per-host follower's mapping of its leader's
+# fill; ``proxy``: nothing is hooked, the proxy fails or stalls the host's reads.
+
+PLAN_HOSTS = 2
+
+
+def plan_checkpoint_state() -> tuple[dict, dict[int, dict]]:
+    """The replicated state of the plan cases: 4 tensors of 1.5 MiB, each one stripe (smaller
+    blobs are grouped into one stripe, which one rank reads), so every rank of the 2 x 2 job
+    reads a stripe of its own; and every rank's private state."""
+    g = torch.Generator().manual_seed(6)
+    state = {"t": [torch.randn(384 * 1024, generator=g) for _ in range(4)], "step": 10}
+    ranks = {r: {"rng": torch.full((64,), r, dtype=torch.int64)} for r in range(4)}
+    return state, ranks
+
+
+def restore_plan_with_victim(uri: str, plan: str, scenario: str, victim: int,
+                             timeout_s: float) -> dict:
+    """Every rank: restore ``uri`` with ``plan`` on 2 emulated hosts; the victim fails as
+    ``scenario`` says (``kill``, ``stall``, ``kill_follow``, ``stall_follow``, ``proxy``).
+    Never raises; the hooks are removed afterwards."""
+    import os
+
+    from xla_ckpt.comm import TorchDist, get_dist
+    from xla_ckpt.comm.host_memory import PrivateMapping
+    from xla_ckpt.config import DistConfig
+    from xla_ckpt.errors import XlaCkptError
+    from xla_ckpt.restore import RestoreConfig, restore
+    from xla_ckpt.storage import StorageConfig
+    from xla_ckpt.storage.base import SOURCE_ADDRESS_ENV
+    from xla_ckpt.storage.gcs import GCSStorage
+    from xla_ckpt.storage.local import LocalStorage
+    from xla_ckpt.testing.fault_proxy import host_address
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per = world // PLAN_HOSTS
+    host = rank // per
+    env = {"GROUP_RANK": str(host), "LOCAL_RANK": str(rank % per),
+           "LOCAL_WORLD_SIZE": str(per), SOURCE_ADDRESS_ENV: host_address(host)}
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved_attrs = [(LocalStorage, "read_range", LocalStorage.read_range),
+                   (GCSStorage, "read_range", GCSStorage.read_range),
+                   (PrivateMapping, "follow", PrivateMapping.follow)]
+    os.environ.update(env)
+    out: dict = {"rank": rank, "host": host}
+    try:
+        get_dist(DistConfig(backend="gloo", timeout_s=120.0))  # the job's process group
+        d = TorchDist.new_subgroup(range(world), timeout_s=timeout_s)  # fresh groups
+        assert d is not None and d.topology.host_id == host
+        if d.rank == victim and scenario != "proxy":
+            action = kill_self if scenario.startswith("kill") else \
+                (lambda: time.sleep(timeout_s + STALL_EXTRA_S))
+            if scenario.endswith("_follow"):
+                _hook_host_memory_map(action)  # a per-host follower mapping its leader's fill
+            else:
+                _hook_storage_reads(action)  # its stripe, or a leader's read into the segment
+        t0 = time.monotonic()
+        try:
+            r = restore(uri, dist=d, config=RestoreConfig(
+                strategy="striped" if plan.startswith("striped") else plan,
+                host_shared_memory=plan != "striped_private", bucket_size_bytes=BUCKET_BYTES),
+                storage_config=StorageConfig(max_attempts=2, initial_backoff_s=0.01,
+                                             max_backoff_s=0.05))
+            state, _ = plan_checkpoint_state()
+            same = all(torch.equal(a, b) for a, b in zip(r.state["t"], state["t"], strict=True))
+            out.update(outcome="restored" if same else "silent_corruption", plan=r.stats.plan)
+        except XlaCkptError as e:
+            out.update(outcome="error", error=type(e).__name__, message=str(e),
+                       failures={int(k): v for k, v in getattr(e, "failures", {}).items()})
+        except Exception as e:  # noqa: BLE001 - recorded: the test fails on it
+            out.update(outcome="foreign_error", error=type(e).__name__, message=str(e))
+        out["seconds"] = time.monotonic() - t0
+    finally:
+        for cls, name, fn in saved_attrs:
+            setattr(cls, name, fn)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return out

@@ -168,3 +168,51 @@ def test_sharded_restore_names_the_key_when_every_read_is_flipped(pool3, gcs_emu
     for o in outs:
         assert "IntegrityError" in o["message"] and "after 3 reads" in o["message"]
         assert "chunks-00001" in o["message"] and "model" in o["message"], o["message"]
+
+
+# ---- per_host and striped: 8 ranks as 4 emulated hosts x 2, through the same faults -----------
+
+CI_PLAN_FAULTS = 60
+
+
+@pytest.mark.parametrize("strategy", ["striped", "per_host"])
+def test_plans_reading_once_never_return_wrong_bytes(pool8, gcs_emulator, checkpoint, strategy):
+    import functools
+
+    with FaultProxy(gcs_emulator.host, seed=20261202) as proxy:
+        t = F.run_rounds(pool8, proxy, checkpoint, min_faults=CI_PLAN_FAULTS, probability=0.12,
+                         storage_kwargs=MODERATE,
+                         round_fn=functools.partial(F.plan_restore_round, strategy, 4))
+        by_address = proxy.bytes_served_by_address()
+    print(_report(t, strategy))
+    _nothing_silent(t)
+    assert t["faults_total"] >= CI_PLAN_FAULTS
+    # Most rounds recover (a retry or a crc32c re-read absorbs the fault); the others fail
+    # cleanly on every rank with one DistributedError naming the reader(s).
+    assert t["outcomes"].get("correct", 0) >= 0.5 * t["restores"]
+    assert set(t["clean_errors"]) <= {"DistributedError"}
+    assert t["errors_naming_ranks"] == t["outcomes"].get("clean_error", 0)
+    f, whole = t["faults"], t["one_request_faults"]
+    assert t["retries"] == f["status_503"] + f["status_429"] + f["reset"]
+    # each flipped ranged read cost one logged crc32c re-read (also of pieces read together)
+    assert t["crc_rereads"] == f["flip"] - whole["flip"]
+    # every emulated host fetched through its own address (nothing from the default one)
+    assert set(by_address) <= {f"127.0.0.{10 + h}" for h in range(4)}, by_address
+
+
+@pytest.mark.parametrize("strategy", ["striped", "per_host"])
+def test_plans_reading_once_fail_cleanly_in_a_fault_storm(pool8, gcs_emulator, checkpoint,
+                                                          strategy):
+    import functools
+
+    with FaultProxy(gcs_emulator.host, seed=8) as proxy:
+        t = F.run_rounds(pool8, proxy, checkpoint, min_faults=CI_PLAN_FAULTS, probability=0.6,
+                         storage_kwargs=STORM,
+                         round_fn=functools.partial(F.plan_restore_round, strategy, 4))
+    print(_report(t, f"{strategy} storm"))
+    _nothing_silent(t)  # also: every rank of a failed round raised the same error, same ranks
+    assert t["faults_total"] >= CI_PLAN_FAULTS
+    # one reader's exhausted retries fail the whole job: on every rank, naming the reader(s)
+    assert t["outcomes"].get("clean_error", 0) > 0
+    assert set(t["clean_errors"]) == {"DistributedError"}
+    assert t["errors_naming_ranks"] == t["outcomes"]["clean_error"]

@@ -28,7 +28,7 @@ import rank_workers as W
 
 from xla_ckpt.comm.liveness import DEAD_AFTER_S
 from xla_ckpt.io import save
-from xla_ckpt.testing.fault_proxy import Fault, FaultProxy, downloads
+from xla_ckpt.testing.fault_proxy import Fault, FaultProxy, downloads, from_address, host_address
 from xla_ckpt.testing.launcher import WorkerPool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -231,3 +231,141 @@ def test_sharded_restore_rank_fails(zygote, sharded_ckpt, strategy, scenario, vi
     if scenario == "raise":
         for r in rows:
             assert r["value"]["failures"][victim].startswith("OSError: "), r["value"]
+
+
+# ---- per_host and striped on 2 emulated hosts x 2 ranks (rank_workers, plans section) ---------
+#
+# The hosts are ranks 0-1 and 2-3.  Every survivor must raise within the timeout, naming the
+# victim; a per-host follower whose leader failed may be named too, with a cause that names
+# the leader (it waited for the leader's fill).
+
+@pytest.fixture(scope="module")
+def plan_local_ckpt(tmp_path_factory):
+    from xla_ckpt.io.reader import read_manifest
+    from xla_ckpt.restore.striped import plan_stripes, stripe_size
+    from xla_ckpt.storage import StorageConfig, open_storage
+
+    uri = str(tmp_path_factory.mktemp("plan-ranks") / "ckpt")
+    state, ranks = W.plan_checkpoint_state()
+    save(state, uri, rank_states=ranks)
+    with open_storage(uri) as st:
+        item = read_manifest(st).item("state")
+    size = stripe_size(item.nbytes, 4, StorageConfig().slice_size_bytes)
+    for hosts in ([[0, 1], [2, 3]], [[0], [1], [2], [3]]):  # striped, striped_private
+        # every rank reads a stripe of its own: a hooked first read is a stripe read
+        assert sorted(s.reader for s in plan_stripes(item, hosts, size)) == [0, 1, 2, 3]
+    return uri
+
+
+@pytest.fixture(scope="module")
+def plan_gcs_ckpt(gcs_emulator):
+    uri = gcs_emulator.unique_uri("plan-ranks")
+    state, ranks = W.plan_checkpoint_state()
+    saved = dict(os.environ)
+    os.environ.update(gcs_emulator.env())
+    try:
+        save(state, uri, rank_states=ranks)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    yield uri
+    gcs_emulator.delete_prefix(uri.split("/", 3)[3] + "/")
+
+
+PLAN_STALLS = [("striped", 3), ("per_host", 2), ("striped_private", 1)]
+PLAN_DEATHS = [("striped", "kill", 3), ("per_host", "kill", 2), ("per_host", "kill_follow", 3),
+               ("striped_private", "kill", 2)]
+
+
+def _plan_survivors_name(results, victim: int, what: str, *, dead: bool = False) -> None:
+    """Every rank but ``victim`` raised a library error naming it within the timeout (others
+    named beside it are followers that name it in their cause)."""
+    assert not any(r.timed_out for r in results), f"{what}: a rank hung"
+    slowest = 0.0
+    for r in results:
+        if r.rank == victim:
+            continue
+        v = r.unwrap()
+        assert v["outcome"] == "error", (what, r.rank, v)
+        assert v["error"] in ("DistributedError", "CollectiveTimeoutError"), (what, v)
+        assert victim in v["failures"], (what, r.rank, v["failures"])
+        for other, cause in v["failures"].items():
+            if other != victim:
+                assert f"rank {victim}" in cause, (what, r.rank, v["failures"])
+        assert f"rank {victim}" in v["message"]
+        assert v["seconds"] <= TIMEOUT_S + MARGIN_S, (what, r.rank, v["seconds"])
+        slowest = max(slowest, v["seconds"])
+    print(f"{what}: survivors named rank {victim} within {slowest:.2f} s")
+
+
+@pytest.mark.parametrize("plan,victim", PLAN_STALLS)
+def test_plan_reader_stalls_past_the_timeout(pool, plan_local_ckpt, plan, victim):
+    results = pool.run(W.restore_plan_with_victim, plan_local_ckpt, plan, "stall", victim,
+                       TIMEOUT_S, timeout_s=HARD_TIMEOUT_S)
+    _plan_survivors_name(results, victim, f"{plan}: rank {victim} stalls mid-read")
+    late = results[victim].unwrap()  # the stalled rank does not hang either
+    assert late["outcome"] == "error", late
+    assert late["seconds"] <= TIMEOUT_S + W.STALL_EXTRA_S + MARGIN_S
+
+
+@pytest.mark.parametrize("plan,scenario,victim", PLAN_DEATHS)
+def test_plan_reader_dies(plan_local_ckpt, plan, scenario, victim):
+    with WorkerPool(4, xla=False) as p:  # a death retires the pool
+        results = p.run(W.restore_plan_with_victim, plan_local_ckpt, plan, scenario, victim,
+                        TIMEOUT_S, timeout_s=HARD_TIMEOUT_S)
+    assert results[victim].exitcode == -9
+    _plan_survivors_name(results, victim, f"{plan}: rank {victim} ({scenario}) SIGKILLed",
+                         dead=True)
+    for r in results:
+        if r.rank != victim:
+            assert r.value["failures"][victim].startswith(
+                f"died: no heartbeat for {DEAD_AFTER_S:g} s"), r.value["failures"]
+
+
+@pytest.mark.parametrize("plan", ["striped", "per_host"])
+def test_plan_host_reads_fail(pool, gcs_emulator, plan_gcs_ckpt, plan):
+    # Host 1's reads of the state's data file are refused (HTTP 403): its stripe readers
+    # (striped: ranks 2 and 3) or its leader (per_host: rank 2) fail; every rank says so.
+    target = "-state.safetensors"
+    with FaultProxy(gcs_emulator.host) as proxy:
+        proxy.inject(Fault.error(403), match=from_address(host_address(1), downloads(target)),
+                     times=1000)
+        results = pool.run(W.restore_plan_with_victim, plan_gcs_ckpt, plan, "proxy", -1, TIMEOUT_S,
+                           timeout_s=HARD_TIMEOUT_S, env=proxy.env())
+        refused = [r for r in proxy.records() if r.status == 403]
+    assert refused and {r.client_address for r in refused} == {host_address(1)}
+    readers = {2, 3} if plan == "striped" else {2}
+    outs = [r.unwrap() for r in results]
+    for v in outs:
+        assert v["outcome"] == "error" and v["error"] == "DistributedError", v
+        assert readers <= set(v["failures"]) <= {2, 3}, v["failures"]
+        for k in readers:
+            assert v["failures"][k].startswith("StoragePermissionError: ")
+            assert "HTTP 403" in v["failures"][k] and target in v["failures"][k]
+        assert v["seconds"] <= TIMEOUT_S + MARGIN_S
+    assert len({tuple(sorted(v["failures"].items())) for v in outs}) == 1  # one agreement
+
+
+@pytest.mark.parametrize("plan", ["striped", "per_host"])
+def test_plan_host_stream_stalls_mid_stripe(pool, gcs_emulator, plan_gcs_ckpt, plan):
+    # The first body sent to host 1 for the state's data file stops after 1 KiB for longer
+    # than the collective timeout: the rank reading it stalls mid-stripe (striped: rank 2 or
+    # 3; per_host: the leader, rank 2); every other rank raises in time naming it.
+    with FaultProxy(gcs_emulator.host) as proxy:
+        proxy.inject(Fault.stall(TIMEOUT_S + W.STALL_EXTRA_S, after_bytes=1024),
+                     match=from_address(host_address(1), downloads("-state.safetensors")))
+        results = pool.run(W.restore_plan_with_victim, plan_gcs_ckpt, plan, "proxy", -1, TIMEOUT_S,
+                        timeout_s=HARD_TIMEOUT_S, env=proxy.env())
+        stalled = [r for r in proxy.records() if r.fault == "stall"]
+    assert len(stalled) == 1 and stalled[0].client_address == host_address(1)
+    assert not any(r.timed_out for r in results)
+    outs = [r.unwrap() for r in results]
+    named = set().union(*(set(v.get("failures", {})) for v in outs))
+    assert named and named <= {2, 3}, [v.get("failures") for v in outs]
+    if plan == "per_host":
+        assert 2 in named
+    for v in outs:
+        assert v["outcome"] == "error", v
+        assert v["error"] in ("DistributedError", "CollectiveTimeoutError"), v
+        if v["rank"] not in named:
+            assert set(v["failures"]) & named and v["seconds"] <= TIMEOUT_S + MARGIN_S, v
