@@ -37,12 +37,23 @@ marked ``*``), for the same 141.2 GB state: every plan's predicted seconds, Orba
 ``broadcast`` plan on XLA, as calibrated) beside ours (``striped``), the storage bytes per job
 of each, and ``auto``'s pick on XLA (``allow_xla_data_plane`` false, then true) and on NCCL.
 
-Output: JSON lines (``{"kind": "calibration" | "orbax_row" | "grid", ...}``), then the tables.
+**Against our own emulation** (``--check-emulation FILE``): FILE holds the JSON lines of
+``benchmarks/striped_restore.py`` (emulated hosts on one machine, each behind its own shaped
+link to the GCS emulator).  From its ``setup`` line (hosts, ranks per host, the checkpoint's
+sizes, the shaping's storage figures and the measured data-plane rate) the same model predicts
+every plan that ran (``auto``: the plan it picked), and each prediction is compared with the
+measured median seconds of its ``plan`` line: within +-30 % is met; the run fails (exit 1)
+if one is not.
+
+Output: JSON lines (``{"kind": "calibration" | "orbax_row" | "grid" | "emulation_plan" |
+"emulation_check", ...}``), then the tables.
 
   .venv/bin/python benchmarks/scale_model.py              # calibration, Orbax rows, grid
   .venv/bin/python benchmarks/scale_model.py --no-grid    # calibration and Orbax rows only
   .venv/bin/python benchmarks/scale_model.py --json       # JSON lines only
   .venv/bin/python benchmarks/scale_model.py --grid-bandwidths defaults  # grid on the defaults
+  .venv/bin/python benchmarks/striped_restore.py > striped.jsonl
+  .venv/bin/python benchmarks/scale_model.py --no-grid --check-emulation striped.jsonl
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from typing import Any, Sequence
 
@@ -63,6 +75,7 @@ from xla_ckpt.restore.cost import (
     RestoreTopology,
     choose_plan,
     estimate,
+    predict,
 )
 
 #: Orbax's measured seconds: n -> (every replica reads, one replica reads and broadcasts).
@@ -220,6 +233,80 @@ def grid(bw: Bandwidths, sizes: RestoreSizes) -> list[dict[str, Any]]:
     return rows
 
 
+def check_emulation(lines: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The model's predictions against ``benchmarks/striped_restore.py``'s measured seconds.
+
+    ``lines``: that script's JSON lines (one ``setup`` line, ``plan`` lines; others ignored).
+    For each plan line with a measured ``seconds``, the plan that ran (``plan_ran``: ``auto``
+    names the plan it picked) is predicted with :func:`~xla_ckpt.restore.cost.predict` on
+    the setup line's topology, sizes, bandwidths and backend.
+
+    Returns:
+        One ``{"kind": "emulation_plan", ...}`` dict per plan, then one
+        ``{"kind": "emulation_check", "met": ...}`` with the worst error.
+
+    Raises:
+        ValueError: no setup line, or no plan line with seconds (names what is missing).
+    """
+    setups = [x for x in lines if x.get("kind") == "setup"]
+    if not setups:
+        raise ValueError("no {\"kind\": \"setup\"} line: pass the JSON lines that "
+                         "benchmarks/striped_restore.py printed")
+    setup = setups[-1]
+    topo = RestoreTopology(hosts=setup["hosts"], ranks_per_host=setup["ranks_per_host"])
+    sizes = RestoreSizes(**setup["sizes"])
+    bw = Bandwidths(**setup["bandwidths"])
+    est = predict(topo, sizes, bw, backend_kind=setup["backend_kind"])
+    out: list[dict[str, Any]] = []
+    for x in lines:
+        if x.get("kind") != "plan" or "seconds" not in x:
+            continue
+        ran = x.get("plan_ran", x["plan"])
+        if not isinstance(ran, str) or ran not in est:
+            out.append({"kind": "emulation_plan", "plan": x["plan"], "plan_ran": ran,
+                        "measured_s": x["seconds"], "error": None,
+                        "met": False, "why": "not one plan of the cost model"})
+            continue
+        pred = est[ran].seconds
+        err = pred / x["seconds"] - 1.0
+        out.append({"kind": "emulation_plan", "plan": x["plan"], "plan_ran": ran,
+                    "measured_s": x["seconds"], "predicted_s": round(pred, 3),
+                    "predicted_read_s": round(est[ran].read_s, 3),
+                    "predicted_exchange_s": round(est[ran].exchange_s, 3),
+                    "error": round(err, 4), "met": abs(err) <= MAX_ERROR,
+                    "storage_bytes_x_state_predicted": round(est[ran].storage_bytes
+                                                             / sizes.state_bytes, 3),
+                    "bytes_per_job_x_checkpoint_measured": x.get("bytes_per_job_x_checkpoint")})
+    if not out:
+        raise ValueError("no {\"kind\": \"plan\"} line with measured seconds in the "
+                         "emulation results")
+    errs = [r["error"] if r["error"] is not None else float("inf") for r in out]
+    worst = max(errs, key=abs)
+    out.append({"kind": "emulation_check", "hosts": setup["hosts"],
+                "ranks_per_host": setup["ranks_per_host"],
+                "state_bytes": sizes.state_bytes, "backend_kind": setup["backend_kind"],
+                "data_plane_cross_host_bytes_per_s": bw.data_plane_cross_host_bytes_per_s,
+                "worst_error": round(worst, 4) if math.isfinite(worst) else None,
+                "target": f"+-{MAX_ERROR:.0%}", "met": abs(worst) <= MAX_ERROR})
+    return out
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+    text = sys.stdin.read() if path == "-" else open(path).read()
+    out = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        raw = raw.strip()
+        if not raw or raw.startswith("#"):
+            continue
+        try:
+            doc = json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
@@ -237,7 +324,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--grid-bandwidths", choices=("calibrated", "defaults"), default="calibrated",
                     help="the grid's parameters: the Orbax calibration (default) or the "
                          "documented defaults of xla_ckpt.restore.cost.Bandwidths")
+    ap.add_argument("--check-emulation", metavar="FILE", default=None,
+                    help="JSON lines of benchmarks/striped_restore.py ('-': stdin): check the "
+                         "model's prediction of every plan against the measured seconds")
     a = ap.parse_args(argv)
+    emulation: list[dict[str, Any]] = []
+    if a.check_emulation is not None:
+        try:
+            emulation = check_emulation(_read_jsonl(a.check_emulation))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--check-emulation {a.check_emulation}: {type(e).__name__}: {e}")
 
     sizes = RestoreSizes(state_bytes=STATE_BYTES)
     bw = calibrate(sizes)
@@ -253,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cal["within_30_percent"] = worst <= MAX_ERROR
     grid_bw = bw if a.grid_bandwidths == "calibrated" else Bandwidths()
     rows = [] if a.no_grid else grid(grid_bw, sizes)
-    for line in [cal, *orbax, *rows]:
+    for line in [cal, *orbax, *rows, *emulation]:
         print(json.dumps(line), flush=True)
     if not a.json:
         print()
@@ -265,12 +361,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_table(
             ["n", "hosts", "role", "every replica: measured", "predicted", "error",
              "one replica + broadcast: measured", "predicted", "error", "ours: striped",
-             "striped vs Orbax's best", "auto (XLA)", "auto (XLA data plane)"],
+             "striped vs Orbax's best", "storage x state: every replica / striped",
+             "auto (XLA)", "auto (XLA data plane)"],
             [[r["n"], r["hosts"], r["role"], f"{r['every_replica_measured_s']} s",
               f"{r['every_replica_predicted_s']} s", _pct(r["every_replica_error"]),
               f"{r['broadcast_measured_s']} s", f"{r['broadcast_predicted_s']} s",
               _pct(r["broadcast_error"]), f"{r['striped_predicted_s']} s",
-              f"{r['striped_speedup_vs_orbax_best_measured']}x", r["auto_xla"],
+              f"{r['striped_speedup_vs_orbax_best_measured']}x",
+              (f"{r['every_replica_storage_bytes_x_state']:g} / "
+               f"{r['striped_storage_bytes_x_state']:g}"), r["auto_xla"],
               r["auto_xla_data_plane"]] for r in orbax]))
         print()
         print(f"Predictions (n = 4, 16): worst error {_pct(worst)} "
@@ -291,7 +390,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                   (f"{r['all_ranks_storage_bytes_x_state']:g} / "
                    f"{r['striped_storage_bytes_x_state']:g}"),
                   r["auto_xla"], r["auto_xla_data_plane"], r["auto_nccl"]] for r in rows]))
-    return 0 if worst <= MAX_ERROR else 1
+        if emulation:
+            check = emulation[-1]
+            print()
+            print(f"Against our emulation ({check['hosts']} emulated hosts x "
+                  f"{check['ranks_per_host']} ranks, {check['state_bytes'] / 2**20:.1f} MiB, "
+                  f"{check['backend_kind']}; the model on the run's setup line):")
+            print(_table(
+                ["plan", "ran", "measured", "predicted (read + exchange)", "error", "met"],
+                [[r["plan"], r["plan_ran"], f"{r['measured_s']} s",
+                  (f"{r['predicted_s']} s ({r['predicted_read_s']} + "
+                   f"{r['predicted_exchange_s']})" if "predicted_s" in r else "-"),
+                  _pct(r["error"]) if r["error"] is not None else "-",
+                  "met" if r["met"] else "not met"] for r in emulation[:-1]]))
+            print(f"Emulation: worst error "
+                  f"{_pct(check['worst_error']) if check['worst_error'] is not None else '-'}"
+                  f" ({'met' if check['met'] else 'NOT MET'}: within +/-30 %)")
+    ok = worst <= MAX_ERROR and (not emulation or emulation[-1]["met"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

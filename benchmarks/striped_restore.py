@@ -1,0 +1,861 @@
+r"""Striped restore benchmark: every read plan on emulated hosts, each behind its own shaped link.
+
+``--hosts`` (4) emulated hosts x ``--ranks-per-host`` (2) gloo ranks (real processes from
+:mod:`xla_ckpt.testing.launcher`, ``WorkerPool(world, hosts=H)``; loopback only) restore one
+``--size-mib`` (256) MiB replicated state from the GCS emulator
+(:mod:`xla_ckpt.testing.gcs_emulator`) through the shaping proxy
+(:class:`xla_ckpt.testing.fault_proxy.FaultProxy`): ``Shaping(first_byte_latency_s=0.03,
+stream_mib_s=32, host_mib_s=64)``.  Emulated host ``h`` connects from its own loopback
+address ``127.0.0.(10+h)`` (``XLA_CKPT_GCS_SOURCE_ADDRESS``, set per rank by the launcher), so
+the proxy caps each host's link at 64 MiB/s and counts the bytes it serves to each host.
+
+The state is a realistic mix (:func:`state_layout`): an embedding (1/4 of the state), an output
+head (1/8), four large MLP matrices (1/16 each) and 24 attention-sized matrices (fp32), plus
+many small tensors: per layer LayerNorm weights/biases (fp32), bias vectors (bf16) and int64
+step counters (0-d), an empty tensor, an int64 table, and two plain Python values.  It is saved
+once (``xla_ckpt.save`` from the parent, through the proxy, uploads unshaped).
+
+Plans (``RestoreConfig(strategy=...)``), run interleaved (each repeat runs every plan once, the
+order rotated by one each repeat), ``--repeats`` (3) runs each, medians:
+
+  all_ranks  ``strategy="all_ranks", host_shared_memory=False``: every rank fetches everything
+             (the every-replica read: hosts x ranks_per_host x the state from storage)
+  per_host   ``strategy="per_host"``: the host leader fetches, the host's other ranks map its
+             sealed copy (host x the state)
+  broadcast  ``strategy="broadcast"``: rank 0 fetches; the data plane (gloo) fans out to the
+             other hosts' leaders; ranks of a host share their leader's copy
+  striped    ``strategy="striped"``: every byte fetched once per job, in crc32c-chunk-aligned
+             stripes spread over every rank; exchanged through host shared memory within a
+             host and an all-gather over the host leaders across hosts
+  auto       ``strategy="auto"`` with ``RestoreConfig.cost_model`` = the bandwidths below:
+             the line says which plan it picked (``plan_ran``) and why
+
+Before the timed runs every plan restores a small checkpoint once (untimed: first use of gloo,
+the GCS client, host shared memory), and the data plane is measured: an all-gather of
+``--probe-mib`` MiB over the host leaders (``Dist.all_gather_tensors`` on their subgroup, the
+striped exchange's collective).  That rate is the cost model's
+``data_plane_cross_host_bytes_per_s`` (``--data-plane-mib-s`` overrides it); the same probe
+times a broadcast from rank 0, reported beside it.
+
+**Clock**: on every rank from a barrier until ``restore`` returned and every page of the state
+is resident (one read per 4 KiB page, so a lazily mapped page is paid for); ``seconds`` is the
+slowest rank.
+
+One JSON line per plan (``"kind": "plan"``):
+
+* ``seconds`` (median), ``seconds_all`` (every run), ``seconds_per_rank`` (the median run);
+* ``bytes_served_per_host``: response bytes the proxy served to each emulated host (its counters
+  reset before every run; the median run), ``bytes_served_other`` (any other source address:
+  should be 0), ``bytes_per_job`` and ``bytes_per_job_x_checkpoint`` (over the checkpoint's
+  objects: data files + manifest);
+* ``peak_host_memory_mib`` (and ``_x_state``): the peak over the restore of the sum over
+  every rank of ``/proc/<pid>/smaps_rollup`` Pss (a page k ranks map counts 1/k in each),
+  sampled by the parent every 50 ms, minus that sum just before the run.  Reading
+  smaps_rollup walks every mapping of the process: about 20 ms of CPU per rank here, a core's
+  worth at that rate, so it is sampled in ``--memory-runs`` (1) extra, untimed runs of each
+  plan after the timed ones (``memory_run_seconds``), never during a timed run;
+* ``predicted_s``: ``xla_ckpt.restore.cost.predict`` on ``RestoreTopology(hosts,
+  ranks_per_host)``, ``RestoreSizes`` from the manifest and the bandwidths of the ``setup``
+  line; ``prediction_error`` = predicted / measured - 1; ``stats_predicted_s``: what the
+  restore itself reported (``RestoreStats.predicted_s``);
+* ``bitwise_ok``: every rank's restored state has the saved state's digest (crc32c of every
+  tensor's bytes, dtype, shape and key path, and every plain value), in every run (timed and
+  memory runs: ``runs_checked_bitwise``);
+* ``requests``: requests the proxy served in the run (GETs of data and metadata);
+  ``load_average_1m_all``: the machine's 1-minute load average as each timed run started
+  (other work on the machine slows every plan; the ``setup`` line has the CPU count);
+* ``ratio_vs_<plan>``: this plan's seconds over that plan's (striped: < 1 is faster).
+
+The first line (``"kind": "setup"``) has the topology, sizes, shaping and every cost-model
+parameter (``benchmarks/scale_model.py --check-emulation`` recomputes the predictions from it);
+the last (``"kind": "summary"``) the targets (issue 13), each with the measured figure and
+``met``: striped <= 0.5x all_ranks and <= 0.5x broadcast, striped bytes per job 1.0x, every
+plan's prediction within +-30 %.  Exit status 1 if any plan's state differs from the saved one
+on any rank or a plan failed; targets not met do not change it.
+
+Cost-model parameters (``Bandwidths``): the shaping's figures (``storage_stream_bytes_per_s``
+32 MiB/s, ``storage_host_bytes_per_s`` 64 MiB/s, ``first_byte_latency_s`` 0.03 s);
+``streams_per_reader`` = the GCS ``StorageConfig.max_workers`` (32) and ``request_bytes`` =
+its ``slice_size_bytes`` (8 MiB); the measured cross-host rate; the documented defaults for
+the rest (``data_plane_intra_host_bytes_per_s`` 8 GiB/s: benchmarks/README.md measured a rank
+mapping a 512 MiB sealed copy in about 0.045 s, about 11 GiB/s; ``data_plane_latency_s``
+2 ms; ``storage_total_bytes_per_s`` 25e9: the shaping sets no aggregate cap).
+
+``--all-gather broadcast`` is an A/B knob of this script: every rank's
+``TorchDist.all_gather_tensors`` is replaced by the base ``Dist`` path (one bucketed broadcast
+per source rank), to compare the striped exchange's two implementations.
+
+  .venv/bin/python benchmarks/striped_restore.py                      # 4 x 2 ranks, 256 MiB
+  .venv/bin/python benchmarks/striped_restore.py --repeats 5 > striped.jsonl
+  .venv/bin/python benchmarks/scale_model.py --no-grid --check-emulation striped.jsonl
+  .venv/bin/python benchmarks/striped_restore.py --size-mib 8 --hosts 2 --ranks-per-host 2 \
+      --repeats 1                                                     # seconds: the test's run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+from typing import Any, Iterator
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+PLANS = ("all_ranks", "per_host", "broadcast", "striped", "auto")
+TARGET_RATIO = 0.5
+TARGET_ERROR = 0.30
+WARM_MIB = 2
+STORAGE_PROBE_ROUNDS = 3
+#: What runs each plan (``auto`` picks one of the others).
+_STRATEGY: dict[str, dict[str, Any]] = {
+    "all_ranks": {"strategy": "all_ranks", "host_shared_memory": False},
+    "per_host": {"strategy": "per_host"}, "broadcast": {"strategy": "broadcast"},
+    "striped": {"strategy": "striped"}, "auto": {"strategy": "auto"}}
+
+
+# ---- the state -------------------------------------------------------------------------------
+def state_layout(size_mib: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(key path, shape, dtype)`` of the benchmark's tensors, about ``size_mib`` MiB in all.
+
+    A few large fp32 matrices (embedding 1/4, head 1/8, four MLP matrices 1/16 each, 24
+    attention-sized ones sharing the rest) and many small tensors (per layer: LayerNorm
+    weights/biases fp32, biases bf16, a 0-d int64 step; an empty tensor; an int64 table).
+    Row width 1024 and 32 layers from 64 MiB up, 128 and 8 below.
+    """
+    h = 1024 if size_mib >= 64 else 128
+    layers = 32 if size_mib >= 64 else 8
+    small: list[tuple[str, tuple[int, ...], str]] = []
+    for i in range(layers):
+        small += [(f"model/layers.{i}.ln1.weight", (h,), "float32"),
+                  (f"model/layers.{i}.ln1.bias", (h,), "float32"),
+                  (f"model/layers.{i}.ln2.weight", (h,), "float32"),
+                  (f"model/layers.{i}.ln2.bias", (h,), "float32"),
+                  (f"model/layers.{i}.attn.qkv.bias", (3 * h,), "bfloat16"),
+                  (f"model/layers.{i}.mlp.fc1.bias", (4 * h,), "bfloat16"),
+                  (f"optim/state.{i}.step", (), "int64")]
+    small += [("model/rotary.inv_freq", (h // 2,), "float32"),
+              ("model/unused_adapter", (0, h), "float32"),
+              ("data/token_counts", (h, 8), "int64")]
+    row = 4 * h
+    rest = size_mib * MiB - sum(_nbytes(s, d) for _, s, d in small)
+    large = [("model/embed.weight", (max(1, rest // 4 // row), h), "float32"),
+             ("model/head.weight", (max(1, rest // 8 // row), h), "float32")]
+    large += [(f"model/mlp_big.{i}.weight", (max(1, rest // 16 // row), h), "float32")
+              for i in range(4)]
+    left = rest - sum(_nbytes(s, d) for _, s, d in large)
+    medium = [(f"model/layers.{i}.attn.out.weight", (max(1, left // 24 // row), h), "float32")
+              for i in range(24)]
+    return large + medium + small
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "int64": 8}
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return math.prod(shape) * _ITEMSIZE[dtype]
+
+
+def make_state(size_mib: int, seed: int = 0) -> dict[str, Any]:
+    """The nested state of :func:`state_layout` (random values, fixed seed) plus plain values."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    state: dict[str, Any] = {"step": 1000 + seed, "note": f"striped benchmark {size_mib} MiB"}
+    for key, shape, dtype in state_layout(size_mib):
+        top, name = key.split("/", 1)
+        if dtype == "int64":
+            t = torch.randint(0, 1 << 40, shape, generator=g, dtype=torch.int64)
+        else:
+            t = torch.randn(shape, generator=g).to(getattr(torch, dtype))
+        state.setdefault(top, {})[name] = t
+    return state
+
+
+def _walk(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for k in sorted(tree, key=str):
+            yield from _walk(tree[k], f"{path}/{k}")
+    else:
+        yield path, tree
+
+
+def digest(state: Any) -> str:
+    """crc32c over every leaf in key order: key path, dtype, shape and bytes of each tensor,
+    ``repr`` of every other value.  Equal digests: bitwise the same state."""
+    import torch
+
+    from xla_ckpt.format.crc import crc32c
+    from xla_ckpt.testing.asserts import tensor_bits
+
+    c = 0
+    n = 0
+    for path, v in _walk(state):
+        if isinstance(v, torch.Tensor):
+            c = crc32c(f"{path}:{v.dtype}:{tuple(v.shape)}".encode(), c)
+            c = crc32c(tensor_bits(v), c)
+        else:
+            c = crc32c(f"{path}={v!r}".encode(), c)
+        n += 1
+    return f"{c:08x}/{n}"
+
+
+# ---- on every rank ----------------------------------------------------------------------------
+#: What a rank keeps between calls (the pool reuses its processes).
+_HELD: dict[str, Any] = {}
+#: Seconds this rank spent in each step of the striped plan in the last restore (see
+#: :func:`_time_striped_steps`).
+_PHASES: dict[str, float] = {}
+
+
+def _time_striped_steps() -> None:
+    """Wrap the steps of ``xla_ckpt.restore.striped`` to time them on this rank (wall seconds,
+    summed per step into ``_PHASES``): ``negotiate`` (host shared memory), ``allocate``,
+    ``read`` (this rank's own stripe reads, without waiting for the others), ``exchange``
+    (the cross-host collective, waiting included), ``finish`` (seal + map the host's copy),
+    ``rebuild`` (``materialize_item``).  Timing only: every call goes through unchanged."""
+    import functools
+
+    from xla_ckpt.restore import striped
+
+    def timed(step: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _PHASES[step] = _PHASES.get(step, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    cls = striped._Striped
+    for step in ("allocate", "read", "exchange", "finish"):
+        setattr(cls, f"_{step}", timed(step, getattr(cls, f"_{step}")))
+    striped.negotiate = timed("negotiate", striped.negotiate)  # type: ignore[attr-defined]  # timing wrapper of this benchmark only
+    striped.materialize_item = timed("rebuild", striped.materialize_item)  # type: ignore[attr-defined]  # timing wrapper of this benchmark only
+
+
+def _join(spec: dict) -> Any:
+    """This rank's Dist (gloo).  On first use: stdout goes to stderr (gloo's connection lines
+    would mix with the parent's JSON lines) and, if the launcher cannot, this rank's emulated
+    host's environment is set as ``WorkerPool(hosts=H)`` sets it."""
+    from xla_ckpt.comm import get_dist
+    from xla_ckpt.config import DistConfig
+
+    if not _HELD.get("joined"):
+        sys.stdout.flush()
+        os.dup2(2, 1)
+        if spec["set_host_env"]:
+            from xla_ckpt.testing.fault_proxy import host_address
+
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            hosts = spec["hosts"]
+            host = rank * hosts // world
+            os.environ.update(GROUP_RANK=str(host), LOCAL_RANK=str(rank % (world // hosts)),
+                              LOCAL_WORLD_SIZE=str(world // hosts))
+            if hosts > 1:
+                os.environ["XLA_CKPT_GCS_SOURCE_ADDRESS"] = host_address(host)
+        if spec.get("all_gather") == "broadcast":  # the experiment of --all-gather broadcast
+            from xla_ckpt.comm.base import Dist
+            from xla_ckpt.comm.torch_dist import TorchDist
+
+            TorchDist.all_gather_tensors = Dist.all_gather_tensors  # type: ignore[method-assign]  # an A/B knob of this benchmark only
+        _time_striped_steps()
+        _HELD["joined"] = True
+    return get_dist(DistConfig(backend="gloo", timeout_s=spec["dist_timeout_s"]))
+
+
+def _trim() -> None:
+    gc.collect()
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _touch(state: Any) -> None:
+    """Read one byte per 4 KiB page of every tensor (a lazily mapped page is paid for)."""
+    import torch
+
+    for _, v in _walk(state):
+        if isinstance(v, torch.Tensor) and v.numel():
+            v.detach().reshape(-1).view(torch.uint8).numpy()[::4096].sum()
+
+
+def _config(plan: str, spec: dict) -> Any:
+    from xla_ckpt.restore import RestoreConfig
+    from xla_ckpt.restore.cost import Bandwidths
+
+    return RestoreConfig(**_STRATEGY[plan], cost_model=Bandwidths(**spec["bandwidths"]))
+
+
+def _restore_once(plan: str, uri: str, spec: dict, d: Any) -> tuple[dict, Any]:
+    from xla_ckpt.restore import restore
+
+    _trim()
+    d.barrier()
+    _PHASES.clear()
+    t0 = time.perf_counter()
+    res = restore(uri, dist=d, config=_config(plan, spec))
+    t_restore = time.perf_counter() - t0
+    _touch(res.state)
+    seconds = time.perf_counter() - t0
+    st = res.stats
+    out = {"seconds": seconds, "digest": digest(res.state),
+           "plan_ran": getattr(st, "plan", "") or res.strategy, "strategy": res.strategy,
+           "reason": str(res.reason)[:600],
+           "bytes_read": st.bytes_read, "bytes_received": st.bytes_received,
+           "bytes_mapped": st.bytes_mapped, "read_seconds": st.read_seconds,
+           "restore_seconds": t_restore, "stats_seconds": st.seconds,
+           "striped_steps_s": {k: round(v, 3) for k, v in _PHASES.items()},
+           "stats_plan": getattr(st, "plan", ""), "stats_predicted_s": getattr(st, "predicted_s",
+                                                                                0.0),
+           "stats_predictions": dict(getattr(st, "predictions", {}) or {})}
+    return out, res
+
+
+def setup(spec: dict) -> dict:
+    """Join, warm every plan up on the small checkpoint (digest checked), probe the data plane.
+
+    The probe: the host leaders (lowest rank of each host) all-gather ``probe_bytes`` (each
+    contributes 1/hosts of it) with ``Dist.all_gather_tensors`` on their subgroup, then rank 0
+    broadcasts ``probe_bytes`` to them; median seconds of 3 after one untimed round.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    d = _join(spec)
+    warm = {}
+    for plan in spec["plans"]:
+        out, res = _restore_once(plan, spec["warm_uri"], spec, d)
+        del res
+        _trim()
+        if out["digest"] != spec["warm_digest"]:
+            raise RuntimeError(f"rank {d.rank}: warm-up restore with {plan} gave digest "
+                               f"{out['digest']}, saved {spec['warm_digest']}")
+        warm[plan] = out["plan_ran"]
+    topo = d.topology
+    probe: dict[str, Any] = {}
+    hosts, rph = spec["hosts"], spec["ranks_per_host"]
+    if hosts > 1:
+        leaders = [h * rph for h in range(hosts)]
+        sub = d.subgroup(leaders)
+        if sub is not None:
+            part = spec["probe_bytes"] // hosts
+            mine = sub.rank
+            parts = [[torch.full((part,), mine + 1, dtype=torch.uint8) if r == mine
+                      else torch.zeros(part, dtype=torch.uint8)] for r in range(hosts)]
+            whole = torch.full((part * hosts,), 7 if sub.rank == 0 else 0, dtype=torch.uint8)
+            gather_s, bcast_s = [], []
+            for i in range(4):
+                sub.barrier()
+                t0 = time.perf_counter()
+                sub.all_gather_tensors(parts, spec["bucket_bytes"])
+                t = time.perf_counter() - t0
+                sub.barrier()
+                t1 = time.perf_counter()
+                sub.broadcast_tensors([whole], src=0, bucket_size_bytes=spec["bucket_bytes"])
+                b = time.perf_counter() - t1
+                if i:
+                    gather_s.append(t)
+                    bcast_s.append(b)
+            ok = all(bool((parts[r][0] == r + 1).all()) for r in range(hosts)) \
+                and bool((whole == 7).all())
+            probe = {"all_gather_s": gather_s, "broadcast_s": bcast_s, "ok": ok}
+            del parts, whole
+        d.barrier()
+    _trim()
+    return {"pid": os.getpid(), "rank": d.rank, "host_id": topo.host_id,
+            "local_rank": topo.local_rank, "local_world_size": topo.local_world_size,
+            "source_address": os.environ.get("XLA_CKPT_GCS_SOURCE_ADDRESS", ""),
+            "warm_plans": warm, "probe": probe}
+
+
+def storage_probe(spec: dict) -> dict:
+    """The aggregate rate of the emulator + proxy (per-host and per-stream shaping off).
+
+    Every rank reads ``storage_probe_bytes`` of the checkpoint's largest data file (rank ``r``
+    from offset ``r x size / world``, wrapping) with its own GCS client and the library's
+    ``Storage.read_ranges`` (``max_workers`` streams, ``slice_size_bytes`` slices), all ranks
+    at once after a barrier; ``storage_probe_rounds`` rounds.  Returns this rank's seconds
+    per round and the bytes it read; the parent divides the job's bytes by the slowest rank's
+    seconds.
+    """
+    import torch
+
+    from xla_ckpt.storage import open_storage
+    from xla_ckpt.storage.base import RangeRead
+
+    d = _join(spec)
+    name, size = spec["probe_file"], spec["probe_file_bytes"]
+    n = min(spec["storage_probe_bytes"], size)
+    buf = torch.empty(n, dtype=torch.uint8)
+    out = memoryview(buf.numpy()).cast("B")
+    start = d.rank * size // d.world_size
+    first = min(n, size - start)
+    reads = [RangeRead(name, start, out[:first])]
+    if first < n:
+        reads.append(RangeRead(name, 0, out[first:]))
+    st = open_storage(spec["uri"])
+    secs = []
+    try:
+        for _ in range(spec["storage_probe_rounds"]):
+            d.barrier()
+            t0 = time.perf_counter()
+            st.read_ranges(reads)
+            secs.append(time.perf_counter() - t0)
+    finally:
+        st.close()
+    del buf, out, reads
+    _trim()
+    d.barrier()
+    return {"seconds": secs, "bytes": n}
+
+
+def run_plan(plan: str, spec: dict) -> dict:
+    """One timed restore of ``plan`` on every rank; the restored state is dropped after."""
+    d = _join(spec)
+    out, res = _restore_once(plan, spec["uri"], spec, d)
+    out["ok"] = out["digest"] == spec["digest"]
+    del res
+    _trim()
+    d.barrier()  # every rank has let its copy go before the parent's next baseline
+    return out
+
+
+# ---- parent ----------------------------------------------------------------------------------
+class PssSampler:
+    """Sum over ``pids`` of ``/proc/<pid>/smaps_rollup`` Pss (bytes), peak over a window.
+
+    ``with sampler.window() as w: ...`` samples every ``interval_s`` on a thread; ``w.peak``
+    and ``w.base`` (the sum just before) are bytes.
+    """
+
+    def __init__(self, pids: list[int], interval_s: float = 0.05) -> None:
+        self.pids = pids
+        self.interval_s = interval_s
+        self.base = 0
+        self.peak = 0
+
+    def read(self) -> int:
+        total = 0
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/smaps_rollup") as f:
+                    m = re.search(r"^Pss:\s+(\d+)", f.read(), re.M)
+            except OSError:
+                continue
+            if m:
+                total += int(m.group(1)) * 1024
+        return total
+
+    @contextlib.contextmanager
+    def window(self, *, active: bool = True) -> Iterator[PssSampler]:
+        if not active:  # a timed run: no sampling (one read of 8 ranks costs ~0.2 s of CPU)
+            self.base = self.peak = 0
+            yield self
+            return
+        stop = threading.Event()
+        self.base = self.peak = self.read()
+
+        def loop() -> None:
+            while not stop.wait(self.interval_s):
+                self.peak = max(self.peak, self.read())
+
+        th = threading.Thread(target=loop, name="pss-sampler", daemon=True)
+        th.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            th.join(5)
+            self.peak = max(self.peak, self.read())
+
+
+def _launcher_has_hosts() -> bool:
+    from xla_ckpt.testing.launcher import WorkerPool
+
+    return "hosts" in {f.name for f in dataclasses.fields(WorkerPool)}
+
+
+def _pool(world: int, hosts: int, env: dict[str, str], has_hosts: bool) -> Any:
+    from xla_ckpt.testing.launcher import WorkerPool
+
+    kw: dict[str, Any] = {"hosts": hosts} if has_hosts else {}
+    return WorkerPool(world, xla=False, env=env, **kw)
+
+
+def bandwidths(a: argparse.Namespace, cross_bytes_per_s: float | None,
+               total_bytes_per_s: float | None = None) -> dict[str, Any]:
+    """The cost model's parameters (``Bandwidths`` fields) for this run (see the docstring)."""
+    from xla_ckpt.restore.cost import Bandwidths
+    from xla_ckpt.storage.gcs import DEFAULT_CONFIG
+
+    bw = Bandwidths(storage_stream_bytes_per_s=a.stream_mib_s * MiB,
+                    storage_host_bytes_per_s=a.host_mib_s * MiB,
+                    first_byte_latency_s=a.first_byte_latency_ms / 1000,
+                    streams_per_reader=DEFAULT_CONFIG.max_workers)
+    if cross_bytes_per_s is not None:
+        bw = dataclasses.replace(bw, data_plane_cross_host_bytes_per_s=cross_bytes_per_s)
+    if total_bytes_per_s is not None:
+        bw = dataclasses.replace(bw, storage_total_bytes_per_s=total_bytes_per_s)
+    return dataclasses.asdict(bw)
+
+
+def predictions(setup_line: dict) -> dict[str, Any]:
+    """``cost.predict`` on the setup line's topology, sizes and bandwidths: plan -> estimate."""
+    from xla_ckpt.restore.cost import Bandwidths, RestoreSizes, RestoreTopology, predict
+
+    topo = RestoreTopology(hosts=setup_line["hosts"], ranks_per_host=setup_line["ranks_per_host"])
+    sizes = RestoreSizes(**setup_line["sizes"])
+    return predict(topo, sizes, Bandwidths(**setup_line["bandwidths"]),
+                   backend_kind=setup_line["backend_kind"])
+
+
+def summarise(plan: str, runs: list[dict], mem_runs: list[dict], setup_line: dict,
+              est: dict[str, Any]) -> dict:
+    """The JSON line of one plan from its timed runs and its (untimed) memory runs (each:
+    per-rank results + proxy figures; memory runs also the PSS peak)."""
+    secs = [r["seconds"] for r in runs]
+    med = runs[secs.index(statistics.median_low(secs))]
+    ckpt = setup_line["checkpoint_bytes"]
+    ran = sorted({v["plan_ran"] for r in runs for v in r["ranks"]})
+    model_plan = ran[0] if len(ran) == 1 else plan  # the plan that ran (a fallback too)
+    line: dict[str, Any] = {
+        "kind": "plan", "plan": plan, "plan_ran": ran[0] if len(ran) == 1 else ran,
+        "seconds": round(statistics.median(secs), 3), "seconds_all": [round(s, 3) for s in secs],
+        "seconds_per_rank": [round(v["seconds"], 3) for v in med["ranks"]],
+        "bytes_served_per_host": med["per_host"], "bytes_served_other": med["other"],
+        "bytes_per_job": med["job"],
+        "bytes_per_job_x_checkpoint": round(med["job"] / ckpt, 3),
+        "bytes_per_job_x_checkpoint_all": [round(r["job"] / ckpt, 3) for r in runs],
+        "bytes_per_host_x_checkpoint": [round(b / ckpt, 3) for b in med["per_host"]],
+        "requests": med["requests"],
+        "load_average_1m_all": [round(r["load_1m"], 1) for r in runs],
+        "stats_bytes_read_per_rank": [v["bytes_read"] for v in med["ranks"]],
+        "stats_bytes_received_per_rank": [v["bytes_received"] for v in med["ranks"]],
+        "stats_bytes_mapped_per_rank": [v["bytes_mapped"] for v in med["ranks"]],
+        "stats_read_seconds_per_rank": [round(v["read_seconds"], 3) for v in med["ranks"]],
+        "stats_seconds_per_rank": [round(v["stats_seconds"], 3) for v in med["ranks"]],
+        "restore_seconds_per_rank": [round(v["restore_seconds"], 3) for v in med["ranks"]],
+        "striped_steps_s_per_rank": [v["striped_steps_s"] for v in med["ranks"]],
+        "bitwise_ok": all(v["ok"] for r in [*runs, *mem_runs] for v in r["ranks"]),
+        "runs_checked_bitwise": len(runs) + len(mem_runs),
+    }
+    if mem_runs:
+        peak = max(r["pss_peak_over_base"] for r in mem_runs)
+        line["peak_host_memory_mib"] = round(peak / MiB, 1)
+        line["peak_host_memory_x_state"] = round(peak / setup_line["sizes"]["state_bytes"], 2)
+        line["memory_run_seconds"] = [round(r["seconds"], 3) for r in mem_runs]
+    if model_plan in est:
+        p = est[model_plan]
+        line["predicted_s"] = round(p.seconds, 3)
+        line["predicted_read_s"] = round(p.read_s, 3)
+        line["predicted_exchange_s"] = round(p.exchange_s, 3)
+        line["prediction_error"] = round(p.seconds / line["seconds"] - 1, 3)
+    stats_pred = [v["stats_predicted_s"] for v in med["ranks"] if v["stats_predicted_s"]]
+    if stats_pred:
+        line["stats_predicted_s"] = round(stats_pred[0], 3)
+    if plan == "auto":
+        line["auto_reason"] = med["ranks"][0]["reason"]
+        line["auto_predictions_s"] = {k: round(v, 3) for k, v in
+                                      med["ranks"][0]["stats_predictions"].items()}
+    return line
+
+
+def targets(lines: dict[str, dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": "summary", "summary": "targets (issue 13)"}
+    s = lines.get("striped")
+    for peer in ("all_ranks", "broadcast"):
+        if s is not None and peer in lines:
+            r = round(s["seconds"] / lines[peer]["seconds"], 3)
+            out[f"striped_vs_{peer}"] = {"ratio": r, "target": f"<= {TARGET_RATIO}",
+                                         "met": r <= TARGET_RATIO}
+    if s is not None:
+        x = s["bytes_per_job_x_checkpoint"]
+        out["striped_bytes_per_job"] = {"x_checkpoint": x, "target": "1.0x",
+                                        "met": round(x, 2) == 1.0}
+    if "per_host" in lines:
+        worst = max(lines["per_host"]["bytes_per_host_x_checkpoint"])
+        out["per_host_bytes_per_host"] = {"x_checkpoint_max": worst, "target": "<= 1.0x",
+                                          "met": round(worst, 2) <= 1.0}
+    errs = {p: v["prediction_error"] for p, v in lines.items() if "prediction_error" in v}
+    if errs:
+        worst_p = max(errs, key=lambda p: abs(errs[p]))
+        out["predictions_within_30_percent"] = {
+            "errors": errs, "worst": {worst_p: errs[worst_p]},
+            "target": f"+-{TARGET_ERROR:.0%}",
+            "met": all(abs(e) <= TARGET_ERROR for e in errs.values())}
+    out["bitwise_ok"] = {p: v["bitwise_ok"] for p, v in lines.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--size-mib", type=int, default=256, help="state size, MiB (default 256)")
+    ap.add_argument("--hosts", type=int, default=4, help="emulated hosts (default 4)")
+    ap.add_argument("--ranks-per-host", type=int, default=2, help="ranks per host (default 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each plan (default 3)")
+    ap.add_argument("--plans", default=",".join(PLANS),
+                    help=f"plans, in run order (of {', '.join(PLANS)})")
+    ap.add_argument("--first-byte-latency-ms", type=float, default=30.0)
+    ap.add_argument("--stream-mib-s", type=float, default=32.0)
+    ap.add_argument("--host-mib-s", type=float, default=64.0,
+                    help="each emulated host's link to storage, MiB/s")
+    ap.add_argument("--probe-mib", type=int, default=64,
+                    help="bytes of the data-plane probe, MiB (all-gather over host leaders)")
+    ap.add_argument("--data-plane-mib-s", type=float, default=None,
+                    help="cost model's cross-host data-plane rate, MiB/s (default: the probe's)")
+    ap.add_argument("--storage-probe-mib", type=int, default=64,
+                    help="MiB each rank reads in the storage probe (all ranks at once, shaping "
+                         "off): the aggregate rate of emulator + proxy, the cost model's "
+                         "storage_total_bytes_per_s (default 64; 0: no probe, GCS's 25e9)")
+    ap.add_argument("--storage-total-mib-s", type=float, default=None,
+                    help="cost model's aggregate storage cap, MiB/s (default: the probe's)")
+    ap.add_argument("--memory-runs", type=int, default=1,
+                    help="untimed runs of each plan, after the timed ones, with host memory "
+                         "(PSS) sampled (default 1; 0: no memory figures)")
+    ap.add_argument("--all-gather", choices=("default", "broadcast"), default="default",
+                    help="experiment: 'broadcast' replaces TorchDist.all_gather_tensors in every "
+                         "rank by the base Dist path (one bucketed broadcast per source rank), "
+                         "for an A/B of the striped exchange; default: the library's own")
+    ap.add_argument("--run-timeout-s", type=float, default=600.0,
+                    help="limit of one restore call on the ranks (they are killed past it)")
+    a = ap.parse_args(argv)
+    plans = [p for p in a.plans.split(",") if p]
+    for p in plans:
+        if p not in PLANS:
+            ap.error(f"unknown plan {p!r}; choose from {', '.join(PLANS)}")
+    if a.hosts < 1 or a.ranks_per_host < 1 or a.repeats < 1 or a.size_mib < 1:
+        ap.error("--hosts, --ranks-per-host, --repeats and --size-mib must be >= 1")
+    if a.memory_runs < 0:
+        ap.error("--memory-runs must be >= 0")
+    world = a.hosts * a.ranks_per_host
+
+    import torch
+
+    from xla_ckpt.format import MANIFEST_NAME
+    from xla_ckpt.io import save
+    from xla_ckpt.restore import RestoreConfig
+    from xla_ckpt.storage import open_storage
+    from xla_ckpt.storage.gcs import DEFAULT_CONFIG
+    from xla_ckpt.testing.fault_proxy import FaultProxy, Shaping, host_address
+    from xla_ckpt.testing.gcs_emulator import GCSEmulator
+
+    torch.set_num_threads(1)
+    shaping = Shaping(first_byte_latency_s=a.first_byte_latency_ms / 1000,
+                      stream_mib_s=a.stream_mib_s, host_mib_s=a.host_mib_s)
+    has_hosts = _launcher_has_hosts()
+    failed: dict[str, str] = {}
+    lines: dict[str, dict] = {}
+    with contextlib.ExitStack() as stack:
+        emu = stack.enter_context(GCSEmulator())
+        proxy = stack.enter_context(FaultProxy(emu.host, shaping=shaping))
+        os.environ.update(emu.env())
+        os.environ.update(proxy.env())  # the parent saves through the proxy (uploads unshaped)
+        os.environ.pop("XLA_CKPT_GCS_SOURCE_ADDRESS", None)
+        base = emu.unique_uri("striped")
+        uri, warm_uri = f"{base}/ckpt", f"{base}/warm"
+        t0 = time.perf_counter()
+        state = make_state(a.size_mib)
+        expected = digest(state)
+        manifest = save(state, uri)
+        del state
+        warm = make_state(WARM_MIB, seed=1)
+        warm_digest = digest(warm)
+        save(warm, warm_uri)
+        del warm
+        gc.collect()
+        st = open_storage(uri)
+        try:
+            manifest_bytes = st.stat(MANIFEST_NAME).size
+        finally:
+            st.close()
+        data_bytes = sum(manifest.files.values())
+        state_bytes = manifest.item().nbytes
+        n_tensors = len(manifest.item().tensors)
+        print(f"# saved {state_bytes / MiB:.1f} MiB ({n_tensors} tensors) in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+        env = {**emu.env(), **proxy.env(), "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+        pool = _pool(world, a.hosts, env, has_hosts)
+        stack.callback(lambda: pool.close())
+        bucket = RestoreConfig().bucket_size_bytes
+        probe_bytes = max(a.hosts, min(a.probe_mib * MiB, state_bytes))
+        probe_bytes -= probe_bytes % a.hosts  # each leader sends an equal part
+        spec: dict[str, Any] = {
+            "hosts": a.hosts, "ranks_per_host": a.ranks_per_host, "set_host_env": not has_hosts,
+            "dist_timeout_s": a.run_timeout_s, "plans": plans, "uri": uri, "digest": expected,
+            "warm_uri": warm_uri, "warm_digest": warm_digest, "bucket_bytes": bucket,
+            "probe_bytes": probe_bytes, "bandwidths": bandwidths(a, None),
+            "all_gather": a.all_gather}
+        t0 = time.perf_counter()
+        info = [r.unwrap() for r in pool.run(setup, spec, timeout_s=a.run_timeout_s * 2)]
+        pids = [i["pid"] for i in info]
+        probe = info[0]["probe"]
+        cross: float | None = None
+        probe_line: dict[str, Any] = {}
+        if probe:
+            if not probe["ok"]:
+                raise SystemExit("data-plane probe moved wrong bytes")
+            g = statistics.median(probe["all_gather_s"])
+            b = statistics.median(probe["broadcast_s"])
+            pb = spec["probe_bytes"]
+            cross = (a.hosts - 1) / a.hosts * pb / g
+            probe_line = {"probe_bytes": pb, "all_gather_s": round(g, 4),
+                          "all_gather_host_link_mib_s": round(cross / MiB, 1),
+                          "broadcast_s": round(b, 4),
+                          "broadcast_mib_s": round(pb / b / MiB, 1)}
+        if a.data_plane_mib_s is not None:
+            cross = a.data_plane_mib_s * MiB
+        total: float | None = None
+        storage_line: dict[str, Any] = {}
+        if a.storage_probe_mib > 0:  # the aggregate cap of emulator + proxy, shaping off
+            probe_file = max(manifest.files, key=lambda f: manifest.files[f])
+            spec.update(probe_file=probe_file, probe_file_bytes=manifest.files[probe_file],
+                        storage_probe_bytes=a.storage_probe_mib * MiB,
+                        storage_probe_rounds=STORAGE_PROBE_ROUNDS)
+            proxy.shaping = Shaping()
+            try:
+                got = [r.unwrap() for r in pool.run(storage_probe, spec,
+                                                    timeout_s=a.run_timeout_s)]
+            finally:
+                proxy.shaping = shaping
+            moved = sum(g["bytes"] for g in got)
+            slowest = [max(g["seconds"][i] for g in got) for i in range(STORAGE_PROBE_ROUNDS)]
+            total = moved / statistics.median(slowest)
+            storage_line = {"bytes_per_round": moved, "streams_per_rank":
+                            DEFAULT_CONFIG.max_workers, "ranks": world,
+                            "seconds_per_round": [round(x, 3) for x in slowest],
+                            "aggregate_mib_s": round(total / MiB, 1),
+                            "shaping": "none (no latency, no per-stream/per-host cap)"}
+        if a.storage_total_mib_s is not None:
+            total = a.storage_total_mib_s * MiB
+        spec["bandwidths"] = bandwidths(a, cross, total)
+        addresses = {host_address(h): h for h in range(a.hosts)} if a.hosts > 1 else {}
+        bound = [i["source_address"] for i in info]
+        setup_line: dict[str, Any] = {
+            "kind": "setup", "hosts": a.hosts, "ranks_per_host": a.ranks_per_host,
+            "world_size": world, "repeats": a.repeats, "plans": plans,
+            "state_mib": round(state_bytes / MiB, 1), "tensors": n_tensors,
+            "checkpoint_bytes": data_bytes + manifest_bytes, "data_bytes": data_bytes,
+            "manifest_bytes": manifest_bytes,
+            "shaping": {"first_byte_latency_s": shaping.first_byte_latency_s,
+                        "stream_mib_s": shaping.stream_mib_s, "host_mib_s": shaping.host_mib_s},
+            "sizes": {"state_bytes": state_bytes,
+                      "request_bytes": DEFAULT_CONFIG.slice_size_bytes, "bucket_bytes": bucket},
+            "bandwidths": spec["bandwidths"], "backend_kind": "gloo",
+            "data_plane_probe": probe_line, "storage_probe": storage_line,
+            "storage_total_source": ("--storage-total-mib-s" if a.storage_total_mib_s
+                                     is not None else "probe" if storage_line else "default"),
+            "data_plane_source": ("--data-plane-mib-s" if a.data_plane_mib_s is not None
+                                  else "probe" if probe_line else "default"),
+            "host_of_rank": [i["host_id"] for i in info],
+            "source_address_of_rank": bound,
+            "launcher_hosts_argument": has_hosts,
+            "warm_up_plans_ran": info[0]["warm_plans"], "all_gather": a.all_gather,
+            "cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 1),
+            "setup_seconds": round(time.perf_counter() - t0, 1)}
+        print(json.dumps(setup_line), flush=True)
+        if a.hosts > 1 and any(x != host_address(i["host_id"]) for x, i in zip(bound, info,
+                                                                            strict=True)):
+            print("# WARNING: ranks are not bound to their host's source address; bytes per "
+                  "host and the host caps are wrong", file=sys.stderr, flush=True)
+        est = predictions(setup_line)
+
+        state_of = {"pool": pool, "sampler": PssSampler(pids)}
+
+        def one_run(plan: str, *, sample: bool) -> dict | None:
+            """One run of ``plan`` on every rank; its figures, or None if it failed."""
+            proxy.reset_log()
+            load = os.getloadavg()[0]
+            sampler = state_of["sampler"]
+            with sampler.window(active=sample) as w:
+                res = state_of["pool"].run(run_plan, plan, spec, timeout_s=a.run_timeout_s)
+            bad = [r for r in res if not r.ok]
+            if bad:
+                failed[plan] = f"rank {bad[0].rank}: {bad[0].error!r}"[:1500]
+                print(json.dumps({"kind": "plan", "plan": plan, "failed": failed[plan]}),
+                      flush=True)
+                if state_of["pool"].broken:
+                    state_of["pool"] = _pool(world, a.hosts, env, has_hosts)
+                    again = [r.unwrap() for r in state_of["pool"].run(
+                        setup, spec, timeout_s=a.run_timeout_s * 2)]
+                    state_of["sampler"] = PssSampler([x["pid"] for x in again])
+                return None
+            ranks = [r.unwrap() for r in res]
+            served = proxy.bytes_served_by_address()
+            per_host = [served.get(host_address(h), 0) for h in range(a.hosts)] \
+                if addresses else [sum(served.values())]
+            other = sum(v for k, v in served.items() if k not in addresses) if addresses else 0
+            run = {"ranks": ranks, "seconds": max(v["seconds"] for v in ranks),
+                   "per_host": per_host, "other": other, "requests": proxy.snapshot().requests,
+                   "job": sum(served.values()), "load_1m": load,
+                   "pss_peak_over_base": w.peak - w.base if sample else None}
+            print(f"# {plan}{' (memory run, untimed)' if sample else ''}: "
+                  f"{run['seconds']:.2f} s, {run['job'] / MiB:.1f} MiB served in "
+                  f"{run['requests']} requests, ran {ranks[0]['plan_ran']}, bitwise "
+                  f"{all(v['ok'] for v in ranks)}", file=sys.stderr, flush=True)
+            return run
+
+        runs: dict[str, list[dict]] = {p: [] for p in plans}
+        mem_runs: dict[str, list[dict]] = {p: [] for p in plans}
+        for i in range(a.repeats + a.memory_runs):
+            order = plans[i % len(plans):] + plans[:i % len(plans)]
+            for plan in order:
+                if plan not in failed:
+                    memory = i >= a.repeats
+                    run = one_run(plan, sample=memory)
+                    if run is not None:
+                        (mem_runs if memory else runs)[plan].append(run)
+        pool = state_of["pool"]
+        for plan in plans:
+            if runs[plan] and plan not in failed:
+                lines[plan] = summarise(plan, runs[plan], mem_runs[plan], setup_line, est)
+    for plan, line in lines.items():
+        for peer in ("all_ranks", "broadcast", "per_host"):
+            if peer != plan and peer in lines:
+                line[f"ratio_vs_{peer}"] = round(line["seconds"] / lines[peer]["seconds"], 3)
+        print(json.dumps(line), flush=True)
+    summary = targets(lines)
+    summary["failed"] = failed
+    print(json.dumps(summary), flush=True)
+    _print_table(lines, summary)
+    bitwise = all(v["bitwise_ok"] for v in lines.values())
+    return 0 if bitwise and not failed else 1
+
+
+def _print_table(lines: dict[str, dict], summary: dict) -> None:
+    """A human-readable recap on stderr (stdout is JSON lines only)."""
+    w = sys.stderr
+    print("\n| plan | ran | seconds: median (runs) | predicted | error | MiB served per host "
+          "| job x ckpt | peak PSS MiB | bitwise |", file=w)
+    print("|---|---|---|---|---|---|---|---|---|", file=w)
+    for p, v in lines.items():
+        per_host = "/".join(f"{b / MiB:.0f}" for b in v["bytes_served_per_host"])
+        runs = ", ".join(f"{s:.2f}" for s in v["seconds_all"])
+        err = f"{v['prediction_error'] * 100:+.0f} %" if "prediction_error" in v else "-"
+        print(f"| {p} | {v['plan_ran']} | {v['seconds']:.2f} ({runs}) | "
+              f"{v.get('predicted_s', '-')} | {err} | {per_host} | "
+              f"{v['bytes_per_job_x_checkpoint']} | {v.get('peak_host_memory_mib', '-')} | "
+              f"{'yes' if v['bitwise_ok'] else 'NO'} |", file=w)
+    for k, v in summary.items():
+        if isinstance(v, dict) and "met" in v:
+            print(f"# {k}: {'met' if v['met'] else 'NOT MET'} "
+                  f"({ {x: y for x, y in v.items() if x != 'met'} })", file=w)
+    w.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
