@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -178,7 +179,8 @@ def test_demo_rejects_workers_not_a_multiple_of_hosts():
     from xla_ckpt.errors import ConfigError
 
     assert load_config(default_config_path(), environ={}).train.hosts == 2  # the default
-    for kw in ({"workers": 3}, {"workers": 4, "hosts": 3}):
+    cases: list[dict[str, Any]] = [{"workers": 3}, {"workers": 4, "hosts": 3}]
+    for kw in cases:
         with pytest.raises(ConfigError) as e:
             run_demo(model="tiny", uri="/nonexistent", legs=["ddp"], **kw)
         hosts = kw.get("hosts", 2)
@@ -276,8 +278,9 @@ def test_state_digest_sees_every_byte_key_and_dtype():
 
     from xla_ckpt.demo.worker import state_digest
 
-    base = {"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
-                      "e": torch.empty(0)}, "num_updates": 4, "rank_state": None}
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    base: dict[str, Any] = {"model": {"w": w, "e": torch.empty(0)}, "num_updates": 4,
+                            "rank_state": None}
     d = state_digest(base)
     assert d == state_digest({"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
                                         "e": torch.empty(0)}, "num_updates": 4,
@@ -286,9 +289,9 @@ def test_state_digest_sees_every_byte_key_and_dtype():
     flipped.view(torch.int32)[1, 2] ^= 1  # one bit of one element
     variants = [
         {**base, "model": {"w": flipped, "e": torch.empty(0)}},
-        {**base, "model": {"w": base["model"]["w"].reshape(3, 2), "e": torch.empty(0)}},
-        {**base, "model": {"w": base["model"]["w"].view(torch.int32), "e": torch.empty(0)}},
-        {**base, "model": {"v": base["model"]["w"], "e": torch.empty(0)}},
+        {**base, "model": {"w": w.reshape(3, 2), "e": torch.empty(0)}},
+        {**base, "model": {"w": w.view(torch.int32), "e": torch.empty(0)}},
+        {**base, "model": {"v": w, "e": torch.empty(0)}},
         {**base, "num_updates": 5},
     ]
     assert len({d, *(state_digest(v) for v in variants)}) == 1 + len(variants)

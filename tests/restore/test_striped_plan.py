@@ -20,7 +20,7 @@ MiB = 1 << 20
 def _item(lengths: list[int], chunk: int = MiB, whole: tuple[int, ...] = ()) -> Item:
     blobs, off = [], 0
     for i, n in enumerate(lengths):
-        chunks = [] if i in whole else [0] * (-(-n // chunk))
+        chunks = () if i in whole else (0,) * (-(-n // chunk))
         blobs.append(BlobRecord(file="data/0", offset=off, length=n, crc32c=0, chunk_size=chunk,
                                 chunk_crc32c=chunks))
         off += n
@@ -165,11 +165,11 @@ def test_auto_without_host_memory_and_single_process():
 
 
 def test_cost_model_from_yaml_mapping():
-    cfg = RestoreConfig(cost_model={"first_byte_latency_s": 0.5, "streams_per_reader": 2})
+    cfg = RestoreConfig(cost_model={"first_byte_latency_s": 0.5, "streams_per_reader": 2})  # type: ignore[arg-type]  # a YAML-style mapping
     assert cfg.cost_model.first_byte_latency_s == 0.5 and cfg.cost_model.streams_per_reader == 2
     from xla_ckpt.errors import ConfigError
     with pytest.raises(ConfigError, match="restore.cost_model.storage_host_bytes_per_s"):
-        RestoreConfig(cost_model={"storage_host_bytes_per_s": 0})
+        RestoreConfig(cost_model={"storage_host_bytes_per_s": 0})  # type: ignore[arg-type]  # a YAML-style mapping
     with pytest.raises(ConfigError, match="restore.strategy must be one of auto, all_ranks, "
                                           "per_host, broadcast, striped"):
         RestoreConfig(strategy="rank0")
@@ -179,10 +179,10 @@ def test_cost_model_refuses_infinite_latency_and_unknown_keys():
     from xla_ckpt.errors import ConfigError
     for name in ("first_byte_latency_s", "data_plane_latency_s"):
         with pytest.raises(ConfigError, match=f"restore.cost_model.{name} must be a finite"):
-            RestoreConfig(cost_model={name: float("inf")})
+            RestoreConfig(cost_model={name: float("inf")})  # type: ignore[arg-type]  # a YAML-style mapping
     with pytest.raises(ConfigError, match="restore.cost_model: unknown key.s. first_byte_latncy_s; "
                                           "valid keys: data_plane_cross_host_bytes_per_s"):
-        RestoreConfig(cost_model={"first_byte_latncy_s": 0.03})
+        RestoreConfig(cost_model={"first_byte_latncy_s": 0.03})  # type: ignore[arg-type]  # a YAML-style mapping
 
 
 def test_the_size_auto_sees_of_a_chunked_checkpoint_is_its_chunks():
