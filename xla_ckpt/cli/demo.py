@@ -54,7 +54,9 @@ def register(sub: Subparsers, parents: Parents) -> None:
                    help="where workers train: cpu (fast emulation; restores still land on each "
                         "worker's XLA device) or xla (each worker's XLA device, as on a TPU)")
     p.add_argument("--legs", default=["ddp", "fsdp"], type=_legs,
-                   help="comma-separated: ddp (replicated model, both restore strategies), "
+                   help="comma-separated: ddp (replicated model on train.hosts emulated "
+                        "hosts: all_ranks and broadcast resumes, per_host / striped / auto "
+                        "restores), "
                         "fsdp (FSDP2-sharded model, same-size and resharded restores); "
                         "default both")
     p.add_argument("--json", action="store_true", help="print one JSON object")
