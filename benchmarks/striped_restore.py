@@ -31,11 +31,28 @@ order rotated by one each repeat), ``--repeats`` (3) runs each, medians:
              the line says which plan it picked (``plan_ran``) and why
 
 Before the timed runs every plan restores a small checkpoint once (untimed: first use of gloo,
-the GCS client, host shared memory), and the data plane is measured: an all-gather of
-``--probe-mib`` MiB over the host leaders (``Dist.all_gather_tensors`` on their subgroup, the
-striped exchange's collective).  That rate is the cost model's
-``data_plane_cross_host_bytes_per_s`` (``--data-plane-mib-s`` overrides it); the same probe
-times a broadcast from rank 0, reported beside it.
+the GCS client, host shared memory), and two probes run, both before any timed run and
+neither fitted to the timed runs:
+
+* the data plane: an all-gather of ``--probe-mib`` MiB over the host leaders
+  (``Dist.all_gather_tensors`` on their subgroup, the striped exchange's collective; on gloo
+  one bucketed broadcast per source), into buffers allocated once and reused (every page
+  already touched), median of 3 after one untimed round.  ``(P-1)/P x bytes / seconds`` is
+  the cost model's ``data_plane_cross_host_bytes_per_s`` (``--data-plane-mib-s`` overrides
+  it); the same probe times a broadcast from rank 0, reported beside it;
+* storage (``storage_probe``): the proxy's shaping is switched off (no latency, no per-stream
+  or per-host cap), every rank reads ``--storage-probe-mib`` (64) MiB of the checkpoint's
+  largest data file with ``Storage.read_ranges`` (its own client, 32 streams, 8 MiB slices),
+  all ranks at once, 3 rounds; the job's bytes over the slowest rank's seconds (median round)
+  is the aggregate rate of this emulator + proxy on this machine: the cost model's
+  ``storage_total_bytes_per_s`` (``--storage-total-mib-s`` overrides it).  The shaping is
+  put back before the timed runs.
+
+Every striped run also times its steps on every rank (``striped_steps_s_per_rank``, wrappers
+around ``xla_ckpt.restore.striped``'s ``negotiate``, ``_allocate``, ``_read``, ``_exchange``,
+``_finish`` and ``materialize_item``; timing only), beside ``RestoreStats.read_seconds``
+(``stats_read_seconds_per_rank``) and the wall time of ``restore`` itself
+(``restore_seconds_per_rank``; ``seconds`` adds the touch of every page).
 
 **Clock**: on every rank from a barrier until ``restore`` returned and every page of the state
 is resident (one read per 4 KiB page, so a lazily mapped page is paid for); ``seconds`` is the
@@ -79,7 +96,8 @@ Cost-model parameters (``Bandwidths``): the shaping's figures (``storage_stream_
 its ``slice_size_bytes`` (8 MiB); the measured cross-host rate; the documented defaults for
 the rest (``data_plane_intra_host_bytes_per_s`` 8 GiB/s: benchmarks/README.md measured a rank
 mapping a 512 MiB sealed copy in about 0.045 s, about 11 GiB/s; ``data_plane_latency_s``
-2 ms; ``storage_total_bytes_per_s`` 25e9: the shaping sets no aggregate cap).
+2 ms); ``storage_total_bytes_per_s`` = the storage probe's aggregate rate (the shaping sets
+no aggregate cap, but the one emulator + proxy on this machine has one).
 
 ``--all-gather broadcast`` is an A/B knob of this script: every rank's
 ``TorchDist.all_gather_tensors`` is replaced by the base ``Dist`` path (one bucketed broadcast
@@ -639,8 +657,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown plan {p!r}; choose from {', '.join(PLANS)}")
     if a.hosts < 1 or a.ranks_per_host < 1 or a.repeats < 1 or a.size_mib < 1:
         ap.error("--hosts, --ranks-per-host, --repeats and --size-mib must be >= 1")
-    if a.memory_runs < 0:
-        ap.error("--memory-runs must be >= 0")
+    if a.memory_runs < 0 or a.storage_probe_mib < 0:
+        ap.error("--memory-runs and --storage-probe-mib must be >= 0")
     world = a.hosts * a.ranks_per_host
 
     import torch
