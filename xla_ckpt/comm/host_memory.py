@@ -69,6 +69,7 @@ MAGIC = b"XLA_CKPT-HOSTMEM1"
 HEADER_BYTES = mmap.ALLOCATIONGRANULARITY  # the data starts page-aligned (mmap offsets must)
 ALIGN_BYTES = 64  # every tensor's first byte: a cache line, enough for every dtype's view
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 PROGRESS_OFFSET = 64  # u64 little-endian in the header: data bytes written and checked
 FAILED = (1 << 64) - 1  # progress value of a leader whose fill failed
 PAGE_BYTES = mmap.PAGESIZE
@@ -129,6 +130,7 @@ class Segment:
         self.nonce = os.urandom(16)
         self._map: mmap.mmap | None = None
         self._data_bytes = 0
+        self._addr = 0
         os.pwrite(self.fd, MAGIC + self.nonce, 0)
 
     @property
@@ -182,7 +184,20 @@ class Segment:
             return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
         self._map = mmap.mmap(self.fd, data, flags=mmap.MAP_SHARED,
                               prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=HEADER_BYTES)
-        return _views(torch.frombuffer(self._map, dtype=torch.uint8), sizes)
+        base = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._addr, self._data_bytes = base.data_ptr(), data
+        return _views(base, sizes)
+
+    def prefault(self) -> bool:
+        """Allocate and map every page of the writable mapping now (``MADV_POPULATE_WRITE``,
+        Linux >= 5.14), contents unchanged, so bytes received into it later take no page
+        fault each.  The GIL is released meanwhile (call it on a helper thread while the
+        reads wait on the network).  Returns False where the kernel lacks it (pages then
+        fault in on first write, as before).
+        """
+        if self._map is None or not self._data_bytes:
+            return False
+        return _libc.madvise(self._addr, self._data_bytes, MADV_POPULATE_WRITE) == 0
 
     def seal(self) -> None:
         """Drop the writable mapping and seal the segment: its bytes can never change again.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -211,8 +212,11 @@ class _Striped:
         self.share: HostShare | None = None
         self.stats = RestoreStats(plan="striped")
         self.dest: list[torch.Tensor] = []
+        self._prefault: threading.Thread | None = None
 
     def close(self) -> None:
+        if self._prefault is not None:
+            self._prefault.join()
         self.dest = []
         if self.share is not None:
             self.share.close()
@@ -273,7 +277,15 @@ class _Striped:
         if share is None:
             self.dest = [torch.empty(n, dtype=torch.uint8) for n in self.sizes]
         elif self._leader():  # the host's one copy: the other ranks pwrite into it
-            self.dest = share.own_segment().writable_views(self.sizes)
+            segment = share.own_segment()
+            self.dest = segment.writable_views(self.sizes)
+            if len(share.hosts) > 1:
+                # the stripes other hosts send land in it: fault its pages in while this
+                # host's reads wait on the network (measured: first touches made the
+                # exchange 2-3x slower), joined before the exchange
+                self._prefault = threading.Thread(target=segment.prefault,
+                                                  name="xla_ckpt-prefault", daemon=True)
+                self._prefault.start()
 
     def _read(self, mine: dict[int, list[tuple[int, int]]]) -> int:
         if not mine:
@@ -303,6 +315,8 @@ class _Striped:
             {r: r for r in range(dist.world_size)}
 
         def gather() -> int:
+            if self._prefault is not None:
+                self._prefault.join()
             if group is None:  # not a leader: the leader receives for this host
                 return 0
             parts: list[list[torch.Tensor]] = [[] for _ in range(group.world_size)]
