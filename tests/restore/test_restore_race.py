@@ -19,7 +19,7 @@ from restore_workers import Kind, dist_for
 import xla_ckpt
 from xla_ckpt.errors import CheckpointReplacedError, DistributedError
 from xla_ckpt.io import read_manifest
-from xla_ckpt.restore import restore
+from xla_ckpt.restore import RestoreConfig, restore
 from xla_ckpt.storage import StorageConfig, open_storage
 from xla_ckpt.storage.local import LocalStorage
 from xla_ckpt.testing.launcher import shared_pool
@@ -58,7 +58,10 @@ def restore_while_replaced(uri: str, kind: Kind, strategy: str, saver_rank: int,
     if d.rank == saver_rank:
         LocalStorage.read_range = read_range  # type: ignore[method-assign]  # the fault hook
     try:
-        r = restore(uri, dist=d, strategy=strategy, storage_config=READS)
+        # all_ranks: every rank reads for itself (with host shared memory it would run per_host,
+        # where only each host's leader reads; that plan has its own case)
+        r = restore(uri, dist=d, strategy=strategy, storage_config=READS,
+                    config=RestoreConfig(host_shared_memory=strategy != "all_ranks"))
     finally:
         LocalStorage.read_range = original  # type: ignore[method-assign]  # undo the fault
     return {"save_id": r.manifest.save_id, "checkpoint": r.checkpoint,
@@ -76,7 +79,8 @@ def current_save_id(uri: str) -> str:
         return read_manifest(st).save_id
 
 
-@pytest.mark.parametrize("strategy,saver_rank", [("all_ranks", 2), ("broadcast", 0)])
+@pytest.mark.parametrize("strategy,saver_rank", [("all_ranks", 2), ("per_host", 0),
+                                                 ("broadcast", 0)])
 def test_replaced_once_every_rank_restores_the_new_save(pool, tmp_path, strategy, saver_rank):
     uri = str(tmp_path / "checkpoint_1_1")
     first = xla_ckpt.save(race_state(1.0), uri).save_id
@@ -90,7 +94,8 @@ def test_replaced_once_every_rank_restores_the_new_save(pool, tmp_path, strategy
         assert g["values"] == [20.0, 21.0, 22.0, 23.0]  # the new save's, on every rank
 
 
-@pytest.mark.parametrize("strategy,saver_rank", [("all_ranks", 2), ("broadcast", 0)])
+@pytest.mark.parametrize("strategy,saver_rank", [("all_ranks", 2), ("per_host", 0),
+                                                 ("broadcast", 0)])
 def test_replaced_twice_every_rank_names_the_race(pool, tmp_path, strategy, saver_rank):
     uri = str(tmp_path / "checkpoint_1_1")
     xla_ckpt.save(race_state(1.0), uri)

@@ -53,8 +53,10 @@ class JobShape:
 
 
 #: The restore settings every rank must share (the collectives each plan enters follow them).
+#: (``host_shared_memory`` is not among them: false on any rank turns sharing off for every
+#: rank, negotiated by :mod:`xla_ckpt.restore.host_share`.)
 AGREED_SETTINGS = ("strategy", "load_checkpoint_on_all_dp_ranks", "bucket_size_bytes",
-                   "zero_sharding", "host_shared_memory", "allow_xla_data_plane")
+                   "zero_sharding", "allow_xla_data_plane")
 
 
 def job_shape(dist: Dist, config: RestoreConfig | None = None) -> JobShape:
