@@ -70,6 +70,21 @@ def _nothing_silent(t: dict) -> None:
     assert sum(t["outcomes"].values()) == t["restores"]
 
 
+
+def _retries_match_faults(t: dict, f: dict) -> None:
+    """Every injected 503 / 429 is one retry of that cause; every reset is one retry of a
+    broken connection or body.  A short body usually fails its crc32c check (a re-read, not a
+    retry), but when it is cut where the transport notices it first it is a "body ended"
+    retry: so broken-transfer retries lie between the resets and resets + short bodies (seen
+    once under CI load: 17 for 16 resets and 10 short bodies)."""
+    causes = t["retry_causes"]
+    assert causes.get("http_503", 0) == f["status_503"], causes
+    assert causes.get("http_429", 0) == f["status_429"], causes
+    broken = sum(causes.get(k, 0) for k in ("connection_broke", "body_ended", "empty_body",
+                                            "request_failed"))
+    assert f["reset"] <= broken <= f["reset"] + f["short"], (causes, f)
+    assert t["retries"] == sum(causes.values()), causes
+
 def test_eight_readers_recover_from_every_fault(pool8, gcs_emulator, checkpoint):
     with FaultProxy(gcs_emulator.host, seed=20261130) as proxy:
         t = F.run_rounds(pool8, proxy, checkpoint, min_faults=CI_FAULTS, probability=0.12,
@@ -87,7 +102,7 @@ def test_eight_readers_recover_from_every_fault(pool8, gcs_emulator, checkpoint)
     # crc32c re-read; a flipped or short answer to a small object's one-request read one
     # fallback to ranged reads; other short bodies were resumed from their last byte.
     f, whole = t["faults"], t["one_request_faults"]
-    assert t["retries"] == f["status_503"] + f["status_429"] + f["reset"]
+    _retries_match_faults(t, f)
     assert t["crc_rereads"] == f["flip"] - whole["flip"]
     assert t["fallbacks"] == whole["flip"] + whole["short"]
 
@@ -142,7 +157,7 @@ def test_sharded_restore_by_byte_range_recovers_from_every_fault(pool3, gcs_emul
     assert t["outcomes"].get("correct", 0) >= 0.9 * t["restores"]
     assert all("IntegrityError" in e and "after 3 reads" in e for e in t["error_samples"])
     f, whole = t["faults"], t["one_request_faults"]
-    assert t["retries"] == f["status_503"] + f["status_429"] + f["reset"]
+    _retries_match_faults(t, f)
     assert t["crc_rereads"] == f["flip"] - whole["flip"]
     # Every data read was a byte range of one rank's chunk file.
     assert ranged and all("chunks-0000" in r.object_name for r in ranged
@@ -193,7 +208,7 @@ def test_plans_reading_once_never_return_wrong_bytes(pool8, gcs_emulator, checkp
     assert set(t["clean_errors"]) <= {"DistributedError"}
     assert t["errors_naming_ranks"] == t["outcomes"].get("clean_error", 0)
     f, whole = t["faults"], t["one_request_faults"]
-    assert t["retries"] == f["status_503"] + f["status_429"] + f["reset"]
+    _retries_match_faults(t, f)
     # each flipped ranged read cost one logged crc32c re-read (also of pieces read together)
     assert t["crc_rereads"] == f["flip"] - whole["flip"]
     # every emulated host fetched through its own address (nothing from the default one)
