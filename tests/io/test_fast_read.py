@@ -17,10 +17,12 @@ from xla_ckpt.errors import (
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.io import CheckpointReader, commit, new_save_id, write_item
 from xla_ckpt.io.reader import (
+    CACHE_STEP_BYTES,
     COALESCE_BLOB_BYTES,
     host_arenas,
     in_place_buffers,
     plan_spans,
+    prefault,
 )
 from xla_ckpt.storage import StorageConfig, open_storage
 from xla_ckpt.testing.asserts import assert_state_identical
@@ -131,6 +133,49 @@ def test_local_corrupt_small_blob_among_coalesced_names_that_tensor(tmp_path, ca
             "state['b6'] after 3 reads")
     assert want in str(e.value)
     assert reader.stats.requests == 1 + 2                       # one span, two re-reads of b6
+
+
+def test_local_reads_check_each_cache_step_and_use_one_thread_per_cpu(tmp_path, monkeypatch):
+    # A blob of 3 crc32c chunks of 2 MiB, in one 16 MiB span: on a local file it is read in
+    # steps of whole chunks of at most CACHE_STEP_BYTES, each checked right after its read.
+    state = {"w": torch.arange(3 * 512 * 1024, dtype=torch.float32)}   # 6 MiB
+    save_chunked(str(tmp_path / "ck"), state, chunk=2 * 1024 * 1024)
+    reader = CheckpointReader.open(str(tmp_path / "ck"))
+    assert reader.storage.memory_bound_reads
+    got = reader.load()
+    assert torch.equal(got["w"], state["w"])
+    assert reader.stats.requests == -(-6 * 1024 * 1024 // CACHE_STEP_BYTES)   # 2 steps of 2+1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    assert reader.storage.read_concurrency() == 3                   # min(16 workers, 3 CPUs)
+    st = open_storage(str(tmp_path / "ck"), StorageConfig(max_workers=2))
+    assert st.read_concurrency() == 2
+
+
+def test_local_corrupt_byte_in_a_later_cache_step_names_its_chunk(tmp_path, caplog):
+    caplog.set_level(logging.ERROR, logger="xla_ckpt")
+    state = {"w": torch.arange(3 * 512 * 1024, dtype=torch.float32)}
+    save_chunked(str(tmp_path / "ck"), state, chunk=2 * 1024 * 1024)
+    reader = CheckpointReader.open(str(tmp_path / "ck"))
+    rec = blob_of(reader, "state['w']")
+    corrupt_file(str(tmp_path / "ck" / rec.file), rec.offset + 5 * 1024 * 1024 + 7)
+    with pytest.raises(IntegrityError) as e:
+        reader.load()
+    lo = rec.offset + 4 * 1024 * 1024
+    assert f"crc32c mismatch in bytes [{lo}, {lo + 2 * 1024 * 1024}) of tensor state['w']" \
+        in str(e.value)
+
+
+def test_prefault_changes_no_byte_and_tolerates_any_range():
+    buf = torch.arange(3 * 4096 + 100, dtype=torch.uint8)
+    want = buf.clone()
+    prefault(buf.data_ptr() + 5, 2 * 4096 + 3)      # unaligned: widened to whole pages
+    prefault(buf.data_ptr(), 0)
+    prefault(0, 4096)                               # no address: nothing to do
+    assert torch.equal(buf, want)
+    fresh = torch.empty(1 << 20, dtype=torch.uint8)
+    prefault(fresh.data_ptr(), fresh.numel())
+    fresh.fill_(7)
+    assert int(fresh.sum()) == 7 * (1 << 20)
 
 
 # ---- gs:// -----------------------------------------------------------------------------------

@@ -639,13 +639,32 @@ class CheckpointReader:
         return {i: b for i, b in bufs.items() if i not in bad}
 
     def _read_span(self, item: Item, span: "Span", live: frozenset[int]) -> None:
-        """Read one span, check each piece's crc32c, re-read bad pieces; copy staged pieces out."""
+        """Read one span, check each piece's crc32c, re-read bad pieces; copy staged pieces out.
+
+        On storage whose reads are memory copies (:attr:`Storage.memory_bound_reads`: a
+        local file), an in-place span is read in steps of whole pieces of about
+        :data:`CACHE_STEP_BYTES`: each step's fresh destination pages are prefaulted in one
+        call (:func:`prefault`), then it is read and its pieces checked at once, while
+        their bytes are still in cache.  Elsewhere the span is one request (one ranged
+        GET) and its pieces are checked after it.
+        """
         info = self._infos.get(span.file)
         generation = info.generation if info else None
         out = span.out if span.out is not None else memoryview(bytearray(span.length))
-        self._fetch(span.file, span.offset, out, generation)
-        crcs = [crc32c(out[p.file_offset - span.offset:p.file_offset - span.offset + p.length])
-                for p in span.pieces]
+        if span.out is not None and self.storage.memory_bound_reads:
+            crcs: list[int] = []
+            for step in _cache_steps(span.pieces):
+                at = step[0].file_offset - span.offset
+                n = step[-1].file_offset + step[-1].length - step[0].file_offset
+                if not live.intersection(p.blob_id for p in step):
+                    prefault(span.addr + at, n)
+                self._fetch(span.file, step[0].file_offset, out[at:at + n], generation)
+                crcs.extend(crc32c(out[p.file_offset - span.offset:
+                                       p.file_offset - span.offset + p.length]) for p in step)
+        else:
+            self._fetch(span.file, span.offset, out, generation)
+            crcs = [crc32c(out[p.file_offset - span.offset:p.file_offset - span.offset + p.length])
+                    for p in span.pieces]
         for piece, got in zip(span.pieces, crcs, strict=True):
             at = piece.file_offset - span.offset
             view = out[at:at + piece.length]
@@ -707,7 +726,7 @@ class CheckpointReader:
         if len(tasks) == 1:
             fn(*tasks[0])
             return
-        pool = _shared_pool(self.storage.config.max_workers)
+        pool = _shared_pool(self.storage.read_concurrency())
         futures = [pool.submit(fn, *t) for t in tasks]
         try:
             for f in cf.as_completed(futures):
@@ -826,6 +845,27 @@ def _coalesce(tasks: Sequence[tuple[Item, int, BlobRecord, int, int]],
     return groups
 
 
+CACHE_STEP_BYTES = 4 * 1024 * 1024
+"""On memory-bound storage an in-place span is read in steps of whole pieces of about this
+many bytes (one crc32c chunk by default), each checked right after its read, while it is
+still in cache."""
+
+
+def _cache_steps(pieces: Sequence["Piece"]) -> list[list["Piece"]]:
+    """``pieces`` (adjacent in the file) cut into runs of at most :data:`CACHE_STEP_BYTES`
+    (a larger piece is a run of its own)."""
+    steps: list[list[Piece]] = []
+    size = 0
+    for p in pieces:
+        if steps and size + p.length <= CACHE_STEP_BYTES:
+            steps[-1].append(p)
+            size += p.length
+        else:
+            steps.append([p])
+            size = p.length
+    return steps
+
+
 def _check_range(rec: BlobRecord, blob_id: int, start: int, length: int) -> None:
     """Raise unless ``[start, start+length)`` of blob ``rec`` can be read and checked alone."""
     end = start + length
@@ -895,6 +935,7 @@ class Span:
     length: int
     pieces: tuple[Piece, ...]
     out: memoryview | None
+    addr: int = 0  # address of ``out``'s first byte (0 when staged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -967,7 +1008,7 @@ def plan_spans(item: Item, buffers: Mapping[int, torch.Tensor], slice_size_bytes
         out = torch.empty(0, dtype=torch.uint8).set_(st, g0.addr - g0.storage, (length,), (1,))
         spans.append(Span(g0.file, g0.file_offset, length, tuple(
             Piece(u.blob_id, u.file_offset, u.length, u.crc32c) for u in group),
-            tensor_bytes(out)))
+            tensor_bytes(out), g0.addr))
 
     for u in units:
         if group:
@@ -1006,6 +1047,29 @@ def _load_madvise() -> Callable[[int, int, int], int] | None:
 
 
 _madvise = _load_madvise()
+
+MADV_POPULATE_WRITE = 23
+"""Linux >= 5.14: fault pages in writable in one call, as writing each would (no data
+changes).  Older kernels answer EINVAL and the pages fault in one by one as before."""
+
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def prefault(addr: int, nbytes: int) -> None:
+    """Fault in the pages of ``[addr, addr + nbytes)`` before a read fills them.
+
+    One ``madvise(MADV_POPULATE_WRITE)`` call instead of one page fault per 4 KiB page
+    as the read's copy first touches each: the kernel still allocates and zeroes the
+    pages, but without a trap per page (benchmarks/README.md, "Local restore").  Pages
+    already present are left as they are; the range is widened to whole pages, which
+    changes no byte.  Best effort: any failure (old kernel, not Linux) leaves the
+    ordinary faults to the read.
+    """
+    if _madvise is None or nbytes <= 0 or not addr:
+        return
+    start = addr - addr % PAGE_BYTES
+    end = -(-(addr + nbytes) // PAGE_BYTES) * PAGE_BYTES
+    _madvise(start, end - start, MADV_POPULATE_WRITE)
 
 HUGE_PAGES: bool | None = None
 """Whether :func:`host_buffer` asks for transparent huge pages: ``True`` always, ``False``

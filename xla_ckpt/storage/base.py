@@ -37,6 +37,7 @@ import abc
 import concurrent.futures as cf
 import ipaddress
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -267,6 +268,27 @@ class Storage(abc.ABC):
 
     lists_in_flight: bool = False
     """True when :meth:`list_in_flight` reports what this backend's interrupted writes leave."""
+
+    memory_bound_reads: bool = False
+    """True when a ranged read costs a memory copy and no wait (a local file in the page
+    cache): readers then use :meth:`read_concurrency` threads and check each crc32c chunk
+    right after its own read, while its bytes are still in the core's cache.  False (network
+    backends): a request costs a round trip, so readers make few large ones, many at once."""
+
+    def read_concurrency(self) -> int:
+        """How many byte-range reads a reader of this storage should run at once.
+
+        ``config.max_workers`` for backends whose reads wait on the network; backends with
+        :attr:`memory_bound_reads` cap it at the CPUs this process may run on, since more
+        copying threads than cores only take turns (and each costs a thread start).
+        """
+        if not self.memory_bound_reads:
+            return self.config.max_workers
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        return max(1, min(self.config.max_workers, cpus))
 
     def list_in_flight(self, prefix: str = "") -> list[InFlightObject]:
         """Objects unfinished writes left under ``prefix`` (recursive), sorted by name.

@@ -90,6 +90,7 @@ class LocalStorage(Storage):
         self.root = self.uri
 
     lists_in_flight = True
+    memory_bound_reads = True
 
     def _path(self, name: str) -> str:
         name = name.strip("/")
