@@ -34,7 +34,8 @@ restart; in the timed loop ``torch.load`` gets its buffers from the heap the run
 (``fresh_ratio_vs_peer``) and the worst RSS.  In the timed loop the methods share one heap, so
 whoever frees memory just before another runs lends it pages already faulted in; the
 fresh-process figures have no such order effect.
-``--breakdown`` times the parts of a local restore (see benchmarks/README.md, "Local restore").
+``--breakdown`` times the parts of a local restore (see benchmarks/README.md, "Local restore"),
+in the loop and in ``--fresh-repeat`` fresh processes (page faults on a line of their own).
 
   .venv/bin/python benchmarks/trainer_restore.py [--repeat 5] [--rss] [--breakdown]
       [--huge-pages auto|on|off]
@@ -282,6 +283,49 @@ def breakdown(bench: Bench, repeat: int) -> dict[str, float]:
     return {k: round(statistics.median(v), 4) for k, v in parts.items()}
 
 
+def child_breakdown(tmp: str) -> None:
+    """``--child-breakdown``: the parts of one ``xla_ckpt.load`` in this fresh process.
+
+    Fresh memory is what a restarted job pays for and the loop hides, so the page faults get
+    a line of their own: the arenas are prefaulted first (``reader.prefault``, one madvise
+    per arena: the kernel's allocation and zeroing of every page), then read into.
+    """
+    folder = os.path.join(tmp, "checkpoint_1_1")
+    parts: dict[str, float] = {}
+
+    def clock(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*args)
+        parts[name] = round(time.perf_counter() - t0, 4)
+        return out
+
+    resolved = clock("resolve_and_manifest", resolve, folder)
+    rd = clock("open_reader", open_reader, resolved)
+    item = rd.manifest.item(STATE_ITEM)
+    bufs = clock("allocate_arenas", rd.allocate)
+    storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
+                for b in bufs.values() if b.numel()}
+    def fault_in() -> None:
+        for addr, nbytes in storages.items():
+            reader.prefault(addr, nbytes)
+
+    clock("page_faults(prefault every arena)", fault_in)
+    clock("read(copy+crc32c, pool)", rd.read_into, STATE_ITEM, bufs)
+    clock("rebuild(views+typed decode)", materialize_item, item, bufs)
+    rd.storage.close()
+    print(json.dumps({"fresh_breakdown_seconds": parts}))
+
+
+def breakdown_fresh(tmp: str, repeat: int) -> dict[str, float]:
+    """Medians of :func:`child_breakdown` over ``repeat`` fresh processes."""
+    runs: list[dict[str, float]] = []
+    for _ in range(repeat):
+        r = subprocess.run([sys.executable, __file__, "--child-breakdown", "--tmp", tmp],
+                           capture_output=True, text=True, check=True)
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1])["fresh_breakdown_seconds"])
+    return {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
+
+
 def cpu_seconds() -> float:
     """User + system CPU time of this process, every thread (less moved by other load than
     wall time on a shared machine)."""
@@ -308,11 +352,15 @@ def main() -> None:
                     help="xla_ckpt.io.reader.HUGE_PAGES for fresh buffers (auto: only where "
                          "the kernel's THP settings cannot stall a fault)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-breakdown", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args = ap.parse_args()
     reader.HUGE_PAGES = {"auto": None, "on": True, "off": False}[args.huge_pages]
     if args.child:
         child(args.child, args.tmp)
+        return
+    if args.child_breakdown:
+        child_breakdown(args.tmp)
         return
     methods = args.methods.split(",")
     tmp = tempfile.mkdtemp(prefix="xla_ckpt_bench_")
@@ -352,6 +400,8 @@ def main() -> None:
                       "huge_pages_stall_free": reader.huge_pages_stall_free()}), flush=True)
     if args.breakdown:
         print(json.dumps({"breakdown_seconds": breakdown(bench, args.repeat)}), flush=True)
+        print(json.dumps({"fresh_process_breakdown_seconds":
+                          breakdown_fresh(tmp, args.fresh_repeat)}), flush=True)
 
 
 if __name__ == "__main__":
