@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from xla_ckpt.comm.host_memory import segment_layout
 from xla_ckpt.format.manifest import BlobRecord, Item
 from xla_ckpt.io import CheckpointReader
 from xla_ckpt.io.writer import save
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.restore.cost import Bandwidths, RestoreSizes, RestoreTopology
 from xla_ckpt.restore.select import JobShape, choose_plan_for_job
-from xla_ckpt.restore.striped import plan_stripes, ranges_of, stripe_size
+from xla_ckpt.restore.striped import exchange_ranges, plan_stripes, ranges_of, stripe_size
 from xla_ckpt.storage import open_storage
 
 MiB = 1 << 20
@@ -77,6 +78,52 @@ def test_stripes_balance_hosts_then_ranks():
     assert loads[0] - (loads[1] + loads[2]) in (-MiB, 0, MiB)  # hosts within one stripe
     mine = ranges_of(uneven, 0)
     assert sum(n for spans in mine.values() for _, n in spans) == loads[0]
+
+
+def test_each_host_and_rank_reads_one_contiguous_run():
+    """Runs in segment order, so the exchange moves each host's bytes as one range (odd blob
+    sizes: the alignment padding between blobs travels with them, no other host's byte)."""
+    sizes = [5 * MiB + 3, 700, 3 * MiB, 0, 129, 6 * MiB + 1, 64, 2 * MiB]
+    item = _item(sizes)
+    hosts = [[0, 1], [2, 3], [4, 5]]
+    stripes = plan_stripes(item, hosts, stripe_bytes=2 * MiB)
+    offsets, data = segment_layout(sizes)
+    owner = {r: h for h, ranks in enumerate(hosts) for r in ranks}
+    ranges = exchange_ranges(stripes, sizes, owner, len(hosts))
+    assert [len(r) for r in ranges] == [1, 1, 1]
+    (a, b), (c, d), (e, f) = (r[0] for r in ranges)
+    assert a == 0 and b <= c and d <= e and f == offsets[-1] + sizes[-1] <= data
+    for h, (lo, hi) in enumerate(r[0] for r in ranges):  # exactly this host's blob bytes
+        mine = {(offsets[x] + st, n) for s in stripes if owner[s.reader] == h
+                for x, st, n in s.parts}
+        assert sum(n for _, n in mine) == sum(s.length for s in stripes if owner[s.reader] == h)
+        inside = [(o + st, n) for s in stripes for x, st, n in s.parts
+                  for o in [offsets[x]] if lo <= o + st < hi]
+        assert set(inside) == mine
+    # and per rank: the exchange without host sharing has one part per rank
+    per_rank = exchange_ranges(stripes, sizes, {r: r for r in range(6)}, 6)
+    assert all(len(r) <= 1 for r in per_rank)
+    total = sum(sizes)
+    assert abs(sum(s.length for s in stripes if owner[s.reader] == 0) - total / 3) <= 4 * MiB
+
+
+def test_exchange_ranges_never_span_another_members_bytes():
+    # blob 1 (64 bytes, whole) between two parts of rank 0: rank 0 gets two ranges
+    sizes = [100, 64, 100]
+    item = _item(sizes, whole=(0, 1, 2))
+    from xla_ckpt.restore.striped import Stripe
+
+    stripes = [Stripe(((0, 0, 100),), 0), Stripe(((1, 0, 64),), 1), Stripe(((2, 0, 100),), 0)]
+    offsets, _ = segment_layout(sizes)
+    ranges = exchange_ranges(stripes, sizes, {0: 0, 1: 1}, 2)
+    assert ranges == [[(0, 100), (offsets[2], offsets[2] + 100)],
+                      [(offsets[1], offsets[1] + 64)]]
+    # without blob 1 in between (it is empty) the padding after blob 0 joins them
+    sizes = [100, 0, 100]
+    offsets, _ = segment_layout(sizes)
+    stripes = [Stripe(((0, 0, 100),), 0), Stripe(((2, 0, 100),), 0)]
+    assert exchange_ranges(stripes, sizes, {0: 0, 1: 1}, 2) == [[(0, offsets[2] + 100)], []]
+    assert item.blobs[1].length == 64
 
 
 def test_stripe_size_bounds():

@@ -178,15 +178,29 @@ class Segment:
         Raises:
             HostMemoryError: the segment could not be sized (names the size).
         """
+        base = self.writable_data(sizes)
+        if base.numel() == 0:
+            return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
+        return _views(base, sizes)
+
+    def writable_data(self, sizes: Sequence[int]) -> torch.Tensor:
+        """Size the segment for tensors of ``sizes`` bytes; its whole data region as one
+        writable uint8 tensor (tensor ``i`` at ``segment_layout(sizes)[0][i]``; the alignment
+        padding between tensors included).  As :meth:`writable_views`: drop it before
+        :meth:`seal`.
+
+        Raises:
+            HostMemoryError: the segment could not be sized (names the size).
+        """
         self.size_for(sizes)
         data = self._data_bytes
         if data == 0:
-            return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
+            return torch.empty(0, dtype=torch.uint8)
         self._map = mmap.mmap(self.fd, data, flags=mmap.MAP_SHARED,
                               prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=HEADER_BYTES)
         base = torch.frombuffer(self._map, dtype=torch.uint8)
         self._addr, self._data_bytes = base.data_ptr(), data
-        return _views(base, sizes)
+        return base
 
     def prefault(self) -> bool:
         """Allocate and map every page of the writable mapping now (``MADV_POPULATE_WRITE``,

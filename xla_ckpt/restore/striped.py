@@ -4,18 +4,20 @@ Megatron's fully parallel load splits the read across data-parallel ranks and ex
 pieces; Orbax's single-replica load reads once and broadcasts.  This plan does the first on
 every rank of the job, hosts first (DESIGN "Each byte once"; issue 13):
 
-1. **Plan** (:func:`plan_stripes`, pure, the same on every rank): the replicated item's blobs
-   are cut into *stripes* at crc32c-chunk boundaries (a blob with one crc32c for all its
-   bytes is one stripe); each stripe goes to exactly one reader, balancing bytes per host
-   first (a host's network link is the bottleneck) and then per rank within the host.
+1. **Plan** (:func:`plan_stripes`, pure, the same on every rank): the replicated item's bytes,
+   in the order of the host's segment, are cut at crc32c-chunk boundaries (a blob with one
+   crc32c for all its bytes stays whole) into one contiguous run per host of about equal
+   bytes (a host's network link is the bottleneck), each host's run into one per rank of the
+   host, and each rank's run into *stripes*; every byte has exactly one reader.
 2. **Read**: every rank fetches its own stripes with the ranged, checked reads of
    :class:`~xla_ckpt.io.CheckpointReader` (every byte crc32c-checked before it is passed on).
    With host shared memory (:mod:`xla_ckpt.restore.host_share`) each rank ``pwrite``\\ s its
    checked stripes straight into its host's memfd segment; without it, into buffers of its own.
 3. **Exchange**: the stripes read on one host reach the other hosts with
    :meth:`Dist.all_gather_tensors` over the host leaders' subgroup (bounded buckets; gloo on
-   CPU, NCCL on GPU, the XLA data plane when enabled), received straight into the leaders'
-   segments.  Within a host nothing is copied: the leader seals its segment and every rank
+   CPU, NCCL on GPU, the XLA data plane when enabled), each host's run as one range of its
+   segment (:func:`exchange_ranges`: bucket-sized slices sent and received in place, no
+   staging copy), received straight into the leaders' segments.  Within a host nothing is copied: the leader seals its segment and every rank
    of the host maps it copy-on-write.  Without host shared memory every rank is a "host" of
    its own and the all-gather runs over all ranks.
 4. **Private bytes**: each rank reads its own ``rank/<r>`` item and ZeRO partition itself
@@ -33,12 +35,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from xla_ckpt.comm.base import Dist
-from xla_ckpt.comm.host_memory import HEADER_BYTES, map_private, segment_layout
+from xla_ckpt.comm.host_memory import ALIGN_BYTES, HEADER_BYTES, map_private, segment_layout
 from xla_ckpt.format.manifest import Item
 from xla_ckpt.format.plan import MapLocation, materialize_item
 from xla_ckpt.io import CheckpointReader
@@ -54,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 MIN_STRIPE_BYTES = 1 * MiB
-STRIPES_PER_READER = 4  # enough stripes per reader to balance bytes within about a quarter
+STRIPES_PER_READER = 4  # stripes per reader (their size bounds a run of small blobs per request)
 
 
 @dataclass(frozen=True)
@@ -83,37 +85,73 @@ def stripe_size(total_bytes: int, readers: int, slice_bytes: int) -> int:
     return max(MIN_STRIPE_BYTES, min(slice_bytes, want))
 
 
-def _pieces(item: Item, stripe_bytes: int) -> list[tuple[tuple[int, int, int], ...]]:
-    """The stripes' parts (see :class:`Stripe`), in file order: large blobs cut at chunk
-    boundaries into pieces of about ``stripe_bytes``; runs of small blobs adjacent in one
-    file grouped up to ``stripe_bytes``."""
-    out: list[tuple[tuple[int, int, int], ...]] = []
-    run: list[tuple[int, int, int]] = []
-    run_bytes, run_end, run_file = 0, -1, ""
-    order = sorted((i for i, rec in enumerate(item.blobs) if rec.length),
-                   key=lambda i: (item.blobs[i].file, item.blobs[i].offset))
-    for i in order:
-        rec = item.blobs[i]
-        small = rec.length <= COALESCE_BLOB_BYTES or not rec.chunk_crc32c
-        if small and run and rec.file == run_file and rec.offset == run_end \
-                and run_bytes + rec.length <= stripe_bytes:
-            run.append((i, 0, rec.length))
-            run_bytes += rec.length
+def _atoms(item: Item) -> list[tuple[int, int, int]]:
+    """The smallest pieces a reader may fetch and check alone, in segment order (blob index,
+    then offset): each crc32c chunk of a large blob; a small blob (at most
+    :data:`COALESCE_BLOB_BYTES`) or one with a single crc32c for all its bytes, whole."""
+    out: list[tuple[int, int, int]] = []
+    for i, rec in enumerate(item.blobs):
+        if not rec.length:
+            continue
+        if rec.length <= COALESCE_BLOB_BYTES or not rec.chunk_crc32c:
+            out.append((i, 0, rec.length))
         else:
-            if run:
-                out.append(tuple(run))
-            run, run_bytes = [], 0
-            if small:
-                run, run_bytes = [(i, 0, rec.length)], rec.length
-            else:
-                c = rec.chunk_size
-                step = max(c, stripe_bytes // c * c)
-                out.extend(((i, st, min(step, rec.length - st)),)
-                           for st in range(0, rec.length, step))
-        run_end, run_file = rec.offset + rec.length, rec.file
-    if run:
-        out.append(tuple(run))
+            c = rec.chunk_size
+            out.extend((i, st, min(c, rec.length - st)) for st in range(0, rec.length, c))
     return out
+
+
+def _cuts(sizes: Sequence[int], lo: int, hi: int, parts: int) -> list[int]:
+    """Indices ``lo = c_0 <= c_1 <= ... <= c_parts = hi`` that cut ``sizes[lo:hi]`` into
+    ``parts`` contiguous runs of about equal bytes: each inner cut is the boundary nearest
+    to its share of the bytes (ties: the lower index), so each run is within one element of
+    an equal share at either end."""
+    prefix = [0]
+    for n in sizes[lo:hi]:
+        prefix.append(prefix[-1] + n)
+    total = prefix[-1]
+    cuts, k = [lo], 0
+    for j in range(1, parts):
+        target = total * j / parts
+        while k + 1 < len(prefix) and abs(prefix[k + 1] - target) < abs(prefix[k] - target):
+            k += 1
+        cuts.append(lo + k)
+    cuts.append(hi)
+    return cuts
+
+
+def _whole(item: Item, blob: int) -> bool:
+    """True if ``blob`` is read whole: at most :data:`COALESCE_BLOB_BYTES`, or one crc32c for
+    all its bytes."""
+    rec = item.blobs[blob]
+    return rec.length <= COALESCE_BLOB_BYTES or not rec.chunk_crc32c
+
+
+def _group(atoms: Sequence[tuple[int, int, int]], item: Item,
+           stripe_bytes: int) -> list[tuple[tuple[int, int, int], ...]]:
+    """One reader's consecutive atoms as stripes: chunks of one blob joined into ranges of
+    whole chunks of at most ``stripe_bytes`` (at least one chunk); small blobs back to back in
+    one data file joined up to ``stripe_bytes`` (one ranged request fetches them)."""
+    out: list[list[tuple[int, int, int]]] = []
+    size = 0
+    for b, st, n in atoms:
+        if out and size + n <= stripe_bytes:
+            pb, pst, pn = out[-1][-1]
+            rec, prev = item.blobs[b], item.blobs[pb]
+            c = rec.chunk_size
+            if not _whole(item, b) and pb == b and pst + pn == st \
+                    and pn + n <= max(c, stripe_bytes // c * c):
+                out[-1][-1] = (b, pst, pn + n)  # the next chunk of the same blob
+                size += n
+                continue
+            if _whole(item, b) and _whole(item, pb) and rec.file == prev.file \
+                    and prev.offset + prev.length == rec.offset:
+                out[-1].append((b, st, n))  # the next small blob of the same file
+                size += n
+                continue
+        out.append([(b, st, n)])
+        size = n
+    return [tuple(p) for p in out]
 
 
 def plan_stripes(item: Item, hosts: Sequence[Sequence[int]], stripe_bytes: int) -> list[Stripe]:
@@ -127,28 +165,62 @@ def plan_stripes(item: Item, hosts: Sequence[Sequence[int]], stripe_bytes: int) 
             whole crc32c chunks (at least one), small adjacent ones grouped up to it.
 
     Returns:
-        The stripes in file order; together they cover every byte of every blob exactly
-        once.  Assignment is greedy, largest stripe first, to the host with the fewest
-        bytes so far and within it the rank with the fewest (ties: the lower index), so
-        per-host bytes differ by at most one stripe.
+        The stripes, in segment order (blob index, then offset); together they cover every
+        byte of every blob exactly once.  The blobs' bytes, in that order, are cut into one
+        contiguous run per host of about equal bytes (a host's network link is the
+        bottleneck), then each host's run into one contiguous run per rank of the host, at
+        crc32c-chunk or small-blob boundaries (each run is within one chunk or small blob of
+        an equal share at either end).  Contiguous runs let the exchange move each host's
+        bytes as one range of the host's segment (:func:`exchange_ranges`).
 
     Raises:
         ValueError: ``hosts`` is empty or has an empty host.
     """
     if not hosts or any(not h for h in hosts):
         raise ValueError(f"plan_stripes needs at least one rank per host, got {list(hosts)}")
-    pieces = _pieces(item, stripe_bytes)
-    host_load = [0] * len(hosts)
-    rank_load = {r: 0 for h in hosts for r in h}
-    owner = [0] * len(pieces)
-    sizes = [sum(n for _, _, n in p) for p in pieces]
-    for k in sorted(range(len(pieces)), key=lambda k: (-sizes[k], k)):
-        h = min(range(len(hosts)), key=lambda j: (host_load[j], j))
-        r = min(hosts[h], key=lambda x: (rank_load[x], x))
-        host_load[h] += sizes[k]
-        rank_load[r] += sizes[k]
-        owner[k] = r
-    return [Stripe(p, owner[k]) for k, p in enumerate(pieces)]
+    atoms = _atoms(item)
+    sizes = [n for _, _, n in atoms]
+    out: list[Stripe] = []
+    host_cuts = _cuts(sizes, 0, len(atoms), len(hosts))
+    for h, ranks in enumerate(hosts):
+        rank_cuts = _cuts(sizes, host_cuts[h], host_cuts[h + 1], len(ranks))
+        for k, r in enumerate(ranks):
+            out.extend(Stripe(p, r) for p in _group(atoms[rank_cuts[k]:rank_cuts[k + 1]], item,
+                                                    stripe_bytes))
+    return out
+
+
+def exchange_ranges(stripes: Sequence[Stripe], sizes: Sequence[int],
+                    owner: Mapping[int, int], members: int) -> list[list[tuple[int, int]]]:
+    """The byte ranges of the host's segment layout (:func:`segment_layout` of ``sizes``, the
+    item's blob sizes) each member of the exchange contributes: ``[[(start, stop), ...], ...]``,
+    one list per member (``owner`` maps a reader rank to its member: its host, or itself).
+
+    A member's stripes are merged into as few ranges as possible: touching ranges, and
+    ranges apart only by the alignment padding after a blob's end (no byte of any blob lies
+    there; the padding travels with them).  With :func:`plan_stripes`' contiguous runs that is
+    one range per member, which the all-gather moves in bucket-sized slices in place instead
+    of packing every stripe through a staging buffer.
+    """
+    offsets, _ = segment_layout(sizes)
+    spans: list[list[tuple[int, int, bool]]] = [[] for _ in range(members)]
+    for s in stripes:
+        for b, lo, n in s.parts:
+            spans[owner[s.reader]].append((offsets[b] + lo, offsets[b] + lo + n,
+                                           lo + n == sizes[b]))
+    out: list[list[tuple[int, int]]] = []
+    for mine in spans:
+        merged: list[tuple[int, int, bool]] = []
+        for lo, hi, ends_blob in sorted(mine):
+            if merged:
+                plo, phi, pends = merged[-1]
+                reach = -(-phi // ALIGN_BYTES) * ALIGN_BYTES if pends else phi
+                if lo <= reach:  # (spans are disjoint: hi > phi)
+                    merged[-1] = (plo, hi, ends_blob)
+                    continue
+            merged.append((lo, hi, ends_blob))
+        out.append([(lo, hi) for lo, hi, _ in merged])
+    return out
 
 
 def ranges_of(stripes: Sequence[Stripe], rank: int) -> dict[int, list[tuple[int, int]]]:
@@ -211,13 +283,14 @@ class _Striped:
         self.host_shared_memory = host_shared_memory
         self.share: HostShare | None = None
         self.stats = RestoreStats(plan="striped")
-        self.dest: list[torch.Tensor] = []
+        self.dest: list[torch.Tensor] = []  # the blobs' destinations: views of self.flat
+        self.flat: torch.Tensor | None = None  # one buffer in the segment's layout
         self._prefault: threading.Thread | None = None
 
     def close(self) -> None:
         if self._prefault is not None:
             self._prefault.join()
-        self.dest = []
+        self.dest, self.flat = [], None
         if self.share is not None:
             self.share.close()
 
@@ -258,7 +331,7 @@ class _Striped:
                 lambda: materialize_item(self.item, bufs, self.map_location),
                 f"{what}: rebuild the state")
         loaded = Loaded(state=state, stats=self.stats)
-        self.dest = []
+        self.dest, self.flat = [], None
         if any(p.rank_item is not None or p.shards for p in self.plans):
             rest = restore_all_ranks(self.decision, dist,
                                      dataclasses.replace(self.me, with_state=False),
@@ -274,11 +347,12 @@ class _Striped:
 
     def _allocate(self) -> None:
         share = self.share
-        if share is None:
-            self.dest = [torch.empty(n, dtype=torch.uint8) for n in self.sizes]
+        offsets, data_bytes = segment_layout(self.sizes)
+        if share is None:  # this rank's own copy, laid out as a segment (one range per part)
+            self.flat = torch.empty(data_bytes, dtype=torch.uint8)
         elif self._leader():  # the host's one copy: the other ranks pwrite into it
             segment = share.own_segment()
-            self.dest = segment.writable_views(self.sizes)
+            self.flat = segment.writable_data(self.sizes)
             if len(share.hosts) > 1:
                 # the stripes other hosts send land in it: fault its pages in while this
                 # host's reads wait on the network (measured: first touches made the
@@ -286,6 +360,10 @@ class _Striped:
                 self._prefault = threading.Thread(target=segment.prefault,
                                                   name="xla_ckpt-prefault", daemon=True)
                 self._prefault.start()
+        else:  # the other ranks of a host pwrite their stripes into the leader's segment
+            return
+        flat = self.flat
+        self.dest = [flat[o:o + n] for o, n in zip(offsets, self.sizes, strict=True)]
 
     def _read(self, mine: dict[int, list[tuple[int, int]]]) -> int:
         if not mine:
@@ -305,7 +383,8 @@ class _Striped:
             storage.close()
 
     def _exchange(self, stripes: Sequence[Stripe], hosts: Sequence[Sequence[int]]) -> None:
-        """Across hosts: every host's stripes reach every other host (leaders only)."""
+        """Across hosts: every host's stripes reach every other host (leaders only), each
+        host's as the few contiguous ranges of :func:`exchange_ranges` (one, as planned)."""
         dist, share = self.dist, self.share
         group = dist if share is None else share.leaders_dist
         if share is not None and len(share.hosts) == 1:
@@ -313,16 +392,20 @@ class _Striped:
         # with a shared copy the leaders gather one part per host; without, one per rank
         owner = {r: k for k, h in enumerate(hosts) for r in h} if share is not None else \
             {r: r for r in range(dist.world_size)}
+        members = len(hosts) if share is not None else dist.world_size
 
         def gather() -> int:
             if self._prefault is not None:
                 self._prefault.join()
             if group is None:  # not a leader: the leader receives for this host
                 return 0
-            parts: list[list[torch.Tensor]] = [[] for _ in range(group.world_size)]
-            for s in stripes:
-                parts[owner[s.reader]].extend(self.dest[b][lo:lo + n] for b, lo, n in s.parts)
-            return group.all_gather_tensors(parts, bucket_size_bytes=self.bucket_size_bytes)
+            flat = self.flat
+            assert flat is not None  # allocated on every member of the exchange
+            ranges = exchange_ranges(stripes, self.sizes, owner, members)
+            parts = [[flat[lo:hi] for lo, hi in spans] for spans in ranges]
+            group.all_gather_tensors(parts, bucket_size_bytes=self.bucket_size_bytes)
+            # the blobs' bytes the others sent (the padding between blobs is not counted)
+            return sum(s.length for s in stripes if owner[s.reader] != group.rank)
 
         self.stats.bytes_received = dist.run_collectively(
             gather, f"{self.what}: exchange the stripes between hosts")
@@ -332,7 +415,7 @@ class _Striped:
         dist, share = self.dist, self.share
         if share is None:
             return dict(enumerate(self.dest))
-        self.dest = []  # the writable views: the segment can be sealed once they are gone
+        self.dest, self.flat = [], None  # the writable views: then the segment can be sealed
         dist.run_collectively(share.own_segment().seal if self._leader() else lambda: None,
                               f"{self.what}: seal host shared memory")
         fd = share.copy_fd()
