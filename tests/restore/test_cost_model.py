@@ -6,6 +6,7 @@ excluded plans and the predicted storage bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from pathlib import Path
@@ -133,16 +134,86 @@ def test_emulated_benchmark_topology() -> None:
 
 
 def test_estimate_arithmetic() -> None:
-    """all_ranks on one rank: latency waves + bytes over the binding cap + the aggregate term."""
+    """all_ranks on one rank: the fixed term + latency waves + bytes over the binding cap +
+    the aggregate term."""
     bw = Bandwidths(storage_stream_bytes_per_s=100.0, streams_per_reader=2,
                     storage_host_bytes_per_s=150.0, storage_total_bytes_per_s=1000.0,
-                    first_byte_latency_s=0.5)
+                    first_byte_latency_s=0.5, restore_fixed_s=0.25)
     e = estimate(ALL_RANKS, RestoreTopology(hosts=1, ranks_per_host=1),
                  RestoreSizes(state_bytes=1000, request_bytes=100), bw, backend_kind="gloo")
     # 10 requests on 2 streams = 5 waves; the host cap (150 B/s) binds below 2 x 100 B/s.
     assert e.latency_s == pytest.approx(2.5)
-    assert e.seconds == pytest.approx(2.5 + 1000 / 150 + 1000 / 1000)
+    assert e.read_s == pytest.approx(2.5 + 1000 / 150 + 1000 / 1000)
+    assert e.fixed_s == 0.25
+    assert e.seconds == pytest.approx(0.25 + 2.5 + 1000 / 150 + 1000 / 1000)
     assert e.exchange_s == 0.0 and e.storage_bytes == 1000
+
+
+def test_striped_arithmetic_with_every_term() -> None:
+    """4 hosts x 2 ranks, 256 units of state, gloo: fixed + read (each rank 1/8, one latency
+    wave, the host link, the job's bytes in series) + all-gather across hosts (3/4 of a
+    host's bytes over the link, one round per bucket) + the handover of the host's copy."""
+    bw = Bandwidths(storage_stream_bytes_per_s=32.0, storage_host_bytes_per_s=64.0,
+                    storage_total_bytes_per_s=512.0, first_byte_latency_s=0.03,
+                    data_plane_cross_host_bytes_per_s=128.0,
+                    data_plane_intra_host_bytes_per_s=1024.0, data_plane_latency_s=0.002,
+                    streams_per_reader=32, restore_fixed_s=0.4)
+    e = estimate(STRIPED, RestoreTopology(hosts=4, ranks_per_host=2),
+                 RestoreSizes(state_bytes=256, request_bytes=8, bucket_bytes=32), bw,
+                 backend_kind="gloo")
+    read = 0.03 + 64 / 64 + 256 / 512  # 4 requests of 8 per rank: one wave
+    exchange = 3 / 4 * 256 / 128 + 8 * 0.002 + (256 / 1024 + 0.002)
+    assert e.read_s == pytest.approx(read)
+    assert e.exchange_s == pytest.approx(exchange)
+    assert e.seconds == pytest.approx(0.4 + read + exchange)
+    assert e.storage_bytes == 256 and e.storage_bytes_per_host == 64
+
+
+def test_fixed_term_adds_to_every_plan_and_never_changes_the_choice() -> None:
+    """restore_fixed_s: the same seconds on every plan (decision, agreements, clients, seal)."""
+    sizes = RestoreSizes(state_bytes=256 * MiB)
+    for t in (RestoreTopology(hosts=4, ranks_per_host=2), RestoreTopology(hosts=1,
+                                                                          ranks_per_host=4),
+              RestoreTopology(hosts=64, ranks_per_host=4)):
+        for backend in ("gloo", "nccl", "xla"):
+            base = predict(t, sizes, dataclasses.replace(EMULATED, restore_fixed_s=0.0),
+                           backend_kind=backend)
+            more = predict(t, sizes, dataclasses.replace(EMULATED, restore_fixed_s=2.0),
+                           backend_kind=backend)
+            for p in PLANS:
+                assert more[p].seconds - base[p].seconds == pytest.approx(2.0)
+                assert (more[p].fixed_s, base[p].fixed_s) == (2.0, 0.0)
+            picks = [choose_plan(t, sizes, dataclasses.replace(EMULATED, restore_fixed_s=f),
+                                 runnable=EVERY, allow_xla_data_plane=True,
+                                 backend_kind=backend).plan for f in (0.0, 2.0)]
+            assert picks[0] == picks[1]
+    assert Bandwidths().restore_fixed_s == 0.5  # the documented default
+    with pytest.raises(ConfigError, match=r"restore.cost_model.restore_fixed_s must be a finite "
+                                          r"number >= 0 \(seconds\), got -0.1"):
+        Bandwidths(restore_fixed_s=-0.1)
+    with pytest.raises(ConfigError, match="restore.cost_model.restore_fixed_s"):
+        Bandwidths(restore_fixed_s=math.inf)
+
+
+def test_emulated_benchmark_with_probed_parameters_picks_striped() -> None:
+    """The parameters benchmarks/striped_restore.py probes on 4 emulated hosts x 2 ranks (host
+    memory mapped at about 1.3 GiB/s with 8 ranks on 2 cores, gloo at about 500 MiB/s, the
+    series term, 0.35 s fixed): striped still wins, per_host beats every rank reading."""
+    probed = dataclasses.replace(EMULATED, data_plane_intra_host_bytes_per_s=1.3 * GiB,
+                                 data_plane_cross_host_bytes_per_s=500 * MiB,
+                                 storage_total_bytes_per_s=2 * GiB, restore_fixed_s=0.35,
+                                 streams_per_reader=32)
+    t = RestoreTopology(hosts=4, ranks_per_host=2)
+    choice = _choose(t, 256 * MiB, probed, backend="gloo")
+    assert choice.plan == STRIPED
+    p = choice.predicted_s
+    assert p[STRIPED] < p[PER_HOST] < p[ALL_RANKS] and p[STRIPED] < p[BROADCAST]
+    est = predict(t, RestoreSizes(state_bytes=256 * MiB), probed, backend_kind="gloo")
+    # every plan but all_ranks hands each rank its host's copy: 256 MiB at 1.3 GiB/s + a round
+    for plan in (PER_HOST, BROADCAST, STRIPED):
+        handover = 256 * MiB / (1.3 * GiB) + 0.002
+        assert est[plan].exchange_s >= handover - 1e-12
+    assert est[ALL_RANKS].exchange_s == 0.0
 
 
 @pytest.mark.parametrize(("backend", "factor"), [("xla", 2 * 3 / 4), ("gloo", 2.0),

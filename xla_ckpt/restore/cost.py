@@ -16,18 +16,33 @@ Pure arithmetic, no I/O: every rank evaluates it on the same inputs and gets the
 
 **Model** (each phase's seconds add; the phases are not assumed to overlap):
 
+* Every restore first pays ``restore_fixed_s``, whatever its size: resolving and
+  broadcasting the decision (pointer and manifest reads), the control-plane agreements
+  that bracket each step, opening the storage clients, and for the plans that share host
+  memory negotiating, sealing and handing over the segment (the part that does not grow
+  with the bytes).  It is the same for every plan, so it never changes which plan ``auto``
+  picks; it makes the predicted seconds comparable with measured ones, which matters most
+  for small or fast restores (``benchmarks/striped_restore.py`` measured 0.34 s of it on
+  emulated hosts, a sixth of a striped restore of 256 MiB there).
 * A reader fetches its bytes in ranged requests of ``request_bytes``, on
   ``streams_per_reader`` parallel streams.  Each wave of requests waits
   ``first_byte_latency_s``; its bytes flow at ``storage_stream_bytes_per_s`` per
   stream, capped at ``storage_host_bytes_per_s`` for all the readers of one host
   (the host's network link): ``read = waves x latency + host bytes / min(host cap,
   readers x streams x stream rate)``.
-* Every byte fetched by the whole job also passes the service's aggregate cap:
-  ``+ job bytes / storage_total_bytes_per_s``.  The aggregate term adds to the
+* Every byte fetched by the whole job also slows every reader down:
+  ``+ job bytes / storage_total_bytes_per_s``.  This aggregate term adds to the
   per-host one (two bottlenecks in series) rather than taking their ``max``: Orbax's
   every-replica reads of Llama 3.1 70B grow smoothly with the number of replicas
   (27.9 / 51.8 / 156.0 / 231.1 s for n = 2 / 4 / 16 / 32), which a ``max`` cannot
-  reproduce (``benchmarks/scale_model.py`` calibrates on those rows).
+  reproduce (``benchmarks/scale_model.py`` calibrates on those rows).  So
+  ``storage_total_bytes_per_s`` is the job's *marginal* rate: each extra byte the job
+  fetches adds ``1 / storage_total_bytes_per_s`` seconds to the read, which is how it is
+  measured (``benchmarks/striped_restore.py``'s storage probe times every host reading at
+  once against one host reading alone, both through their shaped links).  It is not the
+  rate an unshaped probe saturates: a service that serves the hosts' links with capacity
+  to spare slows them little, and taking its capacity as the series term over-predicted
+  the every-rank plans there by 30 %.
 * Across hosts (``data_plane_cross_host_bytes_per_s`` per host link), a
   broadcast of ``M`` bytes to ``P`` hosts costs ``f(P) x M / bw`` with
   ``f = 2(P-1)/P`` on XLA (``xm.collective_broadcast`` is an all-reduce),
@@ -200,19 +215,29 @@ class Bandwidths:
             (a single GCS stream gives ~200 MiB/s).
         storage_host_bytes_per_s: one host's storage throughput over all its
             streams, bytes/s (its network link; "several GiB/s per VM" on GCS).
-        storage_total_bytes_per_s: the service's aggregate cap for the whole job,
-            bytes/s (GCS's default egress bandwidth quota, 200 Gbit/s = 25e9 B/s
-            per project and region).
+        storage_total_bytes_per_s: the job's aggregate storage rate in series with the
+            host links, bytes/s: each byte the whole job fetches adds ``1 / this``
+            seconds to the read (the module docstring; GCS's default egress bandwidth
+            quota, 200 Gbit/s = 25e9 B/s per project and region, as the default).
         first_byte_latency_s: seconds before the first byte of each request (GCS:
             tens of milliseconds).
         data_plane_intra_host_bytes_per_s: a rank's copy out of its host's shared
-            copy, bytes/s (host memory bandwidth).
+            copy, bytes/s, with every rank of the host doing the same at once (mapping
+            the sealed segment's pages: host memory bandwidth and page-table work; the
+            default is a VM with a core per rank).
         data_plane_cross_host_bytes_per_s: one host's data-plane link for
             collectives across hosts, bytes/s (DCN / Ethernet / InfiniBand).
         data_plane_latency_s: seconds of one collective round: a bucket of a
             broadcast or all-gather, or the handover of a host's shared copy.
         streams_per_reader: parallel requests one reader keeps in flight
             (``StorageConfig.max_workers``).
+        restore_fixed_s: seconds every restore pays whatever its size (the module
+            docstring): deciding what to restore, control-plane agreements, opening
+            storage clients, negotiating and sealing host shared memory.  The default,
+            0.5 s, is a job of tens of hosts on a cloud control plane reading GCS (a
+            pointer and a manifest read at tens of milliseconds each, a dozen gloo
+            agreements across hosts); 4 emulated hosts x 2 ranks on one machine measured 0.34 s
+            (``benchmarks/striped_restore.py``'s fixed-cost probe).
 
     Raises:
         ConfigError: a value <= 0 or of the wrong type (names the field).
@@ -226,13 +251,14 @@ class Bandwidths:
     data_plane_cross_host_bytes_per_s: float = float(10 * GiB)
     data_plane_latency_s: float = 0.002
     streams_per_reader: int = 16
+    restore_fixed_s: float = 0.5
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name == "streams_per_reader":
                 _positive_int("restore.cost_model", f.name, v)
-            elif f.name in ("first_byte_latency_s", "data_plane_latency_s"):
+            elif f.name in ("first_byte_latency_s", "data_plane_latency_s", "restore_fixed_s"):
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 \
                         or math.isinf(v):
                     raise ConfigError(f"restore.cost_model.{f.name} must be a finite number "
@@ -249,13 +275,15 @@ class PlanEstimate:
 
     Attributes:
         plan: one of :data:`PLANS`.
-        seconds: predicted restore seconds, ``read_s + exchange_s``.
+        seconds: predicted restore seconds, ``fixed_s + read_s + exchange_s``.
         read_s: fetching from storage (latency waves + bytes over the caps).
         latency_s: the first-byte-latency part of ``read_s``.
         exchange_s: moving fetched bytes to the ranks that need them (data plane
             across hosts plus host shared memory within a host).
         storage_bytes: bytes the whole job fetches from storage.
         storage_bytes_per_host: bytes the busiest host fetches.
+        fixed_s: the part every restore pays whatever its size
+            (``Bandwidths.restore_fixed_s``).
     """
 
     plan: str
@@ -265,6 +293,7 @@ class PlanEstimate:
     exchange_s: float
     storage_bytes: float
     storage_bytes_per_host: float
+    fixed_s: float = 0.0
 
 
 class PlanChoice(NamedTuple):
@@ -367,9 +396,10 @@ def estimate(plan: str, topology: RestoreTopology, sizes: RestoreSizes, bandwidt
     job = reader_b * readers * reading_hosts
     read_s, latency_s = _read(bw, sizes, reader_bytes=reader_b, readers_per_host=readers,
                               job_bytes=job)
-    return PlanEstimate(plan=plan, seconds=read_s + exchange, read_s=read_s, latency_s=latency_s,
-                        exchange_s=exchange, storage_bytes=job,
-                        storage_bytes_per_host=reader_b * readers)
+    fixed = bw.restore_fixed_s
+    return PlanEstimate(plan=plan, seconds=fixed + read_s + exchange, read_s=read_s,
+                        latency_s=latency_s, exchange_s=exchange, storage_bytes=job,
+                        storage_bytes_per_host=reader_b * readers, fixed_s=fixed)
 
 
 def predict(topology: RestoreTopology, sizes: RestoreSizes, bandwidths: Bandwidths, *,
