@@ -41,7 +41,7 @@ def test_cpu_emulation_is_the_demo_default():
     # the demo's cost model describes its emulated link (tests/demo, README command 1)
     assert cfg.restore == RestoreConfig(strategy="auto", cost_model=Bandwidths(
         storage_stream_bytes_per_s=32 * 2**20, storage_host_bytes_per_s=64 * 2**20,
-        first_byte_latency_s=0.03, streams_per_reader=8))
+        first_byte_latency_s=0.03, streams_per_reader=8, restore_fixed_s=0.34))
     assert cfg.train.hosts == 2
     assert (cfg.dist.backend, cfg.dist.init_method) == ("gloo", "env://")
     assert cfg.storage == StorageConfig(max_workers=8, slice_size_bytes=8 * 2**20,
