@@ -31,22 +31,34 @@ order rotated by one each repeat), ``--repeats`` (3) runs each, medians:
              the line says which plan it picked (``plan_ran``) and why
 
 Before the timed runs every plan restores a small checkpoint once (untimed: first use of gloo,
-the GCS client, host shared memory), and two probes run, both before any timed run and
-neither fitted to the timed runs:
+the GCS client, host shared memory), and four probes run, all before any timed run and none
+fitted to the timed runs; each gives one parameter of the cost model (``setup`` line,
+``*_source`` says which came from a probe and which from a command-line override):
 
-* the data plane: an all-gather of ``--probe-mib`` MiB over the host leaders
-  (``Dist.all_gather_tensors`` on their subgroup, the striped exchange's collective; on gloo
-  one bucketed broadcast per source), into buffers allocated once and reused (every page
-  already touched), median of 3 after one untimed round.  ``(P-1)/P x bytes / seconds`` is
-  the cost model's ``data_plane_cross_host_bytes_per_s`` (``--data-plane-mib-s`` overrides
-  it); the same probe times a broadcast from rank 0, reported beside it;
-* storage (``storage_probe``): the proxy's shaping is switched off (no latency, no per-stream
-  or per-host cap), every rank reads ``--storage-probe-mib`` (64) MiB of the checkpoint's
-  largest data file with ``Storage.read_ranges`` (its own client, 32 streams, 8 MiB slices),
-  all ranks at once, 3 rounds; the job's bytes over the slowest rank's seconds (median round)
-  is the aggregate rate of this emulator + proxy on this machine: the cost model's
-  ``storage_total_bytes_per_s`` (``--storage-total-mib-s`` overrides it).  The shaping is
-  put back before the timed runs.
+* the data plane: an all-gather of ``--probe-mib`` MiB (default: the state's size, what the
+  striped exchange moves) over the host leaders (``Dist.all_gather_tensors`` on their
+  subgroup, the striped exchange's collective, one contiguous range per leader as the
+  exchange sends it; on gloo one bucketed broadcast per source), into buffers allocated once
+  and reused (every page already touched), median of 3 after one untimed round.
+  ``(P-1)/P x bytes / seconds`` is ``data_plane_cross_host_bytes_per_s``
+  (``--data-plane-mib-s`` overrides it); the same probe times a broadcast from rank 0,
+  reported beside it;
+* host shared memory: each host leader fills and seals a memfd segment of the same size, and
+  every rank maps it (``map_private``: every page mapped in, as every host-sharing plan ends),
+  all ranks at once, median of 3 after one untimed round; bytes over the slowest rank's
+  seconds is ``data_plane_intra_host_bytes_per_s`` (``--intra-host-mib-s``).  With 8 ranks on
+  2 cores this is far below one rank's memory bandwidth (the model's default, 8 GiB/s);
+* storage (``storage_probe``), shaping on as in the timed runs: every rank reads
+  ``--storage-probe-mib`` (32) MiB of the checkpoint's largest data file with
+  ``Storage.read_ranges`` (its own client, 32 streams, 8 MiB slices); each of 3 rounds times
+  host 0's ranks reading alone, then every rank reading at once.  The extra bytes the whole
+  job fetched over the extra seconds the slowest rank took (medians) is the model's series
+  term ``storage_total_bytes_per_s``: what each byte the job fetches adds to every host's
+  read (``--storage-total-mib-s``; if every host was not slower, the default is kept);
+* the fixed cost: every plan restores the small checkpoint 3 more times, timed as the timed
+  runs are; the median over plans of (median seconds minus the model's seconds for those
+  bytes, with the other probed parameters) is ``restore_fixed_s`` (``--fixed-s``): deciding,
+  control-plane agreements, storage clients, negotiating and sealing host shared memory.
 
 Every striped run also times its steps on every rank (``striped_steps_s_per_rank``, wrappers
 around ``xla_ckpt.restore.striped``'s ``negotiate``, ``_allocate``, ``_read``, ``_exchange``,
@@ -93,11 +105,9 @@ on any rank or a plan failed; targets not met do not change it.
 Cost-model parameters (``Bandwidths``): the shaping's figures (``storage_stream_bytes_per_s``
 32 MiB/s, ``storage_host_bytes_per_s`` 64 MiB/s, ``first_byte_latency_s`` 0.03 s);
 ``streams_per_reader`` = the GCS ``StorageConfig.max_workers`` (32) and ``request_bytes`` =
-its ``slice_size_bytes`` (8 MiB); the measured cross-host rate; the documented defaults for
-the rest (``data_plane_intra_host_bytes_per_s`` 8 GiB/s: benchmarks/README.md measured a rank
-mapping a 512 MiB sealed copy in about 0.045 s, about 11 GiB/s; ``data_plane_latency_s``
-2 ms); ``storage_total_bytes_per_s`` = the storage probe's aggregate rate (the shaping sets
-no aggregate cap, but the one emulator + proxy on this machine has one).
+its ``slice_size_bytes`` (8 MiB); the four probes above (cross-host rate, intra-host rate,
+series storage term, fixed seconds); the documented default for the rest
+(``data_plane_latency_s`` 2 ms).
 
 ``--all-gather broadcast`` is an A/B knob of this script: every rank's
 ``TorchDist.all_gather_tensors`` is replaced by the base ``Dist`` path (one bucketed broadcast
@@ -138,6 +148,7 @@ TARGET_RATIO = 0.5
 TARGET_ERROR = 0.30
 WARM_MIB = 2
 STORAGE_PROBE_ROUNDS = 3
+FIXED_PROBE_ROUNDS = 3
 #: What runs each plan (``auto`` picks one of the others).
 _STRATEGY: dict[str, dict[str, Any]] = {
     "all_ranks": {"strategy": "all_ranks", "host_shared_memory": False},
@@ -344,13 +355,23 @@ def _restore_once(plan: str, uri: str, spec: dict, d: Any) -> tuple[dict, Any]:
 
 
 def setup(spec: dict) -> dict:
-    """Join, warm every plan up on the small checkpoint (digest checked), probe the data plane.
+    """Join, warm every plan up on the small checkpoint (digest checked), then the probes of
+    this rank's side: the data plane, host shared memory and the fixed cost of a restore.
 
-    The probe: the host leaders (lowest rank of each host) all-gather ``probe_bytes`` (each
-    contributes 1/hosts of it) with ``Dist.all_gather_tensors`` on their subgroup, then rank 0
-    broadcasts ``probe_bytes`` to them; median seconds of 3 after one untimed round.
+    * data plane: the host leaders (lowest rank of each host) all-gather ``probe_bytes`` (each
+      contributes 1/hosts of it, one contiguous range, as the striped exchange does) with
+      ``Dist.all_gather_tensors`` on their subgroup, then rank 0 broadcasts ``probe_bytes`` to
+      them; seconds of 3 rounds after one untimed round;
+    * host shared memory: each host leader fills and seals a memfd segment of
+      ``intra_probe_bytes``; then every rank maps it (``map_private``, every page mapped in, as
+      the end of every host-sharing restore does), all ranks at once; seconds of 3 rounds
+      after one untimed round;
+    * fixed cost: every plan but ``auto`` restores the small checkpoint again,
+      ``fixed_probe_rounds`` times, timed as the timed runs are (``seconds``).
     """
     import torch
+
+    from xla_ckpt.comm.host_memory import Segment, map_private, open_segment
 
     torch.set_num_threads(1)
     d = _join(spec)
@@ -372,8 +393,9 @@ def setup(spec: dict) -> dict:
         if sub is not None:
             part = spec["probe_bytes"] // hosts
             mine = sub.rank
-            parts = [[torch.full((part,), mine + 1, dtype=torch.uint8) if r == mine
-                      else torch.zeros(part, dtype=torch.uint8)] for r in range(hosts)]
+            flat = torch.zeros(part * hosts, dtype=torch.uint8)
+            flat[mine * part:(mine + 1) * part] = mine + 1
+            parts = [[flat[r * part:(r + 1) * part]] for r in range(hosts)]
             whole = torch.full((part * hosts,), 7 if sub.rank == 0 else 0, dtype=torch.uint8)
             gather_s, bcast_s = [], []
             for i in range(4):
@@ -391,24 +413,67 @@ def setup(spec: dict) -> dict:
             ok = all(bool((parts[r][0] == r + 1).all()) for r in range(hosts)) \
                 and bool((whole == 7).all())
             probe = {"all_gather_s": gather_s, "broadcast_s": bcast_s, "ok": ok}
-            del parts, whole
+            del parts, whole, flat
         d.barrier()
     _trim()
+    # host shared memory: every rank maps its leader's sealed segment, all at once
+    n = spec["intra_probe_bytes"]
+    leader = d.rank // rph * rph
+    seg = None
+    if d.rank == leader:
+        seg = Segment("xla_ckpt-probe")
+        data = seg.writable_data([n])
+        data.fill_(d.rank % 251 + 1)
+        del data
+        seg.seal()
+    handles = d.exchange(seg.handle if seg is not None else None)
+    fd = seg.fd if seg is not None else open_segment(handles[leader])
+    map_s: list[float] = []
+    try:
+        for i in range(4):
+            d.barrier()
+            t0 = time.perf_counter()
+            views = map_private(fd, [n])
+            t = time.perf_counter() - t0
+            if i:
+                map_s.append(t)
+            if i == 0 and int(views[0][n // 2]) != leader % 251 + 1:
+                raise RuntimeError(f"rank {d.rank}: host shared-memory probe mapped wrong bytes")
+            del views
+            gc.collect()
+    finally:
+        if seg is not None:
+            seg.close()
+        else:
+            os.close(fd)
+    d.barrier()
+    # the fixed cost: the small checkpoint again, every first use done
+    fixed: dict[str, list[float]] = {}
+    for _ in range(spec["fixed_probe_rounds"]):
+        for plan in spec["plans"]:
+            if plan != "auto":
+                out, res = _restore_once(plan, spec["warm_uri"], spec, d)
+                del res
+                _trim()
+                fixed.setdefault(plan, []).append(out["seconds"])
+    d.barrier()
     return {"pid": os.getpid(), "rank": d.rank, "host_id": topo.host_id,
             "local_rank": topo.local_rank, "local_world_size": topo.local_world_size,
             "source_address": os.environ.get("XLA_CKPT_GCS_SOURCE_ADDRESS", ""),
-            "warm_plans": warm, "probe": probe}
+            "warm_plans": warm, "probe": probe, "map_s": map_s, "fixed_s": fixed}
 
 
 def storage_probe(spec: dict) -> dict:
-    """The aggregate rate of the emulator + proxy (per-host and per-stream shaping off).
+    """How much longer the hosts' reads take when every host reads than when one does.
 
-    Every rank reads ``storage_probe_bytes`` of the checkpoint's largest data file (rank ``r``
-    from offset ``r x size / world``, wrapping) with its own GCS client and the library's
-    ``Storage.read_ranges`` (``max_workers`` streams, ``slice_size_bytes`` slices), all ranks
-    at once after a barrier; ``storage_probe_rounds`` rounds.  Returns this rank's seconds
-    per round and the bytes it read; the parent divides the job's bytes by the slowest rank's
-    seconds.
+    Shaping on, as in the timed runs.  Every rank reads ``storage_probe_bytes`` of the
+    checkpoint's largest data file (rank ``r`` from offset ``r x size / world``, wrapping) with
+    its own GCS client and the library's ``Storage.read_ranges`` (``max_workers`` streams,
+    ``slice_size_bytes`` slices).  Each round has two legs, each after a barrier: ``one``,
+    only the ranks of host 0 read; ``all``, every rank reads.  One untimed ``all`` leg first
+    (connections), then ``storage_probe_rounds`` rounds.  Returns this rank's seconds per leg
+    (None for a leg it sat out) and the bytes it read; the parent turns the difference of the
+    slowest ranks' seconds into the cost model's ``storage_total_bytes_per_s``.
     """
     import torch
 
@@ -425,14 +490,21 @@ def storage_probe(spec: dict) -> dict:
     reads = [RangeRead(name, start, out[:first])]
     if first < n:
         reads.append(RangeRead(name, 0, out[first:]))
+    in_one = d.rank < spec["ranks_per_host"]  # host 0's ranks
     st = open_storage(spec["uri"])
-    secs = []
+    secs: dict[str, list[float | None]] = {"one": [], "all": []}
     try:
+        d.barrier()
+        st.read_ranges(reads)
         for _ in range(spec["storage_probe_rounds"]):
-            d.barrier()
-            t0 = time.perf_counter()
-            st.read_ranges(reads)
-            secs.append(time.perf_counter() - t0)
+            for leg in ("one", "all"):
+                d.barrier()
+                if leg == "all" or in_one:
+                    t0 = time.perf_counter()
+                    st.read_ranges(reads)
+                    secs[leg].append(time.perf_counter() - t0)
+                else:
+                    secs[leg].append(None)
     finally:
         st.close()
     del buf, out, reads
@@ -515,7 +587,8 @@ def _pool(world: int, hosts: int, env: dict[str, str], has_hosts: bool) -> Any:
 
 
 def bandwidths(a: argparse.Namespace, cross_bytes_per_s: float | None,
-               total_bytes_per_s: float | None = None) -> dict[str, Any]:
+               total_bytes_per_s: float | None = None, intra_bytes_per_s: float | None = None,
+               fixed_s: float | None = None) -> dict[str, Any]:
     """The cost model's parameters (``Bandwidths`` fields) for this run (see the docstring)."""
     from xla_ckpt.restore.cost import Bandwidths
     from xla_ckpt.storage.gcs import DEFAULT_CONFIG
@@ -528,6 +601,10 @@ def bandwidths(a: argparse.Namespace, cross_bytes_per_s: float | None,
         bw = dataclasses.replace(bw, data_plane_cross_host_bytes_per_s=cross_bytes_per_s)
     if total_bytes_per_s is not None:
         bw = dataclasses.replace(bw, storage_total_bytes_per_s=total_bytes_per_s)
+    if intra_bytes_per_s is not None:
+        bw = dataclasses.replace(bw, data_plane_intra_host_bytes_per_s=intra_bytes_per_s)
+    if fixed_s is not None:
+        bw = dataclasses.replace(bw, restore_fixed_s=fixed_s)
     return dataclasses.asdict(bw)
 
 
@@ -631,16 +708,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-mib-s", type=float, default=32.0)
     ap.add_argument("--host-mib-s", type=float, default=64.0,
                     help="each emulated host's link to storage, MiB/s")
-    ap.add_argument("--probe-mib", type=int, default=64,
-                    help="bytes of the data-plane probe, MiB (all-gather over host leaders)")
+    ap.add_argument("--probe-mib", type=int, default=0,
+                    help="bytes of the data-plane probe (all-gather over host leaders) and of the "
+                         "host shared-memory probe, MiB (default 0: the state's size, what the "
+                         "striped exchange moves and every rank maps)")
     ap.add_argument("--data-plane-mib-s", type=float, default=None,
                     help="cost model's cross-host data-plane rate, MiB/s (default: the probe's)")
-    ap.add_argument("--storage-probe-mib", type=int, default=64,
-                    help="MiB each rank reads in the storage probe (all ranks at once, shaping "
-                         "off): the aggregate rate of emulator + proxy, the cost model's "
-                         "storage_total_bytes_per_s (default 64; 0: no probe, GCS's 25e9)")
+    ap.add_argument("--intra-host-mib-s", type=float, default=None,
+                    help="cost model's intra-host rate (a rank mapping its host's copy, every "
+                         "rank at once), MiB/s (default: the probe's)")
+    ap.add_argument("--storage-probe-mib", type=int, default=32,
+                    help="MiB each rank reads in the storage probe (shaping on: host 0's ranks "
+                         "alone, then every rank): how much longer every host takes is the "
+                         "cost model's storage_total_bytes_per_s (default 32; 0: no probe, "
+                         "GCS's 25e9)")
     ap.add_argument("--storage-total-mib-s", type=float, default=None,
-                    help="cost model's aggregate storage cap, MiB/s (default: the probe's)")
+                    help="cost model's storage_total_bytes_per_s, MiB/s (default: the probe's)")
+    ap.add_argument("--fixed-s", type=float, default=None,
+                    help="cost model's restore_fixed_s, seconds (default: the probe's, from "
+                         "timed restores of the small warm-up checkpoint)")
     ap.add_argument("--memory-runs", type=int, default=1,
                     help="untimed runs of each plan, after the timed ones, with host memory "
                          "(PSS) sampled (default 1; 0: no memory figures)")
@@ -657,8 +743,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown plan {p!r}; choose from {', '.join(PLANS)}")
     if a.hosts < 1 or a.ranks_per_host < 1 or a.repeats < 1 or a.size_mib < 1:
         ap.error("--hosts, --ranks-per-host, --repeats and --size-mib must be >= 1")
-    if a.memory_runs < 0 or a.storage_probe_mib < 0:
-        ap.error("--memory-runs and --storage-probe-mib must be >= 0")
+    if a.memory_runs < 0 or a.storage_probe_mib < 0 or a.probe_mib < 0:
+        ap.error("--memory-runs, --probe-mib and --storage-probe-mib must be >= 0")
     world = a.hosts * a.ranks_per_host
 
     import torch
@@ -692,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
         del state
         warm = make_state(WARM_MIB, seed=1)
         warm_digest = digest(warm)
-        save(warm, warm_uri)
+        warm_manifest = save(warm, warm_uri)
         del warm
         gc.collect()
         st = open_storage(uri)
@@ -710,13 +796,15 @@ def main(argv: list[str] | None = None) -> int:
         pool = _pool(world, a.hosts, env, has_hosts)
         stack.callback(lambda: pool.close())
         bucket = RestoreConfig().bucket_size_bytes
-        probe_bytes = max(a.hosts, min(a.probe_mib * MiB, state_bytes))
+        probe_bytes = max(a.hosts, min(a.probe_mib * MiB, state_bytes) if a.probe_mib
+                          else state_bytes)
         probe_bytes -= probe_bytes % a.hosts  # each leader sends an equal part
         spec: dict[str, Any] = {
             "hosts": a.hosts, "ranks_per_host": a.ranks_per_host, "set_host_env": not has_hosts,
             "dist_timeout_s": a.run_timeout_s, "plans": plans, "uri": uri, "digest": expected,
             "warm_uri": warm_uri, "warm_digest": warm_digest, "bucket_bytes": bucket,
             "probe_bytes": probe_bytes, "bandwidths": bandwidths(a, None),
+            "intra_probe_bytes": probe_bytes, "fixed_probe_rounds": FIXED_PROBE_ROUNDS,
             "all_gather": a.all_gather}
         t0 = time.perf_counter()
         info = [r.unwrap() for r in pool.run(setup, spec, timeout_s=a.run_timeout_s * 2)]
@@ -737,30 +825,64 @@ def main(argv: list[str] | None = None) -> int:
                           "broadcast_mib_s": round(pb / b / MiB, 1)}
         if a.data_plane_mib_s is not None:
             cross = a.data_plane_mib_s * MiB
+        # host shared memory: the slowest rank's seconds to map its host's copy, per round
+        map_s = statistics.median(max(i["map_s"][k] for i in info)
+                                  for k in range(len(info[0]["map_s"])))
+        intra = probe_bytes / map_s
+        intra_line = {"probe_bytes": probe_bytes, "map_s": round(map_s, 4),
+                      "intra_host_mib_s": round(intra / MiB, 1), "ranks_mapping_at_once": world}
+        if a.intra_host_mib_s is not None:
+            intra = a.intra_host_mib_s * MiB
         total: float | None = None
         storage_line: dict[str, Any] = {}
-        if a.storage_probe_mib > 0:  # the aggregate cap of emulator + proxy, shaping off
+        if a.storage_probe_mib > 0:  # the series term: every host reading vs one host reading
             probe_file = max(manifest.files, key=lambda f: manifest.files[f])
             spec.update(probe_file=probe_file, probe_file_bytes=manifest.files[probe_file],
                         storage_probe_bytes=a.storage_probe_mib * MiB,
                         storage_probe_rounds=STORAGE_PROBE_ROUNDS)
-            proxy.shaping = Shaping()
-            try:
-                got = [r.unwrap() for r in pool.run(storage_probe, spec,
-                                                    timeout_s=a.run_timeout_s)]
-            finally:
-                proxy.shaping = shaping
-            moved = sum(g["bytes"] for g in got)
-            slowest = [max(g["seconds"][i] for g in got) for i in range(STORAGE_PROBE_ROUNDS)]
-            total = moved / statistics.median(slowest)
-            storage_line = {"bytes_per_round": moved, "streams_per_rank":
-                            DEFAULT_CONFIG.max_workers, "ranks": world,
-                            "seconds_per_round": [round(x, 3) for x in slowest],
-                            "aggregate_mib_s": round(total / MiB, 1),
-                            "shaping": "none (no latency, no per-stream/per-host cap)"}
+            got = [r.unwrap() for r in pool.run(storage_probe, spec, timeout_s=a.run_timeout_s)]
+            n_rank = got[0]["bytes"]
+            legs = {leg: [max(x for g in got if (x := g["seconds"][leg][k]) is not None)
+                          for k in range(STORAGE_PROBE_ROUNDS)] for leg in ("one", "all")}
+            one, every = (statistics.median(legs[leg]) for leg in ("one", "all"))
+            extra_bytes = n_rank * (world - a.ranks_per_host)
+            slower = every - one
+            total = extra_bytes / slower if slower > 0 else None
+            storage_line = {"bytes_per_rank": n_rank, "streams_per_rank":
+                            DEFAULT_CONFIG.max_workers, "ranks_one_host": a.ranks_per_host,
+                            "ranks_every_host": world, "shaping": "on (as in the timed runs)",
+                            "one_host_s": [round(x, 3) for x in legs["one"]],
+                            "every_host_s": [round(x, 3) for x in legs["all"]],
+                            "slower_s": round(slower, 3), "extra_job_bytes": extra_bytes,
+                            "marginal_mib_s": round(total / MiB, 1) if total else None}
+            if total is None:
+                print("# storage probe: every host reading was not slower than one host "
+                      "reading; storage_total_bytes_per_s keeps its default", file=sys.stderr,
+                      flush=True)
         if a.storage_total_mib_s is not None:
             total = a.storage_total_mib_s * MiB
-        spec["bandwidths"] = bandwidths(a, cross, total)
+        # the fixed cost: the small checkpoint's restores minus what the model gives their
+        # bytes (every other parameter as probed above)
+        partial = bandwidths(a, cross, total, intra, 0.0)
+        warm_sizes = {"state_bytes": warm_manifest.item().nbytes,
+                      "request_bytes": DEFAULT_CONFIG.slice_size_bytes, "bucket_bytes": bucket}
+        warm_est = predictions({"hosts": a.hosts, "ranks_per_host": a.ranks_per_host,
+                                "sizes": warm_sizes, "bandwidths": partial,
+                                "backend_kind": "gloo"})
+        small = {p: statistics.median(max(i["fixed_s"][p][k] for i in info)
+                                      for k in range(FIXED_PROBE_ROUNDS))
+                 for p in info[0]["fixed_s"]}
+        residual = {p: t - warm_est[p].seconds for p, t in small.items() if p in warm_est}
+        fixed: float | None = max(0.0, statistics.median(residual.values())) if residual \
+            else None  # (--plans auto alone: no plan of the model to probe with)
+        fixed_line = {"state_bytes": warm_sizes["state_bytes"], "rounds": FIXED_PROBE_ROUNDS,
+                      "seconds": {p: round(t, 3) for p, t in small.items()},
+                      "model_without_fixed_s": {p: round(warm_est[p].seconds, 3)
+                                                for p in small},
+                      "fixed_s": round(fixed, 3) if fixed is not None else None}
+        if a.fixed_s is not None:
+            fixed = a.fixed_s
+        spec["bandwidths"] = bandwidths(a, cross, total, intra, fixed)
         addresses = {host_address(h): h for h in range(a.hosts)} if a.hosts > 1 else {}
         bound = [i["source_address"] for i in info]
         setup_line: dict[str, Any] = {
@@ -775,8 +897,14 @@ def main(argv: list[str] | None = None) -> int:
                       "request_bytes": DEFAULT_CONFIG.slice_size_bytes, "bucket_bytes": bucket},
             "bandwidths": spec["bandwidths"], "backend_kind": "gloo",
             "data_plane_probe": probe_line, "storage_probe": storage_line,
+            "intra_host_probe": intra_line, "fixed_probe": fixed_line,
             "storage_total_source": ("--storage-total-mib-s" if a.storage_total_mib_s
-                                     is not None else "probe" if storage_line else "default"),
+                                     is not None else "probe" if total is not None
+                                     else "default"),
+            "intra_host_source": ("--intra-host-mib-s" if a.intra_host_mib_s is not None
+                                  else "probe"),
+            "fixed_source": ("--fixed-s" if a.fixed_s is not None else "probe"
+                             if fixed_line["fixed_s"] is not None else "default"),
             "data_plane_source": ("--data-plane-mib-s" if a.data_plane_mib_s is not None
                                   else "probe" if probe_line else "default"),
             "host_of_rank": [i["host_id"] for i in info],

@@ -41,6 +41,18 @@ def test_small_run_counts_bytes_per_host_and_checks_every_plan(tmp_path):
     assert setup["bandwidths"]["first_byte_latency_s"] == 0.03
     assert setup["bandwidths"]["streams_per_reader"] == 32
     assert setup["data_plane_source"] == "probe"
+    # every other measured parameter comes from a probe made before the timed runs
+    assert (setup["intra_host_source"], setup["fixed_source"]) == ("probe", "probe")
+    assert setup["storage_total_source"] in ("probe", "default")  # default: no slowdown seen
+    bw = setup["bandwidths"]
+    assert bw["restore_fixed_s"] == pytest.approx(setup["fixed_probe"]["fixed_s"], abs=1e-3)
+    assert set(setup["fixed_probe"]["seconds"]) == set(PLANS[:4])
+    assert bw["data_plane_intra_host_bytes_per_s"] == pytest.approx(
+        setup["intra_host_probe"]["intra_host_mib_s"] * 2**20, rel=1e-3)
+    assert setup["intra_host_probe"]["ranks_mapping_at_once"] == 4
+    sp = setup["storage_probe"]
+    assert (sp["ranks_one_host"], sp["ranks_every_host"]) == (2, 4)
+    assert len(sp["one_host_s"]) == len(sp["every_host_s"]) == 3
     assert setup["checkpoint_bytes"] == setup["data_bytes"] + setup["manifest_bytes"]
     assert list(by) == PLANS
     assert summary["failed"] == {}
