@@ -17,9 +17,10 @@ every rank of the job, hosts first (DESIGN "Each byte once"; issue 13):
    :meth:`Dist.all_gather_tensors` over the host leaders' subgroup (bounded buckets; gloo on
    CPU, NCCL on GPU, the XLA data plane when enabled), each host's run as one range of its
    segment (:func:`exchange_ranges`: bucket-sized slices sent and received in place, no
-   staging copy), received straight into the leaders' segments.  Within a host nothing is copied: the leader seals its segment and every rank
-   of the host maps it copy-on-write.  Without host shared memory every rank is a "host" of
-   its own and the all-gather runs over all ranks.
+   staging copy), received straight into the leaders' segments.  Within a host nothing is
+   copied: the leader seals its segment and every rank of the host maps it copy-on-write.
+   Without host shared memory every rank is a "host" of its own and the all-gather runs over
+   all ranks.
 4. **Private bytes**: each rank reads its own ``rank/<r>`` item and ZeRO partition itself
    (those bytes are needed by one rank only, so they are fetched once too).
 
