@@ -40,11 +40,11 @@ of each, and ``auto``'s pick on XLA (``allow_xla_data_plane`` false, then true) 
 **Against our own emulation** (``--check-emulation FILE``): FILE holds the JSON lines of
 ``benchmarks/striped_restore.py`` (emulated hosts on one machine, each behind its own shaped
 link to the GCS emulator).  From its ``setup`` line (hosts, ranks per host, the checkpoint's
-sizes, the shaping's storage figures, the measured aggregate storage rate of emulator + proxy
-and the measured data-plane rate: ``bandwidths``) the same model predicts
-every plan that ran (``auto``: the plan it picked), and each prediction is compared with the
-measured median seconds of its ``plan`` line: within +-30 % is met; the run fails (exit 1)
-if one is not.
+sizes, the shaping's storage figures and the probed ones: the series storage term, the
+cross- and intra-host data-plane rates and the fixed seconds of a restore: ``bandwidths``)
+the same model predicts every plan that ran (``auto``: the plan it picked), and each
+prediction is compared with the measured median seconds of its ``plan`` line: within +-30 %
+is met; the run fails (exit 1) if one is not.
 
 Output: JSON lines (``{"kind": "calibration" | "orbax_row" | "grid" | "emulation_plan" |
 "emulation_check", ...}``), then the tables.
