@@ -52,6 +52,20 @@ def settle_tmp_objects(emu, stem, within_s=2.0):
         time.sleep(0.05)
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt here, as at an interactive prompt, whatever this process
+    inherited.  A suite started in the background of a non-interactive shell (as a CI script
+    may start it) inherits SIGINT ignored: Python then installs no handler, the kernel drops
+    the signal these tests send, and the write (rightly) finishes instead of raising.  The
+    previous disposition is put back afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def interrupt_main_thread():
     """A real SIGINT to the main thread (wakes it from a blocking wait, as Ctrl-C does)."""
     ident = threading.main_thread().ident
@@ -105,7 +119,11 @@ def test_interrupt_at_the_set_up_point_leaves_no_parts(gcs_emulator, stem, monke
 
 def _interrupt_after_parts(monkeypatch, k, also_during_cleanup=False):
     """SIGINT the main thread once ``k`` parts were uploaded; optionally again from the cleanup.
-    Returns a dict receiving the time of the first signal."""
+    Returns a dict receiving the time of the first signal.
+
+    The signal goes out from inside the k-th part upload, before its future resolves: the
+    write has parts in flight then and cannot have composed, whatever the load."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # ctrl_c_raises
     upload_part = writes._GCSWrites._upload_part
     delete_one = in_flight._GCSInFlight._delete_one_quietly
     done: list[str] = []
@@ -193,6 +211,61 @@ def test_closing_the_storage_abandons_a_running_write_and_deletes_its_parts(
     assert gcs_emulator.object_names(stem + "/") == []
     with pytest.raises(StorageError, match="the storage was closed"):
         st.write_atomic("other", [b"x"])
+
+
+@pytest.mark.parametrize("handler", ["default", "own"])
+def test_ctrl_c_while_closing_under_a_running_write_is_raised_after_the_cleanup(
+        gcs_emulator, stem, slow_bodies, monkeypatch, handler):
+    """A Ctrl-C that lands while ``close()`` abandons a running write is not lost: the parts
+    are still deleted and the storage released, then ``close()`` raises KeyboardInterrupt
+    (with Python's handler, and with one of the program's own that raises it)."""
+    if handler == "own":
+        def own(_signum, _frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, own)   # ctrl_c_raises puts the previous one back
+    data = os.urandom(40 * 32 * 1024)
+    st = gcs_emulator.storage(stem, SMALL_PARTS)
+    failure: list[BaseException] = []
+
+    def write():
+        try:
+            st.write_atomic("ck/data", [data])
+        except BaseException as e:  # noqa: BLE001 - checked below
+            failure.append(e)
+
+    delete_one = in_flight._GCSInFlight._delete_one_quietly
+    sent = threading.Event()
+
+    def deleting(self, full):
+        # only close()'s cleanup threads, which live while close() waits for them: the signal
+        # lands in that wait, never before or after it
+        if threading.current_thread().name.startswith("xla_ckpt-cleanup") \
+                and not sent.is_set():
+            sent.set()
+            interrupt_main_thread()  # Ctrl-C while the abandoned write's parts are deleted
+        return delete_one(self, full)
+
+    t = threading.Thread(target=write)
+    t.start()
+    deadline = time.monotonic() + 30
+    while len(tmp_objects(gcs_emulator, stem)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(tmp_objects(gcs_emulator, stem)) >= 3
+    monkeypatch.setattr(in_flight._GCSInFlight, "_delete_one_quietly", deleting)
+    # no cut-off of the cleanup under load: close() waits until its cleanup threads are done
+    monkeypatch.setattr(in_flight, "CLEANUP_ON_INTERRUPT_S", 60.0)
+    with pytest.raises(KeyboardInterrupt):
+        st.close()
+    monkeypatch.undo()
+    assert sent.is_set()
+    t.join(NO_HANG_S)
+    assert not t.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], StorageError)
+    assert settle_tmp_objects(gcs_emulator, stem) == []
+    assert gcs_emulator.object_names(stem + "/") == []
+    with pytest.raises(StorageError, match="the storage was closed"):
+        st.write_atomic("other", [b"x"])   # the close itself was finished
 
 
 def test_list_in_flight_reports_parts_with_target_id_size_and_time(gcs_emulator, stem):

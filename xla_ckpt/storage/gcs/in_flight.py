@@ -15,7 +15,8 @@ not finish (Ctrl-C, a closed storage, the interpreter exiting):
   uploads still in flight never keep the process alive; one that lands
   afterwards deletes itself while the process lives;
 * :meth:`_GCSInFlight.close` abandons the writes still running on that storage
-  (the manager closes the storage of a save it abandons), and at interpreter
+  (the manager closes the storage of a save it abandons; a Ctrl-C during that
+  bounded cleanup is raised once it is done, never lost), and at interpreter
   exit every write still running is abandoned the same way;
 * what is still left (the process was killed) keeps its in-flight name:
   :meth:`_GCSInFlight.list_in_flight` reports it, ``xla-ckpt ls`` shows it and
@@ -184,17 +185,21 @@ atexit.register(_abandon_all_at_exit)
 
 
 @contextlib.contextmanager
-def _further_interrupts_deferred() -> Iterator[None]:
-    """While a write cleans up after an interrupt on the main thread, a further Ctrl-C is
-    absorbed instead of cutting the (bounded) cleanup short: the first interrupt is raised
-    again right after it anyway.  Only when SIGINT has Python's default handler."""
+def _further_interrupts_deferred() -> Iterator[list[int]]:
+    """While a write cleans up on the main thread, a Ctrl-C is absorbed instead of cutting
+    the (bounded) cleanup short.  Only when SIGINT has Python's default handler.
+
+    Yields the list of the signals absorbed: after an interrupt the first one is raised
+    again right after the cleanup anyway; a caller with no interrupt of its own to raise
+    (:meth:`_GCSInFlight.close`) raises KeyboardInterrupt when the list is not empty."""
+    absorbed: list[int] = []
     if threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
+        yield absorbed
         return
-    previous = signal.signal(signal.SIGINT, lambda _signum, _frame: None)
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: absorbed.append(signum))
     try:
-        yield
+        yield absorbed
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -238,20 +243,29 @@ class _GCSInFlight(_GCSBase):
         return sorted(out, key=lambda o: o.name)
 
     def close(self) -> None:
-        """Abandon the composite writes still running on this storage, then release threads."""
+        """Abandon the composite writes still running on this storage, then release threads.
+
+        A Ctrl-C during that cleanup (bounded by :data:`CLEANUP_ON_INTERRUPT_S`) does not
+        cut it short and is not lost: the storage is closed, then KeyboardInterrupt raised."""
         self._writes_closed = True
         with _ACTIVE_LOCK:
             mine = [up for up in _ACTIVE if up.owner is self]
         deadline = time.monotonic() + CLEANUP_ON_INTERRUPT_S
-        with _further_interrupts_deferred():
+        interrupted = False
+        with _further_interrupts_deferred() as absorbed:
             for up in mine:
                 up.abandoned_by_close = True
-                self._abandon(up, deadline=deadline)
+                try:
+                    self._abandon(up, deadline=deadline)
+                except KeyboardInterrupt:  # the program's own SIGINT handler raised it
+                    interrupted = True     # abandon the others too, close, then raise
         with self._pool_lock:
             pool, self._upload_pool = self._upload_pool, None
         if pool is not None:
             pool.shutdown(wait=not mine)
         super().close()
+        if interrupted or absorbed:
+            raise KeyboardInterrupt
 
     def _abandon(self, up: _Upload, *, deadline: float | None) -> None:
         """Stop ``up`` and delete what it wrote.  Once per write; the first caller cleans.
@@ -281,17 +295,21 @@ class _GCSInFlight(_GCSBase):
                 self._upload_pool = None
         if detach and up.pool is not None:
             up.pool.shutdown(wait=False)
-        left = self._delete_within(up.made(), up.futures, deadline)
+        left, interrupted = self._delete_within(up.made(), up.futures, deadline)
         if left:
             logger.warning("interrupted upload of %s: %d in-flight object(s) may be left (e.g. "
                            "%s); `xla-ckpt ls` lists them and `xla-ckpt gc --in-flight` deletes "
                            "them", self._gs(up.full), len(left), self._gs(left[0]))
+        if interrupted:
+            raise KeyboardInterrupt
 
     def _delete_within(self, names: list[str], running: list[cf.Future],
-                       deadline: float) -> list[str]:
+                       deadline: float) -> tuple[list[str], bool]:
         """Delete ``names`` on fresh daemon threads, waiting for them (and for ``running``,
-        part uploads that stop or delete themselves) until ``deadline``; a further
-        ``KeyboardInterrupt`` does not cut the wait short.  Returns the names not known gone."""
+        part uploads that stop or delete themselves) until ``deadline``; a
+        ``KeyboardInterrupt`` (from a SIGINT handler of the program's own) does not cut the
+        wait short.  Returns the names not known gone, and whether one came (the caller
+        raises it)."""
         done: set[str] = set()
         lock = threading.Lock()
         todo: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -313,6 +331,7 @@ class _GCSInFlight(_GCSBase):
         for t in threads:
             t.start()
         waiting = [f for f in running if not f.done()]
+        interrupted = False
         while time.monotonic() < deadline:
             try:
                 for t in threads:
@@ -320,9 +339,9 @@ class _GCSInFlight(_GCSBase):
                 cf.wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
                 break
             except KeyboardInterrupt:
-                continue  # a second Ctrl-C: the cleanup is bounded anyway, finish it
+                interrupted = True  # the cleanup is bounded anyway: finish it, then raise
         with lock:
-            return [n for n in names if n not in done]
+            return [n for n in names if n not in done], interrupted
 
     def _delete_one_quietly(self, full: str) -> bool:
         """Delete in-flight object ``full``; True when it is gone (deleted, or never there)."""
