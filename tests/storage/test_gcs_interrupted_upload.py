@@ -29,6 +29,10 @@ SMALL_PARTS = StorageConfig(max_workers=4, slice_size_bytes=64 * 1024, max_attem
                             parallel_upload_threshold_bytes=100_000,
                             upload_part_size_bytes=32 * 1024, **FAST)
 NO_HANG_S = 5.0  # a bound that only catches a hang (the stop itself takes well under 1 s)
+PROCESS_EXIT_S = 20.0
+"""A bound on a real worker process exiting after SIGINT that only catches a hang: the library's
+part (interrupt, parts deleted, close) is done within 0.1 s, but Python and torch tearing the
+process down took 5.6-6.3 s on a loaded 2-core VM (2 of 30 runs over the 5 s NO_HANG_S)."""
 
 
 @pytest.fixture
@@ -336,7 +340,7 @@ def test_sigint_stops_a_real_process_promptly_and_leaves_no_parts(
     log = log_path.read_text()
     assert rc == -signal.SIGINT, log  # an uncaught KeyboardInterrupt, not a crash or a hang
     assert "KeyboardInterrupt" in log
-    assert exited_after_s < NO_HANG_S, log
+    assert exited_after_s < PROCESS_EXIT_S, log
     assert settle_tmp_objects(gcs_emulator, stem, within_s=0.5) == []
     # nothing was committed, and no half object is visible
     assert [n for n in gcs_emulator.object_names(stem + "/") if "/manifest.json" in n
