@@ -186,16 +186,16 @@ def test_ctrl_c_while_parts_upload_deletes_them_and_raises(gcs_emulator, stem, m
     assert gcs_emulator.object_names(stem + "/") == [f"{stem}/obj"]
 
 
-def test_closing_the_storage_abandons_a_running_write_and_deletes_its_parts(
-        gcs_emulator, stem, slow_bodies):
+def _write_in_background(st, gcs_emulator, stem):
+    """Start a composite write of 40 small parts in a thread; return once at least 3 of its
+    parts are in flight.  Returns the thread and the list its exception (if any) lands in."""
     data = os.urandom(40 * 32 * 1024)
-    st = gcs_emulator.storage(stem, SMALL_PARTS)
     failure: list[BaseException] = []
 
     def write():
         try:
             st.write_atomic("ck/data", [data])
-        except BaseException as e:  # noqa: BLE001 - checked below
+        except BaseException as e:  # noqa: BLE001 - checked by the caller
             failure.append(e)
 
     t = threading.Thread(target=write)
@@ -204,6 +204,13 @@ def test_closing_the_storage_abandons_a_running_write_and_deletes_its_parts(
     while len(tmp_objects(gcs_emulator, stem)) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(tmp_objects(gcs_emulator, stem)) >= 3
+    return t, failure
+
+
+def test_closing_the_storage_abandons_a_running_write_and_deletes_its_parts(
+        gcs_emulator, stem, slow_bodies):
+    st = gcs_emulator.storage(stem, SMALL_PARTS)
+    t, failure = _write_in_background(st, gcs_emulator, stem)
     t0 = time.monotonic()
     st.close()
     assert time.monotonic() - t0 < NO_HANG_S
@@ -228,16 +235,7 @@ def test_ctrl_c_while_closing_under_a_running_write_is_raised_after_the_cleanup(
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGINT, own)   # ctrl_c_raises puts the previous one back
-    data = os.urandom(40 * 32 * 1024)
     st = gcs_emulator.storage(stem, SMALL_PARTS)
-    failure: list[BaseException] = []
-
-    def write():
-        try:
-            st.write_atomic("ck/data", [data])
-        except BaseException as e:  # noqa: BLE001 - checked below
-            failure.append(e)
-
     delete_one = in_flight._GCSInFlight._delete_one_quietly
     sent = threading.Event()
 
@@ -250,12 +248,7 @@ def test_ctrl_c_while_closing_under_a_running_write_is_raised_after_the_cleanup(
             interrupt_main_thread()  # Ctrl-C while the abandoned write's parts are deleted
         return delete_one(self, full)
 
-    t = threading.Thread(target=write)
-    t.start()
-    deadline = time.monotonic() + 30
-    while len(tmp_objects(gcs_emulator, stem)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(tmp_objects(gcs_emulator, stem)) >= 3
+    t, failure = _write_in_background(st, gcs_emulator, stem)
     monkeypatch.setattr(in_flight._GCSInFlight, "_delete_one_quietly", deleting)
     # no cut-off of the cleanup under load: close() waits until its cleanup threads are done
     monkeypatch.setattr(in_flight, "CLEANUP_ON_INTERRUPT_S", 60.0)
