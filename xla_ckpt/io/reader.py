@@ -988,6 +988,9 @@ def plan_spans(item: Item, buffers: Mapping[int, torch.Tensor], slice_size_bytes
     spans: list[Span] = []
     group: list[_Unit] = []
     staged = False
+    # Whether every unit of ``group`` is of a small blob, kept as the group grows: a test
+    # over the whole group per unit made planning quadratic in the number of blobs.
+    all_small = False
     views: dict[int, memoryview] = {}
 
     def dest(u: _Unit) -> memoryview:
@@ -1019,13 +1022,14 @@ def plan_spans(item: Item, buffers: Mapping[int, torch.Tensor], slice_size_bytes
             if fits and not staged and gap == 0 and u.storage == g0.storage \
                     and u.addr - g0.addr == u.file_offset - g0.file_offset:
                 group.append(u)
+                all_small = all_small and u.small
                 continue
-            if fits and gap <= MAX_GAP_BYTES and u.small and all(v.small for v in group):
+            if fits and gap <= MAX_GAP_BYTES and u.small and all_small:
                 group.append(u)
                 staged = True
                 continue
             close()
-        group, staged = [u], False
+        group, staged, all_small = [u], False, u.small
     if group:
         close()
     return spans
