@@ -427,3 +427,57 @@ class StorageNotSharedError(StorageError):
 def _storage_not_shared_error(message: str, path: str, rank: int | None,
                               checkpoint: str) -> StorageNotSharedError:
     return StorageNotSharedError(message, path=path, rank=rank, checkpoint=checkpoint)
+
+
+class BucketNotFoundError(StorageError, FileNotFoundError):
+    """The bucket a ``gs://`` URI names does not exist (a mistyped bucket name, most often).
+
+    Raised by the GCS backend (so by every entry point: ``load``, ``save``, the manager, the
+    CLI) when the service answers that the bucket itself is missing, confirmed by a request
+    for the bucket.  Never a :class:`CheckpointNotFoundError`: a missing bucket is not "nothing
+    saved yet", and a trainer or manager must not start fresh on it.  The message names the
+    bucket and says what to do (check the name, or create the bucket).
+
+    Attributes:
+        bucket: the bucket's name.
+        uri: the URI being used when it was found missing.
+    """
+
+    def __init__(self, message: str, *, bucket: str = "", uri: str = "") -> None:
+        super().__init__(message)
+        self.bucket = bucket
+        self.uri = uri
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only attributes survive pickling
+        return (_bucket_not_found_error, (str(self), self.bucket, self.uri))
+
+
+def _bucket_not_found_error(message: str, bucket: str, uri: str) -> BucketNotFoundError:
+    return BucketNotFoundError(message, bucket=bucket, uri=uri)
+
+
+class StorageDeadlineError(StorageError, TimeoutError):
+    """One storage request did not finish within its total deadline (``storage.request_deadline_s``).
+
+    A ranged read, a whole-object read, a listing, a metadata call or an upload that keeps
+    making slow progress (a server that trickles a few bytes per answer, a stalled connection)
+    is stopped at its deadline instead of waiting on: the message names the request (object,
+    byte range), the bytes that arrived, the deadline and the setting to raise.
+
+    Attributes:
+        deadline_s: the deadline in force, seconds.
+        received_bytes: bytes of the answer that had arrived (reads), else 0.
+    """
+
+    def __init__(self, message: str, *, deadline_s: float = 0.0, received_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.deadline_s = deadline_s
+        self.received_bytes = received_bytes
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only attributes survive pickling
+        return (_storage_deadline_error, (str(self), self.deadline_s, self.received_bytes))
+
+
+def _storage_deadline_error(message: str, deadline_s: float,
+                            received_bytes: int) -> StorageDeadlineError:
+    return StorageDeadlineError(message, deadline_s=deadline_s, received_bytes=received_bytes)
