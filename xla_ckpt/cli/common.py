@@ -2,7 +2,8 @@
 
 Exit codes (every command): 0 success; 1 the checkpoint is corrupt, incomplete,
 unsafe, or the operation was refused; 2 a usage or access error (bad arguments,
-nothing at the URI, permission denied, storage unreachable).
+nothing at the URI, permission denied, storage unreachable); 141 stdout was closed by its
+reader (``| head``), quietly, as ``cat`` would be by SIGPIPE.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from xla_ckpt.errors import (
     UncommittedCheckpointError,
     XlaCkptError,
 )
-from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.io.resolve import XLA_CKPT, resolve
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 
 # What each command module's ``register(sub, parents)`` gets: the ``add_subparsers()`` action of
@@ -42,6 +41,8 @@ Parents: TypeAlias = Sequence[argparse.ArgumentParser]
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141
+"""stdout's reader went away (``| head``): 128 + SIGPIPE, what a shell reports for ``cat``."""
 
 
 class UsageError(Exception):
@@ -93,6 +94,11 @@ def resolve_checkpoint(uri: str, config: StorageConfig | None = None) -> Target:
         CheckpointNotFoundError: nothing is there, or a typo'd path (its parent folder
             is missing too).
     """
+    # The resolver reads manifests, which needs torch: loaded by the commands that resolve a
+    # checkpoint, never by ``xla-ckpt --help`` (which imports this module).
+    from xla_ckpt.format.manifest import MANIFEST_NAME  # noqa: PLC0415 - torch-free start-up
+    from xla_ckpt.io.resolve import XLA_CKPT, resolve  # noqa: PLC0415 - torch-free start-up
+
     try:
         resolved = resolve(uri, config)
     except UncommittedCheckpointError as e:
