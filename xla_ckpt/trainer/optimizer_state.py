@@ -109,6 +109,39 @@ def _ids_text(ids: list[Any]) -> str:
     return f"[{shown}{', ...' if len(ids) > 8 else ''}]"
 
 
+class _IndexedIds(list[Any]):
+    """A saved param group's ``params`` whose ``in`` is a set lookup (same answers).
+
+    ``Optimizer.load_state_dict`` asks ``param_id in group["params"]`` of the saved groups
+    once per state tensor; over plain lists that is quadratic in the number of parameters
+    (5.4 s of a 20,000-parameter AdamW restore, CASES C26).
+    """
+
+    def __init__(self, ids: list[Any]) -> None:
+        super().__init__(ids)
+        self.id_set = frozenset(ids)
+
+    def __contains__(self, x: object) -> bool:
+        try:
+            return x in self.id_set
+        except TypeError:  # an unhashable value asked about: compare as a list does
+            return list.__contains__(self, x)
+
+
+def _indexed_groups(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A shallow copy of ``state_dict``, its param groups listing ids as :class:`_IndexedIds`."""
+    out = dict(state_dict)
+    groups = []
+    for g in state_dict["param_groups"]:
+        ids = g.get("params") if isinstance(g, Mapping) else None
+        try:
+            groups.append({**g, "params": _IndexedIds(ids)} if isinstance(ids, list) else g)
+        except TypeError:  # unhashable ids: keep the list as it is
+            groups.append(g)
+    out["param_groups"] = groups
+    return out
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], *,
                          overrides: Mapping[str, Any] | None = None,
                          saved_param_dtypes: Mapping[int, torch.dtype] | None = None,
@@ -171,7 +204,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
                     f"changed or are in another order; {suggestion}")
             saved_dtypes[(id(p), name)] = v.dtype
 
-    optimizer.load_state_dict(state_dict)  # type: ignore[arg-type]  # callers pass the saved dict
+    optimizer.load_state_dict(_indexed_groups(state_dict))
 
     changed = saved_param_dtypes or {}
     for p in params:
