@@ -22,12 +22,12 @@ def test_ls_lists_committed_with_fields_and_pointers_and_incomplete_apart(cli, r
     assert r.code == 0 and r.err == ""
     lines = r.out.splitlines()
     assert lines[0].endswith(": 3 committed, 1 incomplete")
-    assert lines[1].split() == ["NAME", "EPOCH", "STEP", "UPDATES", "LOSS", "SIZE", "SAVED",
+    assert lines[1].split() == ["NAME", "EPOCH", "STEP", "ITER", "LOSS", "SIZE", "SAVED",
                                 "(UTC)", "POINTERS"]
     rows = [ln.split() for ln in lines[2:5]]
-    assert [r_[:5] for r_ in rows] == [["checkpoint_1_100", "1", "7", "100", "2.5"],
-                                       ["checkpoint_2_200", "2", "7", "200", "1.5"],
-                                       ["checkpoint_3_300", "3", "7", "300", "1.75"]]
+    assert [r_[:5] for r_ in rows] == [["checkpoint_1_100", "1", "100", "7", "2.5"],
+                                       ["checkpoint_2_200", "2", "200", "7", "1.5"],
+                                       ["checkpoint_3_300", "3", "300", "7", "1.75"]]
     assert rows[1][-1] == "best" and rows[2][-1] == "last" and rows[0][-1] != "best"
     assert all(row[6] == "KiB" for row in rows)  # SIZE "x.y KiB"
     assert lines[5:] == ["incomplete (no commit marker; never restored):", "  checkpoint_4_400"]
@@ -39,9 +39,10 @@ def test_ls_json(cli, root):
     assert r.code == 0
     doc = json.loads(r.out)
     assert doc["pointers"] == {"last": "checkpoint_2_200", "best": None}
-    assert [(c["name"], c["num_updates"], c["epoch"], c["step"], c["loss"], c["pointers"])
-            for c in doc["committed"]] == [("checkpoint_1_100", 100, 1, 7, 2.5, []),
-                                           ("checkpoint_2_200", 200, 2, 7, 1.5, ["last"])]
+    assert [(c["name"], c["num_updates"], c["epoch"], c["step"], c["iterations_in_epoch"],
+             c["loss"], c["pointers"])
+            for c in doc["committed"]] == [("checkpoint_1_100", 100, 1, 100, 7, 2.5, []),
+                                           ("checkpoint_2_200", 200, 2, 200, 7, 1.5, ["last"])]
     assert all(c["nbytes"] > 0 and len(c["save_id"]) == 12 for c in doc["committed"])
     assert doc["incomplete"] == [{"name": "checkpoint_9_900", "error": ""}]
 

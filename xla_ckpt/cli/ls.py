@@ -1,18 +1,23 @@
 """``xla-ckpt ls RUN``: committed checkpoints of a run folder, their pointers, and incomplete ones.
 
-Columns: NAME, EPOCH, STEP (the saver's ``step`` metadata, else
-``iterations_in_epoch``: the step within the epoch), UPDATES (``num_updates``),
-LOSS, SIZE (bytes of data files), SAVED (UTC) and POINTERS (``last``/``best``
-when a pointer names it).  Folders without a commit marker are listed apart:
-a restore never uses them.  Folders whose commit marker is present but cannot be
-used (a corrupt manifest, a hostile chunk table, a format version newer than this
-xla_ckpt reads) are listed apart again, as "committed but unreadable", each with
-its reason: they are not incomplete saves (upgrade xla_ckpt, or run
-``xla-ckpt verify`` on them); ``gc`` leaves them alone and a restore skips them.
-Checkpoints of another kind in the run folder (a PyTorch DCP step folder with
-its ``.metadata``, an HF model folder, a fairseq ``checkpoint_last.pt``) are
-listed apart too, with their kind: they are not incomplete saves, ``rm``/``gc``
-never delete them, ``xla_ckpt.load`` and ``xla-ckpt convert`` read them.
+Columns: NAME; EPOCH (the saver's ``epoch`` metadata, else the epoch in the manager's folder
+name ``checkpoint_<epoch>_<updates>`` / ``checkpoint<epoch>``); STEP (the step
+``CheckpointManager.all_steps()`` lists and ``restore(step=...)`` takes: the saver's
+``num_updates`` metadata, else its ``step`` metadata, else the updates in the manager's
+folder name); ITER (``iterations_in_epoch``: batches done in the epoch, which the
+fairseq-style ``Checkpointer`` records and the manager does not know); LOSS (``loss``
+metadata, e.g. the manager's ``metrics={"loss": ...}``); SIZE (bytes of data files); SAVED
+(UTC); POINTERS (``last``/``best`` when a pointer names it).  ``-``: the checkpoint does not
+record it (a plain ``xla_ckpt.save`` without metadata, under a name of its own).  Folders
+without a commit marker are listed apart: a restore never uses them.  Folders whose commit
+marker is present but cannot be used (a corrupt manifest, a hostile chunk table, a format
+version newer than this xla_ckpt reads) are listed apart again, as "committed but
+unreadable", each with its reason: they are not incomplete saves (upgrade xla_ckpt, or run
+``xla-ckpt verify`` on them); ``gc`` leaves them alone and a restore skips them. Checkpoints
+of another kind in the run folder (a PyTorch DCP step folder with its ``.metadata``, an HF
+model folder, a fairseq ``checkpoint_last.pt``) are listed apart too, with their kind: they
+are not incomplete saves, ``rm``/``gc`` never delete them, ``xla_ckpt.load`` and ``xla-ckpt
+convert`` read them.
 
 In-flight objects that interrupted uploads of this library left (upload parts
 named ``<file>.tmp-<upload id>-part-<n>``, which no other listing shows) are
@@ -46,6 +51,7 @@ from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, list_run, read_pointer
 from xla_ckpt.io.prune import in_flight_uploads
 from xla_ckpt.io.retention import InFlightUpload, check_grace
+from xla_ckpt.manager.naming import name_fields
 from xla_ckpt.storage import open_storage, parse_uri
 
 
@@ -73,9 +79,21 @@ def _num(v: Any) -> str:
     return "-"
 
 
+def _epoch(entry: CheckpointEntry) -> Any:
+    epoch = _meta(entry, "epoch")
+    fields = name_fields(entry.name)
+    return epoch if epoch is not None or fields is None else fields[0]
+
+
 def _step(entry: CheckpointEntry) -> Any:
-    step = _meta(entry, "step")
-    return step if step is not None else _meta(entry, "iterations_in_epoch")
+    """The manager's step (its ``all_steps()``): ``num_updates``, else ``step`` metadata, else
+    the updates the manager's folder name records."""
+    for key in ("num_updates", "step"):
+        value = _meta(entry, key)
+        if value is not None:
+            return value
+    fields = name_fields(entry.name)
+    return None if fields is None else fields[1]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,11 +132,11 @@ def run(args: argparse.Namespace) -> int:
           + (f", {n_stale} in flight ({exact_bytes(sum(u.nbytes for u in stale))})"
              if stale else ""))
     if committed:
-        rows = [[e.name, _num(_meta(e, "epoch")), _num(_step(e)), _num(_meta(e, "num_updates")),
+        rows = [[e.name, _num(_epoch(e)), _num(_step(e)), _num(_meta(e, "iterations_in_epoch")),
                  _num(_meta(e, "loss")), human_bytes(e.nbytes),
                  utc_time(e.manifest.created_unix_s if e.manifest else 0.0),
                  ",".join(named.get(e.name, []))] for e in committed]
-        print(table(rows, ["NAME", "EPOCH", "STEP", "UPDATES", "LOSS", "SIZE", "SAVED (UTC)",
+        print(table(rows, ["NAME", "EPOCH", "STEP", "ITER", "LOSS", "SIZE", "SAVED (UTC)",
                            "POINTERS"]))
     for which, name in pointers.items():
         if name is not None and name not in {e.name for e in committed}:
@@ -166,8 +184,10 @@ def _as_json(uri: str, committed: list[CheckpointEntry], incomplete: list[Checkp
     return {
         "uri": uri,
         "pointers": {w: n for w, n in pointers.items()},
-        "committed": [{"name": e.name, "epoch": _meta(e, "epoch"), "step": _step(e),
-                       "num_updates": _meta(e, "num_updates"), "loss": _meta(e, "loss"),
+        "committed": [{"name": e.name, "epoch": _epoch(e), "step": _step(e),
+                       "num_updates": _meta(e, "num_updates"),
+                       "iterations_in_epoch": _meta(e, "iterations_in_epoch"),
+                       "loss": _meta(e, "loss"),
                        "nbytes": e.nbytes, "save_id": e.manifest.save_id if e.manifest else None,
                        "created_unix_s": e.manifest.created_unix_s if e.manifest else None,
                        "pointers": named.get(e.name, []), "metadata": md(e)}

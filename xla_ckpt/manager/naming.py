@@ -43,6 +43,17 @@ def checkpoint_kind(name: str) -> Kind | None:
     return None
 
 
+def name_fields(name: str) -> tuple[int, int | None] | None:
+    """``(epoch, num_updates)`` that a folder name of this manager records:
+    ``checkpoint_<epoch>_<updates>`` -> both, ``checkpoint<epoch>`` -> ``(epoch, None)``;
+    None for any other name.  (``xla-ckpt ls`` shows them when the metadata lacks them.)"""
+    m = _UPDATE.match(name)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    m = _EPOCH.match(name)
+    return (int(m.group(1)), None) if m else None
+
+
 def scheduled_name(cfg: CheckpointConfig, *, epoch: int, num_updates: int,
                    end_of_epoch: bool) -> str | None:
     """Name of the checkpoint the schedule asks for after this update, or None.
