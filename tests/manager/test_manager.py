@@ -324,7 +324,10 @@ def test_restore_skips_incomplete_and_lagging_pointer(run_dir):
             .restore_or_initialize()
 
 
-def test_never_deletes_the_restored_checkpoint(run_dir):
+def test_the_restored_checkpoint_is_rotated_once_a_newer_one_commits(run_dir):
+    """Keep-N means N after a resume too (issue 25, defect 8; tests/manager/
+    test_resume_rotation.py): the checkpoint restored from is kept until this job's first save
+    commits, then rotated like any other."""
     mgr = CheckpointManager(make_cfg(run_dir, save_interval_updates=2))
     run_updates(mgr, 6)
     mgr.close()
@@ -334,10 +337,11 @@ def test_never_deletes_the_restored_checkpoint(run_dir):
     r = mgr.restore_or_initialize()
     assert r is not None and r.num_updates == 2
     w = r.state["model"]["w"].clone()
-    run_updates(mgr, 6, start=2, w=w)
+    run_updates(mgr, 1, start=2, w=w)  # no save yet: nothing rotated
+    assert folders(run_dir) == ["checkpoint_1_2", "checkpoint_1_4", "checkpoint_1_6"]
+    run_updates(mgr, 5, start=3, w=w)
     mgr.close()
-    assert folders(run_dir) == ["checkpoint_1_2", "checkpoint_1_8"]
-    assert_holds(run_dir, "checkpoint_1_2", 2)
+    assert folders(run_dir) == ["checkpoint_1_8"]
     assert_holds(run_dir, "checkpoint_1_8", 8)
 
 

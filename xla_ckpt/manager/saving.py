@@ -461,9 +461,12 @@ class SavePath(ManagerBase):
                 self._pointer_kept("best", fl.name, lease)
         check_lease(self.run, lease, what="to delete old checkpoints")
         try:
-            rotate(self.run, self.config, protect={fl.name} | ({self.restored_from}
-                                                              if self.restored_from else set()),
-                   own_epoch=lease.epoch, scorer=self._scorer)
+            # Only the checkpoint just committed is protected beyond rotation's own rules
+            # (pointer targets, the newest committed).  The one this job restored from is
+            # rotated like any other: a newer one has committed, so keep-N still means N
+            # after a resume (protecting it kept N + 1).
+            rotate(self.run, self.config, protect={fl.name}, own_epoch=lease.epoch,
+                   scorer=self._scorer)
         except Exception as e:  # noqa: BLE001 - rotation failing must not fail training
             logger.warning("[rank %d] could not delete old checkpoints under %s: %s (will retry "
                            "after the next save)", self.rank, self.run.uri, e)
