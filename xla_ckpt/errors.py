@@ -457,7 +457,7 @@ def _bucket_not_found_error(message: str, bucket: str, uri: str) -> BucketNotFou
 
 
 class StorageDeadlineError(StorageError, TimeoutError):
-    """One storage request did not finish within its total deadline (``storage.request_deadline_s``).
+    """A storage request did not finish within its total deadline (``request_deadline_s``).
 
     A ranged read, a whole-object read, a listing, a metadata call or an upload that keeps
     making slow progress (a server that trickles a few bytes per answer, a stalled connection)

@@ -71,6 +71,7 @@ from xla_ckpt.format.manifest import (
 )
 from xla_ckpt.format.plan import MapLocation, materialize_item, resolve_device, tensor_bytes
 from xla_ckpt.storage import ObjectInfo, Storage, StorageConfig, open_storage
+from xla_ckpt.storage.cancel import run_all
 from xla_ckpt.storage.local import LocalStorage
 
 if TYPE_CHECKING:
@@ -726,16 +727,9 @@ class CheckpointReader:
         if len(tasks) == 1:
             fn(*tasks[0])
             return
-        pool = _shared_pool(self.storage.read_concurrency())
-        futures = [pool.submit(fn, *t) for t in tasks]
-        try:
-            for f in cf.as_completed(futures):
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            cf.wait(futures)
-            raise
+        # The first failure stops the slices in flight; a Ctrl-C is raised within about
+        # storage.cancel.INTERRUPT_WAIT_S, their connections shut down (not waited for).
+        run_all(_shared_pool(self.storage.read_concurrency()), fn, tasks)
 
     def _read_slice(self, item: Item, blob_id: int, rec: BlobRecord, start: int,
                     out: memoryview) -> None:

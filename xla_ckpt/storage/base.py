@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from xla_ckpt.errors import CheckpointNotFoundError, ConfigError, PreconditionFailedError
+from xla_ckpt.storage.cancel import run_all
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,14 @@ class StorageConfig:
         slice_size_bytes: large reads are split into slices of this many bytes,
             each fetched by one request.
         retry_deadline_s: overall time budget for retrying one request
-            (408/429/5xx and connection errors only).
+            (408/429/5xx and connection errors only), from its first failure.
+        request_deadline_s: total time one request may take from its start, retries,
+            backoff and slow answers included (one byte range of at most
+            ``slice_size_bytes``, one whole-object read, one listing, one metadata call,
+            one upload): a server that keeps a request alive by sending a few bytes at a
+            time is cut off then, with :class:`~xla_ckpt.errors.StorageDeadlineError`
+            naming the request, the bytes received and this setting.  The default (300 s)
+            lets a 16 MiB slice arrive at 55 KiB/s; raise it for slower links.
         initial_backoff_s / max_backoff_s: capped exponential backoff with
             full jitter between attempts.
         max_attempts: attempts per request before giving up (within the deadline).
@@ -139,6 +147,7 @@ class StorageConfig:
     max_workers: int = 16
     slice_size_bytes: int = 16 * MiB
     retry_deadline_s: float = 120.0
+    request_deadline_s: float = 300.0
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 8.0
     max_attempts: int = 8
@@ -156,6 +165,11 @@ class StorageConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"storage.{name} must be a number >= 0, got {v!r}")
+        v = self.request_deadline_s
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 \
+                or v == float("inf"):
+            raise ConfigError(f"storage.request_deadline_s must be a finite number of seconds "
+                              f"> 0, got {v!r}")
         if self.source_address is not None:
             check_source_address(self.source_address, "storage.source_address")
 
@@ -357,8 +371,10 @@ class Storage(abc.ABC):
 
         Slices of at most ``config.slice_size_bytes`` run on a pool of
         ``config.max_workers`` threads and write straight into each read's
-        ``out`` buffer (no intermediate copy).  Raises the first failure after
-        cancelling what has not started.
+        ``out`` buffer (no intermediate copy).  The first failure stops the slices
+        in flight (:func:`xla_ckpt.storage.cancel.run_all`) and is raised; a
+        ``KeyboardInterrupt`` is raised within about
+        :data:`~xla_ckpt.storage.cancel.INTERRUPT_WAIT_S`, the slices in flight stopped.
         """
         slices: list[tuple[str, int, memoryview, int | None]] = []
         step = self.config.slice_size_bytes
@@ -371,16 +387,7 @@ class Storage(abc.ABC):
         if len(slices) == 1:
             self.read_range(*slices[0])
             return
-        pool = self._executor()
-        futures = [pool.submit(self.read_range, *s) for s in slices]
-        try:
-            for f in cf.as_completed(futures):
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            cf.wait(futures)
-            raise
+        run_all(self._executor(), self.read_range, slices)
 
     def close(self) -> None:
         """Release threads and connections; the object must not be used after."""

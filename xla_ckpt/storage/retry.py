@@ -14,7 +14,10 @@ spent.
   healthy transfer does not eat the retry budget;
 * ``max_attempts`` counts failed attempts in a row that made no progress: a
   broken body that delivered bytes resumes from the last good byte and starts
-  a fresh count (the deadline still bounds the whole request).
+  a fresh count (the deadline still bounds the whole request);
+* with a :class:`~xla_ckpt.storage.cancel.RequestClock` the request's total deadline
+  (``request_deadline_s``, from its start) bounds the backoff too, and a cancelled
+  request stops sleeping at once (:class:`~xla_ckpt.storage.cancel.Abandoned`).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from xla_ckpt.errors import StorageError
+from xla_ckpt.errors import StorageDeadlineError, StorageError
 from xla_ckpt.storage.base import StorageConfig
+from xla_ckpt.storage.cancel import RequestClock
 
 logger = logging.getLogger(__name__)
 
@@ -115,18 +119,27 @@ class Backoff:
             ``retry_deadline_s`` are read from it.
         what: names the request in log lines and in the final error.
         log: where each retry is recorded (optional).
-        rng / sleep / clock: injectable for tests of the policy itself.
+        rng / sleep / clock: injectable for tests of the policy itself; ``clock`` may
+            instead be the request's :class:`~xla_ckpt.storage.cancel.RequestClock`: its
+            total deadline then bounds the backoff, and its sleeps end when its scope is
+            cancelled.
     """
 
     def __init__(self, config: StorageConfig, what: str, *, log: RetryLog | None = None,
                  rng: random.Random | None = None, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] | RequestClock | None = None) -> None:
         self.config = config
         self.what = what
         self.log = log
         self._rng = rng or random
+        self._request: RequestClock | None = None
+        if isinstance(clock, RequestClock):
+            self._request = clock
+            if sleep is time.sleep:
+                sleep = clock.sleep
+            clock = None
         self._sleep = sleep
-        self._clock = clock
+        self._clock: Callable[[], float] = clock or time.monotonic
         self._deadline: float | None = None
         self.attempt = 0          # failures in a row without progress
         self.failures = 0         # all failures of this request
@@ -145,6 +158,9 @@ class Backoff:
             StorageError: ``max_attempts`` failures in a row without progress,
                 or the next attempt would start after the deadline.  The
                 message names the request, the attempts and the last cause.
+            StorageDeadlineError: the next attempt would start after the request's total
+                deadline (with a :class:`~xla_ckpt.storage.cancel.RequestClock`).
+            Abandoned: the request's cancel scope was cancelled during the backoff.
         """
         now = self._clock()
         if self._deadline is None:
@@ -169,6 +185,13 @@ class Backoff:
                 f"(in {delay:.2f} s) would pass the retry deadline of "
                 f"{self.config.retry_deadline_s:.1f} s (storage.retry_deadline_s); last error: "
                 f"{text}. Retry later or raise storage.retry_deadline_s")
+        req = self._request
+        if req is not None and req.remaining_s() < delay:
+            raise StorageDeadlineError(
+                f"{self.what}: gave up after {self.failures} failed attempts: the next attempt "
+                f"(in {delay:.2f} s) would pass the request's total deadline of "
+                f"{req.deadline_s:g} s (storage.request_deadline_s); last error: {text}. Retry "
+                "later or raise storage.request_deadline_s", deadline_s=req.deadline_s)
         logger.info("%s: attempt %d failed (%s); retrying in %.3f s", self.what, self.failures,
                     text, delay)
         if self.log is not None:

@@ -94,11 +94,11 @@ class GCSStorage(_GCSWholeReads, _GCSWrites):
         base = join(self.prefix, p)
         strip = len(self.prefix) + 1 if self.prefix else 0
 
-        def run() -> list[str]:
+        def run(timeout: tuple[float, float]) -> list[str]:
             return [b.name for b in self._conn.client.list_blobs(
-                self.bucket_name, prefix=base or None, retry=None, timeout=self._timeout)]
+                self.bucket_name, prefix=base or None, retry=None, timeout=timeout)]
 
-        names = self._api(f"list {self._gs(base)}", run)
+        names = self._api(f"list {self._gs(base)}", run, bucket_404=True)
         out = []
         for n in names:
             if base and not (n == base or n.startswith(base + "/")):
@@ -123,8 +123,8 @@ class GCSStorage(_GCSWholeReads, _GCSWrites):
         full = self._full(name)
         try:
             self._api(f"delete {self._gs(full)}",
-                      lambda: self._bucket.delete_blob(full, if_generation_match=expected,
-                                                       retry=None, timeout=self._timeout))
+                      lambda timeout: self._bucket.delete_blob(
+                          full, if_generation_match=expected, retry=None, timeout=timeout))
         except CheckpointNotFoundError:
             return
         except _PreconditionNotMet:

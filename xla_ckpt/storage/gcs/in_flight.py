@@ -225,13 +225,13 @@ class _GCSInFlight(_GCSBase):
         base = join(self.prefix, p)
         strip = len(self.prefix) + 1 if self.prefix else 0
 
-        def run() -> list[tuple[str, int, float | None]]:
+        def run(timeout: tuple[float, float]) -> list[tuple[str, int, float | None]]:
             return [(b.name, int(b.size or 0), _created_unix_s(b.time_created))
                     for b in self._conn.client.list_blobs(self.bucket_name, prefix=base or None,
-                                                          retry=None, timeout=self._timeout)]
+                                                          retry=None, timeout=timeout)]
 
         out = []
-        for n, size, created in self._api(f"list {self._gs(base)}", run):
+        for n, size, created in self._api(f"list {self._gs(base)}", run, bucket_404=True):
             if base and not n.startswith(base + "/"):
                 continue
             m = IN_FLIGHT_NAME.fullmatch(n)
@@ -347,7 +347,7 @@ class _GCSInFlight(_GCSBase):
         """Delete in-flight object ``full``; True when it is gone (deleted, or never there)."""
         try:
             self._api(f"delete {self._gs(full)}",
-                      lambda: self._bucket.delete_blob(full, retry=None, timeout=self._timeout))
+                      lambda timeout: self._bucket.delete_blob(full, retry=None, timeout=timeout))
         except CheckpointNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001 - cleanup must not mask the real outcome

@@ -51,6 +51,7 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.storage.base import ObjectInfo
+from xla_ckpt.storage.cancel import RequestClock
 from xla_ckpt.storage.gcs.transport import (
     _TRANSIENT_EXC,
     _bytes_view,
@@ -163,8 +164,8 @@ class _GCSReads(_GCSBase):
         """(size, generation, crc32c) of ``full`` (of ``generation`` if given), remembered."""
         gen = f" generation {generation}" if generation is not None else ""
         blob = self._api(f"stat {self._gs(full)}{gen}",
-                         lambda: self._bucket.get_blob(full, generation=generation, retry=None,
-                                                       timeout=self._timeout))
+                         lambda timeout: self._bucket.get_blob(full, generation=generation,
+                                                               retry=None, timeout=timeout))
         if blob is None:
             raise CheckpointNotFoundError(f"{self._gs(full)}{gen}: no such object")
         size, served = int(blob.size or 0), int(blob.generation) if blob.generation else None
@@ -189,6 +190,9 @@ class _GCSReads(_GCSBase):
             IntegrityError: a whole-object read mismatched the object's crc32c
                 :data:`WHOLE_OBJECT_CRC_READS` times.
             StoragePermissionError: HTTP 401/403.
+            StorageDeadlineError: the read (retries and slow answers included) was not done
+                within ``config.request_deadline_s``; names the byte range, the bytes that
+                arrived and the setting.
             StorageError: other HTTP errors, or retries exhausted (the message
                 names the bytes asked for, those that arrived and, after short
                 answers, the object's size from a stat).
@@ -210,16 +214,19 @@ class _GCSReads(_GCSBase):
         size = _Size() if known is None else _Size(known[0], _STAT)
         # The object's crc32c when this read covers all of it, else None (nothing to check).
         whole_crc = known[1] if known is not None and offset == 0 and known[0] == want else None
-        backoff = self._backoff(what)
+        clock = self._clock()
+        backoff = self._backoff(what, clock)
         crc_reads = 0
         while True:
             got = 0
             while got < want:
                 try:
-                    got += self._get_once(what, full, url, params, offset + got, out[got:],
-                                          generation, size)
+                    with clock.attempt():
+                        got += self._get_once(what, full, url, params, offset + got, out[got:],
+                                              generation, size, clock)
                 except _Transient as e:
                     got += e.progress
+                    self._stop_if_over(what, clock, received=got, asked=want)
                     try:
                         backoff.failed(e, retry_after_s=e.retry_after_s,
                                        progressed=e.progress > 0)
@@ -277,7 +284,8 @@ class _GCSReads(_GCSBase):
             f"{what}: truncated: expected at least {end} bytes, object has {size.bytes} bytes")
 
     def _get_once(self, what: str, full: str, url: str, params: dict[str, str], start: int,
-                  out: memoryview, generation: int | None, size: _Size) -> int:
+                  out: memoryview, generation: int | None, size: _Size,
+                  clock: RequestClock | None = None) -> int:
         """One ranged GET of ``[start, start + len(out))`` into ``out``; returns bytes written.
 
         ``size`` is what the read knows of the object's size; answers add to it.
@@ -292,7 +300,8 @@ class _GCSReads(_GCSBase):
         want = len(out)
         end = start + want
         headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
-        resp = self._request(what, "GET", url, params=params, headers=headers, stream=True)
+        resp = self._request(what, "GET", url, clock, params=params, headers=headers,
+                             stream=True)
         reusable = False
         try:
             status = resp.status_code

@@ -46,6 +46,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import logging
 import os
 import socket
 import threading
@@ -59,8 +60,10 @@ import urllib3
 from google.auth import exceptions as auth_exc
 
 from xla_ckpt.errors import (
+    BucketNotFoundError,
     CheckpointNotFoundError,
     ConfigError,
+    StorageDeadlineError,
     StorageError,
     StoragePermissionError,
     XlaCkptError,
@@ -72,11 +75,17 @@ from xla_ckpt.storage.base import (
     check_source_address,
     join,
 )
+from xla_ckpt.storage.cancel import Abandoned, RequestClock, watch_connection
 from xla_ckpt.storage.retry import Backoff, RetryLog, TransientFault, parse_retry_after
+
+logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 20.0
 READ_TIMEOUT_S = 60.0
-"""Socket timeouts, seconds: connecting, and waiting for the next bytes of a response."""
+"""Socket timeouts, seconds: connecting, and waiting for the next bytes of a response.  A
+request's total time is bounded by ``StorageConfig.request_deadline_s`` on top
+(:mod:`xla_ckpt.storage.cancel`): a server that sends a few bytes before each read
+timeout would otherwise keep it alive for ever."""
 
 DEFAULT_PROJECT = "xla-ckpt"
 
@@ -159,7 +168,30 @@ class _PreconditionNotMet(StorageError):
         self.retried = retried
 
 
-class SourceAddressAdapter(requests.adapters.HTTPAdapter):
+def _socket_of(resp: requests.Response) -> Any:
+    """The socket an answer's body is read from (None when it cannot be found)."""
+    conn = getattr(resp.raw, "connection", None) or getattr(resp.raw, "_connection", None)
+    return getattr(conn, "sock", None)
+
+
+class WatchedAdapter(requests.adapters.HTTPAdapter):
+    """A ``requests`` transport adapter that hands each answer's connection to the request's
+    deadline and cancel scope (:func:`xla_ckpt.storage.cancel.watch_connection`), so a body
+    that trickles or a read that is interrupted is stopped by shutting the connection down.
+
+    Every request of a :class:`~xla_ckpt.storage.gcs.GCSStorage` goes through it: our ranged
+    GETs and uploads, and the client's JSON-API calls (stat, list, delete, compose), whose
+    bodies ``requests`` reads after this returns.
+    """
+
+    def send(self, request: requests.PreparedRequest,  # type: ignore[override] # kwargs as given
+             **kwargs: Any) -> requests.Response:
+        resp = super().send(request, **kwargs)
+        watch_connection(_socket_of(resp))
+        return resp
+
+
+class SourceAddressAdapter(WatchedAdapter):
     """A ``requests`` transport adapter whose connections all leave from ``address``.
 
     urllib3 binds each new socket to ``(address, 0)`` (port chosen by the kernel) before
@@ -219,7 +251,7 @@ def _pool_adapter(config: StorageConfig, address: str | None) -> requests.adapte
     kwargs: dict[str, Any] = {"pool_connections": 8,
                               "pool_maxsize": max(32, 2 * config.max_workers), "max_retries": 0}
     if address is None:
-        return requests.adapters.HTTPAdapter(**kwargs)
+        return WatchedAdapter(**kwargs)
     return SourceAddressAdapter(address, **kwargs)
 
 
@@ -267,6 +299,7 @@ class _Connection:
         self.session.mount("https://", adapter)
         self.session.mount("http://", adapter)
         self.retries = RetryLog()
+        self.buckets_seen: set[str] = set()  # buckets known to exist (or not checkable)
         self._meta: OrderedDict[tuple[str, int | None], tuple[int, int | None]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -322,11 +355,49 @@ class _GCSBase(Storage):
         return f"{base}/storage/v1/b/{self.bucket_name}/o/{quote(full, safe='')}"
 
     # ---- HTTP plumbing ---------------------------------------------------------------------
-    def _backoff(self, what: str) -> Backoff:
-        return Backoff(self.config, what, log=self._conn.retries)
+    def _clock(self) -> RequestClock:
+        """The total deadline of one request (``config.request_deadline_s``), in the calling
+        thread's cancel scope."""
+        return RequestClock(self.config.request_deadline_s)
 
-    def _request(self, what: str, method: str, url: str, **kwargs: Any) -> requests.Response:
+    def _backoff(self, what: str, clock: RequestClock | None = None) -> Backoff:
+        return Backoff(self.config, what, log=self._conn.retries, clock=clock)
+
+    def _timeouts(self, clock: RequestClock | None) -> tuple[float, float]:
+        if clock is None:
+            return self._timeout
+        return clock.timeout(*self._timeout)
+
+    def _deadline_error(self, what: str, clock: RequestClock, *, received: int | None = None,
+                        asked: int | None = None) -> StorageDeadlineError:
+        """The error of a request that passed its total deadline (``received`` of ``asked``
+        bytes had arrived, for a read)."""
+        got = ""
+        if received is not None and asked is not None:
+            got = f"; {received} of the {asked} bytes asked for arrived"
+        elif received is not None:
+            got = f"; {received} bytes arrived"
+        return StorageDeadlineError(
+            f"{what}: not finished within its total deadline of {clock.deadline_s:g} s "
+            f"(storage.request_deadline_s; retries and slow answers included){got}. The service "
+            "or the network sends too slowly (a stalled or trickling connection). Retry later, "
+            "or raise storage.request_deadline_s if this link is really this slow",
+            deadline_s=clock.deadline_s, received_bytes=received or 0)
+
+    def _stop_if_over(self, what: str, clock: RequestClock, *, received: int | None = None,
+                      asked: int | None = None) -> None:
+        """After a failed attempt: raise :class:`Abandoned` when the request's scope was
+        cancelled, the deadline error when its deadline passed."""
+        if clock.cancelled:
+            raise Abandoned(f"{what}: stopped (the read it belongs to was interrupted or failed)")
+        if clock.expired():
+            raise self._deadline_error(what, clock, received=received, asked=asked)
+
+    def _request(self, what: str, method: str, url: str, clock: RequestClock | None = None,
+                 **kwargs: Any) -> requests.Response:
         """One HTTP request on the shared session; transport and credential failures mapped.
+
+        ``clock``: the request's total deadline; the socket timeouts are cut to what is left.
 
         Raises:
             _Transient: connection errors, timeouts, a credential service unreachable.
@@ -334,7 +405,8 @@ class _GCSBase(Storage):
                 (e.g. after HTTP 401 with credentials that cannot refresh).
         """
         try:
-            return self._conn.session.request(method, url, timeout=self._timeout, **kwargs)
+            return self._conn.session.request(method, url, timeout=self._timeouts(clock),
+                                              **kwargs)
         except _TRANSIENT_EXC as e:
             raise _Transient(f"request failed: {type(e).__name__}: {e}") from None
         except auth_exc.TransportError as e:
@@ -344,22 +416,26 @@ class _GCSBase(Storage):
 
     def _send(self, what: str, method: str, url: str, *, params: dict[str, str],
               headers: dict[str, str], body: Callable[[], Any]) -> dict[str, Any]:
-        """A data-plane request with a JSON answer (uploads), retried on transient failures."""
-        backoff = self._backoff(what)
+        """A data-plane request with a JSON answer (uploads), retried on transient failures,
+        within ``config.request_deadline_s``."""
+        clock = self._clock()
+        backoff = self._backoff(what, clock)
         while True:
             try:
-                resp = self._request(what, method, url, params=params, headers=headers,
-                                     data=body())
-                try:
-                    if resp.status_code < 300:
-                        return resp.json()
-                    if resp.status_code == 400 and "crc32c" in resp.text.lower():
-                        raise _Transient(f"HTTP 400: the service computed another crc32c "
-                                         f"({resp.text[:200]})")
-                    raise self._http_error(what, resp)
-                finally:
-                    resp.close()
+                with clock.attempt():
+                    resp = self._request(what, method, url, clock, params=params,
+                                         headers=headers, data=body())
+                    try:
+                        if resp.status_code < 300:
+                            return resp.json()
+                        if resp.status_code == 400 and "crc32c" in resp.text.lower():
+                            raise _Transient(f"HTTP 400: the service computed another crc32c "
+                                             f"({resp.text[:200]})")
+                        raise self._http_error(what, resp, writing=True)
+                    finally:
+                        resp.close()
             except _Transient as e:
+                self._stop_if_over(what, clock)
                 backoff.failed(e, retry_after_s=e.retry_after_s)
             except _PreconditionNotMet as e:
                 e.retried = backoff.failures > 0
@@ -367,11 +443,14 @@ class _GCSBase(Storage):
             except XlaCkptError:
                 raise
             except _TRANSIENT_OR_CUT_JSON as e:
+                self._stop_if_over(what, clock)
                 backoff.failed(e)
 
     def _http_error(self, what: str, resp: requests.Response, *,
-                    generation: int | None = None) -> Exception:
-        """Map an HTTP error answer to a library error, or ``_Transient`` when it may be retried."""
+                    generation: int | None = None, writing: bool = False) -> Exception:
+        """Map an HTTP error answer to a library error, or ``_Transient`` when it may be retried.
+
+        ``writing``: the request was an upload, to which only a missing bucket answers 404."""
         status = resp.status_code
         try:
             detail = " ".join(resp.text[:300].split())
@@ -385,25 +464,70 @@ class _GCSBase(Storage):
                 f"{what}: access denied (HTTP {status}): {detail}. Check the credentials (ADC, "
                 "GOOGLE_APPLICATION_CREDENTIALS) and that they may read/write this bucket")
         if status == 404:
+            if writing:
+                missing = self._missing_bucket(what)
+                if missing is not None:
+                    return missing
+                return StorageError(f"{what}: HTTP 404: {detail} (not retried)")
             gen = f" generation {generation}" if generation is not None else ""
             return CheckpointNotFoundError(f"{what}: object{gen} not found (HTTP 404)")
         if status == 412:
             return _PreconditionNotMet(f"{what}: precondition failed (HTTP 412): {detail}")
         return StorageError(f"{what}: HTTP {status}: {detail} (not retried)")
 
-    def _api(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Run a control-plane client call with our retry policy and error mapping."""
+    def _missing_bucket(self, what: str) -> BucketNotFoundError | None:
+        """After HTTP 404 to a request that only a missing bucket answers so (a listing, an
+        upload, a compose): the error naming the bucket when a request for the bucket itself
+        answers 404 too, else None (the bucket exists, or cannot be checked: HTTP 403 to a
+        principal without ``storage.buckets.get``).  One check per bucket and connection."""
+        bucket = self.bucket_name
+        if bucket in self._conn.buckets_seen:
+            return None
+        url = f"{self._conn.endpoint}/storage/v1/b/{quote(bucket, safe='')}"
+        try:
+            resp = self._request(f"get bucket gs://{bucket}", "GET", url,
+                                 params={"fields": "name"})
+        except (_Transient, XlaCkptError) as e:
+            logger.info("gs://%s: could not check whether the bucket exists: %s", bucket, e)
+            return None
+        status = resp.status_code
+        resp.close()
+        if status != 404:
+            self._conn.buckets_seen.add(bucket)
+            return None
+        return BucketNotFoundError(
+            f"{what}: the bucket {bucket!r} does not exist (HTTP 404 for gs://{bucket} "
+            f"itself). Check the bucket name in the URI {self.uri} (a typo?), or create the "
+            f"bucket first (gcloud storage buckets create gs://{bucket})",
+            bucket=bucket, uri=self.uri)
+
+    def _api(self, what: str, fn: Callable[[tuple[float, float]], Any], *,
+             bucket_404: bool = False) -> Any:
+        """Run a control-plane client call with our retry policy and error mapping, within
+        ``config.request_deadline_s``.
+
+        ``fn(timeout)`` makes the call with the ``(connect, read)`` socket timeouts given.
+        ``bucket_404``: only a missing bucket answers this call 404 (a listing, a compose
+        whose sources exist): a 404 is checked against the bucket and raised as
+        :class:`~xla_ckpt.errors.BucketNotFoundError` when it is missing.
+        """
         from google.api_core import exceptions as gexc  # noqa: PLC0415 - loaded with the client
 
-        backoff = self._backoff(what)
+        clock = self._clock()
+        backoff = self._backoff(what, clock)
         while True:
             try:
-                return fn()
+                with clock.attempt():
+                    return fn(self._timeouts(clock))
             except XlaCkptError:
                 raise
             except gexc.NotFound:
+                missing = self._missing_bucket(what) if bucket_404 else None
+                if missing is not None:
+                    raise missing from None
                 raise CheckpointNotFoundError(f"{what}: not found (HTTP 404)") from None
             except auth_exc.TransportError as e:
+                self._stop_if_over(what, clock)
                 backoff.failed(f"credential refresh failed: {e}")
                 continue
             except auth_exc.GoogleAuthError as e:
@@ -421,9 +545,11 @@ class _GCSBase(Storage):
                     resp = getattr(e, "response", None)
                     ra = parse_retry_after(resp.headers.get("Retry-After")) if resp is not None \
                         else None
+                    self._stop_if_over(what, clock)
                     backoff.failed(f"HTTP {code} {e.message}", retry_after_s=ra)
                     continue
                 raise StorageError(f"{what}: HTTP {code}: {e.message} (not retried)") from None
             except _TRANSIENT_OR_CUT_JSON as e:
                 # JSONDecodeError: a JSON answer cut short by a broken connection.
+                self._stop_if_over(what, clock)
                 backoff.failed(e)

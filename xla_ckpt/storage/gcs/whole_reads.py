@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from xla_ckpt.errors import IntegrityError, StorageError
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.storage.base import ObjectInfo, RangeRead
+from xla_ckpt.storage.cancel import RequestClock
 from xla_ckpt.storage.gcs.reads import (
     _STORED_LENGTH,
     WHOLE_OBJECT_CRC_READS,
@@ -58,16 +59,20 @@ class _GCSWholeReads(_GCSReads):
             CheckpointNotFoundError: no such object.
             IntegrityError: the bytes mismatched the object's crc32c
                 :data:`WHOLE_OBJECT_CRC_READS` times.
-            StoragePermissionError / StorageError: as :meth:`read_range`.
+            StoragePermissionError / StorageDeadlineError / StorageError: as
+                :meth:`read_range`.
         """
         full = self._full(name)
         url = self._object_url(full, download=True)
         what = f"read {self._gs(full)}"
-        backoff = self._backoff(what)
+        clock = self._clock()
+        backoff = self._backoff(what, clock)
         while True:
             try:
-                got = self._get_whole(what, url)
+                with clock.attempt():
+                    got = self._get_whole(what, url, clock)
             except _Transient as e:
+                self._stop_if_over(what, clock, received=e.progress)
                 try:
                     backoff.failed(e, retry_after_s=e.retry_after_s)
                 except StorageError as gave_up:
@@ -104,9 +109,9 @@ class _GCSWholeReads(_GCSReads):
                            "has %d bytes (stat); reading it by byte range", what, n, size)
             return self._read_bytes_sliced(name, ObjectInfo(name.strip("/"), size, generation))
 
-    def _get_whole(self, what: str, url: str) -> _WholeAnswer | None:
+    def _get_whole(self, what: str, url: str, clock: RequestClock) -> _WholeAnswer | None:
         """One un-ranged GET of a small object, or None if it is large (or of unknown length)."""
-        resp = self._request(what, "GET", url, params={"alt": "media"},
+        resp = self._request(what, "GET", url, clock, params={"alt": "media"},
                              headers={"Accept-Encoding": "identity"}, stream=True)
         reusable = False
         try:

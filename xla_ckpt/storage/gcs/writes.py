@@ -336,8 +336,8 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
         srcs = [self._bucket.blob(name) for name, _n, _c in sources]
         try:
             self._api(f"compose {self._gs(dest)} from {len(srcs)} parts",
-                      lambda: blob.compose(srcs, if_generation_match=expected, retry=None,
-                                           timeout=self._timeout))
+                      lambda timeout: blob.compose(srcs, if_generation_match=expected,
+                                                   retry=None, timeout=timeout))
         except _PreconditionNotMet as e:
             if expected is None:  # no precondition was sent: nothing to judge
                 raise
