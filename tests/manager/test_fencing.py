@@ -125,21 +125,25 @@ def assert_fenced(err: FencedError, run_uri: str, own: int, current: int) -> Non
 # ---- C15: the stale incarnation, in one process ----------------------------------------------
 
 def test_stale_incarnation_is_fenced_and_the_successor_survives(run_uri):
-    """A saves 10, B starts and restores 10, B saves 20, A saves 15 (keep-last 1 on both)."""
+    """A saves 10, B starts and restores 10, B saves 20, A saves 15 (keep-last 1 for A, 2 for
+    B).  B's restore takes no lease; its first save does (C25), and fences A."""
     log = PointerLog(run_uri)
     a = manager(run_uri)
-    assert a.restore_or_initialize() is None  # fresh: lease epoch 1
-    save(a, 10)
+    assert a.restore_or_initialize() is None  # fresh: no lease yet
+    save(a, 10)  # the first save takes lease epoch 1
     log("A saved 10")
-    b = manager(run_uri)
-    r = b.restore_or_initialize()  # lease epoch 2
+    b = manager(run_uri, keep_interval_updates=2)
+    r = b.restore_or_initialize()  # no lease: a restore only reads
     assert r is not None and (r.checkpoint, r.num_updates) == ("checkpoint_1_10", 10)
     assert torch.equal(r.state["model"]["w"], w_at(10))
+    with open_storage(run_uri) as st:
+        held = read_lease(st)
+    assert held is not None and held.epoch == 1
     log("B restored 10")
-    save(b, 20)
+    save(b, 20)  # lease epoch 2
     log("B saved 20")
     kept = {f: digest(run_uri, f) for f in ("checkpoint_1_10", "checkpoint_1_20")}
-    assert committed(run_uri) == ["checkpoint_1_10", "checkpoint_1_20"]  # B keeps its restore
+    assert committed(run_uri) == ["checkpoint_1_10", "checkpoint_1_20"]
 
     before = objects(run_uri)
     with pytest.raises(FencedError) as ei:
@@ -180,9 +184,9 @@ def test_async_save_in_flight_when_the_successor_starts_is_fenced_at_its_commit(
     save(a, 10, block=True)
     log("A saved 10")
     save(a, 15, block=False)  # staged, uploading (or uploaded) in the background
-    b = manager(run_uri)
+    b = manager(run_uri, keep_interval_updates=2)
     b.restore_or_initialize()
-    save(b, 20)
+    save(b, 20)  # its first save takes the lease
     log("B saved 20")
     kept = {f: digest(run_uri, f) for f in ("checkpoint_1_10", "checkpoint_1_20")}
     with pytest.raises(FencedError) as ei:
@@ -238,9 +242,10 @@ def test_residual_window_a_stale_commit_lands_in_a_new_folder_never_pointed_to(r
 
     def between_check_and_manifest(st, name):
         if name == MANIFEST_NAME and st.uri.endswith("/checkpoint_1_15") and not b_mgr:
-            b = manager(run_uri)
-            r = b.restore_or_initialize()  # lease epoch 2, while A is past its check
+            b = manager(run_uri, keep_interval_updates=2)
+            r = b.restore_or_initialize()
             assert r is not None and r.checkpoint == "checkpoint_1_12"
+            assert b.take_over() == 2  # lease epoch 2 on purpose, while A is past its check
             b_mgr.append(b)
 
     run = _Hooked.install(open_storage(run_uri), between_check_and_manifest)
@@ -272,7 +277,7 @@ def test_residual_window_a_stale_commit_lands_in_a_new_folder_never_pointed_to(r
     save(b, 20)
     log("B saved 20")
     b.close()
-    assert committed(run_uri) == ["checkpoint_1_12", "checkpoint_1_20"]  # B keeps its restore
+    assert committed(run_uri) == ["checkpoint_1_15", "checkpoint_1_20"]  # B's, keep-last 2
     assert last_doc(run_uri)["checkpoint"] == "checkpoint_1_20"
     log.assert_never_backwards()
     assert [o for _, o in log.seen] == [(1, 12), (1, 12), (2, 15), (2, 20)]
@@ -574,8 +579,8 @@ def _start_predecessor(run_uri: str, events_dir: str, env: dict) -> subprocess.P
 
 
 def _successor_saves(run_uri: str, log: PointerLog) -> dict[str, dict[str, str]]:
-    b = CheckpointManager(make_cfg(run_uri, keep_interval_updates=1))
-    r = b.restore_or_initialize()
+    b = CheckpointManager(make_cfg(run_uri, keep_interval_updates=2))
+    r = b.restore_or_initialize()  # no lease: its save below takes it
     assert r is not None and r.checkpoint == "checkpoint_1_10"
     assert torch.equal(r.state["model"]["w"], state_at(10)["model"]["w"])
     log("B restored 10")

@@ -7,13 +7,32 @@ rotate away what its successor restored from or wrote.
 
 **The lease.**  ``<run>/lease.json`` (:data:`LEASE_NAME`) holds
 ``{"epoch": n, "owner": {"host": ..., "pid": ..., "started_unix_s": ...}}``.  Each
-incarnation (a :class:`~xla_ckpt.manager.CheckpointManager` on its run folder; rank 0 does
-it and the manager sends the epoch to every rank) takes a new epoch when it starts
-(:func:`acquire_lease`): it reads the lease with its generation ``g`` and writes
+incarnation that saves (a :class:`~xla_ckpt.manager.CheckpointManager` on its run folder;
+rank 0 does it and the manager sends the epoch to every rank) takes a new epoch at its
+first save (:func:`acquire_lease`): it reads the lease with its generation ``g`` and writes
 ``epoch + 1`` with ``if_generation_match=g`` (``0``, create only, when there is none); when
 another incarnation advanced it in between the store refuses, and it reads again and
 retries (bounded).  So epochs are unique and increase: the newest incarnation holds the
 highest, and every older one is *fenced* from the moment that write landed.
+
+**Who takes the lease** (CASES C25).  Only a job that saves, at its first save, or when it
+calls :meth:`~xla_ckpt.manager.CheckpointManager.take_over` on purpose.  A restore
+(``restore_or_initialize``, ``restore(step=...)``, ``restore(keys=...)``), a step query,
+the trainer's ``Checkpointer.load_checkpoint``, ``xla_ckpt.load`` and the CLI never take it
+and write nothing: an evaluator polling the run (Orbax's pattern) never fences the trainer,
+and a reader needs no write permission on the run folder.
+
+A successor that restored and has not saved yet has written nothing, so it cannot be told
+from such a reader: an older incarnation still running keeps saving until the successor's
+first save, and a restart in between resumes from the newest of those checkpoints (the
+job's own newest progress; nothing of the successor was committed to lose).  From its first
+save on, the successor's lineage decides whatever the timing: the lease is taken before any
+of its data is written, so the predecessor is fenced at its next check; "newer" orders by
+lease epoch first, so the successor's first checkpoint outranks every checkpoint the
+predecessor committed, at any step; ``checkpoint_last`` moves to it (a higher epoch is
+forward) and never back; and the successor's rotation, not the predecessor's, decides what
+of the older lineage goes.  A job that must fence its predecessor before it saves (a long
+warm-up) calls ``take_over()`` right after restoring.
 
 **What the manager checks** (:func:`check_lease`, rank 0): right before the commit marker,
 before the pointers and before rotation, it reads the lease; an epoch newer than its own

@@ -27,6 +27,7 @@ from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.format.plan import MapLocation, resolve_device
 from xla_ckpt.io.legacy import Progress, load_legacy_file, split_uri
 from xla_ckpt.io.reader import CheckpointReader
+from xla_ckpt.io.recovery import note_for_read
 from xla_ckpt.io.resolve import (
     DCP,
     DCP_METADATA,
@@ -101,6 +102,8 @@ def read_resolved(first: Resolved, read: Callable[[Resolved], T], *,
         except (CheckpointNotFoundError, CheckpointCorruptError) as e:
             now = _probe(resolved, config)
             if now is None or now == resolved.version[1]:
+                if resolved.kind == XLA_CKPT:  # bad bytes: name the previous intact checkpoint
+                    note_for_read(e, resolved.checkpoint, resolved.run, config)
                 raise  # not replaced (or cannot tell): the read's own error
             if attempt == 1:
                 raise replaced_error(resolved, now) from e

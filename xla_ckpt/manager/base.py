@@ -50,7 +50,8 @@ class ManagerBase:
     _scorer: BestScore  # what "best" means (config metric or best_fn; manager.best)
     _closed: bool
     restored_from: str | None
-    _lease: Lease | None  # this incarnation's lease epoch (every rank; taken by rank 0)
+    _lease: Lease | None  # this incarnation's lease (every rank; rank 0 takes it at the first
+    # save or take_over(), never on a restore or a query)
     _fenced: FencedError | None  # set once a newer incarnation was seen: no more saves
 
     def close(self) -> None:
@@ -64,11 +65,19 @@ class ManagerBase:
     # ---- fencing (xla_ckpt.io.fencing) ------------------------------------------------------
     def _take_lease(self) -> Lease:
         """Rank 0 only: take the next lease epoch of the run folder."""
-        return acquire_lease(self.run)
+        lease = acquire_lease(self.run)
+        if self.restored_from is not None:
+            logger.info("[rank %d] %s: took lease epoch %d (restored from %s); from now on an "
+                        "older incarnation still running is fenced, and this one's checkpoints "
+                        "outrank whatever it committed meanwhile", self.rank, self.run.uri,
+                        lease.epoch, self.restored_from)
+        return lease
 
     def _ensure_lease(self) -> Lease:
         """Hold a lease epoch on every rank (rank 0 takes it, the others get it).  Collective
-        when none is held yet.
+        when none is held yet.  Called by the first save (and :meth:`CheckpointManager.
+        take_over`) only: taking over a run folder is the act of a job that saves, never of
+        a restore or a query (CASES C25).
 
         Raises:
             CheckpointSaveError: rank 0 could not take it (every rank).

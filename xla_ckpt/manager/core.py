@@ -40,11 +40,12 @@ failure on any rank surfaces on every rank as :class:`CheckpointSaveError` at
 the next boundary or :meth:`CheckpointManager.wait`.
 
 Fencing (:mod:`xla_ckpt.io.fencing`): each incarnation of the job takes the next epoch
-of the run folder's lease (``<run>/lease.json``) when it restores or first saves
-(rank 0 takes it, every rank learns it; not with ``no_save``, so a manager that only
-restores fences nobody).  The coordinator checks the lease before the commit marker,
-the pointers and rotation; when a newer incarnation took it every rank raises
-:class:`~xla_ckpt.errors.FencedError` and every later save raises it at once.  Commit
+of the run folder's lease (``<run>/lease.json``) at its first save (rank 0 takes it, every
+rank learns it), or earlier when it calls :meth:`CheckpointManager.take_over`.  A restore,
+a step query or a partial restore never takes it and writes nothing, so an evaluator
+polling the run never fences the trainer (CASES C25).  The coordinator checks the lease
+before the commit marker, the pointers and rotation; when a newer incarnation took it every
+rank raises :class:`~xla_ckpt.errors.FencedError` and every later save raises it at once.  Commit
 markers are created with ``if_generation_match=0``, pointers move by compare-and-swap
 and never backwards, and rotation never deletes what a newer incarnation wrote.
 
@@ -178,6 +179,28 @@ class CheckpointManager(SaveSchedule, RestorePath):
         self._fenced = None
 
     # ---- lifecycle -----------------------------------------------------------------------
+    def take_over(self) -> int:
+        """Take the run folder's lease now, before the first save.  Collective.
+
+        A job's first save takes the lease anyway; restores and queries never do.  Call
+        this when the job that restored should fence an older incarnation still running
+        *before* it saves (a long warm-up): from the moment it returns, that incarnation
+        can no longer commit (past the residual window of :mod:`xla_ckpt.io.fencing`), move
+        a pointer or rotate.  Never call it from a process that only reads (an evaluator):
+        it would stop the trainer's saves with :class:`~xla_ckpt.errors.FencedError`.
+        Idempotent: a manager holding the lease keeps its epoch.
+
+        Returns:
+            This incarnation's lease epoch (every rank).
+
+        Raises:
+            CheckpointSaveError: rank 0 could not take it (every rank).
+            FencedError: this manager was fenced already.
+        """
+        self._check_open()
+        self._raise_if_fenced()
+        return self._ensure_lease().epoch
+
     def close(self) -> None:
         """Wait for the in-flight save (collective), stop the save thread, remove the handler."""
         if self._closed:

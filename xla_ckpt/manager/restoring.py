@@ -7,10 +7,18 @@ a URI is resolved by :func:`xla_ckpt.restore.restore` itself) and reads the best
 metric recorded so far; every rank gets that decision (or rank 0's error) and
 restores through :func:`xla_ckpt.restore.restore`.
 
-Fencing: before it resolves anything, rank 0 takes this incarnation's lease epoch
-(:mod:`xla_ckpt.io.fencing`; once per manager, and not with ``no_save``) and sends it
-with the decision, so from then on an older incarnation still running can neither
-commit over, point past nor rotate away what this one restores.
+Fencing: a restore, a step query and a partial restore never take the run folder's lease
+(:mod:`xla_ckpt.io.fencing`) and write nothing: an evaluator polling the run, or any other
+process that only reads, never fences the trainer saving there (CASES C25).  Taking over a
+run is the act of a job that saves: its first save takes the next lease epoch (or
+:meth:`~xla_ckpt.manager.CheckpointManager.take_over`, on purpose, earlier).  Until then an
+older incarnation still running may commit newer checkpoints; the first save of this one
+outranks them ("newer" orders by lease epoch first, pointers never move backwards) and
+fences that incarnation (see :mod:`xla_ckpt.io.fencing`, "Who takes the lease").
+
+A checkpoint of the run folder that cannot be read (truncated, bad crc32c, a data file
+missing) raises with a note naming the previous intact committed checkpoint and the options
+that restore it (:mod:`xla_ckpt.io.recovery`).
 
 Steps (Orbax / torch_xla ``CheckpointManager`` parity): a checkpoint's *step* is the
 ``num_updates`` its manifest metadata records; :meth:`RestorePath.all_steps`,
@@ -56,9 +64,9 @@ from xla_ckpt.errors import (
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM, Manifest, valid_file_name
 from xla_ckpt.io.catalog import CheckpointEntry, list_checkpoints, pointer_name
-from xla_ckpt.io.fencing import lease_from_message, lease_message
 from xla_ckpt.io.partial import Keys, PartialResult, check_keys, read_partial, select_item
 from xla_ckpt.io.reader import CheckpointReader
+from xla_ckpt.io.recovery import add_note, is_corruption, recovery_hint
 from xla_ckpt.io.resolve import committed_manifest, resolve
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.restore import Restored
@@ -204,11 +212,7 @@ class RestorePath(ManagerBase):
         decision: Any = None
         if self.rank == 0:
             try:
-                # The lease first: an older incarnation is fenced before this one chooses.
-                lease = None
-                if self._lease is None and not self.config.no_save:
-                    lease = lease_message(self._take_lease())
-                decision = ("ok", *self._resolve_restore(), lease)
+                decision = ("ok", *self._resolve_restore())  # no lease: a restore only reads
             except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised below
                 decision = ("error", type(e).__name__, str(e))
                 own = e
@@ -221,9 +225,7 @@ class RestorePath(ManagerBase):
                 raise cls(decision[2])
             raise DistributedError("rank 0 could not resolve the checkpoint to restore",
                                    {0: f"{decision[1]}: {decision[2]}"})
-        _, uri, name, in_run, best, lease = decision
-        if lease is not None:
-            self._lease = lease_from_message(lease)
+        _, uri, name, in_run, best = decision
         self._best = best
         if uri is None:
             if self.rank == 0:
@@ -238,6 +240,9 @@ class RestorePath(ManagerBase):
             raise IncompleteCheckpointError(str(e)) from e
         except NothingCommittedError as e:
             raise CheckpointNotFoundError(str(e)) from e
+        except DistributedError as e:
+            self._note_recovery(e, name if in_run else None)
+            raise
         if in_run:
             self.restored_from = name
         if result.num_updates is not None:
@@ -314,8 +319,9 @@ class RestorePath(ManagerBase):
         creation time, on every rank alike), or, for ``step=None``, the latest committed one
         exactly as ``restore_or_initialize`` resolves ``checkpoint_last``; every rank restores
         that one.  Unlike :meth:`restore_or_initialize` there is no fresh start: nothing
-        committed raises.  As there, this incarnation takes its lease first (unless
-        ``no_save``) and the restored checkpoint is never rotated away.
+        committed raises.  As there, nothing is written (no lease is taken: a process that
+        polls the run this way never fences the job saving there), and the restored
+        checkpoint is never rotated away by this manager's later saves.
 
         Args:
             step: a step of :meth:`all_steps`, or None for :meth:`latest_step`'s checkpoint.
@@ -362,6 +368,9 @@ class RestorePath(ManagerBase):
                     raise IncompleteCheckpointError(str(e)) from e
                 except NothingCommittedError as e:
                     raise CheckpointNotFoundError(str(e)) from e
+                except DistributedError as e:
+                    self._note_recovery(e, decision.name)
+                    raise
                 break
             try:
                 result = self._read_partial(decision, keys, map_location)
@@ -371,6 +380,7 @@ class RestorePath(ManagerBase):
                     raise
                 again = self._decide(step, keys)
                 if (again.uri, again.save_id) == (decision.uri, decision.save_id):
+                    self._note_recovery(e, decision.name)
                     raise  # not replaced: the read's own error
                 if attempt == 1:
                     raise CheckpointReplacedError(
@@ -422,20 +432,15 @@ class RestorePath(ManagerBase):
         return stepped[-1].num_updates if stepped else None
 
     def _decide(self, step: int | None, keys: Keys) -> _StepDecision:
-        """Every rank: rank 0's decision for :meth:`restore` (its lease and the best score so
-        far taken on the way)."""
-        uri, name, mbytes, best, lease, save_id = self._on_rank0(
+        """Every rank: rank 0's decision for :meth:`restore` (and the best score so far, read
+        on the way).  Takes no lease."""
+        uri, name, mbytes, best, save_id = self._on_rank0(
             lambda: self._decide_on_rank0(step, keys), "resolve the checkpoint to restore")
-        if lease is not None:
-            self._lease = lease_from_message(lease)
         self._best = best
         return _StepDecision(uri=uri, name=name, manifest_bytes=mbytes, save_id=save_id)
 
     def _decide_on_rank0(self, step: int | None, keys: Keys) -> tuple:
-        """Rank 0: ``(uri, folder name, manifest bytes (partial only), best, lease, save id)``."""
-        lease = None
-        if self._lease is None and not self.config.no_save:
-            lease = lease_message(self._take_lease())
+        """Rank 0: ``(uri, folder name, manifest bytes (partial only), best, save id)``."""
         if step is None:
             r = resolve(self.run, pointer="last", missing_ok=True)
             uri, name, manifest, mbytes = r.checkpoint, r.name, r.manifest, r.manifest_bytes
@@ -467,7 +472,7 @@ class RestorePath(ManagerBase):
             raise ConfigError(f"{uri} is not an xla_ckpt checkpoint folder")
         if keys is not None:  # an unknown key fails here, on every rank alike
             select_item(manifest.item(STATE_ITEM), keys, where=uri)
-        return (uri, name, mbytes if keys is not None else b"", self._read_best_value(), lease,
+        return (uri, name, mbytes if keys is not None else b"", self._read_best_value(),
                 manifest.save_id)
 
     def _read_partial(self, decision: _StepDecision, keys: Keys,
@@ -530,6 +535,28 @@ class RestorePath(ManagerBase):
         raise DistributedError(f"rank 0 could not {what}", {0: f"{cls_name}: {text}"})
 
     # ---- internals ----------------------------------------------------------------------
+    def _note_recovery(self, err: DistributedError, name: str | None) -> None:
+        """Every rank, on a restore of run-folder checkpoint ``name`` that failed with ``err``
+        (the same on every rank): when a cause is bad bytes (truncated, crc32c, a data file
+        missing), add to ``err``'s message the previous intact committed checkpoint and the
+        options that restore it (:func:`xla_ckpt.io.recovery.recovery_hint`, rank 0; one
+        exchange).  A broken collective or another cause is left as it is.
+        """
+        if name is None or isinstance(err, CollectiveTimeoutError) or \
+                getattr(err, "collective_broken", False):
+            return
+        if not any(is_corruption(c) for c in err.failures.values()):
+            return
+        hint = ""
+        if self.rank == 0:
+            try:
+                hint = recovery_hint(self.run, name)
+            except Exception as e:  # noqa: BLE001 - only decorates the error being raised
+                logger.warning("[rank %d] could not look for an intact checkpoint before %s: "
+                               "%s: %s", self.rank, self.run.url(name), type(e).__name__, e)
+        hint = self._exchange(hint)[0]
+        add_note(err, hint)
+
     def _resolve_restore(self) -> tuple[str | None, str, bool, float | None]:
         """Rank 0: (checkpoint URI or None, folder name, is it in the run folder, best metric).
 
