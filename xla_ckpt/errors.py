@@ -481,3 +481,65 @@ class StorageDeadlineError(StorageError, TimeoutError):
 def _storage_deadline_error(message: str, deadline_s: float,
                             received_bytes: int) -> StorageDeadlineError:
     return StorageDeadlineError(message, deadline_s=deadline_s, received_bytes=received_bytes)
+
+
+class ScheduleMismatchError(DistributedError):
+    """Ranks reached a :class:`~xla_ckpt.manager.CheckpointManager` collective at different
+    points of the save schedule (:mod:`xla_ckpt.manager.lockstep`).
+
+    Every rank raises it from the same exchange: one rank passed another ``epoch``,
+    ``num_updates``, ``end_of_epoch`` or ``metrics`` to ``after_update``, skipped a call,
+    or is in another manager call (``save``, ``wait``/``close``, a restore) than the
+    others.  The message names every rank's position and values; ``failures`` maps each
+    rank that differs from the others (the most common position, rank 0's on a tie) to its
+    position.  Nothing of the save at that point was written.  Fix the training loop: every
+    rank calls ``after_update`` once per update with the same schedule inputs.
+
+    Attributes:
+        positions: rank -> its position in words (every rank).
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None, *,
+                 positions: Mapping[int, str] | None = None) -> None:
+        super().__init__(message, failures)
+        self.positions = dict(positions or {})
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only attributes survive pickling
+        return (_schedule_mismatch_error, (str(self), self.positions))
+
+
+def _schedule_mismatch_error(message: str, positions: Mapping[int, str]) -> ScheduleMismatchError:
+    return ScheduleMismatchError(message, positions=positions)
+
+
+class RankItemsNotExportedError(ConfigError):
+    """An export format has no place for the checkpoint's per-rank items (``rank/<r>``: each
+    rank's own iterator position, RNG state, optimizer shard) and the caller did not say what
+    to do with them.  The message names the items and the choices:
+    ``rank_states="nest"`` (``xla-ckpt export --rank-states nest``: written as
+    ``state["rank_states"][rank]``) or ``"drop"`` (left out, and reported).
+
+    Attributes:
+        items: the per-rank item names (``["rank/00000", "rank/00001"]``).
+    """
+
+    def __init__(self, message: str, items: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.items = list(items or [])
+
+
+class UnsupportedTensorError(XlaCkptError, TypeError):
+    """A tensor whose layout the format cannot store (``torch.sparse_csr``/``csc``/``bsr``/
+    ``bsc``, ``torch._mkldnn``, a nested or other non-strided tensor).  The message names the
+    key and the layout and says what to save instead (``t.to_dense()``; for CSR and its kin
+    also ``t.to_sparse_coo()``, which round-trips).
+
+    Attributes:
+        key: the dotted key of the tensor in the state.
+        layout: the tensor's layout in words (``"torch.sparse_csr"``).
+    """
+
+    def __init__(self, message: str, *, key: str = "", layout: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+        self.layout = layout
