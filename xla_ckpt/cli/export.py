@@ -18,6 +18,14 @@ and gs:// URIs both ways.
                into DST so AutoModel.from_pretrained(DST) works; else supply it.
   dcp          the whole state as a torch.distributed.checkpoint folder.
 
+Per-rank items (rank/<r>: each rank's own iterator position and RNG state, saved with
+rank_states / rank_extra_state) are not part of the state xla_ckpt.load returns, and are
+never left out silently: pt and dcp refuse a checkpoint holding them (naming them, exit 2)
+unless --rank-states says what to do: nest writes them inside the state, as
+torch.load(DST)["rank_states"][r]; drop leaves them out (printed as a note).
+safetensors writes the model weights only; what it leaves out (optimizer, per-rank
+items, other entries) is printed as a note.
+
 DST must not be URI or inside it.  A DST that holds a checkpoint of any kind
 (manifest.json, DCP .metadata, HF weights, a file) is refused unless --overwrite,
 which replaces only output of the kind written: a .pt file, a DCP folder, or an
@@ -33,7 +41,7 @@ import argparse
 import time
 
 from xla_ckpt.cli.common import EXIT_OK, Parents, Subparsers, human_bytes, plain, progress_bar
-from xla_ckpt.io.export import FORMATS, ExportReport, export, parse_size
+from xla_ckpt.io.export import FORMATS, RANK_STATES, ExportReport, export, parse_size
 
 
 def register(sub: Subparsers, parents: Parents) -> None:
@@ -50,6 +58,9 @@ def register(sub: Subparsers, parents: Parents) -> None:
                    help="safetensors: shard above SIZE bytes per file (e.g. 5GB, 500MB, 10MiB)")
     p.add_argument("--hf-config", default=None, metavar="PATH",
                    help="safetensors: a config.json (or a folder holding one) to copy into DST")
+    p.add_argument("--rank-states", default="error", choices=RANK_STATES,
+                   help="per-rank items rank/<r> (pt, dcp): error (default: refuse, naming "
+                        "them), nest (as state['rank_states'][r]) or drop (left out, noted)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output")
     p.set_defaults(func=run)
 
@@ -61,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = export(args.uri, args.dst, fmt=args.format, key=args.key,
                         max_shard_size_bytes=shard, hf_config=args.hf_config,
-                        overwrite=args.overwrite, progress=bar.update)
+                        overwrite=args.overwrite, progress=bar.update,
+                        rank_states=args.rank_states)
     finally:
         bar.close()
     print(summary(args.uri, report, time.perf_counter() - t0))

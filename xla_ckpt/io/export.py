@@ -30,6 +30,18 @@ dtype, shape and values exactly (int64, bool, bf16 included; sizes are
 * **dcp** (:func:`export_dcp`): the whole state through :func:`xla_ckpt.io.dcp.write_dcp`
   (``torch.distributed.checkpoint.load`` reads it back).
 
+**Per-rank items.** A checkpoint saved with ``rank_states`` (the manager's ``rank_state``,
+the Checkpointer's ``rank_extra_state``) holds each rank's own state in items ``rank/<r>``
+(iterator position, RNG state), apart from the state :func:`xla_ckpt.load` returns.  None of
+the formats has a place for them of its own, so they are never left out silently:
+``rank_states="error"`` (the default) refuses with :class:`RankItemsNotExportedError` naming
+them; ``"nest"`` (pt, dcp) writes them inside the exported state as
+``state["rank_states"][r]`` (``torch.load(DST)["rank_states"][1]`` is rank 1's own state;
+the state must be a dict without a ``rank_states`` key); ``"drop"`` leaves them out and says
+so in :attr:`ExportReport.notes`.  **safetensors** holds the model weights only: per-rank
+items, like the optimizer and every other entry outside the weights, are never written, and
+:attr:`ExportReport.notes` names what was left out.
+
 Local paths and ``gs://`` alike; each object is written atomically.  A destination
 holding a checkpoint of any kind is refused unless ``overwrite=True`` replaces one of the
 kind being written; the source itself (or a folder inside it) is never a destination
@@ -52,8 +64,14 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
-from xla_ckpt.errors import CheckpointCorruptError, ConfigError, OutputExistsError
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    ConfigError,
+    OutputExistsError,
+    RankItemsNotExportedError,
+)
 from xla_ckpt.format.legacy import looks_like_fairseq
+from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.io.hf import INDEX_NAME, SINGLE_NAME
 from xla_ckpt.io.legacy import is_single_object, split_uri
 from xla_ckpt.storage import StorageConfig, open_storage, parse_uri
@@ -62,6 +80,10 @@ logger = logging.getLogger(__name__)
 
 FORMATS = ("pt", "safetensors", "dcp")
 """What :func:`export` writes."""
+RANK_STATES = ("error", "nest", "drop")
+"""What :func:`export` does with per-rank items ``rank/<r>`` (see the module docstring)."""
+RANK_STATES_KEY = "rank_states"
+"""The entry of the exported state that ``rank_states="nest"`` adds: ``{rank: its state}``."""
 
 Progress = Callable[[int], object]  # called with a byte count
 
@@ -237,6 +259,20 @@ def select_weights(state: Any, key: str = "auto") -> dict[str, torch.Tensor]:
     if not weights:
         raise ConfigError(f"{where} holds no tensors")
     return weights
+
+
+def left_out(state: Any, key: str = "auto") -> list[str]:
+    """Top-level entries of ``state`` that :func:`select_weights` with ``key`` does not
+    export (``["optimizer", "extra_state"]`` for a trainer state and ``key="auto"``)."""
+    if not isinstance(state, Mapping):
+        return []
+    if key == "auto":
+        if state and all(isinstance(v, torch.Tensor) for v in state.values()):
+            return []
+        key = "model"
+    if key == "":
+        return []
+    return [str(k) for k in state if k != key and not str(k).startswith(key + ".")]
 
 
 def _under(state: Mapping, key: str) -> Any:
@@ -596,6 +632,10 @@ def export_safetensors(state: Any, dst: str, *, key: str = "auto",
                       config=config)
     report = ExportReport(dst=dst, format="safetensors")
     weights = dict(select_weights(state, key))
+    others = left_out(state, key)
+    if others:
+        report.notes.append(f"not exported (safetensors holds the model weights only): "
+                            f"{', '.join(others)}")
     for name, t in weights.items():
         if t.device.type == "meta":
             raise ConfigError(f"{name}: a meta tensor has no values to export")
@@ -735,31 +775,99 @@ def export_dcp(state: Any, dst: str, *, overwrite: bool = False,
 def export(uri: str, dst: str, *, fmt: str, key: str = "auto",
            max_shard_size_bytes: int | None = None, hf_config: str | None = None,
            overwrite: bool = False, config: StorageConfig | None = None,
-           progress: Progress | None = None) -> ExportReport:
+           progress: Progress | None = None, rank_states: str = "error") -> ExportReport:
     """Load ``uri`` (anything :func:`xla_ckpt.load` reads) and export it as ``fmt``.
 
     Args:
         fmt: ``"pt"`` (:func:`export_pt`), ``"safetensors"`` (:func:`export_safetensors`;
             ``key``, ``max_shard_size_bytes``, ``hf_config`` apply to it only) or ``"dcp"``
             (:func:`export_dcp`).
+        rank_states: what to do with the checkpoint's per-rank items ``rank/<r>``
+            (:data:`RANK_STATES`; the module docstring): ``"error"`` refuses a pt or dcp
+            export of a checkpoint that has them, ``"nest"`` writes them as
+            ``state["rank_states"][r]``, ``"drop"`` leaves them out (noted).  safetensors
+            never writes them (noted).
 
     Raises:
-        ConfigError: an unknown ``fmt``; ``dst`` is ``uri`` or inside it; or what the
-            exporter raises.
+        ConfigError: an unknown ``fmt`` or ``rank_states``; ``dst`` is ``uri`` or inside it;
+            or what the exporter raises.
+        RankItemsNotExportedError: per-rank items and ``rank_states="error"`` (names them),
+            or ``"nest"`` into a state that is not a dict or has a ``rank_states`` key.
         OutputExistsError: ``dst`` holds a checkpoint (:func:`check_destination`).
         and what :func:`xla_ckpt.load` raises.
     """
     if fmt not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    if rank_states not in RANK_STATES:
+        raise ConfigError(f"rank_states must be one of {', '.join(RANK_STATES)}, not "
+                          f"{rank_states!r}")
+    if fmt == "safetensors" and rank_states == "nest":
+        raise ConfigError("--rank-states nest applies to --format pt and dcp: safetensors "
+                          "holds the model weights only")
     if fmt != "safetensors" and (max_shard_size_bytes or hf_config or key != "auto"):
         raise ConfigError("--max-shard-size, --hf-config and --key apply to --format "
                           "safetensors only")
-    from xla_ckpt.io.opener import load  # noqa: PLC0415 - the opener imports most of io
-
     writes = {"pt": "file", "dcp": "dcp"}.get(fmt) or \
         ("file" if dst.rstrip("/").endswith(".safetensors") else "hf")
     check_destination(uri, dst, writes=writes, overwrite=overwrite, config=config)
-    state = load(uri, config=config)
+    state, ranks, names = _read_with_ranks(uri, config, nest=rank_states == "nest")
+    notes: list[str] = []
+    if names:
+        listed = ", ".join(names)
+        if fmt == "safetensors" or rank_states == "drop":
+            notes.append(f"not exported: the per-rank items {listed} (each rank's own state)")
+        elif rank_states == "error":
+            raise RankItemsNotExportedError(
+                f"{uri} holds per-rank items ({listed}: each rank's own state, e.g. its "
+                f"iterator position and RNG state) that a --format {fmt} export has no place "
+                f"of its own for; pass --rank-states nest (rank_states='nest') to write them "
+                f"as state['{RANK_STATES_KEY}'][rank], or --rank-states drop to leave them out",
+                names)
+        else:
+            state = _nest_ranks(uri, state, ranks, names)
+            notes.append(f"the per-rank items {listed} are written as "
+                         f"state['{RANK_STATES_KEY}'][rank] (ranks {sorted(ranks)})")
+    report = _export_state(state, dst, fmt=fmt, key=key,
+                           max_shard_size_bytes=max_shard_size_bytes, hf_config=hf_config,
+                           overwrite=overwrite, config=config, progress=progress)
+    report.notes += notes
+    return report
+
+
+def _read_with_ranks(uri: str, config: StorageConfig | None, *, nest: bool
+                     ) -> tuple[Any, dict[int, Any], list[str]]:
+    """``(state, {rank: its item} (read only when ``nest``), per-rank item names)`` of
+    ``uri``, from one resolution (foreign sources have no per-rank items)."""
+    from xla_ckpt.io.opener import read_checkpoint, read_items  # noqa: PLC0415 - the opener imports most of io
+
+    def read(resolved: Any) -> tuple[Any, dict[int, Any], list[str]]:
+        manifest = resolved.manifest
+        names = sorted(n for n in (manifest.items if manifest is not None else ())
+                       if _RANK_ITEM.match(n))
+        items = read_items(resolved, STATE_ITEM, optional=tuple(names) if nest else (),
+                           config=config)
+        ranks = {int(n.split("/", 1)[1]): items[n] for n in names if n in items}
+        return items[STATE_ITEM], ranks, names
+
+    return read_checkpoint(uri, read, config=config)
+
+
+_RANK_ITEM = re.compile(r"^rank/\d+$")
+
+
+def _nest_ranks(uri: str, state: Any, ranks: dict[int, Any], names: list[str]) -> dict:
+    if not isinstance(state, Mapping) or RANK_STATES_KEY in state:
+        why = (f"its state is a {type(state).__name__}, not a dict" if not isinstance(
+            state, Mapping) else f"its state already has a {RANK_STATES_KEY!r} entry")
+        raise RankItemsNotExportedError(
+            f"{uri}: cannot nest the per-rank items {', '.join(names)}: {why}; pass "
+            "--rank-states drop (rank_states='drop') to leave them out", names)
+    return {**state, RANK_STATES_KEY: dict(sorted(ranks.items()))}
+
+
+def _export_state(state: Any, dst: str, *, fmt: str, key: str,
+                  max_shard_size_bytes: int | None, hf_config: str | None, overwrite: bool,
+                  config: StorageConfig | None, progress: Progress | None) -> ExportReport:
     if fmt == "pt":
         return export_pt(state, dst, overwrite=overwrite, config=config, progress=progress)
     if fmt == "safetensors":
