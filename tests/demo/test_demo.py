@@ -27,7 +27,24 @@ def test_demo_tiny_resumes_bitwise_with_every_plan():
          "--json", "train.max_updates=8", "checkpoint.save_interval_updates=2"],
         capture_output=True, text=True, env=env, timeout=580)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(proc.stdout.strip().splitlines()) == 1  # --json: one object on stdout
+    report = json.loads(proc.stdout)
+    # One verdict, last, naming every restore by leg; on stderr too (stdout is the JSON).
+    assert report["verdict"].startswith(
+        "PASS: every restore bitwise identical: ddp (all_ranks, broadcast, per_host, striped, "
+        "auto), fsdp (same_size, resharded); 7 restores in ")
+    err = proc.stderr.splitlines()
+    assert [ln for ln in err if ln.startswith(("PASS", "FAIL"))] == [report["verdict"]]
+    # Progress: one prefix on every line, a start and an end line for every leg and phase.
+    progress = [ln for ln in err if ln.startswith("xla-ckpt demo: ")]
+    assert progress and "xla-ckpt demo: demo:" not in proc.stderr
+    assert all(ln.startswith("xla-ckpt demo: [") for ln in progress)
+    messages = [ln.split("] ", 1)[1] for ln in progress]
+    for what in ("leg ddp", "phase reference", "phase train", "phase resume-all_ranks",
+                 "phase resume-broadcast", "leg fsdp", "phase fsdp-reference",
+                 "phase fsdp-train", "phase fsdp-same_size", "phase fsdp-resharded"):
+        assert sum(m.startswith(f"{what}: started") for m in messages) == 1, what
+        assert sum(m.startswith(f"{what}: done in ") for m in messages) == 1, what
     assert report["bitwise_identical"] == {
         "all_ranks": True, "broadcast": True, "per_host": True, "striped": True, "auto": True,
         "fsdp_same_size": True, "fsdp_resharded": True}

@@ -13,7 +13,12 @@ the same number of workers and resharded onto half as many (each rank reads only
 ranges of its new shards), and checks every restored shard against the saved global tensors
 and against PyTorch DCP's restore of the same state; the same-size resume must also continue
 bit for bit like an uninterrupted FSDP2 run.
-Exit 0 when every restore is bitwise identical, 1 otherwise.
+Progress goes to stderr: a line when each leg, phase and step starts and ends, and a
+"still running, N s" line about every 15 s while one runs (every line prefixed by the time
+since the demo started).  The last line on stdout is the verdict: exactly one
+"PASS: every restore bitwise identical: ..." or "FAIL: ..." naming each failing restore by
+leg, or the leg that could not finish and why (with --json the verdict goes to stderr and
+into the JSON object as "verdict").  Exit 0 on PASS, 1 on FAIL.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import argparse
 import json
 import logging
 import sys
+import time
 
-from xla_ckpt.cli.common import Parents, Subparsers, plain
+from xla_ckpt.cli.common import Parents, Subparsers, failure_document, plain
 
 LEGS = ("ddp", "fsdp")  # xla_ckpt.demo.run.LEGS (not imported here: the demo loads lazily)
 
@@ -66,20 +72,71 @@ def register(sub: Subparsers, parents: Parents) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from xla_ckpt.demo.run import format_table, run_demo  # noqa: PLC0415 - the demo and its extra load only for `demo`
+class _Elapsed(logging.Formatter):
+    """``xla-ckpt demo: [  12.3 s] <message>``: seconds since the demo started."""
 
-    if not args.debug:
-        logging.getLogger("xla_ckpt.demo").setLevel(logging.INFO)
+    def __init__(self, t0: float) -> None:
+        super().__init__("xla-ckpt demo: [%(elapsed)7.1f s] %(message)s")
+        self.t0 = t0
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.elapsed = record.created - self.t0
+        return super().format(record)
+
+
+def run(args: argparse.Namespace) -> int:
+    from xla_ckpt.demo.run import (  # noqa: PLC0415 - the demo and its extra load only for `demo`
+        DemoError,
+        failure_line,
+        format_table,
+        run_demo,
+        verdict_line,
+    )
+
+    t0 = time.time()
+    log = logging.getLogger("xla_ckpt.demo")
+    handler: logging.Handler | None = None
+    if not args.debug:  # --debug: the CLI's own handler shows every library line
+        log.setLevel(logging.INFO)
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("xla-ckpt demo: %(message)s"))
-        logging.getLogger("xla_ckpt.demo").addHandler(handler)
-        logging.getLogger("xla_ckpt.demo").propagate = False
-    report = run_demo(config=args.config, overrides=args.overrides, uri=args.uri,
-                      workers=args.workers, model=args.model, device=args.device,
-                      keep=args.keep, legs=args.legs)
+        handler.setFormatter(_Elapsed(t0))
+        log.addHandler(handler)
+        log.propagate = False
+    try:
+        try:
+            report = run_demo(config=args.config, overrides=args.overrides, uri=args.uri,
+                              workers=args.workers, model=args.model, device=args.device,
+                              keep=args.keep, legs=args.legs)
+        except DemoError as e:
+            if e.logs:
+                print(e.logs.lstrip("\n"), file=sys.stderr)
+            print(f"xla-ckpt demo: error: {e}", file=sys.stderr)
+            line = failure_line(e, time.time() - t0)
+            _verdict(args, line, failure_document(args.uri, e), "")
+            return 1
+        except Exception as e:
+            # The CLI boundary (main) reports it and picks the exit code; the verdict is
+            # still the last line this command prints (stderr under --json: stdout then
+            # holds only main's failure document).
+            print(failure_line(e, time.time() - t0), file=sys.stderr if args.json else sys.stdout,
+                  flush=True)
+            raise
+    finally:
+        if handler is not None:
+            log.removeHandler(handler)
+            log.propagate = True
+    line = verdict_line(report, time.time() - t0)
+    _verdict(args, line, report, format_table(report))
+    return 0 if line.startswith("PASS") else 1
+
+
+def _verdict(args: argparse.Namespace, line: str, doc: dict, table: str) -> None:
+    """Print the report (``table``, or ``doc`` as JSON) and the one verdict line, last
+    (under ``--json`` on stderr and in the object as ``"verdict"``)."""
     if args.json:
-        print(json.dumps(report, indent=None, sort_keys=True))
-    else:
-        print(format_table(report))
-    return 0 if all(report["bitwise_identical"].values()) else 1
+        print(line, file=sys.stderr, flush=True)
+        print(json.dumps(dict(doc, verdict=line), indent=None, sort_keys=True), flush=True)
+        return
+    if table:
+        print(table)
+    print(line, flush=True)

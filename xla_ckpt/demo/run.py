@@ -42,6 +42,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ RESTORE_SHAPING_FIGURES = {"first_byte_latency_s": 0.03, "stream_mib_s": 32.0,
 """The link every emulated host restores through (``Shaping`` arguments; the demo config's
 ``restore.cost_model`` carries the same figures, so ``auto`` predicts this emulation)."""
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+HEARTBEAT_S = 15.0
+"""Seconds between two "still running" lines of a long step (:class:`Heartbeat`)."""
 
 
 def default_config_path() -> str:
@@ -87,12 +90,73 @@ class PhaseResult:
 class DemoError(XlaCkptError, RuntimeError):
     """A demo phase failed; the message names the phase, the rank and its last error line.
 
-    ``logs`` holds the tail of every rank's log.
+    ``logs`` holds the tail of every rank's log; ``leg`` (``"ddp"``/``"fsdp"``) the leg that
+    was running, set by :func:`run_demo` (``""`` before any leg started).
     """
 
-    def __init__(self, message: str, logs: str = "") -> None:
+    def __init__(self, message: str, logs: str = "", leg: str = "") -> None:
         super().__init__(message)
         self.logs = logs
+        self.leg = leg
+
+
+class Heartbeat:
+    """Progress lines of one long step: ``<step>: started``, ``<step>: still running, N s``
+    about every ``every_s`` seconds (:meth:`beat`, called often), ``<step>: done in N s``.
+
+    ``clock``: seconds, monotonic (tests pass their own).  Lines go to this module's logger
+    at INFO, which ``xla-ckpt demo`` prints on stderr.
+    """
+
+    def __init__(self, step: str, *, every_s: float = HEARTBEAT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.step = step
+        self.every_s = every_s
+        self.clock = clock
+        self.t0 = clock()
+        self.last = self.t0
+
+    def start(self, detail: str = "") -> None:
+        logger.info("%s: started%s", self.step, f" ({detail})" if detail else "")
+
+    def beat(self, detail: str = "") -> bool:
+        """Log ``still running`` when ``every_s`` passed since the last line; True if it did."""
+        now = self.clock()
+        if now - self.last < self.every_s:
+            return False
+        self.last = now
+        logger.info("%s: still running, %.0f s%s", self.step, now - self.t0,
+                    f" ({detail})" if detail else "")
+        return True
+
+    def done(self, detail: str = "") -> float:
+        """Log ``done in N s``; returns N."""
+        seconds = self.clock() - self.t0
+        logger.info("%s: done in %.1f s%s", self.step, seconds, f" ({detail})" if detail else "")
+        return seconds
+
+
+@contextlib.contextmanager
+def step(name: str, *, every_s: float = HEARTBEAT_S) -> Iterator[Heartbeat]:
+    """A step of the orchestrator itself (no workers): start and done lines, and a
+    ``still running`` line every ``every_s`` seconds from a helper thread while the step
+    blocks."""
+    hb = Heartbeat(name, every_s=every_s)
+    hb.start()
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(min(1.0, every_s)):
+            hb.beat()
+
+    thread = threading.Thread(target=beat, name=f"heartbeat {name}", daemon=True)
+    thread.start()
+    try:
+        yield hb
+    finally:
+        stop.set()
+        thread.join(timeout=5.0)
+    hb.done()
 
 
 def _free_port() -> int:
@@ -166,13 +230,16 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
         procs.append(subprocess.Popen(cmd, env=wenv, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     sent = False
+    hb = Heartbeat(f"phase {name}")
+    hb.start(f"{workers} workers")
     try:
         while any(p.poll() is None for p in procs):
+            done = _read_int(os.path.join(out, "progress0"))
+            hb.beat("starting up" if done is None else f"rank 0 at update {done}")
             if time.perf_counter() - t0 > timeout_s:
                 raise DemoError(f"{name}: workers still running after {timeout_s:.0f} s",
                                 _tails(out, workers))
             if preempt_after_update is not None and not sent:
-                done = _read_int(os.path.join(out, "progress0"))
                 if done is not None and done >= preempt_after_update:
                     logger.info("%s: rank 0 finished update %d; sending SIGTERM to every worker",
                                 name, done)
@@ -209,6 +276,7 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
     if preempt_after_update is not None and not all(r.get("preempted") for r in reports):
         raise DemoError(f"{name}: the job ended before the preemption at update "
                         f"{preempt_after_update}; lower train.preempt_at_update")
+    hb.done()
     return PhaseResult(name, reports, codes, time.perf_counter() - t0)
 
 
@@ -362,12 +430,13 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
             )
             from xla_ckpt.testing.gcs_emulator import GCSEmulator  # noqa: PLC0415 - only the gs:// default starts it
 
-            emu = stack.enter_context(GCSEmulator(bucket="xla-ckpt-demo"))
-            env.update(emu.env())
-            link = RESTORE_SHAPING_FIGURES
-            proxy = stack.enter_context(FaultProxy(emu.host, shaping=Shaping(
-                first_byte_latency_s=link["first_byte_latency_s"],
-                stream_mib_s=link["stream_mib_s"], host_mib_s=link["host_mib_s"])))
+            with step("starting the GCS emulator and the shaped proxy"):
+                emu = stack.enter_context(GCSEmulator(bucket="xla-ckpt-demo"))
+                env.update(emu.env())
+                link = RESTORE_SHAPING_FIGURES
+                proxy = stack.enter_context(FaultProxy(emu.host, shaping=Shaping(
+                    first_byte_latency_s=link["first_byte_latency_s"],
+                    stream_mib_s=link["stream_mib_s"], host_mib_s=link["host_mib_s"])))
             restore_env = dict(env, **proxy.env())
             counter = ServedCounter(proxy, hosts)
             uri = emu.uri(f"demo-{uuid.uuid4().hex[:8]}/run")
@@ -383,22 +452,79 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
             stack.push(lambda exc_type, *_: None if exc_type is not None
                        else shutil.rmtree(workdir, True))
         base = overrides + [f"checkpoint.save_dir={uri}", f"train.max_updates={total}"]
-        logger.info("demo: %d workers (%d emulated host(s)), model %s, %d updates, checkpoints "
+        logger.info("%d workers (%d emulated host(s)), model %s, %d updates, checkpoints "
                     "to %s (%s)", n, hosts, cfg.train.model, total, uri, storage_kind)
         if "ddp" in legs:
-            report.update(_replicated_leg(n, config, base, env, workdir, device, preempt, uri,
-                                          hosts=hosts, restore_env=restore_env or env,
-                                          counter=counter))
+            with _leg("ddp"):
+                report.update(_replicated_leg(n, config, base, env, workdir, device, preempt,
+                                              uri, hosts=hosts, restore_env=restore_env or env,
+                                              counter=counter))
             report["bitwise_identical"].update(
                 {r["strategy"]: r["bitwise_identical"] for r in report["restores"]})
         if "fsdp" in legs:
-            sharded = run_sharded_leg(n, config=config, overrides=base, env=env,
-                                      workdir=workdir, preempt=preempt,
-                                      save_dir=f"{uri.rstrip('/')}-fsdp")
+            with _leg("fsdp"):
+                sharded = run_sharded_leg(n, config=config, overrides=base, env=env,
+                                          workdir=workdir, preempt=preempt,
+                                          save_dir=f"{uri.rstrip('/')}-fsdp")
             report["sharded"] = sharded
             report["bitwise_identical"].update(
                 {f"fsdp_{r['restore']}": r["bitwise_identical"] for r in sharded["restores"]})
     return report
+
+
+@contextlib.contextmanager
+def _leg(leg: str) -> Iterator[None]:
+    """Start and done lines of one leg; a :class:`DemoError` raised in it names the leg."""
+    hb = Heartbeat(f"leg {leg}")
+    hb.start()
+    try:
+        yield
+    except DemoError as e:
+        e.leg = e.leg or leg
+        raise
+    hb.done()
+
+
+def restore_leg(key: str) -> tuple[str, str]:
+    """``(leg, restore)`` of a ``report["bitwise_identical"]`` key: ``"fsdp_resharded"`` ->
+    ``("fsdp", "resharded")``, ``"striped"`` -> ``("ddp", "striped")``."""
+    if key.startswith("fsdp_"):
+        return "fsdp", key.removeprefix("fsdp_")
+    return "ddp", key
+
+
+def verdict_line(report: dict, seconds: float) -> str:
+    """The demo's last line: ``PASS: ...`` when every restore is bitwise identical, else
+    ``FAIL: ...`` naming each failing restore by leg (``ddp (striped)``); ``seconds``: the
+    whole demo's wall time."""
+    results = report.get("bitwise_identical", {})
+    by_leg: dict[str, list[str]] = {}
+    failed: dict[str, list[str]] = {}
+    for key, ok in results.items():
+        leg, name = restore_leg(key)
+        by_leg.setdefault(leg, []).append(name)
+        if not ok:
+            failed.setdefault(leg, []).append(name)
+    if not results:
+        legs = ", ".join(report.get("legs", []))
+        return f"FAIL: no restore was checked (legs {legs}) in {seconds:.0f} s"
+    if failed:
+        bad = ", ".join(f"{leg} ({', '.join(names)})" for leg, names in failed.items())
+        n_bad = sum(len(v) for v in failed.values())
+        return (f"FAIL: not bitwise identical: {bad}; {len(results) - n_bad} of "
+                f"{len(results)} restores passed in {seconds:.0f} s")
+    good = ", ".join(f"{leg} ({', '.join(names)})" for leg, names in by_leg.items())
+    return (f"PASS: every restore bitwise identical: {good}; {len(results)} restores in "
+            f"{seconds:.0f} s")
+
+
+def failure_line(error: BaseException, seconds: float) -> str:
+    """The demo's last line when it could not finish: ``FAIL: leg <leg> did not finish:
+    <the error's first line>``."""
+    leg = getattr(error, "leg", "")
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    where = f"leg {leg} did not finish" if leg else "the demo did not finish"
+    return f"FAIL: {where}: {text} (after {seconds:.0f} s)"
 
 
 def _replicated_leg(n: int, config: str, base: list[str], env: dict, workdir: str,
@@ -417,7 +543,6 @@ def _replicated_leg(n: int, config: str, base: list[str], env: dict, workdir: st
                     workdir=workdir, device=device, hosts=hosts)
     ref_losses = _losses(ref.reports)
     ref_digest = {r["digest"] for r in ref.reports}
-    logger.info("demo: reference run done in %.1f s", ref.seconds)
     pre = run_phase("train", workers=n, config=config, overrides=base, env=env,
                     workdir=workdir, device=device, preempt_after_update=preempt, hosts=hosts)
     pre_losses = _losses(pre.reports)
@@ -426,7 +551,7 @@ def _replicated_leg(n: int, config: str, base: list[str], env: dict, workdir: st
         checkpoint = resolve_latest(run_storage)
     if checkpoint is None:
         raise DemoError("the preempted run left no committed checkpoint")
-    logger.info("demo: preempted after update %d; latest committed checkpoint %s",
+    logger.info("preempted after update %d; latest committed checkpoint %s",
                 pre.reports[0]["num_updates"], checkpoint)
     restore_file = f"checkpoint.restore_file={uri.rstrip('/')}/{checkpoint}"
     results = []
@@ -488,7 +613,6 @@ def run_sharded_leg(n: int, *, config: str, overrides: list[str], env: dict, wor
     base = overrides + [f"checkpoint.save_dir={save_dir}"]
     ref = run_phase("reference", workers=n, config=config, overrides=base, env=env,
                     workdir=workdir, module=module, label="fsdp-reference")
-    logger.info("demo: FSDP2 reference run done in %.1f s", ref.seconds)
     pre = run_phase("train", workers=n, config=config, overrides=base, env=env,
                     workdir=workdir, module=module, label="fsdp-train",
                     preempt_after_update=preempt, args=["--dcp-dir", dcp_dir])
@@ -497,9 +621,10 @@ def run_sharded_leg(n: int, *, config: str, overrides: list[str], env: dict, wor
     if name is None:
         raise DemoError("the preempted FSDP2 run left no committed checkpoint")
     checkpoint = f"{save_dir.rstrip('/')}/{name}"
-    logger.info("demo: FSDP2 run preempted after update %d; restoring %s",
+    logger.info("FSDP2 run preempted after update %d; restoring %s",
                 pre.reports[0]["num_updates"], checkpoint)
-    global_tensors = _saved_global_tensors(checkpoint, env)
+    with step("fsdp: reading the saved global tensors"):
+        global_tensors = _saved_global_tensors(checkpoint, env)
     saved_bad = _shards_match(global_tensors, [r["saved"]["shards"] for r in pre.reports])
     restores = []
     for kind, workers in (("same_size", n), ("resharded", max(1, n // 2))):
