@@ -23,7 +23,6 @@ object inside a checkpoint folder.  ``--dry-run`` only prints what would happen.
 from __future__ import annotations
 
 import argparse
-import time
 
 from xla_ckpt.cli.common import EXIT_OK, Parents, Subparsers, UsageError, plain
 from xla_ckpt.cli.rm import add_grace_option, print_result
@@ -65,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
         keep_best = 0 if args.keep_best is None else args.keep_best
     policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=args.metric,
                              maximize=args.maximize)
-    now = time.time()
     with open_storage(args.uri) as st:
+        now = st.now_unix_s()  # in-flight ages by the store's own clock, not this host's
         result = collect_garbage(st, policy, delete_incomplete=args.incomplete,
                                  delete_in_flight=args.incomplete or args.in_flight,
                                  grace_s=args.grace, dry_run=args.dry_run, now=now)

@@ -101,11 +101,11 @@ def run(args: argparse.Namespace) -> int:
     if target.is_local and not os.path.isdir(os.path.expanduser(target.path)):
         raise CheckpointNotFoundError(f"{target.path}: no such folder")
     grace_s = check_grace(args.grace)
-    now = time.time()
     with open_storage(args.uri) as st:
         entries, others = list_run(st)
         pointers = {w: read_pointer(st, w) for w in POINTERS}
         uploads = in_flight_uploads(st)
+        now = st.now_unix_s() if uploads else time.time()  # ages by the store's own clock
         uri = st.uri
     stale = [u for u in uploads if u.stale(grace_s, now)]
     young = [u for u in uploads if not u.stale(grace_s, now)]

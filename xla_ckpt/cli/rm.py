@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         run_uri, name = split_uri(args.uri)
         names = [name]
-    now = time.time()
     with open_storage(run_uri) as st:
+        now = st.now_unix_s()  # in-flight ages by the store's own clock, not this host's
         result = remove_checkpoints(st, names, dry_run=args.dry_run, grace_s=args.grace, now=now)
     print_result(result, now)
     return EXIT_FAILED if result.refused else EXIT_OK

@@ -31,7 +31,6 @@ Which checkpoints a retention policy lets go is decided by
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -224,7 +223,7 @@ def remove_checkpoints(run: Storage, names: Iterable[str], *, dry_run: bool = Fa
     model folder, a ``.pt`` file: :func:`foreign_refusal`).
     """
     grace_s = check_grace(grace_s)
-    now = time.time() if now is None else now
+    now = run.now_unix_s() if now is None else now
     entries, foreign = list_run(run)
     foreign_kind = dict(foreign)
     known = {e.name for e in entries}
@@ -273,13 +272,15 @@ def collect_in_flight(run: Storage, *, grace_s: float = DEFAULT_IN_FLIGHT_GRACE_
     Only writes whose target is one of this library's names in this run folder and
     whose newest object is at least ``grace_s`` old (see
     :class:`xla_ckpt.io.retention.InFlightUpload`); the others are reported in
-    ``in_flight_young``.  Their bytes count in ``bytes_freed``.
+    ``in_flight_young``.  Their bytes count in ``bytes_freed``.  Ages are taken on the
+    store's clock: ``now`` defaults to :meth:`Storage.now_unix_s
+    <xla_ckpt.storage.base.Storage.now_unix_s>`, never this host's (possibly skewed) clock.
     """
     grace_s = check_grace(grace_s)
     result = result if result is not None else RemovalResult(dry_run=dry_run, grace_s=grace_s)
     result.grace_s = grace_s
     _delete_in_flight(run, in_flight_uploads(run), grace_s=grace_s,
-                      now=time.time() if now is None else now, result=result)
+                      now=run.now_unix_s() if now is None else now, result=result)
     return result
 
 

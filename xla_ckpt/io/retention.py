@@ -60,9 +60,10 @@ class InFlightUpload:
     """The in-flight objects one unfinished write left (one target, one upload id).
 
     The grace-period rule is per write: it may be collected only when its *newest*
-    object is at least ``grace_s`` old (by the store's creation times against this
-    host's clock), so no part of a write still producing parts is ever deleted; an
-    object without a creation time is never collected.
+    object is at least ``grace_s`` old (by the store's creation times against the store's
+    own current time, :meth:`Storage.now_unix_s <xla_ckpt.storage.base.Storage.now_unix_s>`:
+    a skewed host clock neither deletes early nor never), so no part of a write still
+    producing parts is ever deleted; an object without a creation time is never collected.
     """
 
     target: str

@@ -39,6 +39,7 @@ import ipaddress
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -80,7 +81,8 @@ class InFlightObject:
         target: the name the write was producing (relative to the root).
         upload_id: the write's random id from the mark; every object one write left shares it.
         size: bytes.
-        created_unix_s: when the store created it (its clock); None if it does not say.
+        created_unix_s: when the store created it, by the store's clock (compare it with
+            :meth:`Storage.now_unix_s`, never with this host's); None if it does not say.
     """
 
     name: str
@@ -303,6 +305,20 @@ class Storage(abc.ABC):
         except (AttributeError, OSError):
             cpus = os.cpu_count() or 1
         return max(1, min(self.config.max_workers, cpus))
+
+    def now_unix_s(self) -> float:
+        """The store's current time in Unix seconds: the clock that stamps
+        :attr:`InFlightObject.created_unix_s`, so an age is one clock minus itself.
+
+        Grace periods (``xla-ckpt ls/gc/rm``, :mod:`xla_ckpt.io.prune`) compare creation
+        times with this, never with this host's clock, which may be skewed against the
+        store's.  This default is this host's clock (a local filesystem stamps files with
+        it); network backends ask the service.
+
+        Raises:
+            StorageError: the service could not be asked (network backends).
+        """
+        return time.time()
 
     def list_in_flight(self, prefix: str = "") -> list[InFlightObject]:
         """Objects unfinished writes left under ``prefix`` (recursive), sorted by name.

@@ -29,6 +29,7 @@ import atexit
 import concurrent.futures as cf
 import contextlib
 import datetime as _dt
+import email.utils
 import logging
 import queue
 import re
@@ -36,10 +37,11 @@ import signal
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
+from urllib.parse import quote
 
 from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.storage.base import InFlightObject, join
-from xla_ckpt.storage.gcs.transport import _GCSBase
+from xla_ckpt.storage.gcs.transport import _GCSBase, _Transient
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +243,53 @@ class _GCSInFlight(_GCSBase):
                                       upload_id=m["upload_id"], size=size,
                                       created_unix_s=created))
         return sorted(out, key=lambda o: o.name)
+
+    def now_unix_s(self) -> float:
+        """The service's current time, Unix seconds, from the ``Date`` header of an answer
+        about the bucket: the clock of ``timeCreated`` (:meth:`list_in_flight`), whatever
+        this host's clock says.  ``Date`` has whole seconds; this is the end of its second,
+        so an object created just before the call is never younger than 0 s (``--grace 0``
+        collects it) and an age is at most 1 s more than exact (a grace period of an hour
+        is cut short by at most that second).  Without a ``Date`` header (never seen from
+        GCS or the emulator) this host's clock is used, with a warning.
+
+        Raises:
+            BucketNotFoundError: the bucket does not exist.
+            StorageDeadlineError / StorageError: the service did not answer (after retries).
+        """
+        bucket = self.bucket_name
+        what = f"read the clock of gs://{bucket}"
+        url = f"{self._conn.endpoint}/storage/v1/b/{quote(bucket, safe='')}"
+        clock = self._clock()
+        backoff = self._backoff(what, clock)
+        while True:
+            try:
+                with clock.attempt():
+                    resp = self._request(what, "GET", url, clock, params={"fields": "name"})
+                    try:
+                        status, date = resp.status_code, resp.headers.get("Date")
+                        if status in (408, 429) or status >= 500:
+                            raise self._http_error(what, resp)
+                    finally:
+                        resp.close()
+            except _Transient as e:
+                self._stop_if_over(what, clock)
+                backoff.failed(e, retry_after_s=e.retry_after_s)
+                continue
+            break
+        if status == 404:
+            missing = self._missing_bucket(what)
+            if missing is not None:
+                raise missing
+        try:
+            when = email.utils.parsedate_to_datetime(date) if date else None
+        except (TypeError, ValueError):
+            when = None
+        if when is None:
+            logger.warning("%s: the answer carried no usable Date header (%r); using this "
+                           "host's clock for in-flight ages", what, date)
+            return time.time()
+        return when.timestamp() + 1.0
 
     def close(self) -> None:
         """Abandon the composite writes still running on this storage, then release threads.
