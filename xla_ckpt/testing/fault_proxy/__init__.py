@@ -20,8 +20,10 @@ not make it faster; this proxy models the real service in front of it:
   random schedule (:meth:`FaultProxy.random_faults`) replace or damage
   responses: HTTP 503/429 (with ``Retry-After``) or any status, a connection
   reset after ``k`` body bytes (TCP RST or FIN), a short body (Content-Length
-  cut, Content-Range kept), flipped bytes, a body that stalls mid-way; a rule can
-  target one emulated host (:func:`from_address`);
+  cut, Content-Range kept), flipped bytes, a body that stalls mid-way, a body that
+  trickles a few bytes at a time (:meth:`Fault.trickle`), an answer lost after the
+  service acted on the request (:meth:`Fault.lost_answer`); a rule can target one
+  emulated host (:func:`from_address`);
 * counters (:attr:`FaultProxy.stats`) and a request log
   (:meth:`FaultProxy.records`) let tests assert what went over the wire: the
   ``Range`` header of a resumed request, how many requests an error caused,

@@ -23,18 +23,26 @@ class Fault:
     Attributes:
         kind: ``"status"``, ``"reset"``, ``"short"``, ``"flip"`` (a response
             body byte), ``"stall"`` (the body stops for ``stall_s`` seconds
-            after ``after_bytes``, then goes on) or ``"flip_request"`` (a request
-            body byte, e.g. of an upload, before it is forwarded).
+            after ``after_bytes``, then goes on), ``"trickle"`` (after ``after_bytes``
+            the body goes on ``trickle_bytes`` bytes every ``stall_s`` seconds: a
+            server that keeps a slow answer alive), ``"lost_answer"`` (the request
+            reaches the service, which acts on it, then the connection drops before
+            any of the answer is sent) or ``"flip_request"`` (a request body byte, e.g.
+            of an upload, before it is forwarded).
         status: HTTP status sent instead of the real answer (``status``).
         retry_after: ``Retry-After`` header value to send with it, if any.
         after_bytes: ``reset``: body bytes sent before the connection drops;
-            ``stall``: before the pause (None: random in ``[0, body length)``).
-        rst: ``reset``: drop with a TCP RST (True) or an orderly FIN (False).
+            ``stall``: before the pause (None: random in ``[0, body length)``);
+            ``trickle``: sent at full speed before the trickle (None: 0).
+        rst: ``reset`` and ``lost_answer``: drop with a TCP RST (True) or an orderly
+            FIN (False).
         drop_bytes: ``short``: body bytes left out at the end, Content-Length
             cut to match, Content-Range kept (None: random).
         flip_at: ``flip``: body byte index to invert (None: random);
             ``flip_request``: request body byte index (None: the middle).
-        stall_s: ``stall``: seconds the body stops (cut short when the proxy stops).
+        stall_s: ``stall``: seconds the body stops (cut short when the proxy stops);
+            ``trickle``: seconds between two pieces.
+        trickle_bytes: ``trickle``: bytes per piece.
     """
 
     kind: str
@@ -45,6 +53,7 @@ class Fault:
     drop_bytes: int | None = None
     flip_at: int | None = None
     stall_s: float = 0.0
+    trickle_bytes: int = 0
 
     @classmethod
     def error(cls, status: int = 503, *, retry_after: str | float | None = None) -> "Fault":
@@ -75,9 +84,31 @@ class Fault:
             raise ValueError(f"Fault.stall: seconds must be >= 0, got {seconds}")
         return cls(kind="stall", after_bytes=after_bytes, stall_s=float(seconds))
 
+    @classmethod
+    def trickle(cls, bytes_per_step: int = 4, every_s: float = 0.05, *,
+                after_bytes: int = 0) -> "Fault":
+        """After ``after_bytes`` bytes at full speed, the body goes on ``bytes_per_step``
+        bytes every ``every_s`` seconds until it is all sent, the client leaves or the proxy
+        stops: a server that keeps an answer alive with a few bytes now and then, so no
+        socket read timeout of the client ever fires."""
+        if bytes_per_step < 1 or every_s <= 0 or after_bytes < 0:
+            raise ValueError(f"Fault.trickle: bytes_per_step must be >= 1, every_s > 0 and "
+                             f"after_bytes >= 0, got {bytes_per_step}, {every_s}, {after_bytes}")
+        return cls(kind="trickle", after_bytes=after_bytes, stall_s=float(every_s),
+                   trickle_bytes=int(bytes_per_step))
+
+    @classmethod
+    def lost_answer(cls, *, rst: bool = True) -> "Fault":
+        """The request is forwarded and the service acts on it (writes, deletes); then the
+        connection drops before any byte of the answer is sent, as when a network path
+        fails after the request got through.  A client cannot tell this from a request
+        that never arrived: it retries, and the retry meets the state its first attempt
+        made (a 404 for a delete, a 412 for a create-only write)."""
+        return cls(kind="lost_answer", rst=rst)
+
     @property
     def needs_body(self) -> bool:
-        return self.kind in ("reset", "short", "flip", "stall")
+        return self.kind in ("reset", "short", "flip", "stall", "trickle")
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             rec.status = 502
             self._send_simple(502, f"upstream failed: {e}".encode())
             return
+        if fault is not None and fault.kind == "lost_answer":  # the service has acted
+            rec.fault = fault.kind
+            rec.status = 0  # nothing was sent
+            with p._lock:
+                p.stats.faults[fault.kind] += 1
+            self._drop(fault.rst)
+            return
         self._respond(rec, status, reason, headers, payload, fault)
 
     def _read_body(self) -> bytes:
@@ -201,6 +208,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         length = n
         cut = None  # bytes after which the connection drops
         pause = None  # bytes after which the body stalls
+        slow = None  # bytes after which the body trickles
         if fault is not None and n > 0:
             if fault.kind == "flip":
                 at = fault.flip_at if fault.flip_at is not None else p._randint(0, n - 1)
@@ -217,6 +225,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             elif fault.kind == "stall":
                 at = fault.after_bytes if fault.after_bytes is not None else p._randint(0, n - 1)
                 pause = min(max(at, 0), length)
+            elif fault.kind == "trickle":
+                slow = min(max(fault.after_bytes or 0, 0), length)
         if fault is not None and n > 0:
             rec.fault = fault.kind
             with p._lock:
@@ -235,6 +245,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if self._send_shaped(body[:pause], rec) == pause \
                     and not p._stopping.wait(fault.stall_s):
                 self._send_shaped(body[pause:], rec)
+        elif slow is not None and fault is not None:
+            if self._send_shaped(body[:slow], rec) == slow:
+                self._trickle(body[slow:], rec, fault.trickle_bytes, fault.stall_s)
         else:
             self._send_shaped(body, rec)
         if cut is not None and fault is not None:  # a cut is only ever set by a reset fault
@@ -272,6 +285,27 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 break
             sent += n
         return sent
+
+    def _trickle(self, body: memoryview, rec: RequestRecord, step: int, every_s: float) -> None:
+        """Send ``body`` ``step`` bytes at a time, ``every_s`` seconds apart, until it is all
+        sent, the client leaves (a failed send) or the proxy stops."""
+        address = self._address
+        sent = 0
+        while sent < len(body) and not self.server.proxy._stopping.is_set():
+            if sent and self.server.proxy._stopping.wait(every_s):
+                break
+            chunk = body[sent:sent + step]
+            self._count(address, len(chunk), rec)
+            try:
+                self.connection.sendall(chunk)
+            except OSError:
+                self._count(address, -len(chunk), rec)
+                self.close_connection = True
+                return
+            sent += len(chunk)
+        if sent < len(body):
+            self.close_connection = True
+            self._drop(True)
 
     def _count(self, address: str, n: int, rec: RequestRecord | None) -> None:
         p = self.server.proxy
