@@ -69,8 +69,8 @@ def test_a_trickling_ranged_read_ends_at_its_deadline_naming_range_bytes_and_set
     text = str(e)
     assert text.startswith(f"read gs://{gcs_emulator.bucket}/{stem}/obj bytes "
                            f"[{offset}, {offset + n}) (generation {info.generation}): ")
-    assert f"not finished within its total deadline of {deadline_s:g} s " \
-           "(storage.request_deadline_s; retries and slow answers included)" in text
+    assert (f"not finished within its total deadline of {deadline_s:g} s "
+            "(storage.request_deadline_s; retries and slow answers included)") in text
     assert f"; {got} of the {n} bytes asked for arrived." in text
     assert "raise storage.request_deadline_s" in text
     assert e.deadline_s == deadline_s
