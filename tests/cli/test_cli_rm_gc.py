@@ -35,8 +35,13 @@ def test_rm_deletes_named_and_keeps_protected(cli, root):
     assert r.out.splitlines() == [
         "deleted checkpoint_1_100",
         "kept checkpoint_9_900: no such checkpoint in this run folder",
-        "kept checkpoint_2_200: named by the checkpoint_best pointer",
-        "kept checkpoint_4_400: the newest committed checkpoint",
+        ("kept checkpoint_2_200: named by the checkpoint_best pointer; pass --force to remove "
+         "it anyway (checkpoint_best, which names checkpoint_2_200, is removed with it)"),
+        ("kept checkpoint_4_400: the newest committed checkpoint; pass --force to remove it "
+         "anyway: checkpoint_last then moves back to checkpoint_3_300 (the newest intact "
+         "committed checkpoint that stays); or restore checkpoint_3_300 without removing "
+         "anything: CheckpointConfig.restore_file='checkpoint_3_300' (CheckpointManager), "
+         f"Checkpointer.load_checkpoint('{root}/checkpoint_3_300')"),
         r.out.splitlines()[-1],
     ]
     assert r.out.splitlines()[-1].startswith("freed ") and "(1 checkpoints)" in r.out
@@ -55,8 +60,12 @@ def test_rm_single_checkpoint_uri_and_dry_run(cli, root):
     assert r.code == 0 and r.out.splitlines()[0] == "deleted checkpoint_2_200"
     assert [n for n, _ in names(root)] == ["checkpoint_1_100", "checkpoint_3_300"]
     r = cli("rm", f"{root}/checkpoint_3_300")
-    assert r.code == 1 and r.out.splitlines()[0] == ("kept checkpoint_3_300: named by the "
-                                                     "checkpoint_last pointer")
+    assert r.code == 1 and r.out.splitlines()[0] == (
+        "kept checkpoint_3_300: named by the checkpoint_last pointer; pass --force to remove it "
+        "anyway: checkpoint_last then moves back to checkpoint_1_100 (the newest intact "
+        "committed checkpoint that stays); or restore checkpoint_1_100 without removing "
+        "anything: CheckpointConfig.restore_file='checkpoint_1_100' (CheckpointManager), "
+        f"Checkpointer.load_checkpoint('{root}/checkpoint_1_100')")
 
 
 def test_rm_may_delete_an_incomplete_folder_by_name(cli, root):
@@ -123,7 +132,10 @@ def test_pointer_moved_after_planning_is_still_honoured(tmp_path):
     with MovesPointer(root) as run:
         result = remove_checkpoints(run, ["checkpoint_1_100", "checkpoint_2_200"])
     assert result.deleted == ["checkpoint_1_100"]
-    assert result.refused == {"checkpoint_2_200": "named by the checkpoint_last pointer"}
+    assert list(result.refused) == ["checkpoint_2_200"]
+    assert result.refused["checkpoint_2_200"].startswith(
+        "named by the checkpoint_last pointer; pass --force to remove it anyway: checkpoint_last "
+        "then moves back to checkpoint_4_400")
     assert exists(root, f"checkpoint_2_200/{MANIFEST_NAME}")
 
 
@@ -139,8 +151,10 @@ def test_delete_removes_the_commit_marker_first(tmp_path):
 
     with Recording(root) as run:
         n = delete_checkpoint(run, "checkpoint_1_100")
-    assert n == 2 and order[0] == MANIFEST_NAME and order[1].startswith("data-")
+    assert n == 2 and order[0] == f"checkpoint_1_100/{MANIFEST_NAME}"
+    assert order[1].startswith("checkpoint_1_100/data-")
     assert names(root) == [("checkpoint_2_200", True)]
+    assert sorted(os.listdir(root)) == ["checkpoint_2_200"]  # the emptied folder went too
 
 
 def _add_foreign(run_dir: str) -> None:

@@ -2,8 +2,16 @@
 
 Forms: ``xla-ckpt rm RUN NAME [NAME ...]`` or ``xla-ckpt rm RUN/NAME``.
 A checkpoint named by the ``checkpoint_last``/``checkpoint_best`` pointer, and
-the newest committed checkpoint, are never deleted (they are reported as
-kept, and the exit code is 1).  The manifest (commit marker) goes first, so
+the newest committed checkpoint, are not deleted (they are reported as kept, with
+the newest intact committed checkpoint that would stay and how to restore it, and
+the exit code is 1) unless ``--force`` is given: for a corrupt newest checkpoint,
+``--force`` removes it and moves ``checkpoint_last`` back, by compare-and-swap, to
+the newest committed checkpoint that stays whose data files are all there at their
+sizes; a ``checkpoint_best`` naming it is removed (the next scored save sets it
+again).  ``--force`` takes no lease, so it never fences a live job: a save that moved
+a pointer meanwhile wins, and a live job's next save moves ``checkpoint_last``
+forward as usual.  It refuses when no intact committed checkpoint would stay.
+The manifest (commit marker) goes first, so
 an interrupted ``rm`` leaves an incomplete folder, never a broken committed
 one.  In-flight objects of an interrupted upload in a named folder (what
 ``xla-ckpt ls`` shows as "in flight") go too once they are older than
@@ -79,6 +87,10 @@ def register(sub: Subparsers, parents: Parents) -> None:
     p.add_argument("uri", metavar="URI", help="run folder (with NAMEs) or one checkpoint folder")
     p.add_argument("names", metavar="NAME", nargs="*", help="checkpoint folder names in the run")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted")
+    p.add_argument("--force", action="store_true",
+                   help="also remove a checkpoint a pointer names or the newest committed one "
+                        "(a corrupt newest checkpoint): checkpoint_last moves back to the "
+                        "newest intact committed checkpoint that stays")
     add_grace_option(p)
     p.set_defaults(func=run)
 
@@ -88,6 +100,8 @@ def print_result(result: RemovalResult, now: float | None = None) -> None:
     verb = "would delete" if result.dry_run else "deleted"
     for name in result.deleted:
         print(f"{verb} {name}")
+    for line in result.repointed:
+        print(line)
     for up in result.in_flight:
         print(f"{verb} in-flight {describe_upload(up, now)}")
     for name, why in result.refused.items():
@@ -112,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         names = [name]
     with open_storage(run_uri) as st:
         now = st.now_unix_s()  # in-flight ages by the store's own clock, not this host's
-        result = remove_checkpoints(st, names, dry_run=args.dry_run, grace_s=args.grace, now=now)
+        result = remove_checkpoints(st, names, dry_run=args.dry_run, grace_s=args.grace, now=now,
+                                    force=args.force)
     print_result(result, now)
     return EXIT_FAILED if result.refused else EXIT_OK

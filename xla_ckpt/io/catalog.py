@@ -327,6 +327,59 @@ def write_pointer(run: Storage, which: str, checkpoint: str, *, lease_epoch: int
         actual_generation=last.actual_generation if last else None) from last
 
 
+MOVED = "moved"
+REMOVED = "removed"
+LEFT = "left"
+
+
+def repoint(run: Storage, which: str, away_from: str, to: CheckpointEntry | None, *,
+            attempts: int = CAS_ATTEMPTS) -> str:
+    """Move pointer ``which`` off checkpoint ``away_from`` by compare-and-swap, only while it
+    still names it: to the committed checkpoint ``to`` (recording its lease epoch and
+    ``num_updates``, so a manager's later save moves it forward as usual), or, with ``to``
+    None, remove it.  An operator's act (``xla-ckpt rm --force``): it takes no lease and may
+    move the pointer backwards, but only from the checkpoint being removed; a save that
+    moved the pointer meanwhile wins.  Call from one process.
+
+    Returns:
+        :data:`MOVED`, :data:`REMOVED`, or :data:`LEFT` (absent, or it names another
+        checkpoint now).
+
+    Raises:
+        PreconditionFailedError: the pointer changed under every one of ``attempts`` tries.
+    """
+    name = pointer_name(which)
+    body = b""
+    if to is not None:
+        md = to.metadata if isinstance(to.metadata, dict) else {}
+        doc: dict[str, Any] = {"checkpoint": to.name, "num_updates": to.num_updates,
+                               LEASE_EPOCH_KEY: to.lease_epoch, "moved_back_from": away_from}
+        if isinstance(md.get("epoch"), int) and not isinstance(md.get("epoch"), bool):
+            doc["epoch"] = md["epoch"]
+        body = json.dumps(doc, sort_keys=True).encode("utf-8")
+    last: PreconditionFailedError | None = None
+    for attempt in range(attempts):
+        current, generation = read_pointer_doc(run, which)
+        if current is None or current.get("checkpoint") != away_from:
+            return LEFT
+        try:
+            if to is None:
+                run.delete(name, if_generation_match=generation)
+                logger.info("%s named %r: removed", run.url(name), away_from)
+                return REMOVED
+            run.write_atomic(name, [body], if_generation_match=generation)
+            logger.info("%s moved from %r back to %r", run.url(name), away_from, to.name)
+            return MOVED
+        except PreconditionFailedError as e:  # a save moved it meanwhile: look again
+            last = e
+            time.sleep(random.uniform(0, min(0.2, 0.005 * 2 ** attempt)))
+    raise PreconditionFailedError(
+        f"{run.url(name)}: not moved off {away_from!r}: it changed under each of {attempts} "
+        "compare-and-swap attempts (many concurrent writers?)", name=name,
+        expected_generation=last.expected_generation if last else 0,
+        actual_generation=last.actual_generation if last else None) from last
+
+
 def choose_latest(run: Storage, entries: list[CheckpointEntry]) -> str | None:
     """Which of ``entries`` (:func:`list_checkpoints` of ``run``) to restore, or None if none
     is committed.

@@ -6,6 +6,15 @@ Rules, whatever the caller asks:
   names -- pointers are re-read right before each deletion, so a pointer
   moved by a concurrent save is honoured;
 * never delete the newest committed checkpoint;
+* except, for those two, with ``force`` (``xla-ckpt rm --force``, for a corrupt newest
+  checkpoint: CASES C7): the checkpoint is uncommitted first, then ``checkpoint_last`` is
+  moved by compare-and-swap, only if it still names it, back to the newest committed
+  checkpoint that stays and whose data files are all there at their sizes
+  (:func:`xla_ckpt.io.recovery.newest_intact`), and a ``checkpoint_best`` naming it is
+  removed (by compare-and-swap too; the next scored save sets it again).  No lease is
+  taken (an operator's tool must not fence the live job, CASES C25): a save that moved a
+  pointer meanwhile wins, and a live job's next save moves ``checkpoint_last`` forward as
+  usual.  Refused when no intact committed checkpoint would stay;
 * uncommit first: a checkpoint's manifest (its commit marker) is deleted
   before its data files, so an interrupted deletion leaves an *incomplete*
   folder that readers already ignore, never a committed folder with missing
@@ -21,7 +30,10 @@ Rules, whatever the caller asks:
   upload) are deleted only when their write targeted one of this library's
   names in this run folder and its newest part is older than the grace period
   (:class:`xla_ckpt.io.retention.InFlightUpload`), so a save still writing is
-  never touched.
+  never touched;
+* objects are deleted by their names in the run folder, so on a local disk a checkpoint
+  folder that a deletion left empty is removed too (by the local backend, and only when
+  empty: a folder still holding anything, ours or not, stays).
 
 Which checkpoints a retention policy lets go is decided by
 :func:`xla_ckpt.io.retention.plan_deletions` (fairseq ``keep_interval_updates``
@@ -37,12 +49,16 @@ from typing import Iterable
 from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.io.catalog import (
+    LEFT,
+    MOVED,
     POINTERS,
     CheckpointEntry,
     list_checkpoints,
     list_run,
     read_pointer,
+    repoint,
 )
+from xla_ckpt.io.recovery import files_present, newest_intact
 from xla_ckpt.io.retention import (
     DEFAULT_IN_FLIGHT_GRACE_S,
     InFlightUpload,
@@ -71,6 +87,8 @@ class RemovalResult:
         in_flight_young: in-flight writes kept: younger than the grace period.
         left: folder -> objects in it this library did not write, left in place.
         grace_s: the grace period applied to in-flight objects (seconds).
+        repointed: what ``force`` did to the pointers, one line each (``"moved
+            checkpoint_last from checkpoint_1_12 back to checkpoint_1_10"``).
     """
 
     deleted: list[str] = field(default_factory=list)
@@ -81,6 +99,7 @@ class RemovalResult:
     in_flight_young: list[InFlightUpload] = field(default_factory=list)
     left: dict[str, list[str]] = field(default_factory=dict)
     grace_s: float = DEFAULT_IN_FLIGHT_GRACE_S
+    repointed: list[str] = field(default_factory=list)
 
     @property
     def in_flight_objects(self) -> int:
@@ -149,17 +168,18 @@ def delete_checkpoint(run: Storage, name: str, *, only_ours: bool = False) -> in
     touched here (see :func:`collect_in_flight`).  Does *not* check protection; use
     :func:`remove_checkpoints`.  Returns the number of objects deleted.
     """
-    folder = run.child(name)
+    # By names in the run folder: the local backend then removes the folder it left empty.
+    marker = f"{name}/{MANIFEST_NAME}"
     count = 0
-    if folder.exists(MANIFEST_NAME):
-        folder.delete(MANIFEST_NAME)
+    if run.exists(marker):
+        run.delete(marker)
         count += 1
-    for obj in folder.list(""):
-        if only_ours and not library_object(f"{name}/{obj}"):
+    for obj in run.list(name + "/"):
+        if obj == marker or (only_ours and not library_object(obj)):
             continue
-        folder.delete(obj)
+        run.delete(obj)
         count += 1
-    logger.info("deleted checkpoint %s (%d objects)", folder.uri, count)
+    logger.info("deleted checkpoint %s (%d objects)", run.url(name), count)
     return count
 
 
@@ -175,9 +195,57 @@ def foreign_refusal(name: str, kind: str) -> str:
             "`xla-ckpt convert` read it)")
 
 
+def _force_hint(run: Storage, name: str, stay: CheckpointEntry | None, latest: bool) -> str:
+    """What ``rm`` adds to the refusal of protected checkpoint ``name``: ``--force``, and how
+    to restore ``stay`` (the newest intact committed checkpoint that would stay) instead.
+    ``latest``: ``name`` is what "latest" resolves to (``checkpoint_last`` names it, or it is
+    the newest committed); else only ``checkpoint_best`` names it."""
+    if not latest:
+        return (f"; pass --force to remove it anyway (checkpoint_best, which names {name}, is "
+                "removed with it)")
+    if stay is None:
+        return "; no other intact committed checkpoint is in this run folder"
+    uri = run.url(stay.name)
+    return (f"; pass --force to remove it anyway: checkpoint_last then moves back to "
+            f"{stay.name} (the newest intact committed checkpoint that stays); or restore "
+            f"{stay.name} without removing anything: CheckpointConfig.restore_file="
+            f"{stay.name!r} (CheckpointManager), Checkpointer.load_checkpoint({uri!r})")
+
+
+def _force_off_pointers(run: Storage, name: str, stay: CheckpointEntry | None,
+                        result: RemovalResult) -> None:
+    """``force``: uncommit ``name``, then move ``checkpoint_last`` off it back to ``stay`` and
+    remove a ``checkpoint_best`` naming it, each by compare-and-swap (catalog.repoint).
+    ``stay`` None: only ``checkpoint_best`` names it."""
+    if result.dry_run:
+        for which in POINTERS:
+            if read_pointer(run, which) != name:
+                continue
+            result.repointed.append(
+                f"would move checkpoint_last from {name} back to {stay.name}"
+                if which == "last" and stay is not None
+                else f"would remove checkpoint_{which} (it names {name})")
+        return
+    marker = f"{name}/{MANIFEST_NAME}"
+    if run.exists(marker):
+        run.delete(marker)  # uncommitted first: from here on "latest" skips it
+    for which in POINTERS:
+        to = stay if which == "last" else None
+        done = repoint(run, which, name, to)
+        if done == LEFT:
+            continue
+        result.repointed.append(f"moved checkpoint_last from {name} back to {to.name}"
+                                if done == MOVED and to is not None else
+                                f"removed checkpoint_{which} (it named {name})")
+
+
 def _delete_all(run: Storage, names: Iterable[str], entries: list[CheckpointEntry],
-                result: RemovalResult, *, only_ours: bool = False) -> RemovalResult:
+                result: RemovalResult, *, only_ours: bool = False, force: bool = False,
+                hint: bool = False) -> RemovalResult:
     by_name = {e.name: e for e in entries}
+    names = list(names)
+    going = set(names)
+    newest = next((e.name for e in reversed(entries) if e.committed), None)
     for name in names:
         if name in by_name and by_name[name].kind:
             result.refused[name] = foreign_refusal(name, by_name[name].kind)
@@ -185,8 +253,20 @@ def _delete_all(run: Storage, names: Iterable[str], entries: list[CheckpointEntr
         # Re-read pointers just before deleting: a concurrent save may have moved one here.
         live = protection(run, entries)
         if name in live:
-            result.refused[name] = live[name]
-            continue
+            latest = name == newest or live[name].endswith("checkpoint_last pointer")
+            stay = newest_intact(run, entries, skip=going) if (force or hint) and latest \
+                else None
+            if not force:
+                result.refused[name] = live[name] + (_force_hint(run, name, stay, latest)
+                                                     if hint else "")
+                continue
+            if stay is None and latest:
+                result.refused[name] = (f"{live[name]}; not removed even with --force: no "
+                                        "intact committed checkpoint would stay to resume "
+                                        "from (to start the run from scratch, remove the run "
+                                        "folder)")
+                continue
+            _force_off_pointers(run, name, stay, result)
         entry = by_name.get(name)
         committed = entry is not None and entry.committed
         if only_ours:
@@ -207,13 +287,36 @@ def _delete_all(run: Storage, names: Iterable[str], entries: list[CheckpointEntr
             delete_checkpoint(run, name, only_ours=only_ours)
         result.deleted.append(name)
         result.bytes_freed += nbytes
+    if force and result.repointed:
+        _warn_broken_newer(run, entries, going, result)
     return result
+
+
+def _warn_broken_newer(run: Storage, entries: list[CheckpointEntry], going: set[str],
+                       result: RemovalResult) -> None:
+    """After ``force`` moved ``checkpoint_last`` back: name each committed checkpoint left
+    that is newer than what it names but not intact ("latest" picks the newest committed)."""
+    target = read_pointer(run, "last")
+    order = {e.name: e.sort_key for e in entries if e.committed}
+    if target not in order:
+        return
+    for e in entries:
+        if e.committed and e.name not in going and e.sort_key > order[target] and \
+                not files_present(run, e):
+            result.repointed.append(
+                f"warning: {e.name} is committed, newer than {target} and not intact (a data "
+                "file is missing or short): it is now the latest; remove it too (rm --force)")
 
 
 def remove_checkpoints(run: Storage, names: Iterable[str], *, dry_run: bool = False,
                        grace_s: float = DEFAULT_IN_FLIGHT_GRACE_S,
-                       now: float | None = None) -> RemovalResult:
+                       now: float | None = None, force: bool = False) -> RemovalResult:
     """Delete the named checkpoint folders of ``run``, refusing protected ones.
+
+    A protected one (a pointer names it, or it is the newest committed) is refused with a
+    note on ``force`` and on how to restore the newest intact committed checkpoint instead;
+    with ``force`` it is removed and the pointers move off it (module docstring), unless no
+    intact committed checkpoint would stay.
 
     An incomplete folder may be named explicitly (the operator knows it is
     not a save in flight).  A named folder's in-flight objects go too once their
@@ -244,7 +347,8 @@ def remove_checkpoints(run: Storage, names: Iterable[str], *, dry_run: bool = Fa
         else:
             result.refused[name] = "no such checkpoint in this run folder"
     order = {e.name: i for i, e in enumerate(entries)}
-    _delete_all(run, sorted(wanted, key=order.__getitem__), entries, result)
+    _delete_all(run, sorted(wanted, key=order.__getitem__), entries, result, force=force,
+                hint=True)
     for name, uploads in in_flight.items():
         if name in result.refused:
             continue

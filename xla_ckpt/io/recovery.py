@@ -75,9 +75,17 @@ def previous_intact(run: Storage, bad: str, entries: list[CheckpointEntry] | Non
     committed = [e for e in entries if e.committed]
     names = [e.name for e in committed]
     older = committed[:names.index(bad)] if bad in names else committed
+    return newest_intact(run, older, skip={*skip, bad})
+
+
+def newest_intact(run: Storage, entries: list[CheckpointEntry], *,
+                  skip: frozenset[str] | set[str] = frozenset()) -> CheckpointEntry | None:
+    """The newest committed checkpoint of ``entries`` (oldest first, as listed) not in
+    ``skip`` whose data files are all present at their sizes (:func:`files_present`); None
+    if none is among the :data:`MAX_CANDIDATES` newest looked at."""
     looked = 0
-    for e in reversed(older):
-        if e.name in skip or e.name == bad:
+    for e in reversed(entries):
+        if not e.committed or e.name in skip:
             continue
         if files_present(run, e):
             return e
@@ -108,13 +116,20 @@ def recovery_hint(run: Storage, bad: str, entries: list[CheckpointEntry] | None 
     by_step = (f" or CheckpointManager.restore(step={prev.num_updates})"
                if prev.num_updates >= 0 and same_step and same_step[-1].name == prev.name
                else "")
+    committed = [e for e in entries if e.committed]
+    if committed and committed[-1].name == bad:  # "latest": remove it and what is skipped
+        doomed = [e.name for e in committed if e.sort_key > prev.sort_key]
+        them = "them" if len(doomed) > 1 else bad
+        remove = (f"make it the latest again with `xla-ckpt rm --force {run.uri} "
+                  f"{' '.join(doomed)}`, which removes {them} and moves checkpoint_last back "
+                  f"to {prev.name}")
+    else:
+        remove = f"remove the bad one with `xla-ckpt rm {run.uri} {bad}`"
     return (f" The previous intact committed checkpoint of {run.uri} is {prev.name} ({step}lease "
             f"epoch {prev.lease_epoch}): restore it with "
             f"CheckpointConfig.restore_file={prev.name!r} "
             f"(CheckpointManager.restore_or_initialize){by_step}, "
-            f"Checkpointer.load_checkpoint({uri!r}) or xla_ckpt.load({uri!r}); or make it the "
-            f"latest again with `xla-ckpt rm --force {run.uri} {bad}`, which removes {bad} and "
-            f"moves checkpoint_last back to {prev.name}.")
+            f"Checkpointer.load_checkpoint({uri!r}) or xla_ckpt.load({uri!r}); or {remove}.")
 
 
 def add_note(err: BaseException, note: str) -> BaseException:
