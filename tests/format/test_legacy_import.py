@@ -80,9 +80,11 @@ def test_fairseq_file_loads_through_the_allow_list_with_python_numbers_and_names
     last = s["optimizer_history"][-1]
     assert type(last["num_updates"]) is int and last["num_updates"] == 1000
     assert last["lr_scheduler_state"] == {"best": 2.5}
-    # fairseq's upgrade: float lr -> [lr]; cfg synthesised as a flat dict of args.
-    assert s["args"].lr == [0.1]
-    assert s["cfg"] == vars(s["args"]) and isinstance(s["cfg"], dict)
+    # A load returns what was saved (C24): args untouched (lr stays a float, nothing
+    # added), no cfg made up, the same keys.
+    assert set(s) == set(src) and "cfg" not in s
+    assert type(s["args"].lr) is float and s["args"].lr == 0.1
+    assert set(vars(s["args"])) == {"lr", "arch", "task", "max_epoch", "clip_norm"}
     assert s["extra_state"]["train_iterator"] == {"epoch": 3, "iterations_in_epoch": 7,
                                                   "version": 2}
     for k, v in src["model"].items():
@@ -108,41 +110,66 @@ def test_raw_layout_keeps_the_object_untouched():
         s["extra_state"]["train_iterator"]
 
 
-def test_oldest_fairseq_layout_is_upgraded_like_fairseq():
+def oldest_fairseq_state(w):
+    """The 2017 fairseq-py layout: exactly what fairseq's own upgrade requires of it."""
+    return {"args": argparse.Namespace(lr=0.25, max_positions=1024, remove_bpe="@@ ",
+                                       min_lr=1e-9, raw_text=True),
+            "model": {"w": w}, "optimizer": {"state": {}, "param_groups": [{"lr": 0.25}]},
+            "best_loss": np.float64(3.5), "epoch": 4, "batch_offset": 11, "val_loss": 3.75}
+
+
+def test_oldest_fairseq_layout_is_upgraded_only_when_asked_by_name(caplog):
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    old = {"args": argparse.Namespace(lr=0.25, max_positions=1024, remove_bpe="@@ ",
-                                      min_lr=1e-9, raw_text=True),
-           "model": {"w": w}, "optimizer": {"state": {}, "param_groups": [{"lr": 0.25}]},
-           "best_loss": np.float64(3.5), "epoch": 4, "batch_offset": 11, "val_loss": 3.75}
-    s = load_legacy(_save(old), where="old.pt").state
+    data = _save(oldest_fairseq_state(w))
+    as_saved = load_legacy(data, where="old.pt")  # auto: recognised, not rewritten
+    assert as_saved.fairseq and as_saved.upgraded == []
+    assert set(as_saved.state) == set(oldest_fairseq_state(w))
+    assert as_saved.metadata == {"source_format": "torch_zip", "epoch": 4,
+                                 "iterations_in_epoch": 11, "loss": 3.75}
+    with caplog.at_level(logging.WARNING, logger="xla_ckpt.format.legacy"):
+        got = load_legacy(data, where="old.pt", layout="fairseq")
+    s = got.state
     assert s["optimizer_history"] == [{"criterion_name": "CrossEntropyCriterion",
                                        "optimizer_name": "FairseqNAG",
                                        "lr_scheduler_state": {"best": 3.5},
                                        "num_updates": 0}]
     assert s["last_optimizer_state"] == {"state": {}, "param_groups": [{"lr": 0.25}]}
     assert "optimizer" not in s and "best_loss" not in s and "epoch" not in s
+    # fairseq's moves only: no iterator version or training time made up.
     assert s["extra_state"] == {"epoch": 4, "batch_offset": 11, "val_loss": 3.75,
-                                "train_iterator": {"epoch": 4, "iterations_in_epoch": 11,
-                                                   "version": 1},
-                                "previous_training_time": 0.0}
-    a = s["args"]
-    assert (a.max_source_positions, a.max_target_positions) == (1024, 1024)
-    assert a.post_process == "@@ " and a.stop_min_lr == 1e-9 and not hasattr(a, "min_lr")
-    assert a.dataset_impl == "raw" and a.task == "translation" and a.lr == [0.25]
+                                "train_iterator": {"epoch": 4, "iterations_in_epoch": 11}}
+    # args exactly as saved: no lr -> [lr], no task='translation', no renames, no cfg.
+    assert vars(s["args"]) == vars(oldest_fairseq_state(w)["args"]) and "cfg" not in s
     assert torch.equal(s["model"]["w"], w)
+    assert got.metadata["epoch"] == 4 and got.metadata["num_updates"] == 0
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("optimizer -> last_optimizer_state" in m for m in logged)
+    assert any("'FairseqNAG' (the file names none; fairseq default)" in m for m in logged)
+
+
+def test_oldest_layout_takes_the_optimizer_and_criterion_its_args_name():
+    state = oldest_fairseq_state(torch.zeros(1))
+    state["args"].optimizer, state["args"].criterion = "adam", "label_smoothed_cross_entropy"
+    up, changes = upgrade_fairseq_state(state)
+    last = up["optimizer_history"][-1]
+    assert last["optimizer_name"] == "FairseqAdam"
+    assert last["criterion_name"] == "LabelSmoothedCrossEntropyCriterion"
+    assert any("from args.optimizer" in c for c in changes)
 
 
 def test_optimizer_kept_in_history_moves_to_last_optimizer_state():
-    st = {"model": {}, "optimizer_history": [
+    st: dict = {"model": {}, "optimizer_history": [
         {"criterion_name": "C", "optimizer": {"param_groups": [1]}, "optimizer_name": "Adam",
          "lr_scheduler_state": {}, "num_updates": 1},
         {"criterion_name": "C", "optimizer": {"param_groups": [2]}, "optimizer_name": "Adam",
          "lr_scheduler_state": {}, "num_updates": 2}], "extra_state": {"epoch": 0}}
-    up = upgrade_fairseq_state(st)
+    up, changes = upgrade_fairseq_state(st)
     assert up["last_optimizer_state"] == {"param_groups": [2]}
     assert all("optimizer" not in h for h in up["optimizer_history"])
-    assert up["extra_state"]["train_iterator"] == {"epoch": 0, "iterations_in_epoch": 0,
-                                                   "version": 1}
+    assert up["extra_state"]["train_iterator"] == {"epoch": 0, "iterations_in_epoch": 0}
+    assert "optimizer" in st["optimizer_history"][-1]  # the input is not changed
+    assert changes == ["optimizer_history[-1]['optimizer'] -> last_optimizer_state",
+                       "extra_state['train_iterator'] from epoch/batch_offset"]
 
 
 def test_pre_1_6_torch_format_loads_too():

@@ -28,11 +28,16 @@ explicit allow-list (argparse.Namespace, numpy scalars/dtypes/arrays, tensors);
 any other class stops the conversion with its name.  ``--unsafe-trust-pickle``
 lifts the allow-list for a file you trust, and warns: unpickling can run code.
 
-Layouts: ``auto`` (default) upgrades fairseq checkpoints to the current fairseq
-layout (optimizer_history, train_iterator, ...) and keeps anything else as it
-is; ``fairseq`` insists on a fairseq checkpoint; ``raw`` keeps the object as it
-is; ``model`` stores it as ``{"model": ...}`` (a bare state_dict or HF weights,
-ready for the trainer restore; a fairseq .pt is refused: use fairseq or auto).
+Layouts: ``auto`` (default) and ``raw`` store the object exactly as saved, key for
+key and type for type (``auto`` also recognises a fairseq checkpoint by fairseq's
+own fields and records its num_updates/epoch/loss in the manifest metadata);
+``fairseq`` insists on a fairseq checkpoint and upgrades an old one to the current
+fairseq layout (optimizer_history, last_optimizer_state, extra_state with
+train_iterator; each change is printed as a WARNING); ``model`` stores it as
+``{"model": ...}`` (a bare state_dict or HF weights, ready for the trainer restore; a
+training dict holding a ``model`` entry is refused: use auto).  The trainer restore
+(:class:`~xla_ckpt.trainer.Checkpointer`) upgrades an old fairseq layout itself, so
+``auto`` is right for it too.
 
 DST must not be SRC or inside it (a fairseq run folder may be converted in
 place), and a DST that holds a checkpoint of any kind
@@ -84,7 +89,9 @@ def register(sub: Subparsers, parents: Parents) -> None:
     p.add_argument("--to", choices=("xla_ckpt", "dcp"), default="xla_ckpt",
                    help="what to write (default: xla_ckpt)")
     p.add_argument("--layout", choices=("auto", "fairseq", "raw", "model"), default="auto",
-                   help="how to store the loaded object (default: auto)")
+                   help="how to store the loaded object: auto/raw as saved, fairseq "
+                        "upgrades an old fairseq layout, model wraps a bare state_dict "
+                        "(default: auto)")
     p.add_argument("--keep-numpy-scalars", action="store_true",
                    help="keep numpy scalars instead of converting them to Python numbers")
     p.add_argument("--unsafe-trust-pickle", action="store_true",
@@ -121,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                                           unsafe_trust_pickle=args.unsafe_trust_pickle,
                                           progress=bar.update)
                 state, metadata = legacy.state, dict(legacy.metadata)
-                kind = ("fairseq " if legacy.fairseq else "") + legacy.kind
+                kind = ("fairseq " if legacy.fairseq else "") + legacy.kind + \
+                    (f", upgraded: {len(legacy.upgraded)} change(s)" if legacy.upgraded else "")
             else:
                 if args.layout == "fairseq":
                     raise UsageError(f"{resolved.checkpoint} is {resolved.what}, not a fairseq "

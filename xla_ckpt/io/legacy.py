@@ -10,7 +10,7 @@ object is fetched with parallel byte-range reads through :mod:`xla_ckpt.storage`
 For the trainer restore::
 
     if is_legacy_file(uri):
-        state = load_legacy_checkpoint(uri)      # fairseq layout, CPU tensors
+        state = load_legacy_checkpoint(uri)      # a fairseq file in its current layout
 """
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format import typed
 from xla_ckpt.format.crc import crc32c
-from xla_ckpt.format.legacy import Layout, LegacyFile, load_legacy, sniff_format
+from xla_ckpt.format.legacy import (
+    Layout,
+    LegacyFile,
+    load_legacy,
+    sniff_format,
+    upgrade_fairseq_state,
+)
 from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.io.catalog import pointer_name, read_pointer, write_pointer
 from xla_ckpt.io.reader import read_manifest
@@ -223,18 +229,25 @@ def load_legacy_file(uri: str, *, layout: Layout = "auto", keep_numpy_scalars: b
 def load_legacy_checkpoint(uri: str, *, config: StorageConfig | None = None) -> Any:
     """The state of the legacy fairseq/``torch.save`` ``.pt`` at ``uri``, for the trainer restore.
 
-    A fairseq file comes back upgraded to the current fairseq layout (``model``,
-    ``optimizer_history``, ``last_optimizer_state``, ``extra_state`` with
-    ``train_iterator``, ``args``/``cfg``); CPU tensors; numpy scalars as Python
-    numbers.  Called by any rank that reads storage (every rank on TPU, rank 0
-    on the broadcast path).
+    A fairseq file (recognised by fairseq's own fields,
+    :func:`~xla_ckpt.format.legacy.fairseq_vintage`) comes back in the current fairseq
+    layout (``model``, ``optimizer_history``, ``last_optimizer_state``, ``extra_state``
+    with ``train_iterator``; an old one upgraded, each change logged at WARNING); any
+    other file exactly as saved.  CPU tensors; numpy scalars as Python numbers.  Called by
+    any rank that reads storage (every rank on TPU, rank 0 on the broadcast path).
 
     Raises:
         CheckpointNotFoundError: no such object.
         UnsafePickleError: the file names a class outside the allow-list.
         CheckpointCorruptError: malformed, truncated or hostile file.
     """
-    return load_legacy_file(uri, config=config).state
+    legacy = load_legacy_file(uri, config=config)
+    if not legacy.fairseq:
+        return legacy.state
+    state, changes = upgrade_fairseq_state(legacy.state, where=uri)
+    for change in changes:
+        logger.warning("%s: fairseq upgrade for the trainer restore: %s", uri, change)
+    return state
 
 
 # ---- a whole fairseq run folder ---------------------------------------------------------------

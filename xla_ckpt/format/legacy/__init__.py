@@ -29,14 +29,17 @@ Where each part lives:
 * :mod:`~xla_ckpt.format.legacy.unpickle` -- the allow-list (:data:`ALLOWED_GLOBALS`,
   why each global is on it), the static scan, the restricted ``torch.load`` and the
   bounded walk that turns the loaded objects into plain values;
-* :mod:`~xla_ckpt.format.legacy.fairseq` -- the fairseq layout upgrade
-  (:func:`upgrade_fairseq_state`) and its ``args -> cfg`` decision;
+* :mod:`~xla_ckpt.format.legacy.fairseq` -- recognising a fairseq checkpoint by
+  fairseq's own fields (:func:`fairseq_vintage`) and the layout upgrade
+  (:func:`upgrade_fairseq_state`), which runs only when asked by name or on the
+  trainer's restore path (a load returns what was saved, CASES C24);
 * :mod:`~xla_ckpt.format.legacy.layouts` -- the import layouts and the entry point,
   :func:`load_legacy`.
 """
 
 from xla_ckpt.format.legacy.fairseq import (
     fairseq_metadata,
+    fairseq_vintage,
     looks_like_fairseq,
     upgrade_fairseq_state,
 )
@@ -53,7 +56,7 @@ from xla_ckpt.format.legacy.unpickle import (
 
 __all__ = [
     "ALLOWED_GLOBALS", "MAX_EXPANSION_BYTES", "REFUSED_DEFAULT_GLOBALS", "Kind", "Layout",
-    "LegacyFile", "Source", "fairseq_metadata", "load_legacy", "load_safetensors_file",
-    "load_torch_file", "looks_like_fairseq", "scan_pickle", "sniff_format",
-    "upgrade_fairseq_state",
+    "LegacyFile", "Source", "fairseq_metadata", "fairseq_vintage", "load_legacy",
+    "load_safetensors_file", "load_torch_file", "looks_like_fairseq", "scan_pickle",
+    "sniff_format", "upgrade_fairseq_state",
 ]

@@ -1,149 +1,240 @@
-"""The fairseq checkpoint upgrade: recognise a fairseq state dict and bring it to today's layout.
+"""fairseq checkpoints: recognise one exactly, and bring an old one to today's layout on request.
 
-:func:`upgrade_fairseq_state` follows fairseq's
-``checkpoint_utils._upgrade_state_dict``: ``optimizer_history`` and
-``last_optimizer_state`` are synthesised for the oldest layouts, top-level
-``epoch``/``batch_offset``/``val_loss`` move into ``extra_state``,
-``optimizer_name``/``lr_scheduler_state``/``num_updates`` are filled,
-``extra_state["train_iterator"]`` is synthesised (``version`` 1, fairseq's
-default when absent) and ``previous_training_time`` defaults to 0.0; the
-Namespace-level renames fairseq applies (``max_positions``,
-``remove_bpe``->``post_process``, ``min_lr``->``stop_min_lr``, float ``lr`` ->
-``[lr]``, ...) are applied to ``args``.  **args -> cfg decision:** ``args``
-stays an ``argparse.Namespace``; when the file has no ``cfg``, ``cfg`` becomes
-a *flat* ``dict`` copy of ``vars(args)`` (fairseq groups it with its dataclass
-registry, which needs fairseq itself); a ``cfg`` dict in newer files is kept
-as it is.
+**Recognition** (:func:`looks_like_fairseq`, :func:`fairseq_vintage`) is by the
+fields fairseq itself writes, with their exact shapes (``checkpoint_utils.save_state``
+and ``_upgrade_state_dict``), never by ``model`` plus ``args``/``cfg`` alone: MAE,
+DeiT, DINO and most ``torch.save`` training loops write
+``{"model", "optimizer", "epoch", "args"}`` too (CASES C24).  A dict is fairseq's
+when it holds a ``model`` mapping and either
 
-The names the upgrade fills for the oldest layouts (``optimizer_name``
-``FairseqNAG``, ``criterion_name`` ``CrossEntropyCriterion``) are fairseq's;
-the trainer restore maps them onto torch (``FairseqNAG`` -> nesterov ``SGD``,
-see :mod:`xla_ckpt.trainer.fairseq_compat`; a criterion name is checked per
-``CheckpointerConfig.criterion_check``).
+* ``optimizer_history``: a non-empty list of dicts, each with a ``criterion_name``
+  (str or None) and only fairseq's history fields: ``optimizer_name`` (str),
+  ``lr_scheduler_state`` (dict or None), ``num_updates`` (int), ``optimizer`` (an
+  ``optimizer.state_dict()``), ``best_loss`` (number or None); with
+  ``last_optimizer_state``, when present, an optimizer state (dict with
+  ``param_groups``) or None, and ``extra_state``, when present, a dict (or None)
+  whose ``train_iterator``, when present, is a dict or None;
+* or the 2017 fairseq-py layout, whose keys are exactly ``args`` (an
+  ``argparse.Namespace``), ``model``, ``optimizer`` (an optimizer state),
+  ``best_loss`` (number or None), ``epoch``, ``batch_offset`` and ``val_loss``: what
+  fairseq's own upgrade requires of a file without ``optimizer_history`` (it raises
+  KeyError on anything less).
+
+A dict holding ``last_optimizer_state`` or ``extra_state`` without a history is not
+fairseq's: fairseq writes ``optimizer_history`` into every file that has them (and its
+upgrade fails on such a file).
+
+**The upgrade** (:func:`upgrade_fairseq_state`) runs only when asked by name
+(``layout="fairseq"``, ``xla-ckpt convert --layout fairseq``) or on the trainer's
+restore path (:class:`~xla_ckpt.trainer.Checkpointer`), never in ``xla_ckpt.load``,
+``xla-ckpt inspect`` or ``convert``'s default layout, which return what was saved.
+It does fairseq's *moves* of values the file holds: ``optimizer`` ->
+``last_optimizer_state``, top-level ``best_loss`` into the history (then into
+``lr_scheduler_state["best"]``), ``epoch``/``batch_offset``/``val_loss`` into
+``extra_state``, an ``optimizer`` kept in the history -> ``last_optimizer_state``,
+``extra_state["train_iterator"]`` from ``epoch``/``batch_offset``.  It fills only the
+names the oldest files lack and the trainer needs (``criterion_name``,
+``optimizer_name``: from ``args.criterion`` / ``args.optimizer`` when they name one,
+else fairseq's own defaults ``CrossEntropyCriterion`` / ``FairseqNAG``) and
+``num_updates`` 0 (fairseq's), and every change is returned as a line the caller logs.
+Unlike fairseq it leaves ``args`` as saved (no ``lr`` -> ``[lr]``, no
+``task='translation'``, no renames: those only feed fairseq's omegaconf ``cfg``,
+which is not built here) and adds no ``cfg``, iterator ``version`` or
+``previous_training_time``.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from xla_ckpt.errors import CheckpointCorruptError
 
+HISTORY_FIELDS = ("criterion_name", "optimizer_name", "lr_scheduler_state", "num_updates",
+                  "optimizer", "best_loss")
+"""The keys fairseq writes in an ``optimizer_history`` entry (any vintage)."""
+
+OLDEST_KEYS = ("args", "model", "optimizer", "best_loss", "epoch", "batch_offset", "val_loss")
+"""The keys of a 2017 fairseq-py checkpoint (no ``optimizer_history``)."""
+
+_OLDEST_EPOCH_KEYS = ("epoch", "batch_offset", "val_loss")
+
+# fairseq --optimizer / --criterion registry names -> the class names fairseq records.
+_OPTIMIZER_CLASS = {"nag": "FairseqNAG", "adam": "FairseqAdam", "sgd": "SGD",
+                    "adagrad": "Adagrad", "adadelta": "Adadelta"}
+_CRITERION_CLASS = {"cross_entropy": "CrossEntropyCriterion",
+                    "label_smoothed_cross_entropy": "LabelSmoothedCrossEntropyCriterion"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number_or_none(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _is_optimizer_state(v: Any) -> bool:
+    return isinstance(v, Mapping) and isinstance(v.get("param_groups"), list)
+
+
+_FIELD_OK = {
+    "criterion_name": lambda v: v is None or isinstance(v, str),
+    "optimizer_name": lambda v: isinstance(v, str),
+    "lr_scheduler_state": lambda v: v is None or isinstance(v, Mapping),
+    "num_updates": _is_int,
+    "optimizer": _is_optimizer_state,
+    "best_loss": _is_number_or_none,
+}
+
+
+def _history_entry_ok(h: Any) -> bool:
+    return isinstance(h, Mapping) and "criterion_name" in h and \
+        all(k in _FIELD_OK and _FIELD_OK[k](v) for k, v in h.items())
+
+
+def fairseq_vintage(obj: Any) -> Optional[str]:
+    """``"current"``, ``"old"`` (an upgrade would move fields) or None (not fairseq's).
+
+    The rules are the module docstring's; values are checked after the allow-listed
+    load (numpy scalars already Python numbers unless kept).
+    """
+    if not isinstance(obj, Mapping) or not isinstance(obj.get("model"), Mapping):
+        return None
+    if "optimizer_history" in obj:
+        hist = obj["optimizer_history"]
+        if not isinstance(hist, list) or not hist or not all(map(_history_entry_ok, hist)):
+            return None
+        if "last_optimizer_state" in obj and obj["last_optimizer_state"] is not None and \
+                not _is_optimizer_state(obj["last_optimizer_state"]):
+            return None
+        extra = obj.get("extra_state")
+        if extra is not None and not isinstance(extra, Mapping):
+            return None
+        it = extra.get("train_iterator") if isinstance(extra, Mapping) else None
+        if it is not None and not isinstance(it, Mapping):
+            return None
+        return "old" if _needs_upgrade(obj) else "current"
+    if set(obj) != set(OLDEST_KEYS):
+        return None
+    if not isinstance(obj["args"], argparse.Namespace) or \
+            not _is_optimizer_state(obj["optimizer"]) or not _is_number_or_none(obj["best_loss"]):
+        return None
+    return "old"
+
+
+def _needs_upgrade(obj: Mapping) -> bool:
+    hist = obj["optimizer_history"]
+    last = hist[-1]
+    if any("optimizer" in h for h in hist) or \
+            any(k not in last for k in ("optimizer_name", "lr_scheduler_state", "num_updates")):
+        return True
+    if "epoch" in obj and "extra_state" not in obj:
+        return True
+    extra = obj.get("extra_state")
+    return isinstance(extra, Mapping) and "train_iterator" not in extra and "epoch" in extra
+
 
 def looks_like_fairseq(obj: Any) -> bool:
-    """True for a fairseq ``Trainer``/``checkpoint_utils.save_state`` dict (any vintage)."""
-    if not isinstance(obj, dict) or "model" not in obj:
-        return False
-    return any(k in obj for k in ("optimizer_history", "args", "cfg", "extra_state",
-                                  "last_optimizer_state", "best_loss"))
+    """True when ``obj`` is a fairseq checkpoint dict of any vintage (:func:`fairseq_vintage`)."""
+    return fairseq_vintage(obj) is not None
 
 
-def upgrade_fairseq_state(state: dict, *, where: str = "<state>") -> dict:
-    """Bring a fairseq checkpoint dict to the current layout, in place (fairseq
-    ``checkpoint_utils._upgrade_state_dict`` semantics; see the module docstring).
+def upgrade_fairseq_state(state: dict, *, where: str = "<state>") -> tuple[dict, list[str]]:
+    """Bring a fairseq checkpoint dict to the current layout (module docstring).
+
+    Returns a new top-level dict (history entries and ``extra_state`` copied where they
+    change; tensors and ``args`` are the same objects) and the list of changes made, one
+    line each, for the caller to log; an empty list for a current-layout file.
 
     Raises:
-        CheckpointCorruptError: a key the upgrade needs has the wrong type (names it).
+        CheckpointCorruptError: ``state`` is not a fairseq checkpoint
+            (:func:`fairseq_vintage`); names the keys found.
     """
-    def need(cond: bool, what: str) -> None:
-        if not cond:
-            raise CheckpointCorruptError(f"{where}: fairseq checkpoint field {what} is malformed")
-
-    if "optimizer_history" not in state:
-        state["optimizer_history"] = [{"criterion_name": "CrossEntropyCriterion",
-                                       "best_loss": state.pop("best_loss", None)}]
-        if "optimizer" in state:
-            state["last_optimizer_state"] = state.pop("optimizer")
-    if "epoch" in state and "extra_state" not in state:
-        state["extra_state"] = {k: state.pop(k, None)
-                                for k in ("epoch", "batch_offset", "val_loss")}
-    hist = state["optimizer_history"]
-    need(isinstance(hist, list) and bool(hist) and all(isinstance(h, dict) for h in hist),
-         "optimizer_history (a non-empty list of dicts)")
+    vintage = fairseq_vintage(state)
+    if vintage is None:
+        shown = sorted(map(str, state))[:12] if isinstance(state, Mapping) else \
+            type(state).__name__
+        raise CheckpointCorruptError(
+            f"{where}: not a fairseq checkpoint (keys: {shown}); fairseq writes "
+            "optimizer_history with criterion_name/optimizer_name/lr_scheduler_state/"
+            "num_updates entries (or, in 2017, exactly args, model, optimizer, best_loss, "
+            "epoch, batch_offset, val_loss)")
+    if vintage == "current":
+        return dict(state), []
+    out = dict(state)
+    changes: list[str] = []
+    args = out.get("args")
+    if "optimizer_history" not in out:
+        reg = getattr(args, "criterion", None)
+        named = _CRITERION_CLASS.get(reg) if isinstance(reg, str) else None
+        crit = named or "CrossEntropyCriterion"
+        out["optimizer_history"] = [{"criterion_name": crit, "best_loss": out.pop("best_loss")}]
+        out["last_optimizer_state"] = out.pop("optimizer")
+        changes.append("optimizer -> last_optimizer_state; best_loss -> optimizer_history[0]")
+        src = "from args.criterion" if named else "fairseq default"
+        changes.append(f"optimizer_history[0]['criterion_name'] = {crit!r} (the file names "
+                       f"none; {src})")
+    if "epoch" in out and "extra_state" not in out:
+        out["extra_state"] = {k: out.pop(k) for k in _OLDEST_EPOCH_KEYS if k in out}
+        changes.append(f"{', '.join(out['extra_state'])} -> extra_state")
+    hist = [dict(h) for h in out["optimizer_history"]]
+    out["optimizer_history"] = hist
     last = hist[-1]
     if "optimizer" in last:
-        state["last_optimizer_state"] = last["optimizer"]
-        for h in hist:
-            h.pop("optimizer", None)
-    last.setdefault("optimizer_name", "FairseqNAG")
+        out["last_optimizer_state"] = last["optimizer"]
+        changes.append("optimizer_history[-1]['optimizer'] -> last_optimizer_state")
+    for h in hist:
+        h.pop("optimizer", None)
+    if "optimizer_name" not in last:
+        reg = getattr(args, "optimizer", None)
+        name = _OPTIMIZER_CLASS.get(reg) if isinstance(reg, str) else None
+        last["optimizer_name"] = name or "FairseqNAG"
+        changes.append(f"optimizer_history[-1]['optimizer_name'] = {last['optimizer_name']!r} "
+                       f"(the file names none; "
+                       f"{'from args.optimizer' if name else 'fairseq default'})")
     if "lr_scheduler_state" not in last:
         last["lr_scheduler_state"] = {"best": last.pop("best_loss", None)}
-    last.setdefault("num_updates", 0)
-
-    extra = state.setdefault("extra_state", {})
-    if extra is None:
-        extra = state["extra_state"] = {}
-    need(isinstance(extra, dict), "extra_state (a dict)")
-    if "train_iterator" not in extra:
-        extra["train_iterator"] = {"epoch": extra.get("epoch", 0),
+        changes.append("optimizer_history[-1]['best_loss'] -> lr_scheduler_state['best']")
+    if "num_updates" not in last:
+        last["num_updates"] = 0
+        changes.append("optimizer_history[-1]['num_updates'] = 0 (fairseq default)")
+    extra = out.get("extra_state")
+    if isinstance(extra, Mapping) and "train_iterator" not in extra and "epoch" in extra:
+        extra = out["extra_state"] = dict(extra)
+        extra["train_iterator"] = {"epoch": extra["epoch"],
                                    "iterations_in_epoch": extra.get("batch_offset", 0)}
-    it = extra["train_iterator"]
-    if it is not None:
-        need(isinstance(it, dict), "extra_state['train_iterator'] (a dict)")
-        it.setdefault("version", 1)
-    extra.setdefault("previous_training_time", 0.0)
-
-    args = state.get("args")
-    if args is not None:
-        need(isinstance(args, argparse.Namespace), "args (an argparse.Namespace)")
-        _upgrade_args(args)
-        if it is not None:
-            epoch = it.get("epoch", 1)
-            it["epoch"] = max(epoch if isinstance(epoch, int) else 1, 1)
-        if state.get("cfg") is None:
-            state["cfg"] = dict(vars(args))
-    return state
+        changes.append("extra_state['train_iterator'] from epoch/batch_offset")
+    return out, changes
 
 
-def _upgrade_args(args: argparse.Namespace) -> None:
-    """The Namespace renames of fairseq ``_upgrade_state_dict`` that need no fairseq registry."""
-    if hasattr(args, "max_positions") and not hasattr(args, "max_source_positions"):
-        args.max_source_positions = args.max_positions
-        args.max_target_positions = args.max_positions
-    if not hasattr(args, "task"):
-        args.task = "translation"
-    if getattr(args, "raw_text", False):
-        args.dataset_impl = "raw"
-    elif getattr(args, "lazy_load", False):
-        args.dataset_impl = "lazy"
-    if hasattr(args, "remove_bpe"):
-        args.post_process = args.remove_bpe
-    if hasattr(args, "min_lr"):
-        args.stop_min_lr = args.min_lr
-        del args.min_lr
-    if getattr(args, "criterion", None) in ("binary_cross_entropy", "kd_binary_cross_entropy"):
-        args.criterion = "wav2vec"
-    if hasattr(args, "log_keys") and args.log_keys is None:
-        del args.log_keys
-    if getattr(args, "task", None) == "speech_pretraining":
-        args.task = "audio_pretraining"
-    if getattr(args, "arch", None) == "audio_cpc":
-        args.arch = "wav2vec"
-    if isinstance(getattr(args, "lr", None), float):
-        args.lr = [args.lr]
-    data = getattr(args, "data", None)
-    if isinstance(data, list) and data:
-        args.data = data[0]
+def fairseq_metadata(state: Mapping) -> dict:
+    """``num_updates``/``epoch``/``iterations_in_epoch``/``loss`` of a fairseq state.
 
-
-def fairseq_metadata(state: dict) -> dict:
-    """``num_updates``/``epoch``/``iterations_in_epoch``/``loss`` of an upgraded fairseq state."""
+    Reads either layout without changing it: an upgraded (current) one, or the
+    fields an old one keeps at the top level or in ``extra_state``.
+    """
     md: dict = {}
     hist = state.get("optimizer_history")
-    if isinstance(hist, list) and hist and isinstance(hist[-1], dict):
+    if isinstance(hist, list) and hist and isinstance(hist[-1], Mapping):
         n = hist[-1].get("num_updates")
-        if isinstance(n, int) and not isinstance(n, bool):
+        if _is_int(n):
             md["num_updates"] = n
     extra = state.get("extra_state")
-    if isinstance(extra, dict):
-        it = extra.get("train_iterator")
-        if isinstance(it, dict):
-            for k in ("epoch", "iterations_in_epoch"):
-                if isinstance(it.get(k), int) and not isinstance(it.get(k), bool):
-                    md[k] = it[k]
-        loss = extra.get("val_loss")
-        if isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss):
-            md["loss"] = float(loss)
+    src: Mapping = extra if isinstance(extra, Mapping) else state
+    it = src.get("train_iterator")
+    if isinstance(it, Mapping):
+        for k in ("epoch", "iterations_in_epoch"):
+            if _is_int(it.get(k)):
+                md[k] = it[k]
+    else:
+        if _is_int(src.get("epoch")):
+            md["epoch"] = src["epoch"]
+        if _is_int(src.get("batch_offset")):
+            md["iterations_in_epoch"] = src["batch_offset"]
+    loss = src.get("val_loss")
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss):
+        md["loss"] = float(loss)
     return md
-
