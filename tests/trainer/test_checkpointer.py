@@ -16,6 +16,7 @@ from trainer_utils import (
     build_adamw,
     inverse_sqrt,
     make_checkpointer,
+    refused,
     train_step,
 )
 
@@ -261,7 +262,7 @@ def test_criterion_class_mismatch_names_both_and_suggests_reset(local_dir):
     fresh.criterion = OtherMSE()
     with pytest.raises(StateMismatchError) as e:
         fresh.load_checkpoint(local_dir)
-    assert str(e.value) == (
+    assert str(e.value) == refused(
         f"{local_dir}: criterion does not match the checkpoint: saved TemperatureMSE, live "
         "OtherMSE; pass reset_optimizer=True to restore the weights with a fresh optimizer")
     fresh.load_checkpoint(local_dir, reset_optimizer=True)
@@ -275,7 +276,7 @@ def test_optimizer_class_mismatch_names_both_and_suggests_reset(local_dir):
     fresh._optimizer = None
     with pytest.raises(StateMismatchError) as e:
         fresh.load_checkpoint(local_dir)
-    assert str(e.value) == (
+    assert str(e.value) == refused(
         f"{local_dir}: optimizer does not match the checkpoint: saved AdamW, live SGD; pass "
         "reset_optimizer=True to restore the weights with a fresh optimizer")
 
@@ -353,8 +354,12 @@ def test_not_a_trainer_checkpoint(local_dir):
     xla_ckpt.save({"weights": torch.ones(2)}, local_dir)
     with pytest.raises(StateMismatchError) as e:
         make_checkpointer(7).load_checkpoint(local_dir)
-    assert str(e.value) == (f"{local_dir}: not a trainer checkpoint (no 'model' entry; keys: "
-                            "['weights']); load it with xla_ckpt.load instead")
+    assert str(e.value) == refused(
+        f"{local_dir}: not a trainer checkpoint: it holds keys weights and no 'model' "
+        "state_dict. A Checkpointer restores fairseq's / its own layout or a torch.save dict "
+        "with a 'model' entry (and at most one optimizer.state_dict()); load this one with "
+        "xla_ckpt.load and pick its entries yourself (e.g. "
+        "model.load_state_dict(state['student'])).")
 
 
 def test_c11_meta_model_restores_through_the_checkpointer(local_dir):

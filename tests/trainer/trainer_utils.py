@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from xla_ckpt.trainer import Checkpointer, CheckpointerConfig, Metrics
+from xla_ckpt.trainer.restore_checks import NOTHING_RESTORED, ends
 
 D_MODEL = 16
 SEQ = 5
@@ -113,3 +114,8 @@ def training_part(ckpt: Checkpointer) -> dict:
             "last_optimizer_state": sd["last_optimizer_state"],
             "lr_scheduler_state": sd["optimizer_history"][-1]["lr_scheduler_state"],
             "num_updates": sd["optimizer_history"][-1]["num_updates"]}
+
+
+def refused(message: str) -> str:
+    """The text of a restore refused before anything was loaded (issue 25 defect 5)."""
+    return ends(message, NOTHING_RESTORED)

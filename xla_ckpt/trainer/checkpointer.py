@@ -259,4 +259,6 @@ class Checkpointer(SaveState, RestoreState):
         self.rank_state = None
         self._restore_built = None
         self._restore_was_empty = False
+        self._restore_call = (False, False, "")
+        self._sharded_read_in_place = False
 

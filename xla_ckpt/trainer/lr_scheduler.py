@@ -174,39 +174,64 @@ def load_lr_scheduler_state(scheduler: Any, state: Any, *, num_updates: int,
             never a bare ``KeyError``.
     """
     loc = f"{where}: " if where else ""
+    how = _plan_load(scheduler, state, num_updates=num_updates, loc=loc,
+                     map_fairseq=map_fairseq)
+    if how == "plain":
+        _plain_load(scheduler, state, loc)
+        return False
+    new = dict(scheduler.state_dict())
+    if how == "plateau":
+        if state.get("best") is not None:
+            new["best"] = state["best"]
+        if isinstance(state.get("last_epoch"), int):
+            new["last_epoch"] = state["last_epoch"]
+        scheduler.load_state_dict(new)
+        return False
+    new.update(last_epoch=num_updates, _step_count=num_updates + 1)
+    scheduler.load_state_dict(new)
+    # every CLOSED_FORM_SCHEDULERS class defines _get_closed_form_lr
+    scheduler._last_lr = list(scheduler._get_closed_form_lr())
+    return True
+
+
+def check_lr_scheduler_state(scheduler: Any, state: Any, *, num_updates: int, where: str = "",
+                             map_fairseq: bool = True) -> None:
+    """The decision of :func:`load_lr_scheduler_state`, with nothing loaded.
+
+    The trainer restore calls it before the model is loaded.  A plain load into a
+    fairseq-style or non-torch scheduler is that scheduler's own ``load_state_dict``,
+    which can still refuse later; every other refusal is raised here.
+
+    Raises:
+        StateMismatchError: as :func:`load_lr_scheduler_state`.
+    """
+    _plan_load(scheduler, state, num_updates=num_updates, loc=f"{where}: " if where else "",
+               map_fairseq=map_fairseq)
+
+
+def _plan_load(scheduler: Any, state: Any, *, num_updates: int, loc: str,
+               map_fairseq: bool) -> str:
+    """``"plain"``, ``"plateau"`` or ``"closed_form"``: how ``state`` goes into ``scheduler``."""
     torch_sched = isinstance(scheduler, (torch.optim.lr_scheduler.LRScheduler,
                                          torch.optim.lr_scheduler.ReduceLROnPlateau))
     name = type(scheduler).__name__
     if not torch_sched or is_fairseq_style(scheduler):
-        _plain_load(scheduler, state, loc)
-        return False
+        return "plain"
     live = scheduler.state_dict()
     saved: Mapping = state if isinstance(state, Mapping) else {}
     saved_keys = set(map(str, saved))
     if isinstance(state, Mapping) and set(live) <= saved_keys:
-        _plain_load(scheduler, state, loc)
-        return False
+        return "plain"
     missing = sorted(set(live) - saved_keys)
     extra = sorted(saved_keys - set(live))
     fairseq_layout = isinstance(state, Mapping) and saved_keys <= set(FAIRSEQ_SCHEDULER_KEYS)
     from_torch = type(scheduler).__module__ == "torch.optim.lr_scheduler" and map_fairseq
     if fairseq_layout and from_torch and isinstance(
             scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        new = dict(live)
-        if saved.get("best") is not None:
-            new["best"] = saved["best"]
-        if isinstance(saved.get("last_epoch"), int):
-            new["last_epoch"] = saved["last_epoch"]
-        scheduler.load_state_dict(new)
-        return False
+        return "plateau"
     if fairseq_layout and from_torch and name in CLOSED_FORM_SCHEDULERS \
             and isinstance(num_updates, int) and num_updates >= 0:
-        new = dict(live)
-        new.update(last_epoch=num_updates, _step_count=num_updates + 1)
-        scheduler.load_state_dict(new)
-        # every CLOSED_FORM_SCHEDULERS class defines _get_closed_form_lr
-        scheduler._last_lr = list(scheduler._get_closed_form_lr())
-        return True
+        return "closed_form"
     if fairseq_layout and not map_fairseq:
         why = ("a fairseq lr_scheduler_state is mapped onto torch schedulers only with "
                "fairseq_compat=True")

@@ -169,6 +169,30 @@ def load_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any], *,
             the keys and what to pass if the change is intended.
         ConfigError: an unknown ``dtype_policy``.
     """
+    state_dict, report = prepare_module_state(module, state_dict, what=what, where=where,
+                                              strip_prefixes=strip_prefixes,
+                                              dtype_policy=dtype_policy)
+    apply_module_state(module, state_dict, report, what=what, where=where, device=device)
+    return report
+
+
+def prepare_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any], *,
+                         what: str = "model", where: str = "", strip_prefixes: bool = False,
+                         dtype_policy: str = "error") -> tuple[Mapping[str, Any],
+                                                               ModuleLoadReport]:
+    """Steps 1-4 of :func:`load_module_state`: every check, nothing written to ``module``.
+
+    The trainer restore calls it for the model and the criterion before either is
+    loaded, so a mismatch in the criterion leaves the model untouched (CASES C24's
+    sibling, issue 25 defect 5).
+
+    Returns:
+        The state_dict to load (prefixes stripped, tied keys filled) and the report so far;
+        pass both to :func:`apply_module_state`.
+
+    Raises:
+        StateMismatchError / ConfigError: as :func:`load_module_state`.
+    """
     check_dtype_policy(dtype_policy)
     report = ModuleLoadReport()
     loc = f"{where}: " if where else ""
@@ -241,7 +265,20 @@ def load_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any], *,
         if dtype_policy == "warn":
             logger.warning("%snarrowing cast while loading the %s state (values change): %s",
                            loc, what, _listing(pairs))
+    return state_dict, report
 
+
+def apply_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any],
+                       report: ModuleLoadReport, *, what: str = "model", where: str = "",
+                       device: torch.device | str | None = None) -> None:
+    """Steps 5-6 of :func:`load_module_state`, on what :func:`prepare_module_state` returned.
+
+    Raises:
+        RuntimeError: only what ``module.load_state_dict`` itself raises (a custom hook).
+    """
+    loc = f"{where}: " if where else ""
+    saved_set = set(state_dict)
+    live = _tensors_of(module)
     if _has_meta(module):
         dev = torch.device(device) if device is not None else torch.device("cpu")
         module.to_empty(device=dev)
@@ -259,7 +296,6 @@ def load_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any], *,
             t = live[k]
             t.data = torch.empty(t.shape, dtype=state_dict[k].dtype, device=t.device)
     module.load_state_dict(state_dict, strict=True)
-    return report
 
 
 def saved_records(item: Item) -> Any:

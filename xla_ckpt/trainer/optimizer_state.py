@@ -34,6 +34,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from xla_ckpt.errors import StateMismatchError
+from xla_ckpt.format.manifest import TensorRecord
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +55,18 @@ def check_live_params(optimizer: torch.optim.Optimizer, live_params: Iterable[to
             "build_optimizer so the restore rebuilds it.")
 
 
-def _fits(state: torch.Tensor, param: torch.Tensor, builtin: bool) -> bool:
-    """Whether a per-parameter state tensor can belong to ``param``.
+def _fits(state: tuple[int, ...], param: tuple[int, ...], builtin: bool) -> bool:
+    """Whether a per-parameter state tensor of shape ``state`` can belong to a parameter of
+    shape ``param``.
 
     Same number of dimensions: each dimension equals the parameter's or is 1
     (factored state such as Adafactor's row/column variance).  Another number
     of dimensions: only 0-d, or any shape for optimizers outside
     ``torch.optim`` (their state layout is unknown).
     """
-    if state.dim() == param.dim():
-        return all(s == d or s == 1 for s, d in zip(state.shape, param.shape, strict=True))
-    return state.dim() == 0 or not builtin
+    if len(state) == len(param):
+        return all(s == d or s == 1 for s, d in zip(state, param, strict=True))
+    return len(state) == 0 or not builtin
 
 
 def _param_list(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -142,6 +144,115 @@ def _indexed_groups(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+SUGGESTION = ("pass reset_optimizer=True to start the optimizer afresh (the model weights are "
+              "still restored)")
+
+
+def _shape_of(v: Any) -> tuple[int, ...] | None:
+    """The shape of a state tensor, or of its manifest record (no bytes read); None otherwise."""
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape)
+    if isinstance(v, TensorRecord):
+        return tuple(v.shape)
+    return None
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Any, *,
+                          where: str = "") -> None:
+    """Every check of :func:`load_optimizer_state`, with nothing loaded.
+
+    ``state_dict`` may hold tensors or their manifest :class:`TensorRecord`s (the trainer
+    checks a checkpoint's records before any byte is read).  ``optimizer`` only gives the
+    live structure (class, param groups, parameter shapes): a probe built like the live one
+    serves.
+
+    Raises:
+        StateMismatchError: not an ``optimizer.state_dict()``; another number of param
+            groups or of parameters in a group; a saved state key no saved group lists; a
+            state tensor that does not fit its parameter's shape.  Names the checkpoint and
+            suggests ``reset_optimizer=True``.
+    """
+    loc = f"{where}: " if where else ""
+    suggestion = SUGGESTION
+    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    saved_state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    if not isinstance(saved_groups, list) or not isinstance(saved_state, Mapping) or \
+            not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
+                    for g in saved_groups):
+        raise StateMismatchError(f"{loc}the saved optimizer state is not an optimizer.state_dict() "
+                                 f"(needs 'state' and 'param_groups'); {suggestion}")
+    live_groups = optimizer.param_groups
+    if len(saved_groups) != len(live_groups):
+        raise StateMismatchError(
+            f"{loc}the saved optimizer has {len(saved_groups)} param group(s), the live one "
+            f"{len(live_groups)}; {suggestion}")
+    for i, (sg, lg) in enumerate(zip(saved_groups, live_groups, strict=True)):
+        if len(sg["params"]) != len(lg["params"]):
+            raise StateMismatchError(
+                f"{loc}param group {i} holds {len(sg['params'])} parameters in the checkpoint and "
+                f"{len(lg['params'])} in the live optimizer; {suggestion}")
+
+    saved_ids = [pid for g in saved_groups for pid in g["params"]]
+    builtin = type(optimizer).__module__.startswith("torch.optim")
+    check_saved_state_keys(saved_state, saved_ids, loc, suggestion, builtin=builtin)
+
+    by_id = dict(zip(saved_ids, _param_list(optimizer), strict=True))
+    for pid, st in saved_state.items():
+        p = by_id.get(pid)
+        if p is None or not isinstance(st, Mapping):
+            continue
+        for name, v in st.items():
+            shape = _shape_of(v)
+            if shape is None or name == "step":
+                continue
+            if not _fits(shape, tuple(p.shape), builtin):
+                raise StateMismatchError(
+                    f"{loc}optimizer state {name!r} of parameter {pid} has shape {list(shape)} "
+                    f"but the live parameter has shape {list(p.shape)}; the model's parameters "
+                    f"changed or are in another order; {suggestion}")
+
+
+def check_param_group_keys(optimizer: torch.optim.Optimizer, state_dict: Any, *,
+                           where: str = "") -> None:
+    """Refuse a saved optimizer state whose param groups hold keys the live class's lack.
+
+    For a state saved without its optimizer's class name (a plain ``torch.save`` dict such
+    as MAE's ``{"model", "optimizer", "epoch", "args"}``), the param-group hyperparameters
+    are the class's signature: AdamW's ``betas``/``eps``/``amsgrad`` are no SGD's, SGD's
+    ``momentum``/``nesterov`` no Adam's.  A key the live groups lack means another class
+    (keys the saved groups lack are torch-version additions, which torch fills on load).
+    torch's ``Adam`` and ``AdamW`` share their keys and differ by
+    ``decoupled_weight_decay``, which must then agree too.
+
+    Raises:
+        StateMismatchError: names the keys, the live class and what to pass.
+    """
+    loc = f"{where}: " if where else ""
+    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not isinstance(saved_groups, list):
+        return  # check_optimizer_state names the malformed state
+    live = optimizer.param_groups[0] if optimizer.param_groups else {}
+    name = type(optimizer).__name__
+    for gi, g in enumerate(saved_groups):
+        if not isinstance(g, Mapping):
+            continue
+        extra = sorted(str(k) for k in g if k != "params" and k not in live)
+        if extra:
+            raise StateMismatchError(
+                f"{loc}the saved optimizer state names no optimizer class, and its param group "
+                f"{gi} holds {', '.join(extra)}, which the live torch.optim.{name}'s groups "
+                f"lack: it was saved from another optimizer class. Build the class it was saved "
+                f"from, or {SUGGESTION}")
+        dwd = "decoupled_weight_decay"
+        if dwd in g and dwd in live and bool(g[dwd]) != bool(live[dwd]):
+            saved_cls = "AdamW" if g[dwd] else "Adam"
+            raise StateMismatchError(
+                f"{loc}the saved optimizer state names no optimizer class, and its param group "
+                f"{gi} has {dwd}={g[dwd]!r} (torch.optim.{saved_cls}) where the live "
+                f"torch.optim.{name} has {live[dwd]!r}. Build torch.optim.{saved_cls}, or "
+                f"{SUGGESTION}")
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], *,
                          overrides: Mapping[str, Any] | None = None,
                          saved_param_dtypes: Mapping[int, torch.dtype] | None = None,
@@ -163,29 +274,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
             saved state key that no saved param group lists (names the keys and
             the checkpoint); the message suggests ``reset_optimizer=True``.
     """
-    loc = f"{where}: " if where else ""
-    suggestion = ("pass reset_optimizer=True to start the optimizer afresh (the model weights are "
-                  "still restored)")
-    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-    saved_state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
-    if not isinstance(saved_groups, list) or not isinstance(saved_state, Mapping):
-        raise StateMismatchError(f"{loc}the saved optimizer state is not an optimizer.state_dict() "
-                                 f"(needs 'state' and 'param_groups'); {suggestion}")
-    live_groups = optimizer.param_groups
-    if len(saved_groups) != len(live_groups):
-        raise StateMismatchError(
-            f"{loc}the saved optimizer has {len(saved_groups)} param group(s), the live one "
-            f"{len(live_groups)}; {suggestion}")
-    for i, (sg, lg) in enumerate(zip(saved_groups, live_groups, strict=True)):
-        if len(sg["params"]) != len(lg["params"]):
-            raise StateMismatchError(
-                f"{loc}param group {i} holds {len(sg['params'])} parameters in the checkpoint and "
-                f"{len(lg['params'])} in the live optimizer; {suggestion}")
-
+    check_optimizer_state(optimizer, state_dict, where=where)
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     saved_ids = [pid for g in saved_groups for pid in g["params"]]
-    builtin = type(optimizer).__module__.startswith("torch.optim")
-    check_saved_state_keys(saved_state, saved_ids, loc, suggestion, builtin=builtin)
-
     params = _param_list(optimizer)
     by_id = dict(zip(saved_ids, params, strict=True))
     pid_of = {id(p): pid for pid, p in zip(saved_ids, params, strict=True)}
@@ -195,14 +286,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
         if p is None or not isinstance(st, Mapping):
             continue
         for name, v in st.items():
-            if not isinstance(v, torch.Tensor) or name == "step":
-                continue
-            if not _fits(v, p, builtin):
-                raise StateMismatchError(
-                    f"{loc}optimizer state {name!r} of parameter {pid} has shape {list(v.shape)} "
-                    f"but the live parameter has shape {list(p.shape)}; the model's parameters "
-                    f"changed or are in another order; {suggestion}")
-            saved_dtypes[(id(p), name)] = v.dtype
+            if isinstance(v, torch.Tensor) and name != "step":
+                saved_dtypes[(id(p), name)] = v.dtype
 
     optimizer.load_state_dict(_indexed_groups(state_dict))
 

@@ -40,10 +40,31 @@ from xla_ckpt.trainer.fairseq_compat import (
     adapt_fairseq_optimizer_state,
     is_fairseq_optimizer_name,
 )
-from xla_ckpt.trainer.lr_scheduler import is_fairseq_style, load_lr_scheduler_state
-from xla_ckpt.trainer.module_load import in_place_targets, load_module_state, saved_records
-from xla_ckpt.trainer.optimizer_state import check_live_params, load_optimizer_state
+from xla_ckpt.trainer.lr_scheduler import (
+    check_lr_scheduler_state,
+    is_fairseq_style,
+    load_lr_scheduler_state,
+)
+from xla_ckpt.trainer.module_load import (
+    apply_module_state,
+    in_place_targets,
+    prepare_module_state,
+    saved_records,
+)
+from xla_ckpt.trainer.optimizer_state import (
+    check_live_params,
+    check_optimizer_state,
+    check_param_group_keys,
+    load_optimizer_state,
+)
 from xla_ckpt.trainer.prefixes import unwrap_module
+from xla_ckpt.trainer.restore_checks import (
+    NOTHING_RESTORED,
+    RestorePlan,
+    ends,
+    plain_optimizer_keys,
+    trainer_layout,
+)
 from xla_ckpt.trainer.sharded import is_sharded_module, model_state, optimizer_state
 from xla_ckpt.trainer.sharded import load_model as load_sharded_model
 from xla_ckpt.trainer.sharded import load_optimizer as load_sharded_optimizer
@@ -114,6 +135,7 @@ class RestoreState(TrainingSurface):
             ConfigError: those options were given with a restorer that cannot take them.
         """
         restored = self._restore(uri, reset_optimizer=reset_optimizer,
+                                 reset_lr_scheduler=reset_lr_scheduler,
                                  rank_state_on_resize=rank_state_on_resize,
                                  rank_state_remap=rank_state_remap)
         return self._load_state(restored, where=uri, reset_optimizer=reset_optimizer,
@@ -182,51 +204,74 @@ class RestoreState(TrainingSurface):
                     reset_meters: bool, absent_logged: bool = False) -> Optional[dict]:
         uri = where
         t0 = time.perf_counter()
-        extra_state, self._optim_history, last_optim_state = None, [], None
+        extra_state: Optional[dict] = None
         self.rank_state = None
-        reports: list = []
-        if restored is not None:
-            state, rank_state = unpack_restored(restored)
-            if not isinstance(state, Mapping) or K.MODEL not in state:
-                raise StateMismatchError(
-                    f"{uri}: not a trainer checkpoint (no {K.MODEL!r} entry; keys: "
-                    f"{sorted(map(str, state))[:8] if isinstance(state, Mapping) else type(state)}"
-                    "); load it with xla_ckpt.load instead")
-            self.rank_state = rank_state
-            last_optim_state = state.get(K.LAST_OPTIMIZER_STATE)
-            module = unwrap_module(self.model)
-            if is_sharded_module(module):
-                # DTensor model: DCP's set_model_state_dict (strict keys, checked first).
-                load_sharded_model(module, state[K.MODEL], where=uri)
-            else:
-                reports.append((self.model, load_module_state(
-                    module, state[K.MODEL], what="model", where=uri,
-                    strip_prefixes=self.config.strip_prefixes,
-                    dtype_policy=self.config.dtype_policy, device=self.device)))
-            if has_parameters(self.criterion):
-                reports.append((self.criterion, load_module_state(
-                    unwrap_module(self.criterion), state.get(K.CRITERION) or {},
-                    what="criterion", where=uri, strip_prefixes=self.config.strip_prefixes,
-                    dtype_policy=self.config.dtype_policy, device=self.device)))
-            extra_state = dict(state.get(K.EXTRA_STATE) or {})
-            self._optim_history = list(state.get(K.OPTIMIZER_HISTORY) or [])
-            if isinstance(rank_state, Mapping):
-                extra_state.update(rank_state)
-
-        if last_optim_state is not None and not reset_optimizer:
-            restored_extra = self._restore_optimizer(uri, state, last_optim_state,
-                                                     reset_lr_scheduler, optimizer_overrides,
-                                                     reports)
-            if extra_state is not None:
-                for k, v in restored_extra.items():
-                    extra_state.setdefault(k, v)
-        else:
+        if restored is None:
+            self._optim_history = []
             self._discard_restore_targets()
-
-        if extra_state is None:
             if not absent_logged:
                 logger.info("rank %d: no existing checkpoint found at %s", self.rank, uri)
             return None
+        state, rank_state = unpack_restored(restored)
+        try:
+            plan = self._plan_restore(state, uri, reset_optimizer=reset_optimizer,
+                                      reset_lr_scheduler=reset_lr_scheduler)
+        except StateMismatchError as e:
+            held = self._nothing_restored()
+            self._discard_restore_targets()
+            raise StateMismatchError(ends(e, held)) from e
+        except BaseException:
+            self._discard_restore_targets()
+            raise
+        # Every check passed: from here on the live objects change.
+        self._optim_history = list(plan.history)
+        self.rank_state = rank_state
+        reports: list = []
+        module = unwrap_module(self.model)
+        if plan.model_state is None:
+            # DTensor model: DCP's set_model_state_dict (strict keys, checked first).
+            load_sharded_model(module, plan.state[K.MODEL], where=uri)
+        else:
+            assert plan.model_report is not None  # set with model_state
+            apply_module_state(module, plan.model_state, plan.model_report, what="model",
+                               where=uri, device=self.device)
+            reports.append((self.model, plan.model_report))
+        if plan.criterion_state is not None and plan.criterion_report is not None \
+                and self.criterion is not None:
+            apply_module_state(unwrap_module(self.criterion), plan.criterion_state,
+                               plan.criterion_report, what="criterion", where=uri,
+                               device=self.device)
+            reports.append((self.criterion, plan.criterion_report))
+        extra_state = dict(plan.extra_state)
+        if isinstance(rank_state, Mapping):
+            extra_state.update(rank_state)
+
+        if plan.optimizer_state is not None:
+            try:
+                restored_extra = self._restore_optimizer(uri, plan, reset_lr_scheduler,
+                                                         optimizer_overrides, reports)
+            except StateMismatchError as e:
+                raise StateMismatchError(ends(
+                    e, f"The model{' and criterion' if len(reports) > 1 else ''} now hold "
+                    "the checkpoint's weights; the optimizer and lr_scheduler are freshly "
+                    "built and hold no restored state.")) from e
+            for k, v in restored_extra.items():
+                extra_state.setdefault(k, v)
+        else:
+            self._discard_restore_targets()
+        if plan.layout == "plain":
+            logger.info(
+                "rank %d: %s: a plain torch.save training dict (no optimizer_history): "
+                "restored the model%s; %s; no lr_scheduler state or num_updates is restored "
+                "(the file has none)", self.rank, uri,
+                f" and the optimizer from {plan.optimizer_key!r}"
+                if plan.optimizer_state is not None else "",
+                f"returned as saved in extra_state: {', '.join(map(str, plan.extra_state))}"
+                if plan.extra_state else "nothing else in it",
+            )
+            if plan.not_restored:
+                logger.warning("rank %d: %s: not restored from this plain torch.save dict: %s",
+                               self.rank, uri, ", ".join(map(str, plan.not_restored)))
 
         itr_state = extra_state.get(K.TRAIN_ITERATOR)
         if not isinstance(itr_state, Mapping):
@@ -248,16 +293,130 @@ class RestoreState(TrainingSurface):
                         self.rank, uri, epoch, self.get_num_updates(), time.perf_counter() - t0)
         return extra_state
 
+    def _nothing_restored(self) -> str:
+        """What the live objects hold after a refusal raised before anything was loaded."""
+        if self._sharded_read_in_place:
+            return ("The sharded restore had already read the checkpoint into the live "
+                    "DTensor model (and optimizer) in place; rebuild them before training.")
+        return NOTHING_RESTORED
+
+    def _plan_restore(self, state: Any, uri: str, *, reset_optimizer: bool,
+                      reset_lr_scheduler: bool, records: bool = False) -> RestorePlan:
+        """Decide and check everything the restore will load; nothing live is changed.
+
+        ``records``: ``state`` holds a manifest's :class:`TensorRecord`s instead of tensors
+        (called before the read by :meth:`_in_place_targets`): the module checks are left
+        to :func:`in_place_targets`, and a fairseq optimizer state that needs mapping makes
+        the read go to fresh memory (``in_place_ok`` False).
+
+        Raises:
+            StateMismatchError: what the load would refuse (without :data:`NOTHING_RESTORED`).
+        """
+        state, layout = trainer_layout(state, where=uri, rank=self.rank)
+        plan = RestorePlan(state=state, layout=layout)
+        module = unwrap_module(self.model)
+        sharded = is_sharded_module(module)
+        if not records:
+            if not sharded:
+                plan.model_state, plan.model_report = prepare_module_state(
+                    module, state[K.MODEL], what="model", where=uri,
+                    strip_prefixes=self.config.strip_prefixes,
+                    dtype_policy=self.config.dtype_policy)
+            if has_parameters(self.criterion):
+                plan.criterion_state, plan.criterion_report = prepare_module_state(
+                    unwrap_module(self.criterion), state.get(K.CRITERION) or {},
+                    what="criterion", where=uri, strip_prefixes=self.config.strip_prefixes,
+                    dtype_policy=self.config.dtype_policy)
+        if layout == "plain":
+            opt_keys = plain_optimizer_keys(state)
+            skip = {K.MODEL, K.CRITERION, *opt_keys}
+            plan.extra_state = {k: v for k, v in state.items() if k not in skip}
+            if reset_optimizer or not opt_keys:
+                plan.not_restored = opt_keys if not reset_optimizer else []
+                return plan
+            if len(opt_keys) > 1:
+                raise StateMismatchError(
+                    f"{uri}: a plain torch.save dict (no optimizer_history) with "
+                    f"{len(opt_keys)} optimizer states ({', '.join(map(str, opt_keys))}): which "
+                    "one is this optimizer's is ambiguous. Pass reset_optimizer=True to restore "
+                    "the model only, or load the file with xla_ckpt.load and call "
+                    "optimizer.load_state_dict yourself.")
+            plan.optimizer_key = opt_keys[0]
+            plan.optimizer_state = state[opt_keys[0]]
+            probe = self._probe_optimizer(plan, sharded, uri)
+            check_param_group_keys(probe, plan.optimizer_state, where=uri)
+            if not sharded:
+                check_optimizer_state(probe, plan.optimizer_state, where=uri)
+            return plan
+
+        plan.history = list(state.get(K.OPTIMIZER_HISTORY) or [])
+        plan.extra_state = dict(state.get(K.EXTRA_STATE) or {})
+        last_optim_state = state.get(K.LAST_OPTIMIZER_STATE)
+        if last_optim_state is None or reset_optimizer:
+            return plan
+        if not plan.history or not isinstance(plan.history[-1], Mapping):
+            raise StateMismatchError(f"{uri}: the checkpoint has optimizer state but an empty "
+                                     f"{K.OPTIMIZER_HISTORY}; pass reset_optimizer=True")
+        probe = self._probe_optimizer(plan, sharded, uri)
+        last = plan.history[-1]
+        self._check_criterion_name(uri, last.get(K.CRITERION_NAME))
+        opt_name = type(probe).__name__
+        saved_opt = last.get(K.OPTIMIZER_NAME)
+        plan.optimizer_state = last_optim_state
+        if saved_opt != opt_name:
+            if sharded or not (self.config.fairseq_compat and
+                               is_fairseq_optimizer_name(saved_opt)):
+                raise StateMismatchError(
+                    f"{uri}: optimizer does not match the checkpoint: saved {saved_opt}, live "
+                    f"{opt_name}; pass reset_optimizer=True to restore the weights with a fresh "
+                    "optimizer")
+            if records:
+                plan.in_place_ok = False  # mapped (and checked) on the real tensors, not read
+                return plan               # in place: the mapping may still refuse
+            plan.adapted = adapt_fairseq_optimizer_state(
+                str(saved_opt), probe, last_optim_state, cfg=state.get(K.CFG),
+                args=state.get(K.ARGS), where=uri)
+            plan.optimizer_state = plan.adapted.state_dict
+        if not sharded:
+            check_optimizer_state(probe, plan.optimizer_state, where=uri)
+        sched_state = last.get(K.LR_SCHEDULER_STATE)
+        sched = plan.lr_scheduler if plan.optimizer is not None else self.lr_scheduler
+        if not reset_lr_scheduler and sched is not None and sched_state is not None:
+            check_lr_scheduler_state(sched, sched_state, num_updates=last.get(K.NUM_UPDATES, 0),
+                                     where=uri, map_fairseq=self.config.fairseq_compat)
+        return plan
+
+    def _probe_optimizer(self, plan: RestorePlan, sharded: bool,
+                         uri: str) -> torch.optim.Optimizer:
+        """The optimizer the restore will load into, or one built the same way (kept in
+        ``plan`` and installed after the model load); the live one is not replaced here."""
+        if sharded and self._optimizer is not None and self._optimizer is self._restore_built:
+            return self._optimizer  # restore_targets built it and the read filled it
+        if self.build_optimizer is not None:
+            plan.optimizer, plan.lr_scheduler = self._make_optimizer()
+            return plan.optimizer
+        if not sharded:
+            check_live_params(self.optimizer, self.live_parameters(), where=uri)
+        return self.optimizer
+
     def _in_place_targets(self, item: Item) -> dict[str, torch.Tensor]:
         """Live model (and criterion) tensors the restorer may fill in place, by tensor key.
 
         :func:`~xla_ckpt.trainer.module_load.in_place_targets` against the manifest's
         records: none for a module whose strict, shape or dtype checks would fail (the
         ordinary path then raises with nothing overwritten), on the meta device, or
-        whose keys need a prefix stripped; only CPU tensors qualify.  When the model
-        gets none, the criterion gets none either: the model's load comes first and may
-        raise, and then the criterion must still be as it was.  A sharded (chunked) save
-        gets none: its tensors are assembled whole from their chunks, then loaded.
+        whose keys need a prefix stripped; only CPU tensors qualify.  When the model or
+        the criterion gets none, neither gets any: the ordinary path checks both before
+        loading either, and a refusal must find both as they were.  The rest of the
+        restore (optimizer history and names, param groups, state shapes, lr_scheduler
+        state) is checked here against the manifest's records, before any byte is read
+        (:meth:`_plan_restore`); a fairseq optimizer state that still needs mapping sends
+        the read to fresh memory.  A sharded (chunked) save gets none: its tensors are
+        assembled whole from their chunks, then loaded.
+
+        Raises:
+            StateMismatchError: what the restore would refuse after the model load (ends
+                with :data:`~xla_ckpt.trainer.restore_checks.NOTHING_RESTORED`).
         """
         if item.chunked:
             return {}  # a sharded save: its tensors are chunk tables, assembled by the read
@@ -270,17 +429,28 @@ class RestoreState(TrainingSurface):
             modules.append((self.criterion, K.CRITERION))
         for module, key in modules:
             entry = saved.get(key)
-            if module is None or not isinstance(entry, Mapping):
-                continue
+            if not isinstance(entry, Mapping):
+                return {}  # the ordinary path names what is wrong, before loading anything
             got = in_place_targets(unwrap_module(module), entry,
                                    dtype_policy=self.config.dtype_policy,
                                    strip_prefixes=self.config.strip_prefixes)
-            if key == K.MODEL and not got and entry:
-                # The model goes the ordinary way (maybe to raise its strict error, which
-                # fairseq's order raises before the criterion is touched): so does the criterion.
+            if not got and entry:
+                # This module goes the ordinary way (maybe to raise its strict error before
+                # anything is loaded): so does the other, whose bytes would otherwise already
+                # be in place when that error is raised.
                 return {}
             targets.update(got)
-        return targets
+        if not targets:
+            return targets
+        # What would fail after the model load is checked now, before any byte is read: a
+        # refusal here leaves every live tensor as it was (the read never starts).
+        reset_optimizer, reset_lr_scheduler, uri = self._restore_call
+        try:
+            plan = self._plan_restore(saved, uri, reset_optimizer=reset_optimizer,
+                                      reset_lr_scheduler=reset_lr_scheduler, records=True)
+        except StateMismatchError as e:
+            raise StateMismatchError(ends(e, NOTHING_RESTORED)) from e
+        return targets if plan.in_place_ok else {}
 
     def _discard_restore_targets(self) -> None:
         """The optimizer :meth:`restore_targets` prepared is not restored (nothing committed,
@@ -321,6 +491,7 @@ class RestoreState(TrainingSurface):
         return wanted
 
     def _restore(self, uri: str, *, reset_optimizer: bool = False,
+                 reset_lr_scheduler: bool = False,
                  rank_state_on_resize: Optional[str] = None,
                  rank_state_remap: Optional[RankStateRemap] = None) -> Any:
         """What the restorer read, or None (logged at WARNING) when nothing is committed.
@@ -331,9 +502,12 @@ class RestoreState(TrainingSurface):
         (logged at WARNING), which :meth:`load_state` shards onto the live placements."""
         into = None
         options = self._rank_state_options(rank_state_on_resize, rank_state_remap)
+        self._restore_call = (reset_optimizer, reset_lr_scheduler, uri)
+        self._sharded_read_in_place = False
         try:
             into = self.restore_targets(reset_optimizer=reset_optimizer)
             if into is not None and accepts_keyword(self.restorer, "into"):
+                self._sharded_read_in_place = True
                 restored = self.restorer(uri, into=into, **options)
             elif into is None and accepts_targets(self.restorer):
                 restored = self.restorer(uri, targets=self._in_place_targets, **options)
@@ -365,6 +539,7 @@ class RestoreState(TrainingSurface):
             return None
         except StateMismatchError as e:
             self._discard_restore_targets()
+            self._sharded_read_in_place = False  # the read failed: see its own message
             if into is not None and K.LAST_OPTIMIZER_STATE in str(e):
                 # The live optimizer's state does not fit the saved one (another optimizer
                 # class or settings): fairseq's way out.
@@ -379,49 +554,39 @@ class RestoreState(TrainingSurface):
             logger.warning("rank %d: no existing checkpoint found at %s", self.rank, uri)
         return restored
 
-    def _restore_optimizer(self, uri: str, state: Mapping, last_optim_state: Any,
-                           reset_lr_scheduler: bool, overrides: Optional[Mapping[str, Any]],
-                           reports: list) -> dict:
-        """Optimizer, lr_scheduler and ``num_updates``; returns entries for ``extra_state``."""
+    def _restore_optimizer(self, uri: str, plan: RestorePlan, reset_lr_scheduler: bool,
+                           overrides: Optional[Mapping[str, Any]], reports: list) -> dict:
+        """Optimizer, lr_scheduler and ``num_updates`` after the model load, as ``plan``
+        decided and checked; returns entries for ``extra_state``."""
         live_module = unwrap_module(self.model)
         sharded = is_sharded_module(live_module)
         if sharded and self._optimizer is not None and self._optimizer is self._restore_built:
             pass  # restore_targets built it and the restore filled its state in place
-        elif self.build_optimizer is not None:
-            self._build_optimizer()  # after the model load: params may have changed
+        elif plan.optimizer is not None:
+            built = [id(p) for g in plan.optimizer.param_groups for p in g["params"]]
+            if built == [id(p) for p in self.live_parameters()]:
+                self._optimizer, self._lr_scheduler = plan.optimizer, plan.lr_scheduler
+            else:
+                self._build_optimizer()  # the model load replaced parameters (meta device)
         elif not sharded:
             check_live_params(self.optimizer, self.live_parameters(), where=uri)
         self._restore_built = None
-        if not self._optim_history:
-            raise StateMismatchError(f"{uri}: the checkpoint has optimizer state but an empty "
-                                     f"{K.OPTIMIZER_HISTORY}; pass reset_optimizer=True")
-        last = self._optim_history[-1]
-        self._check_criterion_name(uri, last.get(K.CRITERION_NAME))
         extra: dict = {}
         opt_name = type(self.optimizer).__name__
-        saved_opt = last.get(K.OPTIMIZER_NAME)
-        if saved_opt != opt_name:
-            if sharded or not (self.config.fairseq_compat and
-                               is_fairseq_optimizer_name(saved_opt)):
-                raise StateMismatchError(
-                    f"{uri}: optimizer does not match the checkpoint: saved {saved_opt}, live "
-                    f"{opt_name}; pass reset_optimizer=True to restore the weights with a fresh "
-                    "optimizer")
-            adapted = adapt_fairseq_optimizer_state(
-                saved_opt, self.optimizer, last_optim_state, cfg=state.get(K.CFG),
-                args=state.get(K.ARGS), where=uri)
-            last_optim_state = adapted.state_dict
+        adapted = plan.adapted
+        if adapted is not None:
             if adapted.loss_scale is not None:
                 extra[K.LOSS_SCALE] = adapted.loss_scale
             if self.rank == 0:
                 logger.info("rank %d: %s: fairseq optimizer %s restored as torch.optim.%s%s%s",
-                            self.rank, uri, saved_opt, opt_name,
+                            self.rank, uri, adapted.saved_name, opt_name,
                             "" if adapted.loss_scale is None
                             else f"; loss_scale {adapted.loss_scale:g} in extra_state",
                             "; flat fp32 master state split per parameter"
                             if adapted.flat_params_split else "")
                 for note in adapted.notes:  # once per restore, rank 0 only
                     logger.warning("rank %d: %s: %s", self.rank, uri, note)
+        last = plan.history[-1] if plan.history else {}
         num_updates = last.get(K.NUM_UPDATES, 0)
         sched = self.lr_scheduler
         lr_follows_sched = False
@@ -441,9 +606,9 @@ class RestoreState(TrainingSurface):
             saved_dtypes.update({id(named[k]): dt for k, dt in report.saved_dtypes.items()
                                  if k in named})
         if sharded:
-            load_sharded_optimizer(live_module, self.optimizer, last_optim_state, where=uri)
+            load_sharded_optimizer(live_module, self.optimizer, plan.optimizer_state, where=uri)
         else:
-            load_optimizer_state(self.optimizer, last_optim_state,
+            load_optimizer_state(self.optimizer, plan.optimizer_state,
                                  saved_param_dtypes=saved_dtypes, where=uri)
         if sched is not None and not is_fairseq_style(sched) and hasattr(sched, "get_last_lr") \
                 and (reset_lr_scheduler or lr_follows_sched):
@@ -454,7 +619,8 @@ class RestoreState(TrainingSurface):
         if overrides:
             for group in self.optimizer.param_groups:
                 group.update(overrides)
-        self.set_num_updates(num_updates)
+        if plan.history:
+            self.set_num_updates(num_updates)
         return extra
 
     def _check_criterion_name(self, uri: str, saved: Any) -> None:

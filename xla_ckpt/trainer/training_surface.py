@@ -57,6 +57,9 @@ class TrainingSurface:
     rank_state: Any
     _restore_built: Optional[torch.optim.Optimizer]  # prepared by restore_targets (sharded)
     _restore_was_empty: bool  # its state was empty before restore_targets initialised it
+    _restore_call: tuple[bool, bool, str]  # (reset_optimizer, reset_lr_scheduler, uri) of the
+    # restore in progress, for the checks made before its read
+    _sharded_read_in_place: bool  # the restore in progress read into live DTensors
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -81,12 +84,22 @@ class TrainingSurface:
 
     def _build_optimizer(self) -> None:
         """fairseq ``_build_optimizer``: optimizer over the live parameters, then the scheduler."""
+        self._optimizer, self._lr_scheduler = self._make_optimizer()
+
+    def _make_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
+        """A new (optimizer, lr_scheduler) pair over the live parameters, not yet installed.
+
+        The restore builds one before anything is loaded, to check the checkpoint against
+        it, and installs it once the model is loaded (the live pair is untouched until then).
+        """
         if self.build_optimizer is None:
             raise ConfigError("build_optimizer: cannot rebuild the optimizer without it")
-        self._optimizer = self.build_optimizer(self.live_parameters())
-        self._lr_scheduler = (self.build_lr_scheduler(self._optimizer)
-                              if self.build_lr_scheduler is not None else None)
-        self._first_step_update()
+        optimizer = self.build_optimizer(self.live_parameters())
+        sched = (self.build_lr_scheduler(optimizer)
+                 if self.build_lr_scheduler is not None else None)
+        if sched is not None and is_fairseq_style(sched):
+            sched.step_update(0)
+        return optimizer, sched
 
     def _first_step_update(self) -> None:
         if is_fairseq_style(self._lr_scheduler):
