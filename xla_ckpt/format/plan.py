@@ -6,7 +6,9 @@ Save side (:func:`plan_item`):
   batched transfer, CUDA tensors with ``.cpu()``; the recorded data never
   carries a device tag (CASES C1);
 * a tensor on the ``meta`` device is refused with :class:`MetaTensorError`
-  naming its key (C11);
+  naming its key (C11); a tensor the format has no layout for (sparse COO/CSR/CSC/BSR/
+  BSC, mkldnn, nested, quantized) with :class:`UnsupportedTensorError` naming its key and
+  layout and what to save instead (:func:`check_storable`);
 * tensors that share one storage are written once, as one blob covering the
   bytes they use, and come back as views of one buffer (aliasing restored); a
   lone view of a much larger storage is written compactly (no bloat);
@@ -29,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 
-from xla_ckpt.errors import CheckpointCorruptError, MetaTensorError
+from xla_ckpt.errors import CheckpointCorruptError, MetaTensorError, UnsupportedTensorError
 from xla_ckpt.format import typed
 from xla_ckpt.format.crc import crc32c_chunks, crc32c_concat
 from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize, safetensors_code
@@ -99,26 +101,71 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach() for t in out]
 
 
+_COMPRESSED_PARTS = {
+    torch.sparse_csr: "t.crow_indices(), t.col_indices(), t.values()",
+    torch.sparse_csc: "t.ccol_indices(), t.row_indices(), t.values()",
+    torch.sparse_bsr: "t.crow_indices(), t.col_indices(), t.values()",
+    torch.sparse_bsc: "t.ccol_indices(), t.row_indices(), t.values()",
+}
+
+
+def check_storable(t: torch.Tensor, key: str) -> None:
+    """Refuse a tensor the format cannot store: only dense (strided, not nested, not
+    quantized) tensors on a real device have bytes a blob can hold.
+
+    Raises:
+        MetaTensorError: ``t`` is on the meta device (names ``key``).
+        UnsupportedTensorError: a sparse (COO, CSR, CSC, BSR, BSC), mkldnn, nested or
+            quantized tensor; names ``key`` and the layout and says what to save instead.
+    """
+    if t.device.type == "meta":
+        raise MetaTensorError(
+            f"tensor at {key} is on the meta device and holds no data; materialise it "
+            "(e.g. model.to_empty(device=...) and load/initialise weights) before saving")
+    layout = str(t.layout)
+    if t.is_nested:
+        raise UnsupportedTensorError(
+            f"tensor at {key} is a nested tensor (layout {layout}), which xla_ckpt does not "
+            "store; save t.unbind() (the list of its tensors) and rebuild it with "
+            "torch.nested.nested_tensor(...) after loading", key=key, layout=f"nested {layout}")
+    if t.layout == torch.sparse_coo:
+        raise UnsupportedTensorError(
+            f"tensor at {key} is sparse (layout {layout}), which xla_ckpt does not store; "
+            "save t.to_dense(), or, to keep it sparse, its parts t.coalesce().indices(), "
+            "t.coalesce().values() and list(t.shape), and rebuild it with "
+            "torch.sparse_coo_tensor(indices, values, shape) after loading",
+            key=key, layout=layout)
+    if t.layout in _COMPRESSED_PARTS:
+        raise UnsupportedTensorError(
+            f"tensor at {key} is sparse (layout {layout}), which xla_ckpt does not store; "
+            f"save t.to_dense(), or, to keep it sparse, its parts {_COMPRESSED_PARTS[t.layout]} "
+            "and list(t.shape), and rebuild it with torch.sparse_compressed_tensor(..., "
+            f"layout={layout}) after loading", key=key, layout=layout)
+    if t.layout != torch.strided:
+        raise UnsupportedTensorError(
+            f"tensor at {key} has layout {layout}, which xla_ckpt does not store; save "
+            "t.to_dense() (a strided tensor) instead", key=key, layout=layout)
+    if t.is_quantized:
+        raise UnsupportedTensorError(
+            f"tensor at {key} is quantized ({t.dtype}, {t.qscheme()}), which xla_ckpt does not "
+            "store; save t.dequantize(), or t.int_repr() with its scale and zero point",
+            key=key, layout=f"quantized {t.dtype}")
+
+
 def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -> ItemPlan:
     """Encode ``state`` and lay out its tensors as blobs in host memory.
 
     Raises:
         MetaTensorError: a tensor lives on the meta device (names its key).
+        UnsupportedTensorError: a sparse, mkldnn, nested or quantized tensor
+            (:func:`check_storable`).
         UnsupportedTypeError: a non-tensor value the typed encoding cannot hold.
     """
     found: list[tuple[torch.Tensor, str]] = []
 
     def hook(t: torch.Tensor, path: tuple) -> int:
         key = typed.format_path(path)
-        if t.device.type == "meta":
-            raise MetaTensorError(
-                f"tensor at {key} is on the meta device and holds no data; materialise it "
-                "(e.g. model.to_empty(device=...) and load/initialise weights) before saving")
-        if t.is_sparse or t.layout != torch.strided:
-            raise MetaTensorError(f"tensor at {key} has layout {t.layout}; convert it with "
-                                  ".to_dense() before saving")
-        if t.is_quantized:
-            raise MetaTensorError(f"quantized tensor at {key} is not supported; dequantize it")
+        check_storable(t, key)
         found.append((t, key))
         return len(found) - 1
 

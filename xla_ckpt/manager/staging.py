@@ -32,7 +32,7 @@ import torch
 
 from xla_ckpt.errors import MetaTensorError
 from xla_ckpt.format import typed
-from xla_ckpt.format.plan import SPAN_MAX_FACTOR
+from xla_ckpt.format.plan import SPAN_MAX_FACTOR, check_storable
 
 
 class StagingPool:
@@ -87,16 +87,14 @@ def stage_to_host(state: Any, pool: StagingPool | None = None) -> Staged:
 
     Raises:
         MetaTensorError: a tensor is on the meta device (names its key).
+        UnsupportedTensorError: a sparse, mkldnn, nested or quantized tensor (names its key
+            and layout; :func:`xla_ckpt.format.plan.check_storable`).
         UnsupportedTypeError: a value the checkpoint format cannot hold (names its key).
     """
     found: list[torch.Tensor] = []
 
     def hook(t: torch.Tensor, path: tuple) -> int:
-        if t.device.type == "meta":
-            raise MetaTensorError(
-                f"tensor at {typed.format_path(path)} is on the meta device and holds no data; "
-                "materialise it (e.g. model.to_empty(device=...) and load/initialise weights) "
-                "before saving")
+        check_storable(t, typed.format_path(path))  # before any copy: as a blocking save
         found.append(t)
         return len(found) - 1
 
