@@ -5,7 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from xla_ckpt.errors import CheckpointNotFoundError, StorageError, StorageURIError
+from xla_ckpt.errors import (
+    CheckpointNotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    StorageURIError,
+)
 from xla_ckpt.storage.base import (
     MiB,
     StorageConfig,
@@ -116,8 +121,13 @@ class GCSStorage(_GCSWholeReads, _GCSWrites):
         ``if_generation_match`` (see :meth:`Storage.write_atomic`) is sent as
         ``ifGenerationMatch``: only that generation is deleted.
 
+        A retry of a delete whose first answer was lost (a timeout, a reset after the
+        service acted) that meets 404 is success: the object is gone, by this delete.
+
         Raises:
-            PreconditionFailedError: HTTP 412, the live object is another generation; kept.
+            PreconditionFailedError: HTTP 412, the live object is another generation; kept
+                (after a retry, the message says the first attempt may have deleted
+                generation ``if_generation_match`` before another writer made this one).
         """
         expected = check_generation_match(if_generation_match)
         full = self._full(name)
@@ -127,16 +137,25 @@ class GCSStorage(_GCSWholeReads, _GCSWrites):
                           full, if_generation_match=expected, retry=None, timeout=timeout))
         except CheckpointNotFoundError:
             return
-        except _PreconditionNotMet:
+        except _PreconditionNotMet as e:
             if expected is None:  # no precondition was sent: nothing to judge
                 raise
             try:
                 live, known = self._live(full), True
             except StorageError:
                 live, known = None, False
-            raise precondition_failed(self._gs(full), name.strip("/"), "deleted", expected,
-                                      live[1] if live is not None else None,
-                                      known=known) from None
+            err = precondition_failed(self._gs(full), name.strip("/"), "deleted", expected,
+                                      live[1] if live is not None else None, known=known)
+            if e.retried and live is not None:
+                # A 412 to a retry: our first attempt may have deleted generation `expected`
+                # (its answer lost), and another writer created the name again since.  Either
+                # way the live object is not the one we were asked to delete: it is kept.
+                err = PreconditionFailedError(
+                    f"{err}; an earlier attempt of this delete, whose answer was lost, may have "
+                    f"deleted generation {expected} before another writer created generation "
+                    f"{live[1]}, which is kept", name=err.name, expected_generation=expected,
+                    actual_generation=live[1])
+            raise err from None
 
     def close(self) -> None:
         super().close()

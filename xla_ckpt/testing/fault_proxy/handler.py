@@ -92,7 +92,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         split = urlsplit(self.path)
         path = unquote(split.path)
         info = RequestInfo(self.command, path, split.query, self.headers.get("Range"),
-                           _object_name(path, split.query),
+                           _object_name(path, split.query) or _multipart_name(path, body),
                            _is_download(self.command, path, split.query),
                            _is_upload(self.command, path), self._address)
         rec = RequestRecord(self.command, path, split.query, info.range, info.object_name, info,
@@ -368,6 +368,23 @@ def _object_name(path: str, query: str) -> str:
             if kv.startswith("name="):
                 return unquote(kv[5:].replace("+", " "))
     return ""
+
+
+_MULTIPART_NAME = re.compile(rb'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def _multipart_name(path: str, body: bytes) -> str:
+    """The object name in the JSON metadata part of a multipart upload (its URL has none)."""
+    if not path.startswith("/upload/") or not body:
+        return ""
+    m = _MULTIPART_NAME.search(body[:8192])
+    if m is None:
+        return ""
+    try:
+        name = json.loads(m.group(1))
+    except ValueError:
+        return ""
+    return name if isinstance(name, str) else ""
 
 
 def _is_download(method: str, path: str, query: str) -> bool:
