@@ -13,15 +13,13 @@ Pure: no I/O, no ranks.
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from xla_ckpt.config import CheckpointConfig
+from xla_ckpt.io.names import EPOCH_NAME as _EPOCH
+from xla_ckpt.io.names import UPDATE_NAME as _UPDATE
 
 Kind = Literal["epoch", "update"]
-
-_EPOCH = re.compile(r"^checkpoint(\d+)$")
-_UPDATE = re.compile(r"^checkpoint_(\d+)_(\d+)$")
 
 
 def epoch_checkpoint_name(epoch: int) -> str:
@@ -41,17 +39,6 @@ def checkpoint_kind(name: str) -> Kind | None:
     if _UPDATE.match(name):
         return "update"
     return None
-
-
-def name_fields(name: str) -> tuple[int, int | None] | None:
-    """``(epoch, num_updates)`` that a folder name of this manager records:
-    ``checkpoint_<epoch>_<updates>`` -> both, ``checkpoint<epoch>`` -> ``(epoch, None)``;
-    None for any other name.  (``xla-ckpt ls`` shows them when the metadata lacks them.)"""
-    m = _UPDATE.match(name)
-    if m:
-        return int(m.group(1)), int(m.group(2))
-    m = _EPOCH.match(name)
-    return (int(m.group(1)), None) if m else None
 
 
 def scheduled_name(cfg: CheckpointConfig, *, epoch: int, num_updates: int,
