@@ -108,3 +108,13 @@ def test_nest_refuses_a_state_that_has_no_room(tmp_path):
             r"cannot nest the per-rank items rank/00000: its state already has a "
             r"'rank_states' entry; pass --rank-states drop")):
         export(ck, str(tmp_path / "o.pt"), fmt="pt", rank_states="nest")
+
+
+def test_convert_to_dcp_takes_the_same_choice(cli, tmp_path):
+    ck = _save(tmp_path.as_posix())
+    r = cli("convert", ck, str(tmp_path / "d1"), "--to", "dcp")
+    assert r.code == 2 and "holds per-rank items (rank/00000, rank/00001" in r.err
+    r = cli("convert", ck, str(tmp_path / "d2"), "--to", "dcp", "--rank-states", "drop")
+    assert r.code == 0, r.err
+    assert ("  note: not exported: the per-rank items rank/00000, rank/00001 (each rank's own "
+            "state)") in r.out.splitlines()

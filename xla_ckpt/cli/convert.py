@@ -66,7 +66,7 @@ from xla_ckpt.cli.export import summary
 from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.io import save
 from xla_ckpt.io.catalog import is_checkpoint
-from xla_ckpt.io.export import check_destination, export
+from xla_ckpt.io.export import RANK_STATES, check_destination, export
 from xla_ckpt.io.legacy import (
     convert_legacy_run,
     is_single_object,
@@ -98,6 +98,9 @@ def register(sub: Subparsers, parents: Parents) -> None:
                    help="unpickle without the allow-list (runs any code in the file!)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a committed checkpoint at DST")
+    p.add_argument("--rank-states", choices=RANK_STATES, default="error",
+                   help="--to dcp: per-rank items rank/<r>: error (default: refuse, naming "
+                        "them), nest (as state['rank_states'][r]) or drop (left out, noted)")
     p.set_defaults(func=run)
 
 
@@ -197,6 +200,7 @@ def _run_folder(args: argparse.Namespace) -> int:
 
 def _to_dcp(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    report = export(args.src, args.dst, fmt="dcp", overwrite=args.overwrite)
+    report = export(args.src, args.dst, fmt="dcp", overwrite=args.overwrite,
+                    rank_states=args.rank_states)
     print(summary(args.src, report, time.perf_counter() - t0))
     return EXIT_OK
