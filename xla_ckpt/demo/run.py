@@ -28,6 +28,11 @@
    restore resharded onto half as many.  Verdict per restore: every restored local shard
    equals its box of the saved global tensors and DCP's restore of the same state; the
    same-size resume also reproduces the FSDP2 reference bit for bit.
+
+Progress goes to this module's logger at INFO (``xla-ckpt demo`` prints it on stderr): a start
+and a done line for every leg, worker phase and long step of the orchestrator, and a
+``still running, N s`` line every :data:`HEARTBEAT_S` seconds while one runs
+(:class:`Heartbeat`); :func:`verdict_line` is the one PASS/FAIL line the CLI ends with.
 """
 
 from __future__ import annotations
@@ -235,13 +240,15 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
     try:
         while any(p.poll() is None for p in procs):
             done = _read_int(os.path.join(out, "progress0"))
-            hb.beat("starting up" if done is None else f"rank 0 at update {done}")
+            hb.beat("rank 0: no update finished yet" if done is None
+                    else f"rank 0 at update {done}")
             if time.perf_counter() - t0 > timeout_s:
                 raise DemoError(f"{name}: workers still running after {timeout_s:.0f} s",
                                 _tails(out, workers))
             if preempt_after_update is not None and not sent:
                 if done is not None and done >= preempt_after_update:
-                    logger.info("%s: rank 0 finished update %d; sending SIGTERM to every worker",
+                    logger.info("phase %s: rank 0 finished update %d; sending SIGTERM to every "
+                                "worker",
                                 name, done)
                     for p in procs:
                         if p.poll() is None:
