@@ -14,9 +14,16 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from xla_ckpt.comm import Dist
+from xla_ckpt.comm.failures import is_broken_collective
 from xla_ckpt.config import CheckpointConfig
-from xla_ckpt.errors import CheckpointSaveError, DistributedError, FencedError
+from xla_ckpt.errors import (
+    CheckpointSaveError,
+    CollectiveTimeoutError,
+    DistributedError,
+    FencedError,
+)
 from xla_ckpt.io.fencing import Lease, acquire_lease, lease_from_message, lease_message
+from xla_ckpt.manager import lockstep
 from xla_ckpt.manager.best import BestScore
 from xla_ckpt.manager.preemption import PreemptionNotice
 from xla_ckpt.manager.staging import StagingPool
@@ -53,6 +60,10 @@ class ManagerBase:
     _lease: Lease | None  # this incarnation's lease (every rank; rank 0 takes it at the first
     # save or take_over(), never on a restore or a query)
     _fenced: FencedError | None  # set once a newer incarnation was seen: no more saves
+    _where: lockstep.Position = None  # this rank's schedule position (manager.lockstep)
+    _update_calls: int = 0  # after_update calls so far (its position counts them)
+    _collective_broken: bool = False  # an exchange did not complete: close() skips its own
+    _metrics_warned: lockstep.Position = None  # the call whose metrics difference was logged
 
     def close(self) -> None:
         """Wait for the in-flight save, release everything (:class:`CheckpointManager`)."""
@@ -106,8 +117,21 @@ class ManagerBase:
                               run=f.run)
 
     def _exchange(self, obj: Any) -> list[Any]:
-        out = self.dist.exchange(obj)
+        """Every rank's ``obj``, once every rank's schedule position agrees
+        (:mod:`~xla_ckpt.manager.lockstep`; else :class:`~xla_ckpt.errors.ScheduleMismatchError`
+        on every rank)."""
+        try:
+            out = self.dist.exchange(lockstep.wrap(self._where, obj))
+        except DistributedError as e:
+            if isinstance(e, CollectiveTimeoutError) or is_broken_collective(e):
+                self._collective_broken = True
+            raise
         if len(out) != self.world_size:
             raise DistributedError(f"exchange returned {len(out)} entries for world size "
                                    f"{self.world_size}")
-        return out
+        payloads, metrics_differ = lockstep.unwrap(out)
+        if metrics_differ and self.rank == 0 and self._metrics_warned is not self._where:
+            self._metrics_warned = self._where  # once per collective call
+            logger.warning("[rank %d] ranks passed different metrics (%s); %s", self.rank,
+                           lockstep.grouped(lockstep.positions_of(out)), lockstep.METRICS_HINT)
+        return payloads

@@ -44,11 +44,12 @@ step after a passed check can still do is the residual window described in
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
 
@@ -78,7 +79,7 @@ from xla_ckpt.io.writer import (
     remove_other_data_files,
     write_items,
 )
-from xla_ckpt.manager import agreement
+from xla_ckpt.manager import agreement, lockstep
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.manager.best import RESERVED_METADATA
 from xla_ckpt.manager.naming import preemption_name
@@ -206,23 +207,46 @@ class SavePath(ManagerBase):
         self._check_open()
         name = name or preemption_name(self.config, epoch=epoch, num_updates=num_updates,
                                        end_of_epoch=end_of_epoch)
-        self._save(state, rank_state, shards, name=name, epoch=epoch, num_updates=num_updates,
-                   end_of_epoch=end_of_epoch, metrics=metrics, preempted=False,
-                   block=(not self.config.async_save) if block is None else block)
+        with self._at(lockstep.position("save", name=name, epoch=epoch, num_updates=num_updates,
+                                        end_of_epoch=end_of_epoch, metrics=metrics)):
+            self._save(state, rank_state, shards, name=name, epoch=epoch,
+                       num_updates=num_updates, end_of_epoch=end_of_epoch, metrics=metrics,
+                       preempted=False,
+                       block=(not self.config.async_save) if block is None else block)
         return name
 
     def wait(self) -> tuple[str, ...]:
         """Block until the in-flight save (if any) committed on every rank.  Collective.
+
+        Every rank calls it, with or without a save in flight (so a rank that skipped a save
+        the others started is caught here: :class:`~xla_ckpt.errors.ScheduleMismatchError`).
 
         Returns:
             Names of checkpoints whose commit was confirmed during this call.
 
         Raises:
             CheckpointSaveError: the save failed on some rank (every rank raises it).
+            ScheduleMismatchError: the ranks are at different points of the schedule (one
+                saves or updates while another waits; every rank, naming each one's position).
+            CollectiveTimeoutError: another rank did not reach this call in time (named).
         """
-        if self._inflight is None:
-            return ()
-        return tuple(self._sync(block=True))
+        if self._inflight is None and (self._collective_broken or self._closed):
+            return ()  # the group is unusable: no collective to agree on nothing
+        with self._at(lockstep.position("wait")):
+            return tuple(self._sync(block=True))
+
+    @contextlib.contextmanager
+    def _at(self, pos: lockstep.Position) -> Iterator[None]:
+        """This rank's schedule position for the exchanges of one collective call
+        (:mod:`~xla_ckpt.manager.lockstep`); a call made inside another keeps the outer one."""
+        if self._where is not None:
+            yield
+            return
+        self._where = pos
+        try:
+            yield
+        finally:
+            self._where = None
 
     # ---- internals ----------------------------------------------------------------------
     def _metadata(self, *, epoch: int, num_updates: int, end_of_epoch: bool, preempted: bool,

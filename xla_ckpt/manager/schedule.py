@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xla_ckpt.manager import lockstep
 from xla_ckpt.manager.base import logger
 from xla_ckpt.manager.naming import preemption_name, scheduled_name
 from xla_ckpt.manager.saving import MetricValues, SavePath, StateArg
@@ -95,9 +96,24 @@ class SaveSchedule(SavePath):
                 later save (a preemption save too) raises it at once, writing nothing.
             SystemExit: with code 0 after a preemption save committed
                 (``exit_on_preemption``).
-            CollectiveTimeoutError: another rank did not reach this boundary in time.
+            ScheduleMismatchError: the ranks disagree about the schedule: another
+                ``epoch`` / ``num_updates`` / ``end_of_epoch`` / ``metrics`` on some rank, a
+                rank that skipped a call, or one in another manager call (every rank raises
+                it, naming each rank's position and values; :mod:`~xla_ckpt.manager.lockstep`).
+            CollectiveTimeoutError: another rank did not reach this boundary in time (named).
         """
         self._check_open()
+        self._update_calls += 1
+        with self._at(lockstep.position("after_update", calls=self._update_calls, epoch=epoch,
+                                        num_updates=num_updates, end_of_epoch=end_of_epoch,
+                                        metrics=metrics)):
+            return self._after_update(epoch=epoch, num_updates=num_updates, state=state,
+                                      rank_state=rank_state, shards=shards,
+                                      end_of_epoch=end_of_epoch, metrics=metrics)
+
+    def _after_update(self, *, epoch: int, num_updates: int, state: StateArg,
+                      rank_state: StateArg, shards: StateArg, end_of_epoch: bool,
+                      metrics: MetricValues | None) -> StepResult:
         cfg = self.config
         name = self.should_save(epoch=epoch, num_updates=num_updates, end_of_epoch=end_of_epoch)
         committed: list[str] = []
