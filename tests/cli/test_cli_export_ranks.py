@@ -6,6 +6,7 @@ note; safetensors writes the weights only and names what it left out.
 """
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +22,9 @@ def _state() -> dict:
             "optimizer": {"lr": 0.5}, "num_updates": 4}
 
 
-RANKS = {0: {"iterator": {"epoch": 1, "offset": 3}, "rng": torch.tensor([1, 2], dtype=torch.int64)},
-         1: {"iterator": {"epoch": 1, "offset": 7}, "rng": torch.tensor([5, 6], dtype=torch.int64)}}
+RANKS: dict[int, dict[str, Any]] = {
+    0: {"iterator": {"epoch": 1, "offset": 3}, "rng": torch.tensor([1, 2], dtype=torch.int64)},
+    1: {"iterator": {"epoch": 1, "offset": 7}, "rng": torch.tensor([5, 6], dtype=torch.int64)}}
 
 
 def _save(root: str, ranks: dict | None = RANKS) -> str:
@@ -78,9 +80,9 @@ def test_dcp_nests_per_rank_items(root, tmp_path):
     ck = _save(tmp_path.as_posix())
     report = export(ck, str(tmp_path / "out-dcp"), fmt="dcp", rank_states="nest")
     assert any("state['rank_states'][rank]" in n for n in report.notes)
-    target = {"model": {"w": torch.zeros(2, 3)},
-              "rank_states": {0: {"rng": torch.zeros(2, dtype=torch.int64)},
-                              1: {"rng": torch.zeros(2, dtype=torch.int64)}}}
+    target: dict[str, Any] = {"model": {"w": torch.zeros(2, 3)},
+                              "rank_states": {0: {"rng": torch.zeros(2, dtype=torch.int64)},
+                                              1: {"rng": torch.zeros(2, dtype=torch.int64)}}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(target, checkpoint_id=str(tmp_path / "out-dcp"))

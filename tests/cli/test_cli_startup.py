@@ -5,6 +5,7 @@ gone (what ``xla-ckpt inspect RUN | head -1`` becomes once ``head`` exits): exit
 (128 + SIGPIPE, as a shell reports for ``cat``), nothing on stderr.
 """
 
+import argparse
 import os
 import subprocess
 import sys
@@ -59,9 +60,11 @@ def test_import_xla_ckpt_is_lazy_and_load_save_still_work(tmp_path):
 
 def test_every_summary_is_the_commands_own_help():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert isinstance(sub, argparse._SubParsersAction)
     helps = {a.dest: a.help for a in sub._choices_actions}
     assert helps == COMMANDS
     lazy = next(a for a in build_parser(["ls"])._actions if a.dest == "command")
+    assert isinstance(lazy, argparse._SubParsersAction)
     assert list(lazy.choices) == list(COMMANDS)
 
 
