@@ -96,3 +96,24 @@ def test_the_advice_for_sparse_coo_round_trips(tmp_path):
     assert back.layout == torch.sparse_coo
     assert torch.equal(back.to_dense(), t.to_dense())
     assert os.listdir(tmp_path / "ck")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_chunked_save_refuses_a_sparse_tensor_on_every_rank(tmp_path):
+    import layout_workers as W  # a sibling module on sys.path, as the pool's workers import it
+
+    from xla_ckpt.testing.launcher import shared_pool
+
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    results = [r.unwrap() for r in shared_pool(2, xla=False).run(
+        W.chunked_save_with_a_sparse_tensor, run_dir, timeout_s=240)]
+    for rank_result in results:
+        for mode in ("block", "async"):
+            kind, message = rank_result[mode]
+            assert kind == "CheckpointSaveError", (mode, message)
+            assert "nothing was written" in message
+            assert ("UnsupportedTensorError: tensor at state['emb'] is sparse (layout "
+                    "torch.sparse_coo), which xla_ckpt does not store") in message
+        assert rank_result["steps"] == [3]

@@ -82,7 +82,7 @@ from xla_ckpt.format.chunks import (
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
 from xla_ckpt.format.manifest import Item
-from xla_ckpt.format.plan import tensor_bytes
+from xla_ckpt.format.plan import check_storable, tensor_bytes
 from xla_ckpt.io.writer import WrittenItem
 from xla_ckpt.restore import views
 
@@ -371,6 +371,7 @@ def _describe(state: Any, owned_devices: Sequence[int] | None) -> _Local:
         if g is not None:  # the same object again: a tie
             ties.append([key, specs[g].key])
             return g
+        check_storable(t, key)  # a sparse, nested, ... tensor: refused by name
         try:
             v = views.for_save(t, owned_devices=owned_devices)
         except ValueError as e:
