@@ -91,8 +91,9 @@ def hint(root: str, prev: int, doomed: list[int]) -> str:
             f"checkpoint_1_{prev}.")
 
 
-def restore_errors(root: str) -> dict[str, str]:
-    """The message of each entry point's restore of the run folder's latest."""
+def restore_errors(root: str, newest: str) -> dict[str, str]:
+    """The message of each entry point's restore of the run folder's latest (and of
+    ``xla_ckpt.load`` naming the checkpoint folder itself)."""
     out = {}
     with CheckpointManager(cfg(root)) as mgr:
         with pytest.raises(DistributedError) as e1:
@@ -105,6 +106,9 @@ def restore_errors(root: str) -> dict[str, str]:
     with pytest.raises(CheckpointCorruptError) as e3:
         xla_ckpt.load(root)
     out["load"] = str(e3.value)
+    with pytest.raises(CheckpointCorruptError) as e4:
+        xla_ckpt.load(f"{root}/{newest}")
+    out["load_named"] = str(e4.value)
     return out
 
 
@@ -130,7 +134,7 @@ def test_restore_error_names_the_previous_intact_checkpoint_and_rm_force_goes_ba
             drop_data(root, name)
     newest = f"checkpoint_1_{steps[-1]}"
     doomed = [n for n in steps if n > prev]
-    errors = restore_errors(root)
+    errors = restore_errors(root, newest)
     for where, msg in errors.items():
         assert msg.endswith(hint(root, prev, doomed)), (where, msg)
         assert f"{root}/{newest}/data-" in msg, (where, msg)  # the read's own error is kept
@@ -254,3 +258,17 @@ def test_gc_and_rm_remove_the_folders_they_empty_and_nothing_else(cli, tmp_path)
                                         "lease.json", "notes"]
     assert os.listdir(os.path.join(root, "checkpoint_1_4")) == ["model.pt"]
     assert os.listdir(os.path.join(root, "notes")) == []
+
+
+def test_a_checkpoint_outside_a_run_folder_gets_no_note(root):
+    """Two checkpoints saved with xla_ckpt.save side by side (no pointer, no lease): the
+    error of the bad one is the read's own, and nothing lists the parent folder for it."""
+    xla_ckpt.save({"w": torch.ones(3)}, f"{root}/a")
+    xla_ckpt.save({"w": torch.zeros(3)}, f"{root}/b")
+    with open_storage(f"{root}/b") as st:
+        f = next(n for n in st.list("") if n.startswith("data-"))
+        st.write_atomic(f, [st.read_bytes(f)[:-2]])
+    with pytest.raises(CheckpointCorruptError) as ei:
+        xla_ckpt.load(f"{root}/b")
+    assert str(ei.value).endswith("(truncated)")
+    assert "previous intact" not in str(ei.value)

@@ -44,8 +44,9 @@ and ``benchmarks/reliability.py``.
 job share the run folder.  The predecessor P (lease epoch 2: a set-up incarnation
 committed A and B with epoch 1, P restored B) saves C with keep-last 1 and is
 paused at each point of that save, chosen from its dry run as above.  While it is
-paused the successor S starts in a fresh process (lease epoch 3), restores the
-latest committed checkpoint and saves ``checkpoint_1_20`` (keep-last 1).  Then,
+paused the successor S starts in a fresh process, restores the latest committed
+checkpoint (no lease) and saves ``checkpoint_1_20`` (keep-last 2: the one it restored
+and its own; that first save takes lease epoch 3).  Then,
 by variant:
 
 * ``kill``: P was SIGKILLed at the point before S started;
@@ -512,7 +513,8 @@ def _saver_main(run_uri: str, backend: str, mode: str, kill: KillPoint | None, w
     _save(mgr, 2)
     mgr.close()
     mgr = manager_for(run_uri, backend, async_save=(mode == "async"))
-    mgr.restore_or_initialize()  # a restarted job: restores B (and takes its lease) first
+    mgr.restore_or_initialize()  # a restarted job: restores B first ...
+    mgr.take_over()  # ... and takes its lease before the traced save (a restore takes none)
     tracer.kill = kill
     tracer.armed = True
     if mode == "sync":
@@ -922,6 +924,7 @@ def _predecessor_main(run_uri: str, backend: str, point: KillPoint | None, wfd: 
     mgr = manager_for(run_uri, backend, keep=1)
     restored = mgr.restore_or_initialize()
     assert restored is not None and restored.checkpoint == B
+    mgr.take_over()  # epoch 2 before the traced save of C (a restore takes no lease)
     tracer.kill = point
     tracer.armed = True
     saved_c = _outcome(lambda: _save(mgr, 3))
@@ -937,21 +940,23 @@ def _predecessor_main(run_uri: str, backend: str, point: KillPoint | None, wfd: 
 
 
 def _successor_main(run_uri: str, backend: str, wfd: int) -> None:
-    """S: a new incarnation: restore the latest (taking the next lease epoch), save S_NAME with
-    keep-last 1, report what it restored and the bytes of what it holds."""
+    """S: a new incarnation: restore the latest (no lease), save S_NAME with keep-last 2 (its
+    first save takes the next lease epoch; keep-N rotates a restored checkpoint like any
+    other, and 2 keeps it), report what it restored, the epoch it holds and the bytes of
+    what it holds."""
     torch.set_num_threads(1)
     from xla_ckpt.io.fencing import read_lease
 
-    mgr = manager_for(run_uri, backend, traced=False, keep=1)
+    mgr = manager_for(run_uri, backend, traced=False, keep=2)
     res = mgr.restore_or_initialize()
     restored = res.checkpoint if res is not None else None
-    lease = read_lease(mgr.run)
-    _send(wfd, {"restored": restored, "epoch": lease.epoch if lease else None,
+    _send(wfd, {"restored": restored,
                 "restored_bitwise": _bitwise(res.state, res.rank_state, res.num_updates)
                 if res is not None else "none"})
     _save(mgr, num_updates_of(S_NAME))
+    lease = read_lease(mgr.run)
     digests = {f: folder_digest(mgr.run, f) for f in {S_NAME, restored} if f}
-    _send(wfd, {"saved": S_NAME, "digests": digests})
+    _send(wfd, {"saved": S_NAME, "epoch": lease.epoch if lease else None, "digests": digests})
     mgr.close()
     _send(wfd, {"done": True})
 

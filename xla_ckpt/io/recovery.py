@@ -23,10 +23,14 @@ from __future__ import annotations
 import logging
 
 from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
-from xla_ckpt.io.catalog import CheckpointEntry, list_checkpoints
+from xla_ckpt.io.catalog import CheckpointEntry, list_checkpoints, pointer_name
+from xla_ckpt.io.fencing import LEASE_NAME
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)
+
+RUN_MARKERS = (pointer_name("last"), LEASE_NAME)
+"""Objects that make a checkpoint's parent folder a run folder worth listing for a note."""
 
 MAX_CANDIDATES = 8
 """Older checkpoints looked at (newest first) before :func:`previous_intact` gives up."""
@@ -148,8 +152,9 @@ def note_for_read(err: BaseException, checkpoint: str, run: str | None,
     says the bytes are bad (:func:`is_corruption`); returns ``err``.
 
     ``run``: the run folder ``checkpoint`` was chosen in (latest or a pointer); None for a
-    checkpoint named directly, whose parent folder is then looked at, and noted only if it
-    holds an intact committed checkpoint older than this one.  Never raises: a failure to
+    checkpoint named directly, whose parent folder is then looked at if it is a run folder
+    (it holds ``checkpoint_last.json`` or ``lease.json``), and noted only if it holds an
+    intact committed checkpoint older than this one.  Never raises: a failure to
     look leaves ``err`` as it is.
     """
     if not is_corruption(err):
@@ -160,6 +165,8 @@ def note_for_read(err: BaseException, checkpoint: str, run: str | None,
         return err
     try:
         with open_storage(folder, config) as st:
+            if run is None and not any(st.exists(n) for n in RUN_MARKERS):
+                return err  # not a run folder: never list a bucket's root on an error path
             entries = list_checkpoints(st)
             if run is None and previous_intact(st, name, entries) is None:
                 return err
