@@ -12,7 +12,18 @@ nothing else: no training loop, no data.  Restore order, as in fairseq:
    WARNING "no existing checkpoint found at <uri>": training starts from
    scratch.  Any other failure raises (a typo'd path whose parent folder is
    missing too, a data file gone mid-read, a checkpoint replaced twice while read);
-2. model: strict load (:func:`~xla_ckpt.trainer.module_load.load_module_state`),
+2. check everything before anything is loaded
+   (:meth:`~xla_ckpt.trainer.restore_state.RestoreState._plan_restore`,
+   :mod:`~xla_ckpt.trainer.restore_checks`): model and criterion keys, shapes and
+   dtypes; unless ``reset_optimizer``, the optimizer history, criterion and optimizer
+   names, the fairseq mapping, param group count and sizes, state keys and shapes, and
+   the lr_scheduler state, against an optimizer built the way the restore will build
+   it.  A refusal says that nothing was restored, and nothing was (on the in-place path
+   these checks run against the manifest before the read starts).  An old fairseq
+   layout is upgraded here (logged); a plain ``torch.save`` dict (MAE/DeiT
+   ``{"model", "optimizer", "epoch", "args"}``) restores its model and its one
+   optimizer state, with nothing made up (:mod:`~xla_ckpt.trainer.restore_checks`);
+3. model: strict load (:func:`~xla_ckpt.trainer.module_load.load_module_state`),
    criterion too when it has parameters.  With a restorer that takes
    ``targets=`` (the default does), an xla_ckpt checkpoint's model and
    criterion tensors are read straight into the live CPU parameters when the
@@ -21,7 +32,7 @@ nothing else: no training loop, no data.  Restore order, as in fairseq:
    then copies nothing and its hooks still run.  Otherwise (XLA/CUDA modules,
    casts, prefixes to strip, meta modules) it reads into fresh memory and
    copies, raising its strict errors with nothing overwritten;
-3. unless ``reset_optimizer`` (and when the checkpoint holds optimizer
+4. unless ``reset_optimizer`` (and when the checkpoint holds optimizer
    state): rebuild the optimizer over the live parameters, check the
    criterion class name against the last ``optimizer_history`` entry
    (``config.criterion_check``: strict / warn / off) and the optimizer
@@ -35,7 +46,7 @@ nothing else: no training loop, no data.  Restore order, as in fairseq:
    schedulers), load the optimizer state
    (:func:`~xla_ckpt.trainer.optimizer_state.load_optimizer_state`) with
    ``optimizer_overrides``, then set ``num_updates``;
-4. ``extra_state``: this rank's private state merged over it;
+5. ``extra_state``: this rank's private state merged over it;
    ``previous_training_time`` (the wall clock restarts from it);
    ``lr_step(epoch)``; meters loaded unless ``reset_meters`` or at an epoch
    boundary (iterator ``version`` >= 2 and ``iterations_in_epoch == 0``);
@@ -77,7 +88,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from xla_ckpt.config.sections import CRITERION_CHECKS
-from xla_ckpt.errors import ConfigError
+from xla_ckpt.errors import ConfigError, UnsupportedTypeError
+from xla_ckpt.format import typed
 from xla_ckpt.restore.config import RANK_STATE_ON_RESIZE
 from xla_ckpt.trainer.metrics import Metrics
 from xla_ckpt.trainer.module_load import check_dtype_policy
@@ -217,7 +229,16 @@ class Checkpointer(SaveState, RestoreState):
         ConfigError: neither ``optimizer`` nor ``build_optimizer`` given, or
             an ``lr_scheduler`` object given with ``build_optimizer`` but
             without ``build_lr_scheduler`` (it would keep the old optimizer), or
-            a ``criterion_check`` other than strict / warn / off.
+            a ``criterion_check`` other than strict / warn / off; or an argument that
+            would only fail later, at the first save or restore (:func:`_check_arguments`):
+            a ``cfg``/``args`` the checkpoint cannot hold (a dataclass, an omegaconf
+            container, any object outside the typed encoding; the message names the key
+            path, the type and what to pass), a ``model``/``criterion`` that is not a
+            ``torch.nn.Module``, an ``optimizer`` that is not a ``torch.optim.Optimizer``,
+            a builder, ``restorer``, ``saver`` or ``clock`` that is not callable, a
+            ``metrics`` or ``lr_scheduler`` without ``state_dict``/``load_state_dict``, a
+            ``config`` that is not a :class:`CheckpointerConfig`, a bad ``device`` or
+            ``rank``.
     """
 
     def __init__(self, *, model: torch.nn.Module, criterion: Optional[torch.nn.Module] = None,
@@ -229,6 +250,11 @@ class Checkpointer(SaveState, RestoreState):
                  saver: Optional[Saver] = None, device: torch.device | str | None = None,
                  rank: int = 0, clock: Callable[[], float] = time.time,
                  criterion_check: Optional[str] = None) -> None:
+        _check_arguments(model=model, criterion=criterion, build_optimizer=build_optimizer,
+                         build_lr_scheduler=build_lr_scheduler, optimizer=optimizer,
+                         lr_scheduler=lr_scheduler, metrics=metrics, cfg=cfg, args=args,
+                         config=config, restorer=restorer, saver=saver, device=device,
+                         rank=rank, clock=clock)
         if optimizer is None and build_optimizer is None:
             raise ConfigError("build_optimizer: pass build_optimizer (preferred: the restore "
                               "rebuilds the optimizer over the live parameters) or optimizer")
@@ -261,4 +287,64 @@ class Checkpointer(SaveState, RestoreState):
         self._restore_was_empty = False
         self._restore_call = (False, False, "")
         self._sharded_read_in_place = False
+
+
+def _check_arguments(**given: Any) -> None:
+    """Refuse, at construction, what the first save or restore would refuse (issue 25 #8).
+
+    Raises:
+        ConfigError: names the argument, the type given and what to pass.
+    """
+    def refuse(name: str, want: str) -> None:
+        raise ConfigError(f"{name}: must be {want}, got a {type(given[name]).__qualname__}")
+
+    if not isinstance(given["model"], torch.nn.Module):
+        refuse("model", "a torch.nn.Module")
+    if given["criterion"] is not None and not isinstance(given["criterion"], torch.nn.Module):
+        refuse("criterion", "a torch.nn.Module or None")
+    if given["optimizer"] is not None and \
+            not isinstance(given["optimizer"], torch.optim.Optimizer):
+        refuse("optimizer", "a torch.optim.Optimizer or None (or pass build_optimizer)")
+    for name in ("build_optimizer", "build_lr_scheduler", "restorer", "saver"):
+        if given[name] is not None and not callable(given[name]):
+            refuse(name, "callable or None")
+    if not callable(given["clock"]):
+        refuse("clock", "callable (seconds, like time.time)")
+    for name in ("metrics", "lr_scheduler"):
+        obj = given[name]
+        if obj is not None and not (callable(getattr(obj, "state_dict", None)) and
+                                    callable(getattr(obj, "load_state_dict", None))):
+            refuse(name, "an object with state_dict() and load_state_dict() (or None)")
+    if given["config"] is not None and not isinstance(given["config"], CheckpointerConfig):
+        refuse("config", "a CheckpointerConfig (or None)")
+    rank = given["rank"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ConfigError(f"rank: must be an int >= 0, got {rank!r}")
+    if given["device"] is not None:
+        try:
+            torch.device(given["device"])
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"device: not a torch device: {given['device']!r} ({e})") from None
+    for name in ("cfg", "args"):
+        _check_saveable(name, given[name])
+
+
+def _check_saveable(name: str, value: Any) -> None:
+    """``value`` (the ``cfg`` or ``args`` every save writes) fits the typed encoding."""
+    if value is None:
+        return
+    try:
+        typed.encode({name: value}, tensor_hook=lambda t, path: 0)
+    except UnsupportedTypeError as e:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fix = (f"pass dataclasses.asdict({name}) (a dict), or an argparse.Namespace; "
+                   "rebuild the dataclass from it after a restore")
+        elif type(value).__module__.startswith("omegaconf"):
+            fix = f"pass OmegaConf.to_container({name}, resolve=True) (a dict)"
+        else:
+            fix = ("pass a dict, list or argparse.Namespace of None/bool/int/float/str values "
+                   "(or tensors)")
+        raise ConfigError(
+            f"{name}: a {type(value).__module__}.{type(value).__qualname__} cannot be saved in "
+            f"a checkpoint, and every save writes {name} ({e}); {fix}") from None
 
