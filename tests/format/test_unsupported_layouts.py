@@ -101,7 +101,7 @@ def test_the_advice_for_sparse_coo_round_trips(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_chunked_save_refuses_a_sparse_tensor_on_every_rank(tmp_path):
-    import layout_workers as W  # a sibling module on sys.path, as the pool's workers import it
+    import layout_workers as W  # type: ignore[import-not-found]  # a sibling module on sys.path (pytest's prepend mode), as the pool's workers import it
 
     from xla_ckpt.testing.launcher import shared_pool
 
