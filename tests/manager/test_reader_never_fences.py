@@ -21,6 +21,7 @@ import pytest
 import torch
 from manager_helpers import REPO, make_cfg
 
+from xla_ckpt.cli.main import main as cli_main
 from xla_ckpt.errors import FencedError
 from xla_ckpt.io.catalog import pointer_order, read_pointer_doc, resolve_latest
 from xla_ckpt.io.fencing import LEASE_NAME, read_lease
@@ -146,14 +147,18 @@ def test_an_evaluator_process_polling_the_run_never_fences_the_trainer(run_uri, 
     assert pointer_now(run_uri) == ((1, 7), "checkpoint_1_7")
 
 
-def test_a_reader_manager_in_the_same_process_takes_no_lease(run_uri):
+def test_a_reader_manager_in_the_same_process_takes_no_lease(run_uri, capsys):
     """Two manager instances: the reader (a default config, not ``no_save``) polls by step,
-    by keys and latest between the trainer's saves; the trainer is never fenced."""
+    by keys and latest between the trainer's saves, and ``xla-ckpt ls`` / ``inspect`` look;
+    the trainer is never fenced."""
     trainer = Trainer(run_uri, keep_interval_updates=-1)
     trainer.save(10)
     lease = lease_now(run_uri)
     with CheckpointManager(make_cfg(run_uri)) as reader:
         for n in (11, 12):
+            assert cli_main(["--no-progress", "ls", run_uri]) == 0
+            assert cli_main(["--no-progress", "inspect", run_uri]) == 0
+            assert f"checkpoint_1_{n - 1}" in capsys.readouterr().out
             got = reader.restore_or_initialize()
             assert got is not None and got.num_updates == n - 1
             assert reader.restore(step=10).state["model"]["weight"].flatten().tolist() == w_at(10)
