@@ -313,3 +313,24 @@ def test_a_genuine_old_fairseq_file_is_still_upgraded_on_the_trainer_path(tmp_pa
     assert any(r.levelno == logging.WARNING and "'FairseqNAG' (the file names none; fairseq "
                "default)" in r.getMessage() for r in caplog.records)
     assert sorted(torch.load(path, weights_only=False)) == sorted(saved)  # file unchanged
+
+
+def test_a_converted_plain_dict_is_checked_against_its_manifest_before_the_read(tmp_path):
+    import xla_ckpt
+
+    path, model, _ = mae_file(tmp_path)
+    uri = str(tmp_path / "converted")
+    xla_ckpt.save(xla_ckpt.load(path), uri)  # what `xla-ckpt convert` writes
+    ck, live = fresh(lambda p: torch.optim.SGD(p, lr=0.1), criterion=None)
+    ck.criterion = None
+    before = snapshot(live)
+    with pytest.raises(StateMismatchError, match="names no optimizer class") as e:
+        ck.load_checkpoint(uri)
+    assert str(e.value).endswith(NOTHING_RESTORED)
+    assert_untouched(before, live)
+    ok, live2 = fresh(adamw, criterion=None)
+    ok.criterion = None
+    extra = ok.load_checkpoint(uri)
+    assert extra is not None and extra["epoch"] == 5
+    assert torch.equal(live2.a.weight, model.a.weight)
+    assert set(ok.optimizer.state_dict()["state"]) == {0, 1, 2, 3}

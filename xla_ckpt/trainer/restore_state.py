@@ -195,6 +195,10 @@ class RestoreState(TrainingSurface):
         state read into :meth:`restore_targets` is applied with ``set_state_dict``
         (so are full tensors, sharded onto the live placements).
         """
+        # A sharded model's state may have been read into its live DTensors already
+        # (into=restore_targets()): a refusal cannot then say that nothing was restored.
+        self._sharded_read_in_place = restored is not None and \
+            is_sharded_module(unwrap_module(self.model))
         return self._load_state(restored, where=where, reset_optimizer=reset_optimizer,
                                 reset_lr_scheduler=reset_lr_scheduler,
                                 optimizer_overrides=optimizer_overrides, reset_meters=reset_meters)
@@ -296,8 +300,9 @@ class RestoreState(TrainingSurface):
     def _nothing_restored(self) -> str:
         """What the live objects hold after a refusal raised before anything was loaded."""
         if self._sharded_read_in_place:
-            return ("The sharded restore had already read the checkpoint into the live "
-                    "DTensor model (and optimizer) in place; rebuild them before training.")
+            return ("Nothing else was restored, but a sharded restore reads into the live "
+                    "DTensor model (and optimizer) in place: they may already hold the "
+                    "checkpoint's values; rebuild them before training.")
         return NOTHING_RESTORED
 
     def _plan_restore(self, state: Any, uri: str, *, reset_optimizer: bool,
