@@ -272,3 +272,39 @@ def test_a_checkpoint_outside_a_run_folder_gets_no_note(root):
         xla_ckpt.load(f"{root}/b")
     assert str(ei.value).endswith("(truncated)")
     assert "previous intact" not in str(ei.value)
+
+
+def _rank_restores_corrupt(root: str) -> dict:
+    """One rank of 2: restore the run folder's latest (truncated) and its step 12."""
+    from xla_ckpt.comm import get_dist
+    from xla_ckpt.config import DistConfig
+
+    dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
+    out: dict = {"rank": dist.rank}
+    with CheckpointManager(cfg(root), dist=dist) as mgr:
+        for what, call in (("latest", mgr.restore_or_initialize),
+                           ("step", lambda: mgr.restore(step=12))):
+            try:
+                call()
+                out[what] = "restored"
+            except DistributedError as e:
+                out[what] = (type(e).__name__, str(e))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_every_rank_gets_the_same_note(tmp_path):
+    from xla_ckpt.testing.launcher import shared_pool
+
+    root = str(tmp_path / "run")
+    train(root, [10, 12])
+    truncate(root, "checkpoint_1_12", 3)
+    got = [r.unwrap() for r in shared_pool(2, xla=False).run(_rank_restores_corrupt, root,
+                                                              timeout_s=180)]
+    assert [g["rank"] for g in got] == [0, 1]
+    for what in ("latest", "step"):
+        for g in got:  # the restore's own text says which rank reports it; the note is one
+            kind, msg = g[what]
+            assert kind == "DistributedError" and msg.endswith(hint(root, 10, [12])), msg
+            assert "failed on rank(s) 0, 1 of 2" in msg

@@ -17,7 +17,9 @@ Only what xla_ckpt wrote is deleted: pointers, manifests, ``data-<save id>-*``
 files and the in-flight objects of those, directly in this run folder and its
 checkpoint folders.  An incomplete folder holding anything else (a ``.pt``, a DCP
 checkpoint, a folder copied from another run) is left alone, and so is such an
-object inside a checkpoint folder.  ``--dry-run`` only prints what would happen.
+object inside a checkpoint folder.  On a local disk a checkpoint folder that gc
+emptied is removed too; a folder still holding anything stays.  ``--dry-run`` only
+prints what would happen.
 """
 
 from __future__ import annotations

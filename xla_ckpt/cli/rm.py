@@ -16,8 +16,8 @@ an interrupted ``rm`` leaves an incomplete folder, never a broken committed
 one.  In-flight objects of an interrupted upload in a named folder (what
 ``xla-ckpt ls`` shows as "in flight") go too once they are older than
 ``--grace`` (default 1h), as ``xla-ckpt gc --in-flight`` would delete them; a
-folder holding only younger ones is kept, saying so.  ``--dry-run`` only
-prints what would happen.
+folder holding only younger ones is kept, saying so.  On a local disk a folder
+rm emptied is removed too.  ``--dry-run`` only prints what would happen.
 """
 
 from __future__ import annotations
