@@ -109,7 +109,8 @@ def test_overrides_do_not_mutate_input():
 @pytest.mark.parametrize("override,message", [
     ("checkpoint.keep_last=3",
      ("override 'checkpoint.keep_last=3': unknown key 'checkpoint.keep_last'; valid keys under "
-      "checkpoint: async_save, best_checkpoint_metric, exit_on_preemption, handle_sigterm, "
+      "checkpoint: async_save, best_checkpoint_metric, exit_grace_s, exit_on_preemption, "
+      "handle_sigterm, "
       "keep_best_checkpoints, keep_interval_updates, keep_last_epochs, "
       "maximize_best_checkpoint_metric, no_epoch_checkpoints, no_save, restore_file, "
       "reuse_staging_buffers, save_dir, save_interval_epochs, save_interval_updates, "
@@ -153,6 +154,8 @@ F = "configs/cpu-emulation.yaml"
     ("dist.timeout_s=0", f"{F}: dist.timeout_s must be a number > 0, got 0.0"),
     ("checkpoint.sync_interval_updates=0",
      f"{F}: checkpoint.sync_interval_updates must be an integer >= 1, got 0"),
+    ("checkpoint.exit_grace_s=-1",
+     f"{F}: checkpoint.exit_grace_s must be a number >= 0, got -1.0"),
     ("storage.max_workers=0", f"{F}: storage.max_workers must be a positive integer, got 0"),
     ("storage.slice_size_bytes=1MiB",
      f"{F}: storage.slice_size_bytes must be an integer, got '1MiB' (str)"),

@@ -7,7 +7,8 @@ parent can interrupt the save while parts are being uploaded.  MODE:
 * ``save``: :func:`xla_ckpt.save` of an 8 MiB tensor (64 parts of 128 KiB, 4 upload
   threads) on the main thread;
 * ``manager``: an async :class:`~xla_ckpt.manager.CheckpointManager` save inside its
-  ``with`` block, the main thread "training" (sleeping) meanwhile;
+  ``with`` block, the main thread "training" (sleeping) meanwhile; ``exit_grace_s=0``, so
+  Ctrl-C abandons the save (named in an ERROR line) instead of letting it commit;
 * ``manager-no-close``: the same without ``with`` or ``close()``: the interrupt ends
   the process with the upload thread still running.
 """
@@ -47,8 +48,11 @@ def main(mode: str, uri: str) -> None:
     if mode == "save":
         xla_ckpt.save(state, f"{uri}/checkpoint_1_1", config=STORAGE)
         return
+    # exit_grace_s=0: Ctrl-C abandons the save in flight at once (named in an ERROR line) and
+    # deletes its parts; the default grace would let it commit first (C27, tests/manager/
+    # test_exit_with_save_in_flight.py).
     cfg = CheckpointConfig(save_dir=uri, async_save=True, handle_sigterm=False,
-                           save_interval_epochs=0)
+                           save_interval_epochs=0, exit_grace_s=0)
     if mode == "manager":
         with CheckpointManager(cfg, storage_config=STORAGE) as mgr:
             mgr.save(state, epoch=1, num_updates=1, block=False)

@@ -78,6 +78,11 @@ class CheckpointConfig:
         sync_interval_updates: ranks exchange their preemption flag and save status
             every N updates (one small all-gather on the control plane; it waits at most
             ``dist.timeout_s``, like every collective).
+        exit_grace_s: seconds an async save already handed off may take to commit when
+            the loop stops with an exception (Ctrl-C, ``SystemExit``, an error) inside
+            ``with manager:``; a second Ctrl-C, a failure, or the end of the grace abandons
+            it, named in an ERROR line (the previous checkpoint and pointers stay as they
+            were).  0: abandon at once (its parts are deleted).
 
     How a restore moves the bytes (every rank reads, or rank 0 broadcasts) is
     :class:`xla_ckpt.restore.RestoreConfig` (section ``restore``).
@@ -99,6 +104,7 @@ class CheckpointConfig:
     handle_sigterm: bool = True
     exit_on_preemption: bool = True
     sync_interval_updates: int = 1
+    exit_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         s = "checkpoint"
@@ -111,6 +117,7 @@ class CheckpointConfig:
         for name in ("keep_interval_updates", "keep_last_epochs", "keep_best_checkpoints"):
             _check_int(s, name, getattr(self, name), -1)
         _check_int(s, "sync_interval_updates", self.sync_interval_updates, 1)
+        _check_number(s, "exit_grace_s", self.exit_grace_s, positive=False)
         for name in ("no_save", "no_epoch_checkpoints", "maximize_best_checkpoint_metric",
                      "async_save", "reuse_staging_buffers", "handle_sigterm",
                      "exit_on_preemption"):

@@ -23,7 +23,8 @@ the same update boundary):
   as the barrier) rank 0, the coordinator, writes the manifest (the commit
   marker), then the ``checkpoint_last`` / ``checkpoint_best`` pointers, then
   deletes old checkpoints (rotation).  Nothing is deleted before a newer
-  checkpoint has committed, and never the checkpoint this job restored from.
+  checkpoint has committed; the checkpoint this job restored from counts among the
+  kept N like any other (keep-N means N after a resume).
 
 Restore (:meth:`CheckpointManager.restore_or_initialize`, :meth:`CheckpointManager.restore`):
 ``into=`` live targets (e.g. ``get_state_dict(model, optimizer)`` of an FSDP2 model) are
@@ -37,7 +38,10 @@ rank owns), uploaded by a background
 thread while training goes on, and committed at a later update boundary.  At
 most one save is in flight; a new save first finishes the previous one.  A
 failure on any rank surfaces on every rank as :class:`CheckpointSaveError` at
-the next boundary or :meth:`CheckpointManager.wait`.
+the next boundary or :meth:`CheckpointManager.wait`.  Leaving ``with manager:`` with an
+exception (Ctrl-C, ``SystemExit``, an error in the loop) while a save is in flight commits
+it within ``exit_grace_s`` (a second Ctrl-C gives it up), or names it as abandoned in an
+ERROR line; the previous checkpoint and the pointers stay as they were (CASES C27).
 
 Fencing (:mod:`xla_ckpt.io.fencing`): each incarnation of the job takes the next epoch
 of the run folder's lease (``<run>/lease.json``) at its first save (rank 0 takes it, every
@@ -174,7 +178,8 @@ class CheckpointManager(SaveSchedule, RestorePath):
         self._best = None
         self._closed = False
         self.restored_from = None
-        """Folder name of the checkpoint this job restored (never rotated away)."""
+        """Folder name of the checkpoint this job restored (rotated like any other once a
+        newer one of this job committed)."""
         self._lease = None
         self._fenced = None
 
@@ -207,6 +212,10 @@ class CheckpointManager(SaveSchedule, RestorePath):
             return
         try:
             self.wait()
+        except BaseException as e:
+            if self._inflight is not None:  # interrupted (Ctrl-C): named as abandoned
+                self._abandon(self._inflight, f"close() ended with {type(e).__name__}")
+            raise
         finally:
             self._shutdown()
 
@@ -228,7 +237,10 @@ class CheckpointManager(SaveSchedule, RestorePath):
         if exc_type is None:
             self.close()
         elif not self._closed:
-            # Abandon an in-flight save without a collective (other ranks may be gone):
-            # its folder stays uncommitted and is never restored.
-            self._shutdown()
+            # A save already handed off commits within exit_grace_s (collective, on a helper
+            # thread), or is named as abandoned: its folder stays uncommitted, never restored.
+            try:
+                self._finish_on_exit(exc)
+            finally:
+                self._shutdown()
 

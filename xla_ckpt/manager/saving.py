@@ -43,12 +43,14 @@ step after a passed check can still do is the residual window described in
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import contextlib
 import json
 import math
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
@@ -108,6 +110,10 @@ class _InFlight:
     t0: float = field(default_factory=time.perf_counter)
     buffers: list = field(default_factory=list)  # host staging buffers, reusable once uploaded
     plan: ChunkedSavePlan | None = None  # rank 0, chunked save: what it commits
+    # On the way out (SavePath._finish_on_exit): set under ``gate`` once the save is given up;
+    # rank 0's commit job writes the commit marker under ``gate`` only if it is not set.
+    abandoned: bool = False
+    gate: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _status(fut: cf.Future | None) -> str:
@@ -169,8 +175,17 @@ def _on_daemon_thread(name: str, fn: Any, *args: Any) -> cf.Future:
     return fut
 
 
+def _report_at_exit(ref: weakref.ref) -> None:
+    mgr = ref()
+    if mgr is not None:
+        mgr._report_unclosed_at_exit()
+
+
 class SavePath(ManagerBase):
     """Saving: :meth:`save`, :meth:`wait`, and the upload/commit machinery behind them."""
+
+    _committed_before: str | None = None  # the newest checkpoint this manager saw commit
+    _exit_hook: bool = False  # _report_at_exit is registered for this manager
 
     @property
     def in_flight(self) -> str | None:
@@ -234,6 +249,86 @@ class SavePath(ManagerBase):
             return ()  # the group is unusable: no collective to agree on nothing
         with self._at(lockstep.position("wait")):
             return tuple(self._sync(block=True))
+
+    # ---- leaving with a save in flight (CASES C27) -------------------------------------------
+    def _finish_on_exit(self, exc: BaseException | None) -> None:
+        """Every rank, leaving ``with manager:`` with an exception (Ctrl-C, ``SystemExit``, an
+        error in the loop): commit the save already handed off within ``exit_grace_s``, or
+        name it as abandoned (ERROR).  Collective as :meth:`wait` is, run on a helper thread
+        that this thread waits for at most the grace; a second Ctrl-C abandons at once.
+        Never raises for the save (the exception leaving the block is the one that counts),
+        except a second ``KeyboardInterrupt``, re-raised after the ERROR line.
+        """
+        fl = self._inflight
+        if fl is None:
+            return
+        why = type(exc).__name__ if exc is not None else "exit"
+        grace = float(self.config.exit_grace_s)
+        if grace <= 0:
+            self._abandon(fl, f"leaving on {why} with exit_grace_s=0")
+            return
+        if self._collective_broken:
+            self._abandon(fl, f"leaving on {why}; the ranks' group is broken, so no rank can "
+                              "agree on the commit")
+            return
+        logger.warning("[rank %d] leaving on %s: finishing the save of %s before exiting (up "
+                       "to exit_grace_s=%g s; Ctrl-C again abandons it)", self.rank, why,
+                       fl.storage.uri, grace)
+        outcome: dict[str, Any] = {}
+
+        def finish() -> None:
+            try:
+                outcome["committed"] = self.wait()
+            except BaseException as e:  # noqa: BLE001 - reported by the waiting thread
+                outcome["error"] = e
+
+        t = threading.Thread(target=finish, name=f"xla_ckpt-exit-r{self.rank}", daemon=True)
+        t.start()
+        try:
+            t.join(grace)
+        except KeyboardInterrupt:
+            self._abandon(fl, f"Ctrl-C again while finishing it (leaving on {why})")
+            raise
+        if fl.name in outcome.get("committed", ()):
+            logger.warning("[rank %d] committed %s on the way out (leaving on %s)", self.rank,
+                           fl.storage.uri, why)
+        elif "error" in outcome:
+            err = outcome["error"]
+            self._abandon(fl, f"leaving on {why}, finishing it failed: "
+                              f"{type(err).__name__}: {err}")
+        else:
+            self._abandon(fl, f"leaving on {why}, it did not commit within exit_grace_s="
+                              f"{grace:g} s")
+
+    def _abandon(self, fl: _InFlight, reason: str) -> None:
+        """Give ``fl`` up (rank 0's commit job will not write its commit marker) and say so
+        in one ERROR line naming the checkpoint, the reason and what stays."""
+        with fl.gate:  # a commit marker being written now is let finish: then it counts
+            fl.abandoned = True
+            committed = fl.manifest_written
+        if committed:
+            logger.warning("[rank %d] committed %s on the way out (%s; its pointers may not "
+                           "name it yet)", self.rank, fl.storage.uri, reason)
+            return
+        last = self._last_committed_name()
+        logger.error("[rank %d] abandoned the save of checkpoint %s: %s.  It is not committed "
+                     "(never restored; `xla-ckpt gc --incomplete` removes what it wrote); the "
+                     "previous checkpoint%s and the pointers are unchanged", self.rank,
+                     fl.storage.uri, reason, f" {last}" if last else "s")
+
+    def _last_committed_name(self) -> str | None:
+        """This rank's view of the newest checkpoint committed before the one in flight."""
+        if self._committed_before is not None:
+            return self._committed_before
+        return self.run.url(self.restored_from) if self.restored_from else None
+
+    def _report_unclosed_at_exit(self) -> None:
+        """At interpreter exit: an in-flight save of a manager never closed is named as
+        abandoned (without ``with manager:`` or :meth:`close` nothing can commit it)."""
+        fl = self._inflight
+        if fl is not None and not self._closed and not fl.abandoned:
+            self._abandon(fl, "the process is exiting and the manager was never closed (use "
+                              "`with manager:` or close() to commit a save in flight)")
 
     @contextlib.contextmanager
     def _at(self, pos: lockstep.Position) -> Iterator[None]:
@@ -324,6 +419,9 @@ class SavePath(ManagerBase):
                             nbytes += sg.nbytes
                     args = (storage, save_id, *[sg.state if sg else None for sg in staged],
                             payload[3], chunks.state if chunks is not None else None)
+                    if not self._exit_hook:  # a save handed off is never lost unsaid
+                        atexit.register(_report_at_exit, weakref.ref(self))
+                        self._exit_hook = True
                     if storage.lists_in_flight:
                         # Ctrl-C must not wait for the upload (see the module docstring).
                         upload = _on_daemon_thread(f"xla_ckpt-upload-r{self.rank}",
@@ -458,16 +556,20 @@ class SavePath(ManagerBase):
             # chunks/<r> item (global_tensors also names the chunk records by their box).
             chunked["global_tensors"] = fl.plan.global_tensors(parts)
             parts = [*parts, WrittenItem(STATE_ITEM, fl.plan.state_item(), {})]
-        try:
-            commit(fl.storage, fl.save_id, parts, metadata=fl.metadata,
-                   world_size=self.world_size, cleanup=False, if_generation_match=expected,
-                   **chunked)
-        except PreconditionFailedError:
-            # Created meanwhile: by a newer incarnation (then say so), or by a save of ours.
-            check_lease(self.run, lease, what=f"to commit {fl.name}")
-            manifest_precondition(fl.storage, lease, run=self.run)
-            raise
-        fl.manifest_written = True
+        with fl.gate:  # never after the save was reported abandoned (_finish_on_exit)
+            if fl.abandoned:
+                raise CheckpointSaveError(f"saving checkpoint {fl.storage.uri} was abandoned "
+                                          "on the way out; not committed")
+            try:
+                commit(fl.storage, fl.save_id, parts, metadata=fl.metadata,
+                       world_size=self.world_size, cleanup=False, if_generation_match=expected,
+                       **chunked)
+            except PreconditionFailedError:
+                # Created meanwhile: by a newer incarnation (then say so), or by a save of ours.
+                check_lease(self.run, lease, what=f"to commit {fl.name}")
+                manifest_precondition(fl.storage, lease, run=self.run)
+                raise
+            fl.manifest_written = True
         md = fl.metadata
         check_lease(self.run, lease, what=f"to move the pointers to {fl.name} (it is committed, "
                     "but nothing points to it)")
@@ -558,6 +660,7 @@ class SavePath(ManagerBase):
                     fl.storage.close()
                     self._recycle(fl)
                     committed.append(fl.name)
+                    self._committed_before = fl.storage.uri
                     if self.rank == 0:
                         dt = time.perf_counter() - fl.t0
                         logger.info("[rank %d] committed %s (%d bytes staged on rank 0) %.2f s "
