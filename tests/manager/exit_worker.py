@@ -105,3 +105,31 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)
     main(sys.argv[1], sys.argv[2], sys.argv[3])
+
+
+def every_rank_raises(run_dir: str) -> dict:
+    """One rank of a gloo job whose every rank leaves ``with manager:`` on an error right after
+    handing off the save of update 2: the ranks agree on its commit on the way out."""
+    from xla_ckpt.comm import get_dist
+    from xla_ckpt.config import DistConfig
+
+    dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
+    cfg = CheckpointConfig(save_dir=run_dir, async_save=True, save_interval_epochs=0,
+                           handle_sigterm=False, exit_grace_s=60.0)
+    w = torch.zeros(1 << 16)
+    out: dict = {"rank": dist.rank}
+    try:
+        with CheckpointManager(cfg, dist=dist) as mgr:
+            w.copy_(w_at(1)[: w.numel()])
+            mgr.save({"model": {"w": w}}, epoch=1, num_updates=1, rank_state={"r": dist.rank})
+            mgr.wait()
+            w.copy_(w_at(2)[: w.numel()])
+            mgr.save({"model": {"w": w}}, epoch=1, num_updates=2, rank_state={"r": dist.rank},
+                     block=False)
+            raise RuntimeError(f"an error on rank {dist.rank}")
+    except RuntimeError as e:
+        out["error"] = str(e)
+    dist.barrier()
+    out["committed"] = sorted(n for n in os.listdir(run_dir)
+                              if os.path.exists(os.path.join(run_dir, n, "manifest.json")))
+    return out

@@ -124,3 +124,21 @@ def test_a_save_given_up_is_named_and_the_previous_checkpoint_stays(tmp_path, mo
     assert committed(run_dir) == ["checkpoint_1_1"]
     assert _holds(run_dir, "checkpoint_1_1", 1)
     assert pointer(run_dir, "last")["checkpoint"] == "checkpoint_1_1"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_rank_leaving_on_an_error_commits_the_save_together(tmp_path):
+    from exit_worker import every_rank_raises
+
+    from xla_ckpt.testing.launcher import shared_pool
+
+    run_dir = str(tmp_path / "run")
+    outs = [r.unwrap() for r in shared_pool(2, xla=False).run(every_rank_raises, run_dir,
+                                                               timeout_s=120)]
+    for rank, o in enumerate(outs):
+        assert o["error"] == f"an error on rank {rank}"
+        assert o["committed"] == ["checkpoint_1_1", "checkpoint_1_2"]
+    ck = os.path.join(run_dir, "checkpoint_1_2")
+    assert torch.equal(xla_ckpt.load(ck)["model"]["w"], w_at(2)[: 1 << 16])
+    assert [xla_ckpt.load(ck, item=f"rank/{r:05d}") for r in range(2)] == [{"r": 0}, {"r": 1}]
