@@ -54,15 +54,13 @@ before anything is allocated from it.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import json
 import math
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NoReturn
+from typing import Any, NoReturn
 
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format import typed
@@ -75,6 +73,7 @@ from xla_ckpt.format.chunks import (
 )
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
+from xla_ckpt.format.gc_pause import gc_paused
 
 FORMAT_NAME = "xla_ckpt"
 FORMAT_VERSION = 1
@@ -236,7 +235,7 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise CheckpointCorruptError(f"{where}: manifest of {len(data)} bytes exceeds the "
                                          f"{MAX_MANIFEST_BYTES}-byte limit")
-        with _gc_paused():  # millions of acyclic objects: collections would only rescan them
+        with gc_paused():  # millions of acyclic objects: collections would only rescan them
             try:
                 doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
                                  object_pairs_hook=_unique_keys)
@@ -247,23 +246,6 @@ class Manifest:
             manifest = _validate(doc, where)
         _check_crc(data, where, require_crc)
         return manifest
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (as it was before, afterwards).
-
-    Parsing a large manifest makes millions of small containers, none in a cycle; every
-    collection the allocations trigger rescans all of them (a third of the parse of a
-    1,000 x 256-chunk manifest).  Reference counting still frees everything as usual.
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 _CRC_STUB = b',"manifest_crc32c":"00000000"}'

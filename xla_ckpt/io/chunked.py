@@ -59,6 +59,7 @@ from xla_ckpt.format import typed
 from xla_ckpt.format.chunks import Box, ChunkRecord, GlobalTensor, intersect, row_span
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.dtypes import dtype_from_name
+from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import BlobRecord, Manifest, TensorRecord
 from xla_ckpt.format.plan import tensor_bytes
 from xla_ckpt.io.reader import (
@@ -583,6 +584,7 @@ def _integrity_error(reader: CheckpointReader, requests: Sequence[BoxRequest], s
     return IntegrityError(text, path=url, key=keys[0] if keys else "")
 
 
+@gc_paused()  # many small objects, no cycles (CASES C26)
 def read_boxes(reader: CheckpointReader, requests: Sequence[BoxRequest]) -> int:
     """Fill every request's ``out`` from the checkpoint; returns the bytes fetched.
 

@@ -61,6 +61,7 @@ from xla_ckpt.errors import (
 from xla_ckpt.format import typed
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
+from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import (
     MANIFEST_NAME,
     STATE_ITEM,
@@ -462,6 +463,7 @@ class CheckpointReader:
         self._run(self._slices(item, blob_id, rec, tensor_bytes(buf), lo))
         return buf[start - lo:start - lo + length]
 
+    @gc_paused()  # many small objects, no cycles (CASES C26)
     def load(self, item_name: str = STATE_ITEM, map_location: MapLocation = None, *,
              into: Mapping[str, torch.Tensor] | None = None, mmap: bool = False) -> Any:
         """Read and rebuild one item's state (CPU tensors unless ``map_location``).

@@ -52,6 +52,7 @@ from xla_ckpt.errors import (
 from xla_ckpt.format import typed
 from xla_ckpt.format.chunks import GlobalTensor
 from xla_ckpt.format.crc import crc32c
+from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import (
     DEFAULT_CHUNK_SIZE_BYTES,
     FORMAT_VERSION,
@@ -235,35 +236,38 @@ def write_items(storage: Storage, save_id: str, items: Sequence[tuple[str, Any]]
     if not names or len(set(names)) != len(names):
         raise ValueError(f"write_items needs at least one item and unique names, got {names}")
     t0 = time.perf_counter()
-    plans = [plan_item(state, chunk_size_bytes=chunk_size_bytes) for _, state in items]
-    fname = data_file_name(save_id, names[0])
-    labelled: list[PlannedBlob] = []
-    for (name, _), plan in zip(items, plans, strict=True):
-        prefix = "" if len(items) == 1 or name == STATE_ITEM else f"{name}/"
-        labelled.extend(replace(b, name=prefix + b.name) if prefix else b for b in plan.blobs)
-    meta = {"format": "pt", "xla_ckpt_save_id": save_id, "xla_ckpt_item": names[0]}
-    if len(items) > 1:
-        meta["xla_ckpt_items"] = ",".join(names)
-    header, offsets = build_header(labelled, meta)
-    pieces: list[memoryview] = [memoryview(header)]
-    spans: list[tuple[int, int]] = []  # each blob's pieces in ``pieces``
-    for b in labelled:
-        first = len(pieces)
-        pieces.extend(blob_pieces(b, chunk_size_bytes))
-        spans.append((first, len(pieces)))
+    with gc_paused():  # CPU-bound planning; not held over the write (async saves run it)
+        plans = [plan_item(state, chunk_size_bytes=chunk_size_bytes) for _, state in items]
+        fname = data_file_name(save_id, names[0])
+        labelled: list[PlannedBlob] = []
+        for (name, _), plan in zip(items, plans, strict=True):
+            prefix = "" if len(items) == 1 or name == STATE_ITEM else f"{name}/"
+            labelled.extend(replace(b, name=prefix + b.name) if prefix else b
+                            for b in plan.blobs)
+        meta = {"format": "pt", "xla_ckpt_save_id": save_id, "xla_ckpt_item": names[0]}
+        if len(items) > 1:
+            meta["xla_ckpt_items"] = ",".join(names)
+        header, offsets = build_header(labelled, meta)
+        pieces: list[memoryview] = [memoryview(header)]
+        spans: list[tuple[int, int]] = []  # each blob's pieces in ``pieces``
+        for b in labelled:
+            first = len(pieces)
+            pieces.extend(blob_pieces(b, chunk_size_bytes))
+            spans.append((first, len(pieces)))
     stream = _ChecksummedPieces(pieces, [False] + [True] * (len(pieces) - 1), progress)
     info = storage.write_atomic(fname, stream)
     written: list[WrittenItem] = []
     k = 0
-    for name, plan in zip(names, plans, strict=True):
-        blobs = []
-        for b in plan.blobs:
-            lo, hi = spans[k]
-            blobs.append(blob_record(b, fname, offsets[k], chunk_size_bytes,
-                                     piece_crcs=stream.crcs(lo, hi)))
-            k += 1
-        written.append(WrittenItem(name, Item(state=plan.state, tensors=plan.tensors,
-                                              blobs=blobs), {fname: info.size}))
+    with gc_paused():
+        for name, plan in zip(names, plans, strict=True):
+            blobs = []
+            for b in plan.blobs:
+                lo, hi = spans[k]
+                blobs.append(blob_record(b, fname, offsets[k], chunk_size_bytes,
+                                         piece_crcs=stream.crcs(lo, hi)))
+                k += 1
+            written.append(WrittenItem(name, Item(state=plan.state, tensors=plan.tensors,
+                                                  blobs=blobs), {fname: info.size}))
     dt = time.perf_counter() - t0
     logger.debug("wrote %s (%d bytes, items %s) in %.3f s (%.1f MiB/s)", storage.url(fname),
                  info.size, names, dt, info.size / max(dt, 1e-9) / 2**20)
@@ -285,6 +289,7 @@ def write_item(storage: Storage, save_id: str, item_name: str, state: Any, *,
                        chunk_size_bytes=chunk_size_bytes)[0]
 
 
+@gc_paused()  # many small objects, no cycles (CASES C26)
 def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
            metadata: Any = None, world_size: int | None = None,
            cleanup: bool = True, if_generation_match: int | None = None,
@@ -449,6 +454,7 @@ def discard(storage: Storage, save_id: str) -> None:
                        storage.uri, e)
 
 
+@gc_paused()  # many small objects, no cycles (CASES C26)
 def save(state: Any, uri: str, *, metadata: Any = None,
          rank_states: Mapping[int, Any] | None = None,
          config: StorageConfig | None = None, storage: Storage | None = None,

@@ -30,6 +30,7 @@ from xla_ckpt.errors import (
     TargetsOverwrittenError,
 )
 from xla_ckpt.format import typed
+from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.format.plan import MapLocation
 from xla_ckpt.restore import cost
@@ -77,6 +78,7 @@ def _may_have_raced(e: DistributedError) -> bool:
     return any(c.split(":", 1)[0] in _RACE_CAUSES for c in e.failures.values())
 
 
+@gc_paused()  # many small objects, no cycles (CASES C26)
 def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
             map_location: MapLocation = None, item: str = STATE_ITEM, rank_item: bool = True,
             zero_sharding: str | None = None,

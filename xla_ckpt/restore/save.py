@@ -40,6 +40,7 @@ from xla_ckpt.comm.failures import describe_error
 from xla_ckpt.comm.select import get_dist
 from xla_ckpt.errors import DistributedError
 from xla_ckpt.format.dtypes import dtype_name
+from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import (
     DEFAULT_CHUNK_SIZE_BYTES,
     MANIFEST_NAME,
@@ -133,6 +134,7 @@ def _shard_layout(dist: Dist, shards: Mapping[str, torch.Tensor], chunked: bool,
     return bounds, numels, any_chunked
 
 
+@gc_paused()  # many small objects, no cycles (CASES C26)
 def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata: Any = None,
                      rank_state: Any = None, shards: Mapping[str, torch.Tensor] | None = None,
                      storage_config: StorageConfig | None = None,
