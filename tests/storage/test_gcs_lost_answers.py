@@ -76,7 +76,7 @@ def test_a_retried_conditional_delete_that_meets_another_writers_object_keeps_it
     with fault_proxy.storage(gcs_emulator.uri(stem), SMALL_PARTS) as st:
         ours = st.write_atomic("marker", [b"ours"])
         failed = retry_mod.Backoff.failed
-        theirs = {}
+        theirs: dict[str, Any] = {}
 
         def another_writer_first(self, cause, **kw):
             if self.what.startswith("delete ") and not theirs:
@@ -129,7 +129,7 @@ def test_a_lost_answer_to_a_conditional_write_is_still_a_failure_when_the_bytes_
     the object (other bytes): the 412 stands."""
     with fault_proxy.storage(gcs_emulator.uri(stem), SMALL_PARTS) as st:
         failed = retry_mod.Backoff.failed
-        theirs = {}
+        theirs: dict[str, Any] = {}
 
         def another_writer_first(self, cause, **kw):
             if not theirs:
@@ -174,15 +174,16 @@ def test_a_manager_whose_conditional_answers_are_all_lost_once_saves_rotates_and
     cfg = CheckpointConfig(save_dir=gcs_emulator.uri(f"{stem}/run"), async_save=False,
                            handle_sigterm=False, save_interval_epochs=0,
                            keep_interval_updates=1)
-    states = [{"w": torch.full((5,), float(u)), "step": u} for u in (10, 20, 30)]
+    steps = (10, 20, 30)
+    states = [{"w": torch.full((5,), float(u)), "step": u} for u in steps]
     with fault_proxy.storage(gcs_emulator.uri(f"{stem}/run"), SMALL_PARTS) as run:
         with CheckpointManager(cfg, storage=run) as mgr:
-            names = [mgr.save(s, epoch=1, num_updates=s["step"]) for s in states]
+            names = [mgr.save(s, epoch=1, num_updates=u) for s, u in zip(states, steps, strict=True)]
         with CheckpointManager(cfg, storage=run) as mgr:
             got = mgr.restore()
     assert names == ["checkpoint_1_10", "checkpoint_1_20", "checkpoint_1_30"]
     assert got.checkpoint == "checkpoint_1_30"
-    assert torch.equal(got.state["w"], states[-1]["w"]) and got.state["step"] == 30
+    assert torch.equal(got.state["w"], torch.full((5,), 30.0)) and got.state["step"] == 30
     lost = [r for r in fault_proxy.records() if r.fault == "lost_answer"]
     kinds = {(r.method, r.object_name.rsplit("/", 1)[-1]) for r in lost}
     assert ("POST", "lease.json") in kinds                 # the lease (compare-and-swap)

@@ -75,20 +75,20 @@ def test_load_and_save_name_the_missing_bucket(missing):
 
 def test_the_manager_names_the_missing_bucket_and_never_starts_fresh(missing):
     cfg = _cfg(f"gs://{missing}/run")
-    fresh = []
+    fresh: list[int] = []
     with CheckpointManager(cfg) as mgr:
         with pytest.raises(BucketNotFoundError) as ei:
-            mgr.restore_or_initialize(lambda: fresh.append(1) or {"w": torch.zeros(2)})
+            mgr.restore_or_initialize(lambda: fresh.append(1))
         _check(ei.value, missing)
         assert fresh == []
         with pytest.raises(BucketNotFoundError) as ei:
             mgr.restore(step=10)
         _check(ei.value, missing)
     with CheckpointManager(cfg) as mgr:
-        with pytest.raises(CheckpointSaveError) as ei:   # one error type on every rank
+        with pytest.raises(CheckpointSaveError) as es:   # one error type on every rank
             mgr.save({"w": torch.ones(2)}, epoch=1, num_updates=10)
-    assert "BucketNotFoundError" in str(ei.value) and "lease.json" in str(ei.value)
-    _check(ei.value, missing)
+    assert "BucketNotFoundError" in str(es.value) and "lease.json" in str(es.value)
+    _check(es.value, missing)
 
 
 @pytest.mark.parametrize("argv", [["ls"], ["inspect"], ["verify"], ["gc", "--keep-last", "1"],
@@ -110,7 +110,7 @@ def test_an_existing_bucket_still_says_nothing_is_there(emulator_env):
     uri = emulator_env.uri(f"nothing-{uuid.uuid4().hex[:8]}/run")
     with pytest.raises(NothingCommittedError):
         xla_ckpt.load(uri)
-    fresh = []
+    fresh: list[int] = []
     with CheckpointManager(_cfg(uri)) as mgr:
         got = mgr.restore_or_initialize(lambda: fresh.append(1))
     assert got is None and fresh == [1]   # nothing saved yet: the one "start fresh" case
