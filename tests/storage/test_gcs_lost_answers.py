@@ -178,7 +178,8 @@ def test_a_manager_whose_conditional_answers_are_all_lost_once_saves_rotates_and
     states = [{"w": torch.full((5,), float(u)), "step": u} for u in steps]
     with fault_proxy.storage(gcs_emulator.uri(f"{stem}/run"), SMALL_PARTS) as run:
         with CheckpointManager(cfg, storage=run) as mgr:
-            names = [mgr.save(s, epoch=1, num_updates=u) for s, u in zip(states, steps, strict=True)]
+            names = [mgr.save(s, epoch=1, num_updates=u)
+                     for s, u in zip(states, steps, strict=True)]
         with CheckpointManager(cfg, storage=run) as mgr:
             got = mgr.restore()
     assert names == ["checkpoint_1_10", "checkpoint_1_20", "checkpoint_1_30"]
