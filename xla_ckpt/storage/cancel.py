@@ -140,25 +140,34 @@ def in_scope(scope: CancelScope | None) -> Iterator[CancelScope | None]:
 
 
 class _Watchdog:
-    """One daemon thread that calls closers when their deadline (``time.monotonic()``) passes."""
+    """One daemon thread that calls closers when their deadline (``time.monotonic()``) passes.
+
+    Arming and disarming cost a dict entry and a heap push; the thread is woken only when a
+    new deadline comes before every other one.  Disarmed entries leave the heap when they
+    reach its top, or all at once when they outnumber the armed ones."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int]] = []
-        self._armed: dict[int, Closer] = {}
+        self._armed: dict[int, tuple[float, Closer]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
 
     def arm(self, at: float, close: Closer) -> int:
         with self._cond:
             key = next(self._ids)
-            self._armed[key] = close
-            heapq.heappush(self._heap, (at, key))
+            self._armed[key] = (at, close)
+            if len(self._heap) > 4096 and len(self._heap) > 2 * len(self._armed):
+                self._heap = [(t, k) for k, (t, _) in self._armed.items()]
+                heapq.heapify(self._heap)
+            else:
+                heapq.heappush(self._heap, (at, key))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="xla_ckpt-deadlines",
                                                 daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if self._heap[0][1] == key:
+                self._cond.notify()
             return key
 
     def disarm(self, key: int) -> None:
@@ -179,9 +188,8 @@ class _Watchdog:
                     self._cond.wait(wait)
                     continue
                 heapq.heappop(self._heap)
-                close = self._armed.pop(key, None)
-            if close is not None:
-                _quietly(close)
+                _, close = self._armed.pop(key)
+            _quietly(close)
 
 
 _WATCHDOG = _Watchdog()
