@@ -21,7 +21,7 @@ METHODS = ["xla_save", "xla_load", "trainer_save", "trainer_restore", "torch_sav
 def test_quick_run_prints_every_method_and_size_then_the_summary(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     out = subprocess.run([sys.executable, SCRIPT, "--quick", "--sizes", "8,32", "--at", "32",
-                          "--growth-from", "8"],
+                          "--growth-from", "8", "--clock", "cpu"],
                          env=env, capture_output=True, text=True, timeout=110, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
@@ -30,7 +30,7 @@ def test_quick_run_prints_every_method_and_size_then_the_summary(tmp_path):
     assert [(x["method"], x["tensors"], x["params"]) for x in body] == \
         [(m, t, t // 4) for t in (8, 32) for m in METHODS]
     for x in body:
-        assert x["seconds"] > 0 and len(x["runs"]) == 1
+        assert x["seconds"] > 0 and x["cpu_seconds"] > 0 and len(x["runs"]) == 1
         if x["method"] in ("xla_load", "trainer_restore", "torch_load", "dcp_load"):
             assert x["bitwise_ok"] is True, x
     by = {(x["method"], x["tensors"]): x for x in body}
@@ -38,6 +38,7 @@ def test_quick_run_prints_every_method_and_size_then_the_summary(tmp_path):
     assert set(by["trainer_save", 32]) >= {"ratio_vs_torch_save", "ratio_vs_dcp_save"}
     assert summary["summary"] == "targets (issue 25)"
     assert (summary["at_tensors"], summary["growth_from_tensors"]) == (32, 8)
+    assert summary["clock"] == "cpu"
     for m in ("xla_load", "trainer_restore"):
         target = summary[f"{m}_vs_torch_load_at_32"]
         assert set(target) == {"ratio", "target", "met"} and target["target"] == 1.0
