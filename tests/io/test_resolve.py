@@ -19,6 +19,7 @@ from xla_ckpt.cli.common import resolve_checkpoint
 from xla_ckpt.comm import SingleProcess
 from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.errors import (
+    BucketNotFoundError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointReplacedError,
@@ -206,10 +207,10 @@ def test_gcs_nothing_committed_bad_bucket_run_folder_and_a_save_between_reads(gc
 
     with pytest.raises(NothingCommittedError):
         xla_ckpt.load(f"{gcs_uri}/run")
-    with pytest.raises(CheckpointNotFoundError) as typo:  # a typo'd bucket: not a fresh start
+    with pytest.raises(BucketNotFoundError) as typo:  # a typo'd bucket: not a fresh start
         xla_ckpt.load("gs://no-such-bucket-h11/run")
-    assert not isinstance(typo.value, NothingCommittedError)
-    assert str(typo.value).endswith("check the path (does the bucket exist?)")
+    assert not isinstance(typo.value, CheckpointNotFoundError)   # never "nothing saved"
+    assert "the bucket 'no-such-bucket-h11' does not exist" in str(typo.value)
     run = f"{gcs_uri}/run"
     make_run(run, updates=(2, 4), incomplete=("checkpoint_1_6",))
     assert_state_identical(xla_ckpt.load(run), state(4))
