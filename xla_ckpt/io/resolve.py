@@ -190,8 +190,10 @@ def resolve(target: str | Storage, config: StorageConfig | None = None, *,
         NothingCommittedError: nothing was ever committed there (the one start-fresh answer);
             :class:`UncommittedCheckpointError` when saves began there and none committed.
         CheckpointNotFoundError: not a fresh start: a typo'd path (parent folder absent), a
-            missing bucket, a file that is not a checkpoint, a missing or dangling pointer,
-            a run folder holding only checkpoints of another kind (named).
+            bucket that answers 404 but could not be checked, a file that is not a
+            checkpoint, a missing or dangling pointer, a run folder holding only checkpoints
+            of another kind (named).
+        BucketNotFoundError: the ``gs://`` bucket does not exist (a storage error, named).
         CheckpointCorruptError: a commit marker is there but cannot be read.
         StorageError / StoragePermissionError / StorageURIError: from the storage.
     """
