@@ -258,6 +258,7 @@ def _outcome(fn) -> dict:
         fn()
         out.update(outcome="ok")
     except XlaCkptError as e:
+        _last_error[:] = [e]
         out.update(outcome="error", error=type(e).__name__, message=str(e),
                    failures={int(k): v for k, v in getattr(e, "failures", {}).items()})
     except Exception as e:  # noqa: BLE001 - recorded: the test fails on it
@@ -421,3 +422,51 @@ def restore_plan_with_victim(uri: str, plan: str, scenario: str, victim: int,
             else:
                 os.environ[k] = v
     return out
+
+
+# ---- the manager: rank 0 decides a restore alone and fails (issue 25, defect 9) ---------------
+#
+# Rank 0 resolves what to restore (``restore_or_initialize``) or lists the steps
+# (``restore(step=...)``) for every rank; its storage fails there with ``fault``: a library
+# error (``PreconditionFailedError``, the type of the issue's case) or a plain ``OSError``.
+# Every rank must raise one type: that library error, or a ``DistributedError`` naming rank 0.
+
+def manager_restore_rank0_fails(run_dir: str, fault: str, call: str) -> dict:
+    import errno
+    import os
+
+    from xla_ckpt.comm import get_dist
+    from xla_ckpt.config import CheckpointConfig, DistConfig
+    from xla_ckpt.errors import PreconditionFailedError
+    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.storage.local import LocalStorage
+
+    class Failing(LocalStorage):
+        def list(self, prefix=""):
+            if fault == "precondition":
+                raise PreconditionFailedError(f"{self.url(prefix)}: the object changed (HTTP "
+                                              "412)", name=prefix, expected_generation=7,
+                                              actual_generation=9)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), self.url(prefix))
+
+    _last_error.clear()
+    d = get_dist(DistConfig(backend="gloo", timeout_s=60))
+    rank = d.rank
+    cfg = CheckpointConfig(save_dir=run_dir, handle_sigterm=False, async_save=False)
+    storage = Failing(run_dir) if rank == 0 else LocalStorage(run_dir)
+    out: dict = {}
+    with CheckpointManager(cfg, dist=d, storage=storage) as mgr:
+        if call == "restore_or_initialize":
+            out = _outcome(mgr.restore_or_initialize)
+        else:
+            out = _outcome(lambda: mgr.restore(step=2))
+        out["notes"] = list(getattr(_last_error[0], "__notes__", [])) if _last_error else []
+        out["attrs"] = ({k: getattr(_last_error[0], k, None) for k in
+                         ("name", "expected_generation", "actual_generation")}
+                        if _last_error else {})
+    storage.close()
+    out["rank"] = rank
+    return out
+
+
+_last_error: list = []  # the exception _outcome saw last (for the notes and attributes)

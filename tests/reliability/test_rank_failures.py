@@ -369,3 +369,32 @@ def test_plan_host_stream_stalls_mid_stripe(pool, gcs_emulator, plan_gcs_ckpt, p
         assert v["error"] in ("DistributedError", "CollectiveTimeoutError"), v
         if v["rank"] not in named:
             assert set(v["failures"]) & named and v["seconds"] <= TIMEOUT_S + MARGIN_S, v
+
+
+# ---- the manager's restore decision: rank 0 fails alone (issue 25, defect 9) ------------------
+
+@pytest.mark.parametrize("call", ["restore_or_initialize", "restore_step"])
+@pytest.mark.parametrize("fault", ["precondition", "eio"])
+def test_manager_restore_rank0_fails_every_rank_raises_one_type(pool, tmp_path, fault, call):
+    """Rank 0 decides for every rank and fails: a library error (the issue's
+    PreconditionFailedError) is raised as that class on every rank, with its attributes and a
+    note naming rank 0; any other error is one DistributedError naming rank 0 and the cause."""
+    run_dir = str(tmp_path / "run")
+    os.mkdir(run_dir)
+    outs = [r.unwrap() for r in pool.run(W.manager_restore_rank0_fails, run_dir, fault, call,
+                                         timeout_s=HARD_TIMEOUT_S)]
+    assert [o["rank"] for o in outs] == [0, 1, 2, 3]
+    assert len({(o["error"], o["message"]) for o in outs}) == 1, outs  # one error, every rank
+    for o in outs:
+        assert o["outcome"] == "error"
+        if fault == "precondition":
+            assert o["error"] == "PreconditionFailedError"
+            assert o["message"] == f"{run_dir}: the object changed (HTTP 412)"
+            assert o["attrs"] == {"name": "", "expected_generation": 7, "actual_generation": 9}
+            assert any(n.startswith("rank 0 hit this error while it decided for all 4 ranks")
+                       for n in o["notes"]), o["notes"]
+        else:
+            assert o["error"] == "DistributedError"
+            assert list(o["failures"]) == [0]
+            assert o["failures"][0].startswith("OSError: [Errno 5] Input/output error")
+            assert o["message"].startswith("rank 0 could not ")

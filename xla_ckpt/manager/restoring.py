@@ -46,7 +46,6 @@ from typing import Any, Callable
 
 from xla_ckpt.comm.failures import describe_error
 from xla_ckpt.errors import (
-    CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointReplacedError,
     CollectiveTimeoutError,
@@ -55,11 +54,7 @@ from xla_ckpt.errors import (
     IncompleteCheckpointError,
     NothingCommittedError,
     StepNotFoundError,
-    StorageError,
-    StoragePermissionError,
-    StorageURIError,
     UncommittedCheckpointError,
-    UnknownKeyError,
 )
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM, Manifest, valid_file_name
@@ -68,23 +63,12 @@ from xla_ckpt.io.partial import Keys, PartialResult, check_keys, read_partial, s
 from xla_ckpt.io.reader import CheckpointReader
 from xla_ckpt.io.recovery import add_note, is_corruption, recovery_hint
 from xla_ckpt.io.resolve import committed_manifest, resolve
+from xla_ckpt.manager import rank0
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.restore import Restored
 from xla_ckpt.restore import restore as restore_checkpoint
 from xla_ckpt.storage import open_storage, parse_uri
 
-# Errors that reach every rank with their own type when rank 0 hits them resolving a restore.
-_SHARED_ERRORS = {c.__name__: c for c in (CheckpointNotFoundError, IncompleteCheckpointError,
-                                          CheckpointCorruptError, StorageError,
-                                          StoragePermissionError, StorageURIError,
-                                          ConfigError)}
-# ... and those that also carry attributes (sent along by name), for the step/partial API.
-_SHARED_WITH_ATTRS: dict[str, tuple[type[Exception], tuple[str, ...]]] = {
-    "StepNotFoundError": (StepNotFoundError, ("step", "steps", "run")),
-    "UnknownKeyError": (UnknownKeyError, ("key", "closest", "checkpoint")),
-    "UncommittedCheckpointError": (UncommittedCheckpointError, ("uri", "incomplete")),
-    "NothingCommittedError": (NothingCommittedError, ("uri",)),
-}
 _SHOWN_STEPS = 20  # steps listed in a StepNotFoundError message
 
 RankStateRemap = Callable[[dict[int, Any], int, int], Any]
@@ -214,17 +198,13 @@ class RestorePath(ManagerBase):
             try:
                 decision = ("ok", *self._resolve_restore())  # no lease: a restore only reads
             except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised below
-                decision = ("error", type(e).__name__, str(e))
+                decision = rank0.error_message(e)
                 own = e
         decision = self._exchange(decision)[0]
-        if decision[0] == "error":
-            if self.rank == 0:
-                raise own
-            cls = _SHARED_ERRORS.get(decision[1])
-            if cls is not None:
-                raise cls(decision[2])
-            raise DistributedError("rank 0 could not resolve the checkpoint to restore",
-                                   {0: f"{decision[1]}: {decision[2]}"})
+        if decision[0] == "error":  # the same type on every rank (manager.rank0)
+            rank0.raise_error(decision, own if self.rank == 0 else None,
+                              world_size=self.world_size,
+                              what="resolve the checkpoint to restore")
         _, uri, name, in_run, best = decision
         self._best = best
         if uri is None:
@@ -507,9 +487,10 @@ class RestorePath(ManagerBase):
     def _on_rank0(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn`` on rank 0 and give every rank its value, or its error.  Collective.
 
-        An error rank 0 hits is raised on rank 0 as it is and on the others as the same
-        class (the step/partial errors with their attributes) or, for any other, as a
-        :class:`DistributedError` naming rank 0 and the cause.
+        An error rank 0 hits is raised as one type on every rank (:mod:`~xla_ckpt.manager.
+        rank0`): a library error as its own class with its attributes (the step/partial
+        errors' ``step``, ``steps``, ``key`` ...), any other as a :class:`DistributedError`
+        naming rank 0 and the cause.
         """
         msg: Any = None
         own: Exception | None = None
@@ -518,21 +499,11 @@ class RestorePath(ManagerBase):
                 msg = ("ok", fn())
             except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised below
                 own = e
-                shared = _SHARED_WITH_ATTRS.get(type(e).__name__)
-                attrs = {a: getattr(e, a, None) for a in shared[1]} if shared else {}
-                msg = ("error", type(e).__name__, str(e), attrs)
+                msg = rank0.error_message(e)
         msg = self._exchange(msg)[0]
         if msg[0] == "ok":
             return msg[1]
-        if own is not None:
-            raise own
-        _, cls_name, text, attrs = msg
-        if cls_name in _SHARED_WITH_ATTRS:
-            raise _SHARED_WITH_ATTRS[cls_name][0](text, **attrs)
-        cls = _SHARED_ERRORS.get(cls_name)
-        if cls is not None:
-            raise cls(text)
-        raise DistributedError(f"rank 0 could not {what}", {0: f"{cls_name}: {text}"})
+        rank0.raise_error(msg, own, world_size=self.world_size, what=what)
 
     # ---- internals ----------------------------------------------------------------------
     def _note_recovery(self, err: DistributedError, name: str | None) -> None:
