@@ -18,7 +18,7 @@ from xla_ckpt.testing.launcher import WorkerPool, shared_pool
 WORLD = 2
 
 # case -> (async_save, sync_interval_updates, (what rank 1 says, what rank 0 says), committed
-# afterwards: exactly, or for an async save the checkpoints that may have committed)
+# afterwards)
 CASES = {
     # the issue's inputs (async saves, the default sync_interval_updates=1)
     "plus_one": (True, 1, ("after_update #1(epoch=1, num_updates=2",
@@ -53,13 +53,12 @@ def test_ranks_that_disagree_get_one_error_naming_the_ranks_and_values(tmp_path,
         assert o["message"] == outs[0]["message"]  # one error, the same on every rank
         assert rank1_says in o["message"] and rank0_says in o["message"], o["message"]
         assert "every rank must call after_update once per update" in o["message"]
-        assert o["warnings"] == []
+        assert not any("different metrics" in w for w in o["warnings"])
         assert rank1_says in o["positions"][1] and rank0_says in o["positions"][0]
         assert set(o["failures"]) == {1}, o["failures"]  # rank 0's position wins a tie
-        if async_save:  # the earlier save commits at a later exchange, or is abandoned
-            assert set(o["committed"]) <= set(committed), o["committed"]
-        else:
-            assert o["committed"] == committed
+        # an async save in flight at the mismatch is committed on the way out (every rank
+        # leaves its `with manager:` on the same error, so they agree on it: C27)
+        assert o["committed"] == committed
 
 
 @pytest.mark.slow

@@ -158,10 +158,14 @@ def _failed_future(exc: BaseException) -> cf.Future:
     return f
 
 
-def _on_daemon_thread(name: str, fn: Any, *args: Any) -> cf.Future:
-    """Run ``fn(*args)`` on a new daemon thread (never joined at exit); its future."""
+def _on_daemon_thread(name: str, fn: Any, *args: Any, started: list | None = None) -> cf.Future:
+    """Run ``fn(*args)`` on a new daemon thread (never joined at exit); its future (also
+    appended to ``started`` before the thread starts, so a Ctrl-C that lands while it starts
+    still finds it)."""
     fut: cf.Future = cf.Future()
     fut.set_running_or_notify_cancel()
+    if started is not None:
+        started.append(fut)
 
     def work() -> None:
         try:
@@ -398,6 +402,13 @@ class SavePath(ManagerBase):
         storage = self.run.child(name)
         buffers: list = []
         nbytes = 0
+
+        def in_flight(upload: cf.Future) -> _InFlight:
+            return _InFlight(name=name, save_id=save_id, metadata=metadata, storage=storage,
+                             upload=upload, staged_bytes=nbytes, t0=t0, buffers=buffers,
+                             score=scored[1], plan=plan if self.rank == 0 else None)
+
+        started: list[cf.Future] = []  # the upload, once it runs
         try:
             if agreed.input_errors:
                 # Some rank's inputs failed: nobody writes; every rank raises it in _sync.
@@ -425,18 +436,22 @@ class SavePath(ManagerBase):
                     if storage.lists_in_flight:
                         # Ctrl-C must not wait for the upload (see the module docstring).
                         upload = _on_daemon_thread(f"xla_ckpt-upload-r{self.rank}",
-                                                   self._upload_job, *args)
+                                                   self._upload_job, *args, started=started)
                     else:
                         upload = self._executor.submit(self._upload_job, *args)
                     del staged, chunks
                 del payload
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks in _sync
             upload = _failed_future(e)
+        except BaseException:
+            # Ctrl-C while the upload thread starts: it runs, so the save is in flight (the
+            # way out commits it or names it: _finish_on_exit).
+            if started:
+                self._inflight = in_flight(started[0])
+                self._last_saved = (name, num_updates)
+            raise
+        self._inflight = in_flight(upload)
         del inputs
-        self._inflight = _InFlight(name=name, save_id=save_id, metadata=metadata,
-                                   storage=storage, upload=upload, staged_bytes=nbytes, t0=t0,
-                                   buffers=buffers, score=scored[1],
-                                   plan=plan if self.rank == 0 else None)
         self._last_saved = (name, num_updates)
         logger.debug("[rank %d] %s %s: %d bytes in %.3f s", self.rank,
                      "wrote" if block else "staged", name, nbytes, time.perf_counter() - t0)
