@@ -28,10 +28,10 @@ import re
 import time
 
 from xla_ckpt.cli.common import EXIT_FAILED, EXIT_OK, Parents, Subparsers, human_bytes, plain
-from xla_ckpt.io.legacy import split_uri
 from xla_ckpt.io.prune import RemovalResult, remove_checkpoints
 from xla_ckpt.io.retention import DEFAULT_IN_FLIGHT_GRACE_S, InFlightUpload
 from xla_ckpt.storage import open_storage
+from xla_ckpt.storage.uri import split_uri
 
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|m|min|h|d)?\s*", re.IGNORECASE)
 _UNIT_S = {"": 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}

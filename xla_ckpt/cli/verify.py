@@ -36,7 +36,7 @@ from xla_ckpt.cli.common import (
     progress_bar,
     resolve_checkpoint,
 )
-from xla_ckpt.io.reader import read_manifest
+from xla_ckpt.io.manifest_file import read_manifest
 from xla_ckpt.io.verify import VerifyReport, verify_checkpoint
 
 

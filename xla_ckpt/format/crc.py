@@ -14,18 +14,30 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import sys
 import threading
-from typing import TYPE_CHECKING, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Sequence, Union, cast
 
 import google_crc32c
 import numpy as np
-import torch
 
 if TYPE_CHECKING:
+    import torch
     from _typeshed import ReadableBuffer
 
 #: What :func:`crc32c` takes: a bytes-like object or a contiguous CPU tensor.
-BufferLike = Union["ReadableBuffer", torch.Tensor]
+BufferLike = Union["ReadableBuffer", "torch.Tensor"]
+
+
+class _NoTorch:
+    """Stands for ``torch.Tensor`` while torch is not imported: no value is an instance."""
+
+
+def _tensor_type() -> type[torch.Tensor]:
+    """``torch.Tensor``, or :class:`_NoTorch` while this process has not imported torch (then
+    no buffer can be a tensor: checking bytes needs no torch)."""
+    mod = sys.modules.get("torch")
+    return cast("type[torch.Tensor]", _NoTorch) if mod is None else mod.Tensor
 
 _extend: Callable[[int, int, int], int] | None = None
 
@@ -51,11 +63,11 @@ _extend = _load_native()
 
 def _address(buf: BufferLike) -> tuple[int, int, object]:
     """(address, length, keep-alive) of a C-contiguous byte buffer."""
-    if isinstance(buf, torch.Tensor):
+    if isinstance(buf, _tensor_type()):
         if not buf.is_contiguous() or buf.device.type != "cpu":
             raise ValueError("crc32c needs a contiguous CPU tensor")
         return buf.data_ptr(), buf.numel() * buf.element_size(), buf
-    mv = memoryview(buf)
+    mv = memoryview(cast("ReadableBuffer", buf))
     if not mv.c_contiguous:
         raise ValueError("crc32c needs a C-contiguous buffer")
     n = mv.nbytes
@@ -74,7 +86,7 @@ def _address(buf: BufferLike) -> tuple[int, int, object]:
 def crc32c(buf: BufferLike, crc: int = 0) -> int:
     """crc32c of ``buf`` (bytes-like or contiguous CPU tensor), extending ``crc``."""
     if _extend is None:
-        data = bytes(buf.numpy().tobytes() if isinstance(buf, torch.Tensor) else buf)
+        data = bytes(buf.numpy().tobytes() if isinstance(buf, _tensor_type()) else buf)
         return google_crc32c.extend(crc, data) if crc else google_crc32c.value(data)
     addr, n, keep = _address(buf)
     if n == 0:
@@ -159,13 +171,15 @@ def crc32c_chunks(buf: BufferLike, chunk_size: int) -> tuple[int, tuple[int, ...
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 byte, not {chunk_size}")
-    if isinstance(buf, torch.Tensor):
+    if isinstance(buf, _tensor_type()):
+        import torch  # noqa: PLC0415 - already imported: buf is a tensor
+
         if not buf.is_contiguous() or buf.device.type != "cpu":
             raise ValueError("crc32c needs a contiguous CPU tensor")
         flat = buf.reshape(-1).view(torch.uint8) if buf.numel() else buf
         mv = flat.numpy().data.cast("B") if flat.numel() else memoryview(b"")
     else:
-        mv = memoryview(buf)
+        mv = memoryview(cast("ReadableBuffer", buf))
         if not mv.c_contiguous:
             raise ValueError("crc32c needs a C-contiguous buffer")
         mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv

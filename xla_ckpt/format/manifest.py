@@ -72,7 +72,7 @@ from xla_ckpt.format.chunks import (
     first_overlap,
 )
 from xla_ckpt.format.crc import crc32c
-from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
+from xla_ckpt.format.dtypes import check_dtype_name, itemsize_of
 from xla_ckpt.format.gc_pause import gc_paused
 
 FORMAT_NAME = "xla_ckpt"
@@ -136,7 +136,7 @@ class TensorRecord:
         """Bytes from the first to one past the last element addressed by this view."""
         if self.numel == 0:
             return 0
-        isz = itemsize(dtype_from_name(self.dtype))
+        isz = itemsize_of(check_dtype_name(self.dtype))
         last = sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=True))
         return (last + 1) * isz
 
@@ -420,10 +420,10 @@ def _dtype_info(name: Any) -> tuple[str, int] | None:
     info = _DTYPES.get(name) if type(name) is str else None
     if info is None and type(name) is str:
         try:
-            d = dtype_from_name(name)
+            n = check_dtype_name(name)
         except CheckpointCorruptError:
             return None
-        info = _DTYPES[name] = (dtype_name(d), itemsize(d))
+        info = _DTYPES[name] = (n, itemsize_of(n))
     return info
 
 
@@ -522,7 +522,7 @@ def _tensor(t: Any, blobs: list[BlobRecord], where: str) -> TensorRecord:
         raise CheckpointCorruptError(f"{where}: blob index {blob} out of range "
                                      f"({len(blobs)} blobs)")
     dtype = t.get("dtype")
-    torch_dtype = dtype_from_name(dtype, where=where)
+    name = check_dtype_name(dtype, where=where)
     shape, stride = t.get("shape"), t.get("stride")
     if not isinstance(shape, list) or not isinstance(stride, list) or len(shape) != len(stride) \
             or len(shape) > MAX_NDIM:
@@ -531,11 +531,11 @@ def _tensor(t: Any, blobs: list[BlobRecord], where: str) -> TensorRecord:
     shape_t = tuple(_int(s, "shape entry", where) for s in shape)
     stride_t = tuple(_int(s, "stride entry", where) for s in stride)
     if any(v >= _INT64_LIMIT for v in shape_t + stride_t) \
-            or math.prod(d for d in shape_t if d) * itemsize(torch_dtype) >= _INT64_LIMIT:
+            or math.prod(d for d in shape_t if d) * itemsize_of(name) >= _INT64_LIMIT:
         raise CheckpointCorruptError(f"{where}: shape {list(shape_t)} / stride {list(stride_t)} "
                                      "exceed what a tensor can address (int64)")
     rec = TensorRecord(key, blob, _int(t.get("byte_offset"), "byte_offset", where),
-                       dtype_name(torch_dtype), shape_t, stride_t)
+                       name, shape_t, stride_t)
     if rec.byte_offset + rec.span_bytes() > blobs[blob].length:
         raise CheckpointCorruptError(
             f"{where}: shape {list(shape_t)} of {dtype} needs {rec.span_bytes()} bytes from "
@@ -601,7 +601,7 @@ def _global_tensor(t: Any, items: dict[str, Item], where: str, entries: int) -> 
         raise CheckpointCorruptError(f"{where}: key must be a string")
     where = f"{where} ({key})"
     dtype = t.get("dtype")
-    torch_dtype = dtype_from_name(dtype, where=where)
+    name = check_dtype_name(dtype, where=where)
     shape = t.get("shape")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise CheckpointCorruptError(f"{where}: shape must be a list of at most {MAX_NDIM} "
@@ -609,7 +609,7 @@ def _global_tensor(t: Any, items: dict[str, Item], where: str, entries: int) -> 
     shape_t = tuple(_int(s, "shape entry", where) for s in shape)
     numel = math.prod(shape_t)
     if any(v >= _INT64_LIMIT for v in shape_t) \
-            or math.prod(d for d in shape_t if d) * itemsize(torch_dtype) >= _INT64_LIMIT:
+            or math.prod(d for d in shape_t if d) * itemsize_of(name) >= _INT64_LIMIT:
         raise CheckpointCorruptError(f"{where}: shape {list(shape_t)} exceeds what a tensor can "
                                      "address (int64)")
     placement = t.get("placement", "")
@@ -624,7 +624,6 @@ def _global_tensor(t: Any, items: dict[str, Item], where: str, entries: int) -> 
                                      f"{MAX_CHUNKS_PER_TENSOR} a global tensor may have")
     if entries + n > MAX_ENTRIES:
         raise CheckpointCorruptError(f"{where}: more than {MAX_ENTRIES} entries")
-    name = dtype_name(torch_dtype)
     ndim = len(shape_t)
     chunks: list[ChunkRecord] = []
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from xla_ckpt.errors import CheckpointCorruptError
-from xla_ckpt.format.plan import PlannedBlob
+
+if TYPE_CHECKING:  # the blobs' type only: parsing a header needs no torch
+    from xla_ckpt.format.plan import PlannedBlob
 
 HEADER_ALIGN = 8
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit

@@ -40,19 +40,22 @@ from __future__ import annotations
 import argparse
 import base64
 import math
+import sys
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence, cast
 
 import numpy as np
-import torch
 
 from xla_ckpt.errors import CheckpointCorruptError, UnsupportedTypeError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_DEPTH = 128
 
 PathT = Sequence[Any]
 #: ``hook(tensor, path)`` -> the index :func:`decode`'s lookup later maps back to the tensor.
-TensorHook = Callable[[torch.Tensor, tuple], int]
+TensorHook = Callable[["torch.Tensor", tuple], int]
 #: index of a ``{"$tensor": i}`` node -> the restored tensor.
 TensorLookup = Callable[[int], Any]
 
@@ -62,12 +65,29 @@ def format_path(path: PathT) -> str:
     return "state" + "".join(f"[{k!r}]" for k in path)
 
 
+class _NoTorch:
+    """Stands for torch's classes while torch is not imported: no value is an instance."""
+
+
+def _torch_types() -> tuple[type[torch.Tensor], type[torch.dtype], type[torch.device]]:
+    """``(torch.Tensor, torch.dtype, torch.device)``, or :class:`_NoTorch` three times while
+    this process has not imported torch (then no value can be one of them).  Encoding and
+    decoding JSON-only values (a manifest's metadata, ``xla-ckpt ls``) thus needs no torch."""
+    mod = sys.modules.get("torch")
+    if mod is None:
+        return cast("tuple[type[torch.Tensor], type[torch.dtype], type[torch.device]]",
+                    (_NoTorch, _NoTorch, _NoTorch))
+    return mod.Tensor, mod.dtype, mod.device
+
+
 def _torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def torch_dtype_from_name(name: str) -> torch.dtype:
     """Inverse of the ``"$torch_dtype"`` encoding; raises CheckpointCorruptError."""
+    import torch  # noqa: PLC0415 - only a state holding a torch dtype needs torch to decode
+
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointCorruptError(f"unknown torch dtype {name!r} in checkpoint")
@@ -128,7 +148,7 @@ def _describe_array(obj: torch.Tensor | np.ndarray) -> str:
 def _no_hook(obj: torch.Tensor | np.ndarray, path: tuple,
              inline: _Inline | None) -> UnsupportedTypeError:
     """The refusal of a tensor (or numeric numpy array) met where the hook does not reach."""
-    what = "tensor" if isinstance(obj, torch.Tensor) else "numpy array"
+    what = "tensor" if isinstance(obj, _torch_types()[0]) else "numpy array"
     if inline is None:
         if what == "tensor":
             return UnsupportedTypeError(
@@ -175,7 +195,8 @@ def _encode(obj: Any, path: tuple, hook: TensorHook | None, active: set, depth: 
         return {"$np": obj.dtype.str if obj.dtype.kind in "SUV" else obj.dtype.name, "v": value}
     if obj is None or isinstance(obj, (bool, str)):
         return obj
-    if isinstance(obj, torch.Tensor):
+    tensor_t, dtype_t, device_t = _torch_types()
+    if isinstance(obj, tensor_t):
         if hook is None:
             raise _no_hook(obj, path, inline)
         return {"$tensor": hook(obj, path)}
@@ -191,9 +212,9 @@ def _encode(obj: Any, path: tuple, hook: TensorHook | None, active: set, depth: 
         return {"$complex": [obj.real, obj.imag]}
     if isinstance(obj, (bytes, bytearray)):
         return {"$bytes": base64.b64encode(bytes(obj)).decode("ascii")}
-    if isinstance(obj, torch.dtype):
+    if isinstance(obj, dtype_t):
         return {"$torch_dtype": _torch_dtype_name(obj)}
-    if isinstance(obj, torch.device):
+    if isinstance(obj, device_t):
         return {"$torch_device": str(obj)}
     if isinstance(obj, np.dtype):
         if obj.kind == "O":  # what decode refuses
@@ -265,6 +286,8 @@ def _np_array(arr: np.ndarray, path: tuple, hook: TensorHook | None,
     if hook is None or arr.dtype.kind not in "biufc":
         raise UnsupportedTypeError(
             f"numpy array of dtype {arr.dtype} at {format_path(path)}: convert it to a tensor")
+    import torch  # noqa: PLC0415 - a numpy array goes into the state as a tensor's bytes
+
     return {"$ndarray": hook(torch.from_numpy(np.ascontiguousarray(arr)), path)}
 
 
@@ -370,6 +393,8 @@ def _decode(node: Any, lookup: TensorLookup | None, depth: int) -> Any:
         if not isinstance(value, str):
             raise _bad(f"bad device {value!r}")
         try:
+            import torch  # noqa: PLC0415 - only a state holding a torch device needs torch
+
             return torch.device(value)
         except (RuntimeError, TypeError, ValueError):
             raise _bad(f"bad device {value!r}") from None
@@ -398,7 +423,7 @@ def _decode(node: Any, lookup: TensorLookup | None, depth: int) -> Any:
         if not isinstance(value, int) or isinstance(value, bool) or lookup is None:
             raise _bad(f"{tag} needs an integer index")
         t = lookup(value)
-        if tag == "$ndarray" and isinstance(t, torch.Tensor):
+        if tag == "$ndarray" and isinstance(t, _torch_types()[0]):
             return t.cpu().numpy()
         return t
     raise _bad(f"unknown tag {tag!r}")

@@ -45,7 +45,7 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest, valid_file_name
-from xla_ckpt.io.reader import read_manifest
+from xla_ckpt.io.manifest_file import read_manifest
 from xla_ckpt.storage import RangeRead, Storage
 
 logger = logging.getLogger(__name__)

@@ -72,8 +72,8 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format.legacy import looks_like_fairseq
 from xla_ckpt.format.manifest import STATE_ITEM
-from xla_ckpt.io.hf import INDEX_NAME, SINGLE_NAME
 from xla_ckpt.io.legacy import is_single_object, split_uri
+from xla_ckpt.io.names import INDEX_NAME, SINGLE_NAME
 from xla_ckpt.storage import StorageConfig, open_storage, parse_uri
 
 logger = logging.getLogger(__name__)

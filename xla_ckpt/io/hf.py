@@ -26,12 +26,6 @@ from xla_ckpt.storage import StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)
 
-INDEX_NAME = "model.safetensors.index.json"
-"""The index ``save_pretrained`` writes next to sharded safetensors weights."""
-INDEX_SUFFIX = ".safetensors.index.json"
-"""How the name of any safetensors index ends (``model.safetensors.index.json``)."""
-SINGLE_NAME = "model.safetensors"
-"""The one weights file of an unsharded HF model folder."""
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 """Largest index accepted (bytes); real ones are well under 1 MiB per 10k tensors."""
 
@@ -56,11 +50,6 @@ class HFIndex:
     def shards(self) -> list[str]:
         """Shard file names, in order of first appearance in the weight map."""
         return list(dict.fromkeys(self.weight_map.values()))
-
-
-def is_index_name(name: str) -> bool:
-    """True if ``name`` (a file name) is a safetensors index name."""
-    return name.endswith(INDEX_SUFFIX)
 
 
 def read_hf_index(uri: str, *, config: StorageConfig | None = None) -> HFIndex:

@@ -43,28 +43,14 @@ from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.io.catalog import pointer_name, read_pointer, write_pointer
 from xla_ckpt.io.reader import read_manifest
 from xla_ckpt.io.writer import save
-from xla_ckpt.storage import Storage, StorageConfig, StorageURI, open_storage, parse_uri
+from xla_ckpt.storage import Storage, StorageConfig, open_storage, parse_uri
 from xla_ckpt.storage.base import ObjectInfo
 from xla_ckpt.storage.local import LocalStorage
+from xla_ckpt.storage.uri import split_uri
 
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[int], object]  # called with a byte count; what it returns is ignored
-
-
-def split_uri(uri: str) -> tuple[str, str]:
-    """``(folder URI, object name)`` of a file URI.
-
-    ``gs://b/run/x.pt`` -> ``("gs://b/run", "x.pt")``; ``/data/x.pt`` -> ``("/data", "x.pt")``.
-    """
-    target = parse_uri(uri)
-    if target.is_gcs:
-        if not target.path:
-            raise CheckpointNotFoundError(f"{uri}: names a bucket, not an object")
-        folder, _, name = target.path.rpartition("/")
-        return str(StorageURI("gs", target.bucket, folder)), name
-    path = _local_path(uri)
-    return os.path.dirname(path) or ".", os.path.basename(path)
 
 
 def _local_path(uri: str) -> str:

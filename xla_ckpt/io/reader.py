@@ -53,7 +53,6 @@ from xla_ckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
     DataFileMissingError,
-    IncompleteCheckpointError,
     IntegrityError,
     PartiallyOverwrittenError,
     StateMismatchError,
@@ -63,7 +62,6 @@ from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
 from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import (
-    MANIFEST_NAME,
     STATE_ITEM,
     BlobRecord,
     Item,
@@ -71,6 +69,7 @@ from xla_ckpt.format.manifest import (
     TensorRecord,
 )
 from xla_ckpt.format.plan import MapLocation, materialize_item, resolve_device, tensor_bytes
+from xla_ckpt.io.manifest_file import read_manifest
 from xla_ckpt.storage import ObjectInfo, Storage, StorageConfig, open_storage
 from xla_ckpt.storage.cancel import run_all
 from xla_ckpt.storage.local import LocalStorage
@@ -98,27 +97,6 @@ that memory back from the heap, already faulted in, as ``torch.load``'s buffers 
 
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 """Host buffers of at least this many bytes ask the kernel for transparent huge pages."""
-
-
-def read_manifest(storage: Storage) -> Manifest:
-    """Read and validate ``manifest.json`` at the storage root.
-
-    Raises:
-        IncompleteCheckpointError: data files exist but no manifest (the save
-            never committed).
-        CheckpointNotFoundError: nothing is there.
-        CheckpointCorruptError: the manifest is malformed.
-    """
-    try:
-        data = storage.read_bytes(MANIFEST_NAME)
-    except CheckpointNotFoundError:
-        if storage.list(""):
-            raise IncompleteCheckpointError(
-                f"{storage.uri}: checkpoint is incomplete (no {MANIFEST_NAME} commit marker); "
-                "the save that wrote it did not finish. Restore an earlier checkpoint.") from None
-        raise CheckpointNotFoundError(f"{storage.uri}: no checkpoint here "
-                                      f"({MANIFEST_NAME} not found)") from None
-    return Manifest.from_json_bytes(data, where=storage.url(MANIFEST_NAME), require_crc=True)
 
 
 @dataclass

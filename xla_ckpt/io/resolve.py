@@ -86,10 +86,10 @@ from xla_ckpt.io.catalog import (
     read_pointer,
 )
 from xla_ckpt.io.fencing import LEASE_NAME
-from xla_ckpt.io.legacy import is_legacy_file, split_uri
-from xla_ckpt.io.writer import DATA_PREFIX
+from xla_ckpt.io.names import DATA_PREFIX, INDEX_NAME, SINGLE_NAME, is_index_name
 from xla_ckpt.storage import RangeRead, Storage, StorageConfig, open_storage
 from xla_ckpt.storage.local import LocalStorage
+from xla_ckpt.storage.uri import split_uri
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,6 @@ def _foreign_root(st: Storage, names: list[str]) -> Resolved | None:
     """Rule 6: a DCP checkpoint or an HF model folder at the root of ``st``; else None."""
     if DCP_METADATA in names:
         return _versioned(st, DCP_METADATA, DCP, st.uri)
-    from xla_ckpt.io.hf import INDEX_NAME, SINGLE_NAME  # noqa: PLC0415 - hf imports legacy
 
     if INDEX_NAME in names:
         return _versioned(st, INDEX_NAME, HF_INDEX, st.url(INDEX_NAME))
@@ -320,7 +319,6 @@ def _checkpoint(st: Storage, manifest: Manifest, data: bytes, generation: int | 
 def _single_object(st: Storage) -> Resolved:
     uri = st.uri
     folder, name = split_uri(uri)
-    from xla_ckpt.io.hf import is_index_name  # noqa: PLC0415 - hf imports legacy
 
     if name == DCP_METADATA:  # the commit marker named itself: its folder
         with open_storage(folder, st.config) as parent:
@@ -328,6 +326,9 @@ def _single_object(st: Storage) -> Resolved:
     if is_index_name(name):
         with open_storage(folder, st.config) as parent:
             return _versioned(parent, name, HF_INDEX, uri)
+    # The legacy reader loads torch (its unpickler); resolving anything else needs none.
+    from xla_ckpt.io.legacy import is_legacy_file  # noqa: PLC0415 - torch-free start-up
+
     if is_legacy_file(uri, config=st.config):
         with open_storage(folder, st.config) as parent:
             return _versioned(parent, name, LEGACY, uri)
@@ -444,7 +445,6 @@ def foreign_checkpoints(names: list[str]) -> list[tuple[str, str]]:
     files at the top (``checkpoint_last.pt``, ``*.safetensors``, ...), and sub-folders
     holding a DCP ``.metadata``, a safetensors index or ``model.safetensors``.
     """
-    from xla_ckpt.io.hf import INDEX_NAME, SINGLE_NAME  # noqa: PLC0415 - hf imports legacy
 
     found: dict[str, str] = {}
     for n in names:

@@ -23,7 +23,7 @@ from typing import Iterable
 from xla_ckpt.errors import ConfigError
 from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, pointer_name
-from xla_ckpt.io.writer import DATA_PREFIX
+from xla_ckpt.io.names import DATA_PREFIX
 from xla_ckpt.storage.base import InFlightObject
 
 DEFAULT_IN_FLIGHT_GRACE_S = 3600.0

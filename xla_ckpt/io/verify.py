@@ -41,7 +41,7 @@ from xla_ckpt.format import typed
 from xla_ckpt.format.crc import crc32c, crc32c_combine
 from xla_ckpt.format.manifest import BlobRecord, Item, Manifest
 from xla_ckpt.format.safetensors_layout import parse_header_length
-from xla_ckpt.io.reader import read_manifest
+from xla_ckpt.io.manifest_file import read_manifest
 from xla_ckpt.storage import ObjectInfo, Storage
 
 logger = logging.getLogger(__name__)

@@ -65,12 +65,11 @@ from xla_ckpt.format.manifest import (
 )
 from xla_ckpt.format.plan import PlannedBlob, blob_pieces, blob_record, plan_item
 from xla_ckpt.format.safetensors_layout import build_header
+from xla_ckpt.io.names import DATA_PREFIX
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 from xla_ckpt.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
-
-DATA_PREFIX = "data-"
 
 
 def new_save_id() -> str:

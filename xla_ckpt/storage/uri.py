@@ -42,10 +42,11 @@ Refused with :class:`~xla_ckpt.errors.StorageURIError` (a ``ConfigError``, so a
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
-from xla_ckpt.errors import StorageURIError
+from xla_ckpt.errors import CheckpointNotFoundError, StorageURIError
 
 GS = "gs"
 FILE = "file"
@@ -172,6 +173,26 @@ def parse_uri(uri: str) -> StorageURI:
         if not problem:
             return StorageURI(FILE, "", path)
     raise StorageURIError(f"{uri!r}: {problem}", uri=uri)
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    """``(folder URI, object name)`` of a file URI.
+
+    ``gs://b/run/x.pt`` -> ``("gs://b/run", "x.pt")``; ``/data/x.pt`` -> ``("/data", "x.pt")``
+    (a local path made absolute, ``~`` expanded).
+
+    Raises:
+        CheckpointNotFoundError: a ``gs://`` URI naming a bucket, not an object.
+        StorageURIError: what :func:`parse_uri` refuses.
+    """
+    target = parse_uri(uri)
+    if target.is_gcs:
+        if not target.path:
+            raise CheckpointNotFoundError(f"{uri}: names a bucket, not an object")
+        folder, _, name = target.path.rpartition("/")
+        return str(StorageURI("gs", target.bucket, folder)), name
+    path = os.path.abspath(os.path.expanduser(target.path))
+    return os.path.dirname(path) or ".", os.path.basename(path)
 
 
 def _gs_problem(bucket: str, path: str) -> str | None:
