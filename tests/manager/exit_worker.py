@@ -1,9 +1,11 @@
 """A real training process stopped while an async save is in flight (issue 25, defect 4; C27).
 
 ``python exit_worker.py MODE RUN EVENTS`` (see tests/manager/test_exit_with_save_in_flight.py):
-one process, ``with CheckpointManager(...)``, a 32 MiB state.  Update 1 is saved and waited for
-(the previous checkpoint); update 2's async save is handed off (``<EVENTS>/handoff`` is
-written), then the loop goes on calling ``after_update`` every 20 ms and is stopped by MODE:
+one process, ``with CheckpointManager(...)``, a 32 MiB state (``XLA_CKPT_EXIT_WORKER_MIB``
+sets another size: benchmarks/exit_with_save_in_flight.py runs the issue's 192 MiB).
+Update 1 is saved and waited for (the previous checkpoint); update 2's async save is handed
+off (``<EVENTS>/handoff`` is written), then the loop goes on calling ``after_update`` every
+20 ms and is stopped by MODE:
 
 * ``sigint-now``: SIGINT to itself right after the handoff;
 * ``sigint-upload``: SIGINT sent by the upload thread as it starts writing the data file;
@@ -31,7 +33,7 @@ from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.manager import CheckpointManager
 from xla_ckpt.storage.local import LocalStorage
 
-NUMEL = 8 << 20  # 32 MiB of float32
+NUMEL = int(os.environ.get("XLA_CKPT_EXIT_WORKER_MIB", "32")) << 18  # MiB of float32
 
 
 def w_at(n: int) -> torch.Tensor:
