@@ -912,7 +912,7 @@ class Span:
     addr: int = 0  # address of ``out``'s first byte (0 when staged)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs 2x, and one is made per chunk
 class _Unit:
     blob_id: int
     file: str
@@ -948,7 +948,8 @@ def plan_spans(item: Item, buffers: Mapping[int, torch.Tensor], slice_size_bytes
         rec = item.blobs[i]
         if rec.length == 0:
             continue
-        addr, st = buf.data_ptr(), buf.untyped_storage().data_ptr()
+        addr = buf.data_ptr()
+        st = addr - int(buf.storage_offset()) * buf.element_size()  # its storage's first byte
         small = rec.length <= COALESCE_BLOB_BYTES
         if not rec.chunk_crc32c:
             units.append(_Unit(i, rec.file, rec.offset, rec.length, rec.crc32c, addr, st, buf, 0,
@@ -965,13 +966,16 @@ def plan_spans(item: Item, buffers: Mapping[int, torch.Tensor], slice_size_bytes
     # Whether every unit of ``group`` is of a small blob, kept as the group grows: a test
     # over the whole group per unit made planning quadratic in the number of blobs.
     all_small = False
-    views: dict[int, memoryview] = {}
+    views: dict[int, memoryview] = {}  # storage address -> its bytes (one view per arena)
 
     def dest(u: _Unit) -> memoryview:
-        view = views.get(u.blob_id)
+        view = views.get(u.storage)
         if view is None:
-            view = views[u.blob_id] = tensor_bytes(u.buf)
-        return view[u.at:u.at + u.length]
+            st = u.buf.untyped_storage()
+            whole = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
+            view = views[u.storage] = tensor_bytes(whole)
+        at = u.addr - u.storage
+        return view[at:at + u.length]
 
     def close() -> None:
         g0, gl = group[0], group[-1]
