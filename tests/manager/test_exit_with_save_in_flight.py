@@ -76,11 +76,11 @@ def test_ctrl_c_after_the_handoff_commits_the_save_before_exiting(tmp_path, mode
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("delay_s", [0.0, 0.3])
-def test_ctrl_c_from_outside_shortly_after_the_handoff(tmp_path, delay_s):
+def test_ctrl_c_from_outside_shortly_after_the_handoff(tmp_path):
     """The issue's input: SIGINT 0-0.6 s after the handoff (the loop may have committed it
-    meanwhile; either way it is committed and bitwise)."""
-    rc, log, run_dir = _run("sigint-external", tmp_path, signal_after_s=delay_s)
+    meanwhile; either way it is committed and bitwise).  0 s is sigint-now above; the whole
+    range at 192 MiB is benchmarks/exit_with_save_in_flight.py."""
+    rc, log, run_dir = _run("sigint-external", tmp_path, signal_after_s=0.3)
     assert rc == -signal.SIGINT, log
     _assert_committed_on_the_way_out(run_dir, log)
 
