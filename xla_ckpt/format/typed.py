@@ -350,6 +350,10 @@ def _decode(node: Any, lookup: TensorLookup | None, depth: int) -> Any:
     if not (isinstance(tag, str) and tag.startswith("$")):
         return {k: _decode(v, lookup, depth + 1) for k, v in node.items()}
     value = node[tag]
+    if tag == "$tensor":  # the most common tag by far: tested first
+        if not isinstance(value, int) or isinstance(value, bool) or lookup is None:
+            raise _bad(f"{tag} needs an integer index")
+        return lookup(value)
     if tag == "$tuple":
         if not isinstance(value, list):
             raise _bad("$tuple needs a list")
