@@ -14,6 +14,8 @@ off (``<EVENTS>/handoff`` is written), then the loop goes on calling ``after_upd
 * ``raise``: a RuntimeError raised in the loop right after the handoff;
 * ``sigterm``: the test sends SIGTERM (the manager's handler: a preemption save, exit 0);
 * ``abandon-now``: as ``sigint-now`` with ``exit_grace_s=0``;
+* ``no-with``: as ``sigint-now`` with the manager never closed (no ``with``, no close()):
+  one process, so the exit hook finishes the save within ``exit_grace_s``;
 * ``abandon-grace``: the data-file write of update 2 waits until the manager has logged that
   it gave the save up; SIGINT at once, ``exit_grace_s=1``.
 """
@@ -81,24 +83,31 @@ def main(mode: str, run_dir: str, events_dir: str) -> None:
                            save_interval_updates=0, handle_sigterm=(mode == "sigterm"),
                            exit_grace_s=grace)
     w = torch.zeros(NUMEL)
-    with CheckpointManager(cfg, storage=_hooked(run_dir, mode, gave_up)) as mgr:
-        w.copy_(w_at(1))
-        mgr.save({"model": {"w": w}}, epoch=1, num_updates=1, block=False)
-        mgr.wait()  # checkpoint_1_1 committed: the previous checkpoint
-        w.copy_(w_at(2))
-        name = mgr.save({"model": {"w": w}}, epoch=1, num_updates=2, block=False)
-        with open(os.path.join(events_dir, "handoff"), "w") as f:
-            f.write(name)
-        if mode in ("sigint-now", "abandon-now", "abandon-grace"):
-            os.kill(os.getpid(), signal.SIGINT)
-        if mode == "raise":
-            raise RuntimeError("an error in the training loop")
-        n = 2
-        while True:  # "training": the weights change, the manager advances the save
-            n += 1
-            w.copy_(w_at(n))
-            mgr.after_update(epoch=1, num_updates=n, state={"model": {"w": w}})
-            time.sleep(0.02)
+    mgr = CheckpointManager(cfg, storage=_hooked(run_dir, mode, gave_up))
+    if mode == "no-with":
+        _loop(mgr, mode, w, events_dir)
+    with mgr:
+        _loop(mgr, mode, w, events_dir)
+
+
+def _loop(mgr: CheckpointManager, mode: str, w: torch.Tensor, events_dir: str) -> None:
+    w.copy_(w_at(1))
+    mgr.save({"model": {"w": w}}, epoch=1, num_updates=1, block=False)
+    mgr.wait()  # checkpoint_1_1 committed: the previous checkpoint
+    w.copy_(w_at(2))
+    name = mgr.save({"model": {"w": w}}, epoch=1, num_updates=2, block=False)
+    with open(os.path.join(events_dir, "handoff"), "w") as f:
+        f.write(name)
+    if mode in ("sigint-now", "no-with", "abandon-now", "abandon-grace"):
+        os.kill(os.getpid(), signal.SIGINT)
+    if mode == "raise":
+        raise RuntimeError("an error in the training loop")
+    n = 2
+    while True:  # "training": the weights change, the manager advances the save
+        n += 1
+        w.copy_(w_at(n))
+        mgr.after_update(epoch=1, num_updates=n, state={"model": {"w": w}})
+        time.sleep(0.02)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,18 @@ def test_ctrl_c_after_the_handoff_commits_the_save_before_exiting(tmp_path, mode
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_ctrl_c_with_a_manager_never_closed_still_commits_in_one_process(tmp_path):
+    """No ``with``, no close(): one process has no other rank to agree with, so the exit
+    hook finishes the save in flight within exit_grace_s (the issue's single-process loop)."""
+    rc, log, run_dir = _run("no-with", tmp_path)
+    assert rc == -signal.SIGINT, log
+    _assert_committed_on_the_way_out(run_dir, log)
+    assert f"committed {run_dir}/checkpoint_1_2 on the way out (leaving on exit)" in log, log
+    assert pointer(run_dir, "last")["checkpoint"] == "checkpoint_1_2"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_ctrl_c_from_outside_shortly_after_the_handoff(tmp_path):
     """The issue's input: SIGINT 0-0.6 s after the handoff (the loop may have committed it
     meanwhile; either way it is committed and bitwise).  0 s is sigint-now above; the whole

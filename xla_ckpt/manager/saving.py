@@ -179,6 +179,20 @@ def _on_daemon_thread(name: str, fn: Any, *args: Any, started: list | None = Non
     return fut
 
 
+def _register_exit_hook(fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)`` at interpreter exit while thread pools still take work.
+
+    ``threading._register_atexit`` hooks run before ``concurrent.futures`` shuts its pools
+    down (that module registers its own hook the same way, at import, and the hooks run in
+    reverse order), so a save finished at exit can still submit its commit; plain ``atexit``
+    runs after the pools are closed.  Falls back to ``atexit`` where the hook is missing."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(fn, *args)
+        return
+    register(fn, *args)
+
+
 def _report_at_exit(ref: weakref.ref) -> None:
     mgr = ref()
     if mgr is not None:
@@ -327,12 +341,19 @@ class SavePath(ManagerBase):
         return self.run.url(self.restored_from) if self.restored_from else None
 
     def _report_unclosed_at_exit(self) -> None:
-        """At interpreter exit: an in-flight save of a manager never closed is named as
-        abandoned (without ``with manager:`` or :meth:`close` nothing can commit it)."""
+        """At interpreter exit, for a manager never closed (no ``with manager:``, no
+        :meth:`close`): with one process the save in flight is finished within
+        ``exit_grace_s`` as leaving ``with manager:`` would (no other rank has to agree);
+        with several ranks it is named as abandoned, since the other ranks may be gone and
+        the commit is collective."""
         fl = self._inflight
-        if fl is not None and not self._closed and not fl.abandoned:
-            self._abandon(fl, "the process is exiting and the manager was never closed (use "
-                              "`with manager:` or close() to commit a save in flight)")
+        if fl is None or self._closed or fl.abandoned:
+            return
+        if self.world_size == 1:
+            self._finish_on_exit(None)
+            return
+        self._abandon(fl, "the process is exiting and the manager was never closed (use "
+                          "`with manager:` or close() to commit a save in flight)")
 
     @contextlib.contextmanager
     def _at(self, pos: lockstep.Position) -> Iterator[None]:
@@ -431,7 +452,7 @@ class SavePath(ManagerBase):
                     args = (storage, save_id, *[sg.state if sg else None for sg in staged],
                             payload[3], chunks.state if chunks is not None else None)
                     if not self._exit_hook:  # a save handed off is never lost unsaid
-                        atexit.register(_report_at_exit, weakref.ref(self))
+                        _register_exit_hook(_report_at_exit, weakref.ref(self))
                         self._exit_hook = True
                     if storage.lists_in_flight:
                         # Ctrl-C must not wait for the upload (see the module docstring).
