@@ -44,7 +44,7 @@ def test_help_and_version_do_not_import_torch(argv):
             assert name in proc.stdout
 
 
-def test_ls_verify_rm_gc_run_without_torch(tmp_path):
+def test_ls_inspect_verify_rm_gc_run_without_torch(tmp_path):
     """The commands that read only manifests and bytes never import torch (start-up ~0.3 s
     instead of ~2 s); values are checked by the commands' own tests."""
     run = tmp_path / "run"
@@ -53,7 +53,9 @@ def test_ls_verify_rm_gc_run_without_torch(tmp_path):
                        "optimizer": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}},
                       str(run / f"checkpoint_1_{n}"),
                       metadata={"num_updates": n, "epoch": 1, "loss": 1.5})
-    for argv in (["ls", str(run)], ["ls", str(run), "--json"], ["verify", str(run)],
+    for argv in (["ls", str(run)], ["ls", str(run), "--json"], ["inspect", str(run)],
+                 ["inspect", str(run / "checkpoint_1_20"), "--json"], ["inspect", "--help"],
+                 ["ls", "--help"], ["verify", str(run)],
                  ["verify", str(run / "checkpoint_1_20"), "--json"],
                  ["rm", str(run), "checkpoint_1_10"], ["gc", str(run), "--keep-last", "1"]):
         proc = _modules_after(*argv)

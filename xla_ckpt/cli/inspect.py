@@ -23,15 +23,14 @@ import argparse
 import json
 import math
 from collections import OrderedDict
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from xla_ckpt.cli.common import (
     EXIT_OK,
     Parents,
     Subparsers,
     Target,
+    UsageError,
     human_bytes,
     jsonable,
     plain,
@@ -42,10 +41,12 @@ from xla_ckpt.cli.common import (
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format import typed
 from xla_ckpt.format.chunks import CHUNK_ITEM_PREFIX, GlobalTensor
-from xla_ckpt.format.dtypes import dtype_from_name, itemsize
+from xla_ckpt.format.dtypes import check_dtype_name, itemsize_of
 from xla_ckpt.format.manifest import STATE_ITEM, Item, Manifest, TensorRecord
-from xla_ckpt.io.legacy import is_legacy_file, load_legacy_file
-from xla_ckpt.io.reader import read_manifest
+from xla_ckpt.io.manifest_file import read_manifest
+
+if TYPE_CHECKING:
+    import torch
 
 
 def register(sub: Subparsers, parents: Parents) -> None:
@@ -74,7 +75,7 @@ class TensorInfo:
         self.dtype = rec.dtype
         self.shape = rec.shape
         self.numel = rec.numel
-        self.nbytes = rec.numel * itemsize(dtype_from_name(rec.dtype))
+        self.nbytes = rec.numel * itemsize_of(check_dtype_name(rec.dtype, where=rec.key))
         self.chunks: int | None = None
         self.placement = ""
         self.chunk_items: tuple[str, ...] = ()
@@ -134,6 +135,8 @@ def decode_item(item: Item, manifest: Manifest | None = None) -> Any:
 
 def _describe_tensors(v: Any) -> Any:
     """A loaded state with every tensor replaced by its :class:`TensorInfo`."""
+    import torch  # noqa: PLC0415 - legacy files only: inspecting our format needs no torch
+
     if isinstance(v, torch.Tensor):
         return TensorInfo.of(v)
     if isinstance(v, argparse.Namespace):
@@ -150,6 +153,8 @@ def _describe_tensors(v: Any) -> Any:
 
 def run_legacy(args: argparse.Namespace) -> int:
     """Inspect a legacy .pt/safetensors file as ``convert`` would import it (allow-listed)."""
+    from xla_ckpt.io.legacy import load_legacy_file  # noqa: PLC0415 - its unpickler needs torch
+
     legacy = load_legacy_file(args.uri, layout=args.layout)
     tree = _describe_tensors(legacy.state)
     summary = summarize({STATE_ITEM: tree})
@@ -169,9 +174,14 @@ def run_legacy(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if is_legacy_file(args.uri):
-        return run_legacy(args)
-    target = resolve_checkpoint(args.uri)
+    try:
+        target = resolve_checkpoint(args.uri)
+    except UsageError:  # not our format: a legacy file is shown as convert would import it
+        from xla_ckpt.io.legacy import is_legacy_file  # noqa: PLC0415 - it imports torch
+
+        if is_legacy_file(args.uri):
+            return run_legacy(args)
+        raise
     try:
         manifest = read_manifest(target.storage)
     finally:
