@@ -4,10 +4,10 @@ Each subcommand lives in its own module ``xla_ckpt.cli.<name>`` exposing
 ``register(subparsers, parents)``, which adds its parser and sets ``func(args) -> exit code``;
 :data:`COMMANDS` lists them with their one-line summaries (add new ones there).  Only the
 command being run is imported: ``xla-ckpt --help`` lists the summaries without importing any
-command, and neither it nor ``ls``, ``inspect``, ``rm``, ``gc`` and ``verify`` (which read manifests and
-bytes only) import torch, so they start in a fraction of a second.  Errors print one line on stderr
-(``xla-ckpt <command>: error: <reason>``) and exit non-zero; ``--debug``
-adds the traceback and debug logs.  Exit codes are in
+command, and neither it nor ``ls``, ``inspect``, ``rm``, ``gc`` and ``verify`` (which read
+manifests and bytes only) import torch, so they start in a fraction of a second.  Errors
+print one line on stderr (``xla-ckpt <command>: error: <reason>``) and exit non-zero;
+``--debug`` adds the traceback and debug logs.  Exit codes are in
 :mod:`xla_ckpt.cli.common`.  A command run with ``--json`` prints exactly one
 JSON object on stdout whatever happens, usage errors included: its report, or
 ``{"uri", "ok": false, "error": {"type", "message"}}``
