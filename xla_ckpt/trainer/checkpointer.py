@@ -286,6 +286,8 @@ class Checkpointer(SaveState, RestoreState):
         self._restore_built = None
         self._restore_was_empty = False
         self._restore_call = (False, False, "")
+        self._records_plan = None
+        self._checked_read = None
         self._sharded_read_in_place = False
 
 

@@ -256,7 +256,7 @@ def check_param_group_keys(optimizer: torch.optim.Optimizer, state_dict: Any, *,
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], *,
                          overrides: Mapping[str, Any] | None = None,
                          saved_param_dtypes: Mapping[int, torch.dtype] | None = None,
-                         where: str = "") -> None:
+                         where: str = "", checked: bool = False) -> None:
     """Load ``state_dict`` (an ``optimizer.state_dict()``) into ``optimizer``.
 
     Args:
@@ -268,13 +268,16 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
             with``; state of a parameter whose dtype changed on load follows
             the parameter's new dtype. Missing entries count as unchanged.
         where: checkpoint URI for messages.
+        checked: :func:`check_optimizer_state` already passed on this very ``optimizer`` and
+            ``state_dict`` (the trainer checks before anything is loaded): not done again.
 
     Raises:
         StateMismatchError: group count/size or state shape mismatch, or a
             saved state key that no saved param group lists (names the keys and
             the checkpoint); the message suggests ``reset_optimizer=True``.
     """
-    check_optimizer_state(optimizer, state_dict, where=where)
+    if not checked:
+        check_optimizer_state(optimizer, state_dict, where=where)
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     saved_ids = [pid for g in saved_groups for pid in g["params"]]
     params = _param_list(optimizer)

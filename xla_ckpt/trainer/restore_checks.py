@@ -118,6 +118,8 @@ class RestorePlan:
         not_restored: keys of a plain dict that no part of the trainer restores.
         in_place_ok: for a manifest's records: whether the model may be read in place (not
             when the optimizer state still needs mapping, which can refuse later).
+        checked: ``(optimizer, optimizer_state)`` that ``check_optimizer_state`` passed on
+            (by identity): loading that state into that optimizer need not check it again.
     """
 
     state: Mapping
@@ -135,6 +137,7 @@ class RestorePlan:
     extra_state: dict = field(default_factory=dict)
     not_restored: list[str] = field(default_factory=list)
     in_place_ok: bool = True
+    checked: Optional[tuple[Any, Any]] = None
 
 
 def plain_optimizer_keys(state: Mapping) -> list[Any]:

@@ -20,8 +20,10 @@ checkpoint replaced during two reads in a row.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
 import torch
@@ -75,6 +77,24 @@ from xla_ckpt.trainer.sources import (
     unpack_restored,
 )
 from xla_ckpt.trainer.training_surface import TrainingSurface, has_parameters, logger
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (as it was before, after it).
+
+    A restore builds hundreds of thousands of objects that all live on (records, tensors,
+    state dicts): every automatic collection meanwhile walks the whole growing heap and
+    frees nothing; at 80,000 tensors that was about 0.3 s of CPU per restore.  Reference
+    counting still frees what the restore drops; cycles wait for the next collection.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class RestoreState(TrainingSurface):
@@ -134,14 +154,15 @@ class RestoreState(TrainingSurface):
                 ``rank_state_on_resize="drop"`` was given (names them and both options).
             ConfigError: those options were given with a restorer that cannot take them.
         """
-        restored = self._restore(uri, reset_optimizer=reset_optimizer,
-                                 reset_lr_scheduler=reset_lr_scheduler,
-                                 rank_state_on_resize=rank_state_on_resize,
-                                 rank_state_remap=rank_state_remap)
-        return self._load_state(restored, where=uri, reset_optimizer=reset_optimizer,
-                                reset_lr_scheduler=reset_lr_scheduler,
-                                optimizer_overrides=optimizer_overrides,
-                                reset_meters=reset_meters, absent_logged=restored is None)
+        with _gc_paused():
+            restored = self._restore(uri, reset_optimizer=reset_optimizer,
+                                     reset_lr_scheduler=reset_lr_scheduler,
+                                     rank_state_on_resize=rank_state_on_resize,
+                                     rank_state_remap=rank_state_remap)
+            return self._load_state(restored, where=uri, reset_optimizer=reset_optimizer,
+                                    reset_lr_scheduler=reset_lr_scheduler,
+                                    optimizer_overrides=optimizer_overrides,
+                                    reset_meters=reset_meters, absent_logged=restored is None)
 
     def restore_targets(self, *, reset_optimizer: bool = False) -> dict[str, Any] | None:
         """The live tensors a restore of a sharded model fills in place, or None for a model
@@ -217,9 +238,11 @@ class RestoreState(TrainingSurface):
                 logger.info("rank %d: no existing checkpoint found at %s", self.rank, uri)
             return None
         state, rank_state = unpack_restored(restored)
+        checked, self._records_plan, self._checked_read = self._checked_read, None, None
+        prior = checked[1] if checked is not None and checked[0] is state else None
         try:
             plan = self._plan_restore(state, uri, reset_optimizer=reset_optimizer,
-                                      reset_lr_scheduler=reset_lr_scheduler)
+                                      reset_lr_scheduler=reset_lr_scheduler, prior=prior)
         except StateMismatchError as e:
             held = self._nothing_restored()
             self._discard_restore_targets()
@@ -306,13 +329,19 @@ class RestoreState(TrainingSurface):
         return NOTHING_RESTORED
 
     def _plan_restore(self, state: Any, uri: str, *, reset_optimizer: bool,
-                      reset_lr_scheduler: bool, records: bool = False) -> RestorePlan:
+                      reset_lr_scheduler: bool, records: bool = False,
+                      prior: Optional[RestorePlan] = None) -> RestorePlan:
         """Decide and check everything the restore will load; nothing live is changed.
 
         ``records``: ``state`` holds a manifest's :class:`TensorRecord`s instead of tensors
         (called before the read by :meth:`_in_place_targets`): the module checks are left
         to :func:`in_place_targets`, and a fairseq optimizer state that needs mapping makes
         the read go to fresh memory (``in_place_ok`` False).
+
+        ``prior``: the plan that passed on the records of the manifest item ``state`` was
+        read from (same flags, same restore): the optimizer it built and the optimizer
+        state check it passed serve again (the tensors have the records' shapes and the
+        tree their structure), so neither is built or checked twice.
 
         Raises:
             StateMismatchError: what the load would refuse (without :data:`NOTHING_RESTORED`).
@@ -348,10 +377,10 @@ class RestoreState(TrainingSurface):
                     "optimizer.load_state_dict yourself.")
             plan.optimizer_key = opt_keys[0]
             plan.optimizer_state = state[opt_keys[0]]
-            probe = self._probe_optimizer(plan, sharded, uri)
+            probe = self._probe_optimizer(plan, sharded, uri, prior)
             check_param_group_keys(probe, plan.optimizer_state, where=uri)
             if not sharded:
-                check_optimizer_state(probe, plan.optimizer_state, where=uri)
+                self._check_optimizer_state(plan, probe, prior, uri)
             return plan
 
         plan.history = list(state.get(K.OPTIMIZER_HISTORY) or [])
@@ -362,7 +391,7 @@ class RestoreState(TrainingSurface):
         if not plan.history or not isinstance(plan.history[-1], Mapping):
             raise StateMismatchError(f"{uri}: the checkpoint has optimizer state but an empty "
                                      f"{K.OPTIMIZER_HISTORY}; pass reset_optimizer=True")
-        probe = self._probe_optimizer(plan, sharded, uri)
+        probe = self._probe_optimizer(plan, sharded, uri, prior)
         last = plan.history[-1]
         self._check_criterion_name(uri, last.get(K.CRITERION_NAME))
         opt_name = type(probe).__name__
@@ -382,8 +411,9 @@ class RestoreState(TrainingSurface):
                 str(saved_opt), probe, last_optim_state, cfg=state.get(K.CFG),
                 args=state.get(K.ARGS), where=uri)
             plan.optimizer_state = plan.adapted.state_dict
+            prior = None  # the mapped state was never checked
         if not sharded:
-            check_optimizer_state(probe, plan.optimizer_state, where=uri)
+            self._check_optimizer_state(plan, probe, prior, uri)
         sched_state = last.get(K.LR_SCHEDULER_STATE)
         sched = plan.lr_scheduler if plan.optimizer is not None else self.lr_scheduler
         if not reset_lr_scheduler and sched is not None and sched_state is not None:
@@ -391,10 +421,23 @@ class RestoreState(TrainingSurface):
                                      where=uri, map_fairseq=self.config.fairseq_compat)
         return plan
 
-    def _probe_optimizer(self, plan: RestorePlan, sharded: bool,
-                         uri: str) -> torch.optim.Optimizer:
+    @staticmethod
+    def _check_optimizer_state(plan: RestorePlan, probe: torch.optim.Optimizer,
+                               prior: Optional[RestorePlan], uri: str) -> None:
+        """:func:`check_optimizer_state` of ``plan``'s optimizer state against ``probe``,
+        unless ``prior`` (the same state's records) passed it on ``probe`` already."""
+        if prior is None or prior.checked is None or prior.checked[0] is not probe:
+            check_optimizer_state(probe, plan.optimizer_state, where=uri)
+        plan.checked = (probe, plan.optimizer_state)
+
+    def _probe_optimizer(self, plan: RestorePlan, sharded: bool, uri: str,
+                         prior: Optional[RestorePlan] = None) -> torch.optim.Optimizer:
         """The optimizer the restore will load into, or one built the same way (kept in
-        ``plan`` and installed after the model load); the live one is not replaced here."""
+        ``plan`` and installed after the model load); the live one is not replaced here.
+        ``prior`` (:meth:`_plan_restore`): the one its check passed on serves again."""
+        if prior is not None and prior.checked is not None:
+            plan.optimizer, plan.lr_scheduler = prior.optimizer, prior.lr_scheduler
+            return prior.checked[0]  # the read filled the live parameters in place
         if sharded and self._optimizer is not None and self._optimizer is self._restore_built:
             return self._optimizer  # restore_targets built it and the read filled it
         if self.build_optimizer is not None:
@@ -455,7 +498,17 @@ class RestoreState(TrainingSurface):
                                       reset_lr_scheduler=reset_lr_scheduler, records=True)
         except StateMismatchError as e:
             raise StateMismatchError(ends(e, NOTHING_RESTORED)) from e
-        return targets if plan.in_place_ok else {}
+        if not plan.in_place_ok:
+            return {}
+        self._records_plan = (item, plan)
+        return targets
+
+    def _read_back(self, item: Item, state: Any) -> None:
+        """The restorer read ``state`` from ``item``, whose records :meth:`_in_place_targets`
+        checked: :meth:`_load_state` reuses that plan's probe and optimizer state check."""
+        records = self._records_plan
+        self._checked_read = (state, records[1]) \
+            if records is not None and records[0] is item else None
 
     def _discard_restore_targets(self) -> None:
         """The optimizer :meth:`restore_targets` prepared is not restored (nothing committed,
@@ -508,6 +561,7 @@ class RestoreState(TrainingSurface):
         into = None
         options = self._rank_state_options(rank_state_on_resize, rank_state_remap)
         self._restore_call = (reset_optimizer, reset_lr_scheduler, uri)
+        self._records_plan = self._checked_read = None
         self._sharded_read_in_place = False
         try:
             into = self.restore_targets(reset_optimizer=reset_optimizer)
@@ -515,7 +569,7 @@ class RestoreState(TrainingSurface):
                 self._sharded_read_in_place = True
                 restored = self.restorer(uri, into=into, **options)
             elif into is None and accepts_targets(self.restorer):
-                restored = self.restorer(uri, targets=self._in_place_targets, **options)
+                restored = self.restorer(uri, targets=_InPlaceTargets(self), **options)
             else:
                 if into is not None:
                     logger.warning(
@@ -613,8 +667,10 @@ class RestoreState(TrainingSurface):
         if sharded:
             load_sharded_optimizer(live_module, self.optimizer, plan.optimizer_state, where=uri)
         else:
+            checked = plan.checked is not None and plan.checked[0] is self.optimizer \
+                and plan.checked[1] is plan.optimizer_state
             load_optimizer_state(self.optimizer, plan.optimizer_state,
-                                 saved_param_dtypes=saved_dtypes, where=uri)
+                                 saved_param_dtypes=saved_dtypes, where=uri, checked=checked)
         if sched is not None and not is_fairseq_style(sched) and hasattr(sched, "get_last_lr") \
                 and (reset_lr_scheduler or lr_follows_sched):
             # A fresh (or fairseq-mapped) torch scheduler holds the lr of its own schedule; the
@@ -644,3 +700,18 @@ class RestoreState(TrainingSurface):
         raise StateMismatchError(
             f"{uri}: criterion does not match the checkpoint: saved {saved}, live {live}; pass "
             "reset_optimizer=True to restore the weights with a fresh optimizer")
+
+
+class _InPlaceTargets:
+    """The ``targets`` a restore passes to its restorer: the trainer's
+    :meth:`RestoreState._in_place_targets`, and ``read_back`` to learn which state was read
+    from the item it checked (:class:`~xla_ckpt.trainer.sources.SingleProcessRestorer`)."""
+
+    def __init__(self, owner: RestoreState) -> None:
+        self.owner = owner
+
+    def __call__(self, item: Item) -> dict[str, torch.Tensor]:
+        return self.owner._in_place_targets(item)
+
+    def read_back(self, item: Item, state: Any) -> None:
+        self.owner._read_back(item, state)

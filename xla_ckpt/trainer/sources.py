@@ -111,8 +111,10 @@ class SingleProcessRestorer:
         :func:`~xla_ckpt.trainer.module_load.in_place_targets` of its model and
         criterion).  The state returned then holds views of those tensors.  If the
         checkpoint is replaced while it is read, it is resolved again, ``targets``
-        is called again with the new manifest and the read starts over.  Ignored for
-        other kinds of source (legacy ``.pt``, HF, DCP).
+        is called again with the new manifest and the read starts over.  A ``targets``
+        with a ``read_back(item, state)`` method is told which state was read from the item
+        it was given (the trainer then need not check that state's structure again).
+        Ignored for other kinds of source (legacy ``.pt``, HF, DCP).
 
         Raises:
             NothingCommittedError: nothing committed at ``uri`` (the trainer starts fresh);
@@ -145,8 +147,12 @@ class SingleProcessRestorer:
                 return got[STATE_ITEM], got.get(own)
             reader = open_reader(resolved, self.config)
             try:
-                into = targets(reader.manifest.item(STATE_ITEM))
+                item = reader.manifest.item(STATE_ITEM)
+                into = targets(item)
                 state = reader.load(STATE_ITEM, into=into)
+                read_back = getattr(targets, "read_back", None)
+                if read_back is not None:
+                    read_back(item, state)  # the trainer's checks of item's records hold
                 rank_state = reader.load(own) if own in reader.manifest.items else None
                 return state, rank_state
             finally:

@@ -60,6 +60,8 @@ class TrainingSurface:
     _restore_call: tuple[bool, bool, str]  # (reset_optimizer, reset_lr_scheduler, uri) of the
     # restore in progress, for the checks made before its read
     _sharded_read_in_place: bool  # the restore in progress read into live DTensors
+    _records_plan: Optional[tuple[Any, Any]]  # (manifest item, RestorePlan its records passed)
+    _checked_read: Optional[tuple[Any, Any]]  # (state read from that item, that RestorePlan)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
