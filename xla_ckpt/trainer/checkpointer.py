@@ -288,6 +288,7 @@ class Checkpointer(SaveState, RestoreState):
         self._restore_call = (False, False, "")
         self._records_plan = None
         self._checked_read = None
+        self._sharded_memo = None
         self._sharded_read_in_place = False
 
 

@@ -140,7 +140,16 @@ def _tensors_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _has_meta(module: torch.nn.Module) -> bool:
-    return any(t.is_meta for t in _tensors_of(module).values())
+    return _any_meta(_tensors_of(module))
+
+
+def _any_meta(live: Mapping[str, torch.Tensor]) -> bool:
+    return any(t.is_meta for t in live.values())
+
+
+def _state_dict_keys(module: torch.nn.Module) -> list[str]:
+    """``module.state_dict()``'s keys (the same walk and hooks, without detached copies)."""
+    return list(module.state_dict(keep_vars=True).keys())
 
 
 def load_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any], *,
@@ -197,7 +206,7 @@ def prepare_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any],
     report = ModuleLoadReport()
     loc = f"{where}: " if where else ""
     live = _tensors_of(module)
-    expected = list(module.state_dict().keys())
+    expected = _state_dict_keys(module)
     saved_keys = list(state_dict.keys())
     if strip_prefixes:
         strip = best_prefix_strip(saved_keys, expected)
@@ -279,7 +288,7 @@ def apply_module_state(module: torch.nn.Module, state_dict: Mapping[str, Any],
     loc = f"{where}: " if where else ""
     saved_set = set(state_dict)
     live = _tensors_of(module)
-    if _has_meta(module):
+    if _any_meta(live):
         dev = torch.device(device) if device is not None else torch.device("cpu")
         module.to_empty(device=dev)
         report.materialized_device = dev
@@ -327,10 +336,12 @@ def in_place_targets(module: torch.nn.Module, saved: Any, *,
         reads, before the read starts; raises nothing itself.
     """
     check_dtype_policy(dtype_policy)
-    if not isinstance(saved, Mapping) or _has_meta(module):
+    if not isinstance(saved, Mapping):
         return {}
     live = _tensors_of(module)
-    expected = list(module.state_dict().keys())
+    if _any_meta(live):
+        return {}
+    expected = _state_dict_keys(module)
     missing = [k for k in expected if k not in saved]
     tied = tied_partners(live, missing, set(saved)) if missing else {}
     if set(expected) - set(tied) != set(saved) or (

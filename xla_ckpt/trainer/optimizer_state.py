@@ -148,15 +148,6 @@ SUGGESTION = ("pass reset_optimizer=True to start the optimizer afresh (the mode
               "still restored)")
 
 
-def _shape_of(v: Any) -> tuple[int, ...] | None:
-    """The shape of a state tensor, or of its manifest record (no bytes read); None otherwise."""
-    if isinstance(v, torch.Tensor):
-        return tuple(v.shape)
-    if isinstance(v, TensorRecord):
-        return tuple(v.shape)
-    return None
-
-
 def check_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Any, *,
                           where: str = "") -> None:
     """Every check of :func:`load_optimizer_state`, with nothing loaded.
@@ -201,11 +192,14 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Any, *,
         p = by_id.get(pid)
         if p is None or not isinstance(st, Mapping):
             continue
+        p_shape: tuple[int, ...] | None = None
         for name, v in st.items():
-            shape = _shape_of(v)
-            if shape is None or name == "step":
+            if name == "step" or not isinstance(v, (torch.Tensor, TensorRecord)):
                 continue
-            if not _fits(shape, tuple(p.shape), builtin):
+            shape = tuple(v.shape)
+            if p_shape is None:
+                p_shape = tuple(p.shape)
+            if shape != p_shape and not _fits(shape, p_shape, builtin):
                 raise StateMismatchError(
                     f"{loc}optimizer state {name!r} of parameter {pid} has shape {list(shape)} "
                     f"but the live parameter has shape {list(p.shape)}; the model's parameters "
@@ -288,28 +282,31 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
         p = by_id.get(pid)
         if p is None or not isinstance(st, Mapping):
             continue
+        key = id(p)
         for name, v in st.items():
-            if isinstance(v, torch.Tensor) and name != "step":
-                saved_dtypes[(id(p), name)] = v.dtype
+            if name != "step" and isinstance(v, torch.Tensor):
+                saved_dtypes[(key, name)] = v.dtype
 
     optimizer.load_state_dict(_indexed_groups(state_dict))
 
     changed = saved_param_dtypes or {}
+    live_state = optimizer.state
     for p in params:
-        st = optimizer.state.get(p)
+        st = live_state.get(p)
         if not st:
             continue
+        key, device = id(p), p.device
+        param_cast = key in changed and changed[key] != p.dtype
         for name, v in list(st.items()):
             if not isinstance(v, torch.Tensor):
                 continue
-            want = saved_dtypes.get((id(p), name))
-            param_cast = id(p) in changed and changed[id(p)] != p.dtype
+            want = saved_dtypes.get((key, name))
             if want is not None and v.dtype != want and not param_cast:
                 # torch cast it to the parameter dtype; give back the saved bits.
-                src = saved_state[pid_of[id(p)]][name]
+                src = saved_state[pid_of[key]][name]
                 st[name] = v = src.to(device=v.device, copy=True)
-            if name != "step" and tuple(v.shape) == tuple(p.shape) and v.device != p.device:
-                st[name] = v.to(p.device)
+            if name != "step" and v.device != device and tuple(v.shape) == tuple(p.shape):
+                st[name] = v.to(device)
 
     if overrides:
         for group in optimizer.param_groups:

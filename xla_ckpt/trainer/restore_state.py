@@ -154,15 +154,19 @@ class RestoreState(TrainingSurface):
                 ``rank_state_on_resize="drop"`` was given (names them and both options).
             ConfigError: those options were given with a restorer that cannot take them.
         """
-        with _gc_paused():
-            restored = self._restore(uri, reset_optimizer=reset_optimizer,
-                                     reset_lr_scheduler=reset_lr_scheduler,
-                                     rank_state_on_resize=rank_state_on_resize,
-                                     rank_state_remap=rank_state_remap)
-            return self._load_state(restored, where=uri, reset_optimizer=reset_optimizer,
-                                    reset_lr_scheduler=reset_lr_scheduler,
-                                    optimizer_overrides=optimizer_overrides,
-                                    reset_meters=reset_meters, absent_logged=restored is None)
+        self._sharded_memo = {}  # one answer per module for this restore
+        try:
+            with _gc_paused():
+                restored = self._restore(uri, reset_optimizer=reset_optimizer,
+                                         reset_lr_scheduler=reset_lr_scheduler,
+                                         rank_state_on_resize=rank_state_on_resize,
+                                         rank_state_remap=rank_state_remap)
+                return self._load_state(restored, where=uri, reset_optimizer=reset_optimizer,
+                                        reset_lr_scheduler=reset_lr_scheduler,
+                                        optimizer_overrides=optimizer_overrides,
+                                        reset_meters=reset_meters, absent_logged=restored is None)
+        finally:
+            self._sharded_memo = None
 
     def restore_targets(self, *, reset_optimizer: bool = False) -> dict[str, Any] | None:
         """The live tensors a restore of a sharded model fills in place, or None for a model
@@ -190,7 +194,7 @@ class RestoreState(TrainingSurface):
             ConfigError: the optimizer holds parameters that are not the model's.
         """
         module = unwrap_module(self.model)
-        if not is_sharded_module(module):
+        if not self._is_sharded(module):
             return None
         targets: dict[str, Any] = {K.MODEL: model_state(module)}
         if not reset_optimizer and not self.config.no_save_optimizer_state:
@@ -349,7 +353,7 @@ class RestoreState(TrainingSurface):
         state, layout = trainer_layout(state, where=uri, rank=self.rank)
         plan = RestorePlan(state=state, layout=layout)
         module = unwrap_module(self.model)
-        sharded = is_sharded_module(module)
+        sharded = self._is_sharded(module)
         if not records:
             if not sharded:
                 plan.model_state, plan.model_report = prepare_module_state(
@@ -420,6 +424,17 @@ class RestoreState(TrainingSurface):
             check_lr_scheduler_state(sched, sched_state, num_updates=last.get(K.NUM_UPDATES, 0),
                                      where=uri, map_fairseq=self.config.fairseq_compat)
         return plan
+
+    def _is_sharded(self, module: torch.nn.Module) -> bool:
+        """:func:`is_sharded_module`, asked once per module within one
+        :meth:`load_checkpoint` (a restore does not change which parameters are DTensors)."""
+        memo = self._sharded_memo
+        if memo is None:
+            return is_sharded_module(module)
+        got = memo.get(id(module))
+        if got is None or got[0] is not module:
+            got = memo[id(module)] = (module, is_sharded_module(module))
+        return got[1]
 
     @staticmethod
     def _check_optimizer_state(plan: RestorePlan, probe: torch.optim.Optimizer,
@@ -618,7 +633,7 @@ class RestoreState(TrainingSurface):
         """Optimizer, lr_scheduler and ``num_updates`` after the model load, as ``plan``
         decided and checked; returns entries for ``extra_state``."""
         live_module = unwrap_module(self.model)
-        sharded = is_sharded_module(live_module)
+        sharded = self._is_sharded(live_module)
         if sharded and self._optimizer is not None and self._optimizer is self._restore_built:
             pass  # restore_targets built it and the restore filled its state in place
         elif plan.optimizer is not None:

@@ -62,6 +62,8 @@ class TrainingSurface:
     _sharded_read_in_place: bool  # the restore in progress read into live DTensors
     _records_plan: Optional[tuple[Any, Any]]  # (manifest item, RestorePlan its records passed)
     _checked_read: Optional[tuple[Any, Any]]  # (state read from that item, that RestorePlan)
+    _sharded_memo: Optional[dict[int, tuple[Any, bool]]]  # is_sharded_module answers, by
+    # id(module), within one load_checkpoint (None outside one)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
