@@ -40,6 +40,7 @@ tensors that were separate at save) take the ordinary path.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -311,8 +312,69 @@ def saved_records(item: Item) -> Any:
     """The item's typed state with a :class:`TensorRecord` in place of every tensor (no bytes read).
 
     What :func:`in_place_targets` checks a module against before a restore reads anything.
+    The same tree as ``typed.decode(item.state, lambda i: item.tensors[i])``: the nodes a
+    training state is made of (plain dicts and lists, ``$tensor``, ``$dict``, ``$odict``,
+    ``$tuple``) are decoded by a loop without typed's per-node error paths; every other tag
+    goes to :func:`typed.decode`, and anything unexpected decodes the whole tree with it
+    (its errors, its messages).
+
+    Raises:
+        CheckpointCorruptError: as :func:`typed.decode`.
     """
-    return typed.decode(item.state, lambda i: item.tensors[i])
+    tensors = item.tensors
+    try:
+        return _records(item.state, tensors, 0)
+    except Exception:  # noqa: BLE001 - typed.decode decides, and names, what is wrong
+        return typed.decode(item.state, lambda i: tensors[i])
+
+
+class _NotPlain(Exception):
+    """A node :func:`_records` leaves to :func:`typed.decode`'s whole-tree pass."""
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _records(node: Any, tensors: list[TensorRecord], depth: int) -> Any:
+    """:func:`saved_records`'s decoder (typed's rules for the common nodes, no messages)."""
+    if depth > typed.MAX_DEPTH:
+        raise _NotPlain
+    kind = type(node)
+    if kind is dict:
+        tag = next(iter(node), None)
+        if not (isinstance(tag, str) and tag.startswith("$")):
+            return {k: _records(v, tensors, depth + 1) for k, v in node.items()}
+        value = node[tag]
+        if tag == "$tensor":
+            if type(value) is not int:
+                raise _NotPlain
+            return tensors[value]
+        if tag == "$dict" or tag == "$odict":
+            if type(value) is not list:
+                raise _NotPlain
+            pairs = []
+            for pair in value:
+                if type(pair) is not list or len(pair) != 2 or type(pair[0]) not in _PLAIN:
+                    raise _NotPlain
+                pairs.append((pair[0], _records(pair[1], tensors, depth + 1)))
+            if tag == "$dict":
+                return dict(pairs)
+            od: Any = OrderedDict(pairs)
+            if "meta" in node:
+                od._metadata = typed.decode(node["meta"])
+            return od
+        if tag == "$tuple":
+            if type(value) is not list:
+                raise _NotPlain
+            return tuple(_records(v, tensors, depth + 1) for v in value)
+        if tag == "$ndarray":
+            raise _NotPlain
+        return typed.decode(node, lambda i: tensors[i])
+    if kind is list:
+        return [_records(v, tensors, depth + 1) for v in node]
+    if kind in _PLAIN:
+        return node
+    raise _NotPlain
 
 
 def in_place_targets(module: torch.nn.Module, saved: Any, *,
