@@ -216,3 +216,32 @@ def test_an_optimizer_of_its_own_keeps_non_id_state_keys_but_not_stray_ids():
                                                  r"lists \('0'; the param groups list \[0, 1\]\)"):
         load_optimizer_state(fresh, {"state": {"0": {"momentum_buffer": torch.zeros(2, 2)}},
                                      "param_groups": saved["param_groups"]})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_load_hook_that_casts_the_state_is_undone_too(dtype):
+    """With every saved state tensor in its parameter's dtype nothing is undone after
+    torch's load, unless a load hook (or an override) may have changed it: then the saved
+    dtype and bits come back as for a cast torch made itself."""
+    src = torch.nn.Linear(2, 3).to(dtype)
+    opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
+    src(torch.ones(1, 2, dtype=dtype)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+
+    live = torch.nn.Linear(2, 3).to(dtype)
+    target = torch.optim.AdamW(live.parameters(), lr=1e-2)
+
+    def halve_precision(optimizer):
+        for st in optimizer.state.values():
+            st["exp_avg"] = st["exp_avg"].to(torch.float16)
+
+    target.register_load_state_dict_post_hook(halve_precision)
+    load_optimizer_state(target, saved)
+    got = target.state_dict()
+    assert got["state"][0]["exp_avg"].dtype == dtype
+    assert_state_identical(got, saved)
+
+    plain = torch.optim.AdamW(torch.nn.Linear(2, 3).to(dtype).parameters(), lr=1e-2)
+    load_optimizer_state(plain, saved)
+    assert_state_identical(plain.state_dict(), saved)

@@ -276,20 +276,52 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
     saved_ids = [pid for g in saved_groups for pid in g["params"]]
     params = _param_list(optimizer)
     by_id = dict(zip(saved_ids, params, strict=True))
-    pid_of = {id(p): pid for pid, p in zip(saved_ids, params, strict=True)}
+    # torch casts each floating state tensor to its parameter's dtype and moves it to the
+    # parameter's device; what it changed is undone below.  Without load hooks, and with
+    # every saved state tensor (but ``step``) already in its parameter's dtype, it changed
+    # no dtype and left none off its parameter's device: nothing to undo, nothing to note.
+    plain = not _load_hooks(optimizer) and all(
+        p is None or not isinstance(st, Mapping) or all(
+            name == "step" or not isinstance(v, torch.Tensor) or v.dtype == p.dtype
+            for name, v in st.items())
+        for p, st in ((by_id.get(pid), st) for pid, st in saved_state.items()))
     saved_dtypes: dict[tuple[int, str], torch.dtype] = {}
-    for pid, st in saved_state.items():
-        p = by_id.get(pid)
-        if p is None or not isinstance(st, Mapping):
-            continue
-        key = id(p)
-        for name, v in st.items():
-            if name != "step" and isinstance(v, torch.Tensor):
-                saved_dtypes[(key, name)] = v.dtype
+    if not plain:
+        for pid, st in saved_state.items():
+            p = by_id.get(pid)
+            if p is None or not isinstance(st, Mapping):
+                continue
+            key = id(p)
+            for name, v in st.items():
+                if name != "step" and isinstance(v, torch.Tensor):
+                    saved_dtypes[(key, name)] = v.dtype
 
     optimizer.load_state_dict(_indexed_groups(state_dict))
 
-    changed = saved_param_dtypes or {}
+    if not plain:
+        _undo_casts(optimizer, params, saved_ids, saved_state, saved_dtypes,
+                    saved_param_dtypes or {})
+
+    if overrides:
+        for group in optimizer.param_groups:
+            group.update(overrides)
+
+
+def _load_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.load_state_dict`` may do more than torch's own (hooks, an override)."""
+    return (type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict
+            or bool(getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", True))
+            or bool(getattr(optimizer, "_optimizer_load_state_dict_post_hooks", True)))
+
+
+def _undo_casts(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                saved_ids: list[Any], saved_state: Mapping[Any, Any],
+                saved_dtypes: Mapping[tuple[int, str], torch.dtype],
+                changed: Mapping[int, torch.dtype]) -> None:
+    """After ``optimizer.load_state_dict``: state tensors torch cast to their parameter's
+    dtype get their saved bits back (unless the parameter itself was cast on load), and
+    those of the parameter's shape end on its device."""
+    pid_of = {id(p): pid for pid, p in zip(saved_ids, params, strict=True)}
     live_state = optimizer.state
     for p in params:
         st = live_state.get(p)
@@ -307,7 +339,3 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
                 st[name] = v = src.to(device=v.device, copy=True)
             if name != "step" and v.device != device and tuple(v.shape) == tuple(p.shape):
                 st[name] = v.to(device)
-
-    if overrides:
-        for group in optimizer.param_groups:
-            group.update(overrides)
