@@ -165,8 +165,8 @@ class RestoreState(TrainingSurface):
                                         reset_lr_scheduler=reset_lr_scheduler,
                                         optimizer_overrides=optimizer_overrides,
                                         reset_meters=reset_meters, absent_logged=restored is None)
-        finally:
-            self._sharded_memo = None
+        finally:  # nothing of this restore's plans outlives it (a failed read included)
+            self._sharded_memo = self._records_plan = self._checked_read = None
 
     def restore_targets(self, *, reset_optimizer: bool = False) -> dict[str, Any] | None:
         """The live tensors a restore of a sharded model fills in place, or None for a model
