@@ -306,8 +306,12 @@ class RestoreState(TrainingSurface):
 
         itr_state = extra_state.get(K.TRAIN_ITERATOR)
         if not isinstance(itr_state, Mapping):
-            itr_state = extra_state[K.TRAIN_ITERATOR] = {K.EPOCH: 1, K.ITERATIONS_IN_EPOCH: 0}
+            # Nothing is made up: a state saved without an iterator (a plain torch.save dict,
+            # a loop that passed none) comes back without one.  The schedule steps from
+            # epoch 1, as a fresh run would; the log names the file's own epoch if it has one.
+            itr_state = {}
         epoch = itr_state.get(K.EPOCH, 1)
+        shown_epoch = epoch if itr_state else extra_state.get(K.EPOCH, "-")
         if K.PREVIOUS_TRAINING_TIME in extra_state:
             self._previous_training_time = extra_state[K.PREVIOUS_TRAINING_TIME]
             self._start_time = self.clock()
@@ -321,7 +325,8 @@ class RestoreState(TrainingSurface):
                 reset_time()
         if self.rank == 0:
             logger.info("rank %d: loaded checkpoint %s (epoch %s @ %d updates) in %.2f s",
-                        self.rank, uri, epoch, self.get_num_updates(), time.perf_counter() - t0)
+                        self.rank, uri, shown_epoch, self.get_num_updates(),
+                        time.perf_counter() - t0)
         return extra_state
 
     def _nothing_restored(self) -> str:
