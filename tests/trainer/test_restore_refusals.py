@@ -169,6 +169,82 @@ def test_an_lr_scheduler_mismatch_leaves_the_live_model_untouched(tmp_path):
     assert_untouched(before, live)
 
 
+class RefusingSchedule:
+    """A fairseq-style scheduler (``step_update``) whose own load_state_dict refuses the
+    saved state: only trying the load can find that out."""
+
+    def __init__(self, optimizer, refuse: bool) -> None:
+        self.optimizer, self.refuse, self.best = optimizer, refuse, None
+
+    def state_dict(self):
+        return {"best": self.best}
+
+    def load_state_dict(self, state):
+        if self.refuse:
+            raise KeyError("warmup_updates")
+        self.best = state["best"]
+
+    def step(self, epoch, val_loss=None):
+        return self.optimizer.param_groups[0]["lr"]
+
+    def step_update(self, num_updates):
+        return self.optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("fmt", ["xla_ckpt", "pt"])
+def test_a_scheduler_whose_own_load_refuses_leaves_every_live_object_untouched(tmp_path, fmt):
+    """The scheduler's own load_state_dict is tried on the one built for the restore before
+    anything live changes (on the in-place read path and on a .pt read into fresh memory)."""
+    model = Net(0)
+    ck = Checkpointer(model=model, build_optimizer=adamw,
+                      build_lr_scheduler=lambda o: RefusingSchedule(o, refuse=False))
+    _step(model, ck.optimizer)
+    ck.set_num_updates(1)
+    uri = str(tmp_path / "ck")
+    ck.save_checkpoint(uri, {})
+    if fmt == "pt":
+        import xla_ckpt
+
+        torch.save(xla_ckpt.load(uri), uri + ".pt")
+        uri += ".pt"
+    live = Net(7)
+    other = Checkpointer(model=live, build_optimizer=adamw,
+                         build_lr_scheduler=lambda o: RefusingSchedule(o, refuse=True))
+    for _ in range(2):  # the live loop has trained: its Adam moments must survive
+        _step(live, other.optimizer)
+    live_opt, live_sched = other.optimizer, other.lr_scheduler
+    moments = copy.deepcopy(live_opt.state_dict()["state"])
+    before = snapshot(live)
+    with pytest.raises(StateMismatchError) as e:
+        other.load_checkpoint(uri)
+    assert ("could not load the saved lr_scheduler_state (keys ['best']): KeyError: "
+            "'warmup_updates'") in str(e.value)
+    assert str(e.value).endswith(NOTHING_RESTORED)
+    assert_untouched(before, live)
+    assert other.optimizer is live_opt and other.lr_scheduler is live_sched
+    for i, st in moments.items():
+        for k, v in st.items():
+            assert torch.equal(live_opt.state_dict()["state"][i][k], v), (i, k)
+
+
+def test_a_scheduler_state_of_another_class_is_named_in_a_warning(tmp_path, caplog):
+    """StepLR's state loaded into an ExponentialLR: torch takes the extra keys as attributes
+    (gamma changes, step_size appears); the restore says so, naming both."""
+    model = Net(0)
+    ck = Checkpointer(model=model, build_optimizer=adamw,
+                      build_lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+    _step(model, ck.optimizer)
+    uri = str(tmp_path / "ck")
+    ck.save_checkpoint(uri, {})
+    other = Checkpointer(model=Net(7), build_optimizer=adamw,
+                         build_lr_scheduler=lambda o: torch.optim.lr_scheduler.ExponentialLR(
+                             o, 0.9))
+    with caplog.at_level(logging.WARNING, logger="xla_ckpt.trainer.lr_scheduler"):
+        other.load_checkpoint(uri)
+    assert (f"{uri}: the saved lr_scheduler_state has keys the live ExponentialLR lacks "
+            "(step_size)") in caplog.text
+
+
 def test_the_same_checks_run_on_a_legacy_pt_read_into_fresh_memory(saved_run, tmp_path):
     import xla_ckpt
 

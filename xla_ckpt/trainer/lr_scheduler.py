@@ -24,12 +24,15 @@ missing and extra keys and ``reset_lr_scheduler=True``, never a bare
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 
 from xla_ckpt.errors import ConfigError, StateMismatchError
+
+logger = logging.getLogger(__name__)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -195,18 +198,23 @@ def load_lr_scheduler_state(scheduler: Any, state: Any, *, num_updates: int,
 
 
 def check_lr_scheduler_state(scheduler: Any, state: Any, *, num_updates: int, where: str = "",
-                             map_fairseq: bool = True) -> None:
-    """The decision of :func:`load_lr_scheduler_state`, with nothing loaded.
+                             map_fairseq: bool = True, probe: bool = False) -> None:
+    """The decision of :func:`load_lr_scheduler_state`, with nothing live loaded.
 
     The trainer restore calls it before the model is loaded.  A plain load into a
-    fairseq-style or non-torch scheduler is that scheduler's own ``load_state_dict``,
-    which can still refuse later; every other refusal is raised here.
+    fairseq-style or non-torch scheduler is that scheduler's own ``load_state_dict``;
+    with ``probe=True`` (``scheduler`` is a throwaway built like the live one, which the
+    restore installs only after every check) that load is tried here, so its refusal
+    too comes before anything live changes.  Without a probe it can still refuse later.
 
     Raises:
         StateMismatchError: as :func:`load_lr_scheduler_state`.
     """
-    _plan_load(scheduler, state, num_updates=num_updates, loc=f"{where}: " if where else "",
-               map_fairseq=map_fairseq)
+    loc = f"{where}: " if where else ""
+    how = _plan_load(scheduler, state, num_updates=num_updates, loc=loc,
+                     map_fairseq=map_fairseq)
+    if probe and how == "plain":
+        _plain_load(scheduler, state, loc)
 
 
 def _plan_load(scheduler: Any, state: Any, *, num_updates: int, loc: str,
@@ -250,9 +258,17 @@ def _plan_load(scheduler: Any, state: Any, *, num_updates: int, loc: str,
 
 
 def _plain_load(scheduler: Any, state: Any, loc: str) -> None:
+    if isinstance(state, Mapping) and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        extra = sorted(set(map(str, state)) - set(scheduler.state_dict()))
+        if extra:  # torch's load_state_dict takes them as attributes: another class's state
+            logger.warning("%sthe saved lr_scheduler_state has keys the live %s lacks (%s): "
+                           "it was probably saved from another scheduler class; its values "
+                           "now override the live ones (pass reset_lr_scheduler=True to keep "
+                           "the live schedule)", loc, type(scheduler).__name__,
+                           ", ".join(extra))
     try:
         scheduler.load_state_dict(state)
-    except (KeyError, TypeError, AttributeError) as e:
+    except Exception as e:  # a user scheduler's own refusal: named, re-raised as a mismatch
         saved = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
         raise StateMismatchError(
             f"{loc}lr_scheduler does not match the checkpoint: live {type(scheduler).__name__} "

@@ -35,7 +35,7 @@ from xla_ckpt.errors import (
     UncommittedCheckpointError,
     WorldSizeMismatchError,
 )
-from xla_ckpt.format.manifest import Item
+from xla_ckpt.format.manifest import Item, TensorRecord
 from xla_ckpt.restore.config import RANK_STATE_ON_RESIZE
 from xla_ckpt.trainer import keys as K
 from xla_ckpt.trainer.fairseq_compat import (
@@ -96,6 +96,18 @@ def _gc_paused() -> Iterator[None]:
         if was_enabled:
             gc.enable()
 
+
+
+def _holds_records(value: Any) -> bool:
+    """True if ``value`` (a saved state) holds a manifest's TensorRecord where a tensor was
+    (before the read): such a state cannot be tried on a probe yet."""
+    if isinstance(value, TensorRecord):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_records(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_records(v) for v in value)
+    return False
 
 class RestoreState(TrainingSurface):
     """:meth:`load_checkpoint` / :meth:`load_state` and the optimizer restore behind them."""
@@ -426,8 +438,12 @@ class RestoreState(TrainingSurface):
         sched_state = last.get(K.LR_SCHEDULER_STATE)
         sched = plan.lr_scheduler if plan.optimizer is not None else self.lr_scheduler
         if not reset_lr_scheduler and sched is not None and sched_state is not None:
+            # A scheduler built for this restore (not yet installed) tries the plain load
+            # itself; the live one is never touched before every check has passed.
             check_lr_scheduler_state(sched, sched_state, num_updates=last.get(K.NUM_UPDATES, 0),
-                                     where=uri, map_fairseq=self.config.fairseq_compat)
+                                     where=uri, map_fairseq=self.config.fairseq_compat,
+                                     probe=sched is plan.lr_scheduler
+                                     and not (records and _holds_records(sched_state)))
         return plan
 
     def _is_sharded(self, module: torch.nn.Module) -> bool:
