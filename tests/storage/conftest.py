@@ -13,6 +13,16 @@ import pytest
 from xla_ckpt.storage import StorageConfig
 from xla_ckpt.storage.local import LocalStorage
 
+
+@pytest.fixture
+def stem(gcs_emulator):
+    """A fresh object-name prefix in the emulator's bucket (``t-<12 hex>``), deleted after
+    the test; a test module may override it to fill the prefix first."""
+    s = f"t-{uuid.uuid4().hex[:12]}"
+    yield s
+    gcs_emulator.delete_prefix(s + "/")
+
+
 SMALL = StorageConfig(max_workers=4, slice_size_bytes=1024, retry_deadline_s=10.0)
 
 

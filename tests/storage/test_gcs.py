@@ -3,7 +3,6 @@ whole-object reads, generation pinning, error mapping and request counts, listin
 
 import os
 import re
-import uuid
 from typing import Any
 
 import pytest
@@ -31,12 +30,6 @@ SMALL_PARTS = StorageConfig(max_workers=4, slice_size_bytes=64 * 1024, max_attem
                             parallel_upload_threshold_bytes=100_000,
                             upload_part_size_bytes=32 * 1024, **FAST)
 
-
-@pytest.fixture
-def stem(gcs_emulator):
-    s = f"t-{uuid.uuid4().hex[:12]}"
-    yield s
-    gcs_emulator.delete_prefix(s + "/")
 
 
 def _storage_requests(proxy):

@@ -13,7 +13,6 @@ elapsed time here only catch a hang (the trickles would run for minutes).
 import os
 import re
 import time
-import uuid
 from typing import Any
 
 import pytest
@@ -32,12 +31,6 @@ def cfg(deadline_s, **kw):
     return StorageConfig(max_workers=4, slice_size_bytes=1 << 20, request_deadline_s=deadline_s,
                          **FAST, **kw)
 
-
-@pytest.fixture
-def stem(gcs_emulator):
-    s = f"t-{uuid.uuid4().hex[:12]}"
-    yield s
-    gcs_emulator.delete_prefix(s + "/")
 
 
 def _deadline_error(fn):

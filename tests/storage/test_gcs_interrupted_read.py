@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import pytest
 import torch
@@ -36,12 +35,6 @@ CONFIG = StorageConfig(max_workers=4, slice_size_bytes=SLICE, initial_backoff_s=
 NO_HANG_S = 5.0  # the library's part: an interrupt is raised within ~0.5 s; the slices: ~75 s
 PROCESS_EXIT_S = 20.0  # a worker's exit after SIGINT (Python and torch tearing down, loaded VM)
 
-
-@pytest.fixture
-def stem(gcs_emulator):
-    s = f"t-{uuid.uuid4().hex[:12]}"
-    yield s
-    gcs_emulator.delete_prefix(s + "/")
 
 
 @pytest.fixture(autouse=True)

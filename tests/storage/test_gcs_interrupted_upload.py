@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from typing import Any
 
 import pytest
@@ -34,12 +33,6 @@ PROCESS_EXIT_S = 20.0
 part (interrupt, parts deleted, close) is done within 0.1 s, but Python and torch tearing the
 process down took 5.6-6.3 s on a loaded 2-core VM (2 of 30 runs over the 5 s NO_HANG_S)."""
 
-
-@pytest.fixture
-def stem(gcs_emulator):
-    s = f"t-{uuid.uuid4().hex[:12]}"
-    yield s
-    gcs_emulator.delete_prefix(s + "/")
 
 
 def tmp_objects(emu, stem):

@@ -14,7 +14,6 @@ pointers, lease and rotation are all conditional.
 
 import os
 import re
-import uuid
 from typing import Any
 
 import pytest
@@ -31,12 +30,6 @@ SMALL_PARTS = StorageConfig(max_workers=4, slice_size_bytes=64 * 1024, max_attem
                             parallel_upload_threshold_bytes=100_000,
                             upload_part_size_bytes=32 * 1024, **FAST)
 
-
-@pytest.fixture
-def stem(gcs_emulator):
-    s = f"t-{uuid.uuid4().hex[:12]}"
-    yield s
-    gcs_emulator.delete_prefix(s + "/")
 
 
 def _generation_match(query: str) -> str | None:

@@ -3,7 +3,6 @@ and a 412 to a retried write whose earlier attempt did land (the answer was lost
 
 import os
 import re
-import uuid
 from typing import Any
 
 import pytest
@@ -20,12 +19,6 @@ SMALL_PARTS = StorageConfig(max_workers=4, slice_size_bytes=64 * 1024, max_attem
 TINY_PARTS = StorageConfig(max_workers=4, max_attempts=4, parallel_upload_threshold_bytes=1000,
                            upload_part_size_bytes=1000, **FAST)  # 40 kB: 40 parts, a compose tree
 
-
-@pytest.fixture
-def stem(gcs_emulator):
-    s = f"t-{uuid.uuid4().hex[:12]}"
-    yield s
-    gcs_emulator.delete_prefix(s + "/")
 
 
 def _final_write(r) -> bool:

@@ -10,7 +10,6 @@ clock is skewed in this process only, by replacing ``time.time`` -- what the old
 """
 
 import time
-import uuid
 
 import pytest
 
@@ -23,12 +22,6 @@ SKEWS = [3 * HOUR_S, 26 * HOUR_S, -3 * HOUR_S]  # host ahead by 3 h / a day and 
 TARGET = "checkpoint_1_1/data-0123456789ab-state.safetensors"
 PARTS = [f"{TARGET}{TMP_MARK}aaaaaaaaaaaa-part-{i:05d}" for i in range(3)]
 
-
-@pytest.fixture
-def stem(gcs_emulator):
-    s = f"t-{uuid.uuid4().hex[:12]}"
-    yield s
-    gcs_emulator.delete_prefix(s + "/")
 
 
 @pytest.fixture
