@@ -176,7 +176,7 @@ def run_method(method: str, ckpt: str, pt: str, gcs_uri: str, bucket_size_bytes:
     import torch.distributed as tdist
 
     from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig
     from xla_ckpt.restore import RestoreConfig, restore
 
     d = get_dist(DistConfig(backend="gloo", timeout_s=1800))
@@ -251,8 +251,8 @@ def main() -> None:
 
     import torch
 
+    from xla_ckpt.api import save
     from xla_ckpt.format.crc import crc32c
-    from xla_ckpt.io import save
     from xla_ckpt.testing.asserts import tensor_bits
     from xla_ckpt.testing.launcher import WorkerPool
 

@@ -53,10 +53,11 @@ import torch.distributed.checkpoint as dcp  # noqa: E402 - after the sys.path in
 
 import xla_ckpt  # noqa: E402 - after the sys.path insert above
 from xla_ckpt.format import legacy  # noqa: E402 - after the sys.path insert above
-from xla_ckpt.io import read_manifest, resolve  # noqa: E402 - after the sys.path insert above
-from xla_ckpt.io.export import export  # noqa: E402 - after the sys.path insert above
-from xla_ckpt.io.opener import read_foreign  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.io import read_manifest  # noqa: E402 - after the sys.path insert above
 from xla_ckpt.io.verify import verify_checkpoint  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.kinds.export import export  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.kinds.foreign import read_foreign  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.run.resolve import resolve  # noqa: E402 - after the sys.path insert above
 from xla_ckpt.storage import open_storage  # noqa: E402 - after the sys.path insert above
 
 MiB = 1024 * 1024

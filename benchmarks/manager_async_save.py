@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402 - after the sys.path insert above
 
-from xla_ckpt.config import CheckpointConfig  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.manager import CheckpointConfig  # noqa: E402 - after the sys.path insert above
 from xla_ckpt.manager import CheckpointManager  # noqa: E402 - after the sys.path insert above
 
 TENSOR_MIB = 8

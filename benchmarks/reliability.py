@@ -100,7 +100,7 @@ def _trainer_resume_main(run_uri: str, backend: str, wfd: int) -> None:
     import crash_harness as H
     import torch
 
-    from xla_ckpt.io.catalog import list_checkpoints
+    from xla_ckpt.run.catalog import list_checkpoints
     from xla_ckpt.storage import open_storage
     from xla_ckpt.trainer import Checkpointer, CheckpointerConfig, SingleProcessRestorer
 
@@ -377,7 +377,7 @@ def _writer_main(target: str, cmd: int, ack: int) -> None:
 def _read_via(entry: str, run_uri: str, backend: str) -> tuple[Any, Any]:
     """Resume through one entry point; (num_updates, weight), or (None, None) for a fresh start."""
     from xla_ckpt.comm import SingleProcess
-    from xla_ckpt.config import CheckpointConfig
+    from xla_ckpt.manager import CheckpointConfig
     from xla_ckpt.manager import CheckpointManager
     from xla_ckpt.restore import restore
     from xla_ckpt.trainer import SingleProcessRestorer
@@ -1032,8 +1032,8 @@ def range_answer_rounds(pool: Any, emu: Any, uri: str, min_answers: int, probabi
 def part_ranks(emu, args, sink) -> None:
     import rank_workers as W
 
+    from xla_ckpt.api import save
     from xla_ckpt.comm.liveness import DEAD_AFTER_S
-    from xla_ckpt.io import save
     from xla_ckpt.testing.fault_proxy import Fault, FaultProxy, downloads
     from xla_ckpt.testing.launcher import WorkerPool
 

@@ -126,7 +126,7 @@ def _join() -> Any:
     """This rank's Dist (gloo).  The rank's stdout goes to stderr first: gloo prints its
     connection lines to stdout, which is the parent's stream of JSON lines."""
     from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig
 
     if not _HELD.get("stdout_to_stderr"):
         sys.stdout.flush()

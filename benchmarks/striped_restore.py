@@ -282,7 +282,7 @@ def _join(spec: dict) -> Any:
     would mix with the parent's JSON lines) and, if the launcher cannot, this rank's emulated
     host's environment is set as ``WorkerPool(hosts=H)`` sets it."""
     from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig
 
     if not _HELD.get("joined"):
         sys.stdout.flush()
@@ -749,8 +749,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from xla_ckpt.api import save
     from xla_ckpt.format import MANIFEST_NAME
-    from xla_ckpt.io import save
     from xla_ckpt.restore import RestoreConfig
     from xla_ckpt.storage import open_storage
     from xla_ckpt.storage.gcs import DEFAULT_CONFIG

@@ -65,8 +65,8 @@ from xla_ckpt.format.crc import crc32c  # noqa: E402 - after set_num_threads
 from xla_ckpt.format.manifest import STATE_ITEM  # noqa: E402 - after set_num_threads
 from xla_ckpt.format.plan import materialize_item, tensor_bytes  # noqa: E402 - after set_num_threads
 from xla_ckpt.io import reader  # noqa: E402 - after set_num_threads
-from xla_ckpt.io.opener import open_reader  # noqa: E402 - after set_num_threads
-from xla_ckpt.io.resolve import resolve  # noqa: E402 - after set_num_threads
+from xla_ckpt.kinds.opener import open_reader  # noqa: E402 - after set_num_threads
+from xla_ckpt.run.resolve import resolve  # noqa: E402 - after set_num_threads
 from xla_ckpt.testing.asserts import assert_state_identical  # noqa: E402 - after set_num_threads
 from xla_ckpt.trainer import Checkpointer, Metrics  # noqa: E402 - after set_num_threads
 from xla_ckpt.trainer.sources import SingleProcessRestorer  # noqa: E402 - after set_num_threads

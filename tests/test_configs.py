@@ -5,10 +5,9 @@ import re
 
 import pytest
 
+from xla_ckpt.comm import DistConfig
 from xla_ckpt.config import (
-    CheckpointConfig,
     Config,
-    DistConfig,
     TrainConfig,
     apply_overrides,
     config_from_dict,
@@ -16,6 +15,7 @@ from xla_ckpt.config import (
     load_config,
 )
 from xla_ckpt.errors import ConfigError
+from xla_ckpt.manager import CheckpointConfig
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.restore.cost import Bandwidths
 from xla_ckpt.storage import StorageConfig

@@ -7,7 +7,7 @@ Quick use::
     state = xla_ckpt.load("gs://bucket/run/checkpoint_100")  # parallel ranged reads, crc32c
 
 ``import xla_ckpt`` does not import torch: :func:`load` and :func:`save` (from
-:mod:`xla_ckpt.io`) are loaded on first use, so tools that only need the package's light parts
+:mod:`xla_ckpt.api`) are loaded on first use, so tools that only need the package's light parts
 (``xla-ckpt --help``) start fast.
 """
 
@@ -17,12 +17,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from xla_ckpt.io import load, save
+    from xla_ckpt.api import load, save
 
 __version__ = "0.1.0"
 __all__ = ["load", "save", "__version__"]
 
-_LAZY = {"load": "xla_ckpt.io", "save": "xla_ckpt.io"}
+_LAZY = {"load": "xla_ckpt.api", "save": "xla_ckpt.api"}
 """Public names loaded on first access (PEP 562): name -> the module that defines it."""
 
 

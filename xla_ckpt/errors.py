@@ -168,7 +168,7 @@ class FencedError(CheckpointSaveError):
 
     Raised on every rank by :class:`xla_ckpt.manager.CheckpointManager` when its lease
     epoch is older than the run folder's (``<run>/lease.json``, see
-    :mod:`xla_ckpt.io.fencing`): before the commit marker, the pointers or rotation, and
+    :mod:`xla_ckpt.run.fencing`): before the commit marker, the pointers or rotation, and
     at once (writing nothing) by every later save of that manager.  The message names the
     run folder and both incarnations (epoch and owner).  A :class:`CheckpointSaveError`,
     so code that stops on a failed save stops here too.
@@ -223,7 +223,7 @@ class DataFileMissingError(CheckpointCorruptError):
 class NothingCommittedError(CheckpointNotFoundError):
     """Storage answered that nothing was ever committed at the URI: the one "start fresh" case.
 
-    Raised only by :func:`xla_ckpt.io.resolve.resolve` (so by every entry point: ``load``,
+    Raised only by :func:`xla_ckpt.run.resolve.resolve` (so by every entry point: ``load``,
     ``restore``, the trainer, the manager, the CLI) when the path is absent (its parent folder
     exists), or the folder or prefix is empty or holds no committed checkpoint.  A
     :class:`CheckpointNotFoundError`, so ``except CheckpointNotFoundError`` keeps working; the
@@ -337,7 +337,7 @@ class PartiallyOverwrittenError(IntegrityError):
 class CheckpointExistsError(XlaCkptError, FileExistsError):
     """A write would replace a committed checkpoint the caller did not ask to replace.
 
-    Raised by :func:`xla_ckpt.io.dcp.write_dcp` when the target folder already holds a DCP
+    Raised by :func:`xla_ckpt.kinds.dcp.write_dcp` when the target folder already holds a DCP
     ``.metadata`` and ``overwrite=False``; nothing was written.  The message names the URI
     and says to pass ``overwrite=True`` or pick an empty folder.
     """
@@ -346,7 +346,7 @@ class CheckpointExistsError(XlaCkptError, FileExistsError):
 class OutputExistsError(CheckpointExistsError, ConfigError):
     """``convert`` / ``export`` would write where a checkpoint or an earlier output already is.
 
-    Raised by :func:`xla_ckpt.io.export.check_destination` before anything is written: the
+    Raised by :func:`xla_ckpt.kinds.export.check_destination` before anything is written: the
     destination holds a checkpoint of any kind (an xla_ckpt manifest, a DCP ``.metadata``,
     HF safetensors weights, a ``.pt`` file, a run folder of them) and ``overwrite`` was not
     passed, or it holds one of another kind than the one being written (never replaced).

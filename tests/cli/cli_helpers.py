@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 import xla_ckpt
-from xla_ckpt.io.catalog import write_pointer
+from xla_ckpt.run.catalog import write_pointer
 from xla_ckpt.storage import open_storage
 
 

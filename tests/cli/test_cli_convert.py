@@ -21,8 +21,8 @@ import torch
 from cli_helpers import exists, listing
 
 import xla_ckpt
-from xla_ckpt.io.catalog import write_pointer
-from xla_ckpt.io.legacy import load_legacy_checkpoint
+from xla_ckpt.kinds.legacy import load_legacy_checkpoint
+from xla_ckpt.run.catalog import write_pointer
 from xla_ckpt.storage import open_storage
 from xla_ckpt.trainer import Checkpointer
 
@@ -362,8 +362,7 @@ def _fairseq_file(updates, epoch, loss):
 
 
 def _restore_with_manager(run, restore_file="checkpoint_last"):
-    from xla_ckpt.config import CheckpointConfig
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 
     cfg = CheckpointConfig(save_dir=run, handle_sigterm=False, async_save=False,
                            save_interval_epochs=0, restore_file=restore_file, no_save=True)

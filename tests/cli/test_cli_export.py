@@ -230,7 +230,7 @@ def test_the_printed_torch_load_recipe_reads_numpy_values_on_numpy_2(tmp_path):
     import numpy as np
 
     from xla_ckpt.cli.export import summary
-    from xla_ckpt.io.export import export_pt
+    from xla_ckpt.kinds.export import export_pt
 
     state = {"best_loss": np.float32(1.5), "lr": np.float64(0.25), "step": np.int64(7),
              "half": np.dtype("float16"), "ids": np.arange(3, dtype=np.int32),
@@ -313,7 +313,7 @@ def test_convert_draws_read_and_write_progress_on_a_terminal(tmp_path, monkeypat
 def test_save_progress_counts_every_byte_of_every_data_file_once(tmp_path):
     counted: list[int] = []
     state = {"w": torch.randn(300, 1024), "b": torch.ones(3), "step": 7}  # 1.2 MiB + a tiny blob
-    xla_ckpt.io.save(state, str(tmp_path / "ck"), rank_states={0: {"r": torch.ones(2)},
+    xla_ckpt.save(state, str(tmp_path / "ck"), rank_states={0: {"r": torch.ones(2)},
                                                                 1: {"r": torch.zeros(5)}},
                      progress=counted.append)
     sizes = [os.path.getsize(p) for p in (tmp_path / "ck").glob("data-*.safetensors")]

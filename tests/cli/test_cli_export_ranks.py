@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 import xla_ckpt
 from xla_ckpt.errors import RankItemsNotExportedError
-from xla_ckpt.io.export import export
+from xla_ckpt.kinds.export import export
 
 
 def _state() -> dict:
@@ -29,7 +29,7 @@ RANKS: dict[int, dict[str, Any]] = {
 
 def _save(root: str, ranks: dict | None = RANKS) -> str:
     ck = f"{root}/ck"
-    xla_ckpt.io.save(_state(), ck, rank_states=ranks)
+    xla_ckpt.save(_state(), ck, rank_states=ranks)
     return ck
 
 
@@ -105,7 +105,7 @@ def test_safetensors_names_what_it_leaves_out(cli, root):
 
 def test_nest_refuses_a_state_that_has_no_room(tmp_path):
     ck = str(tmp_path / "ck")
-    xla_ckpt.io.save({"rank_states": 1, "w": torch.ones(1)}, ck, rank_states={0: {"a": 1}})
+    xla_ckpt.save({"rank_states": 1, "w": torch.ones(1)}, ck, rank_states={0: {"a": 1}})
     with pytest.raises(RankItemsNotExportedError, match=(
             r"cannot nest the per-rank items rank/00000: its state already has a "
             r"'rank_states' entry; pass --rank-states drop")):

@@ -6,9 +6,8 @@ import json
 import torch
 
 import xla_ckpt
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.io.names import name_fields
-from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 from xla_ckpt.trainer import Checkpointer
 
 

@@ -19,12 +19,11 @@ import torch
 from cli_helpers import flip_byte
 
 import xla_ckpt
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.errors import CheckpointCorruptError, DistributedError
-from xla_ckpt.io.catalog import read_pointer_doc, write_pointer
-from xla_ckpt.io.fencing import read_lease
-from xla_ckpt.io.prune import remove_checkpoints
-from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.manager import CheckpointConfig, CheckpointManager
+from xla_ckpt.run.catalog import read_pointer_doc, write_pointer
+from xla_ckpt.run.fencing import read_lease
+from xla_ckpt.run.prune import remove_checkpoints
 from xla_ckpt.storage import open_storage
 from xla_ckpt.storage.local import LocalStorage
 from xla_ckpt.trainer import Checkpointer
@@ -276,8 +275,7 @@ def test_a_checkpoint_outside_a_run_folder_gets_no_note(root):
 
 def _rank_restores_corrupt(root: str) -> dict:
     """One rank of 2: restore the run folder's latest (truncated) and its step 12."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
 
     dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
     out: dict = {"rank": dist.rank}

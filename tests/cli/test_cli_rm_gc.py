@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 from cli_helpers import exists, listing, make_run
 
 from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.io.catalog import list_checkpoints, write_pointer
-from xla_ckpt.io.prune import delete_checkpoint
+from xla_ckpt.run.catalog import list_checkpoints, write_pointer
+from xla_ckpt.run.prune import delete_checkpoint
 from xla_ckpt.storage import open_storage
 from xla_ckpt.storage.local import LocalStorage
 
@@ -127,7 +127,7 @@ def test_pointer_moved_after_planning_is_still_honoured(tmp_path):
                 write_pointer(LocalStorage(root), "last", "checkpoint_2_200")
             super().delete(name, **kw)
 
-    from xla_ckpt.io.prune import remove_checkpoints
+    from xla_ckpt.run.prune import remove_checkpoints
 
     with MovesPointer(root) as run:
         result = remove_checkpoints(run, ["checkpoint_1_100", "checkpoint_2_200"])

@@ -9,8 +9,7 @@ import time
 import numpy as np
 import torch
 
-from xla_ckpt.comm import TorchDist, get_dist
-from xla_ckpt.config import DistConfig
+from xla_ckpt.comm import DistConfig, TorchDist, get_dist
 from xla_ckpt.testing.asserts import tensor_bits
 
 

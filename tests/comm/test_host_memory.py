@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from xla_ckpt.api import save
 from xla_ckpt.comm.host_memory import (
     ALIGN_BYTES,
     FAILED,
@@ -27,7 +28,7 @@ from xla_ckpt.comm.host_memory import (
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.format.plan import materialize_item
-from xla_ckpt.io import CheckpointReader, read_manifest, save
+from xla_ckpt.io import CheckpointReader, read_manifest
 from xla_ckpt.storage import open_storage
 
 pytestmark = pytest.mark.skipif(host_identity() is None, reason="needs memfd_create and /proc")

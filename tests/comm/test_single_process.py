@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from xla_ckpt.comm import (
+    DistConfig,
     SingleProcess,
     Topology,
     decode_object,
@@ -13,7 +14,6 @@ from xla_ckpt.comm import (
     get_dist,
     resolve_backend,
 )
-from xla_ckpt.config import DistConfig
 from xla_ckpt.errors import (
     CheckpointCorruptError,
     ConfigError,

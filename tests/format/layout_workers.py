@@ -14,9 +14,8 @@ def chunked_save_with_a_sparse_tensor(run_dir: str) -> dict[str, Any]:
     """2 ranks save a DTensor beside a sparse tensor through one manager (the chunked save
     path), blocking and async: ``{mode: (error type, message)}``, then the steps committed
     after a save without the sparse tensor."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import CheckpointConfig, DistConfig
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.comm import DistConfig, get_dist
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 
     if not tdist.is_initialized():
         tdist.init_process_group("gloo", init_method="env://")

@@ -29,13 +29,8 @@ from xla_ckpt.format.legacy import (
     sniff_format,
     upgrade_fairseq_state,
 )
-from xla_ckpt.io.legacy import (
-    is_legacy_file,
-    load_legacy_checkpoint,
-    load_legacy_file,
-    read_object,
-    split_uri,
-)
+from xla_ckpt.kinds.legacy import load_legacy_checkpoint, load_legacy_file, read_object, split_uri
+from xla_ckpt.run.sniff import is_legacy_file
 
 
 def _save(obj, *, zip_format=True) -> bytes:

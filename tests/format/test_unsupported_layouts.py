@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import xla_ckpt
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.errors import CheckpointSaveError, MetaTensorError, UnsupportedTensorError
-from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 
 warnings.filterwarnings("ignore", message=".*(sparse|nested).*")
 

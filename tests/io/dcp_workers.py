@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from xla_ckpt.format.dcp import DcpTensorEntry
-from xla_ckpt.io.dcp import read_dcp_into, read_dcp_metadata
+from xla_ckpt.kinds.dcp import read_dcp_into, read_dcp_metadata
 from xla_ckpt.testing.asserts import tensor_bits
 
 #: Input features of the first layer: wide, so the zip structure a rank reads is small next to

@@ -34,9 +34,9 @@ from xla_ckpt.format.dtypes import dtype_name
 from xla_ckpt.format.manifest import STATE_ITEM, Item, Manifest, rank_item
 from xla_ckpt.io import CheckpointReader, chunked
 from xla_ckpt.io.chunked import BoxRequest, flat_shard_tables, plan_box_reads, read_boxes
-from xla_ckpt.io.partial import read_partial
 from xla_ckpt.io.verify import verify_checkpoint
 from xla_ckpt.io.writer import WrittenItem, commit, new_save_id, write_items
+from xla_ckpt.kinds.partial import read_partial
 from xla_ckpt.restore.sharding import partition_bounds, read_layout, shard_item, shard_state
 from xla_ckpt.storage import StorageConfig, open_storage
 from xla_ckpt.testing.fault_proxy import Fault, downloads

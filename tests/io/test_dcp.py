@@ -43,7 +43,7 @@ from xla_ckpt.errors import (
     XlaCkptError,
 )
 from xla_ckpt.format.dcp import DcpTensorEntry, load_dcp_metadata
-from xla_ckpt.io.dcp import (
+from xla_ckpt.kinds.dcp import (
     is_dcp_checkpoint,
     read_dcp,
     read_dcp_into,
@@ -360,7 +360,7 @@ def test_write_dcp_dtypes_ties_and_items_read_back_by_dcp_load(tmp_path, monkeyp
         return real(self, name, buffers, **kw)
 
     monkeypatch.setattr(LocalStorage, "write_atomic", recording)
-    with caplog.at_level("INFO", logger="xla_ckpt.io.dcp"):
+    with caplog.at_level("INFO", logger="xla_ckpt.kinds.dcp"):
         write_dcp(_export_state(), path)
     assert order == ["__0_0.distcp", ".metadata"]  # the commit marker last
     assert "tied tensors model.embed.weight, model.out.weight" in caplog.text

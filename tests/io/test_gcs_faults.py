@@ -22,7 +22,7 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME, STATE_ITEM
 from xla_ckpt.io import CheckpointReader, commit, new_save_id, write_item
-from xla_ckpt.io.catalog import list_checkpoints, resolve_latest
+from xla_ckpt.run.catalog import list_checkpoints, resolve_latest
 from xla_ckpt.storage import StorageConfig
 from xla_ckpt.testing.asserts import assert_state_identical
 from xla_ckpt.testing.fault_proxy import Fault, downloads, requests_to, uploads

@@ -15,8 +15,8 @@ import torch
 
 import xla_ckpt
 from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, NothingCommittedError
-from xla_ckpt.io import resolve
-from xla_ckpt.io.resolve import ACCEPTED, DCP, HF_INDEX, LEGACY
+from xla_ckpt.run.resolve import resolve
+from xla_ckpt.run.sniff import ACCEPTED, DCP, HF_INDEX, LEGACY
 from xla_ckpt.storage import open_storage
 from xla_ckpt.testing.asserts import assert_state_identical
 

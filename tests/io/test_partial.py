@@ -1,4 +1,4 @@
-"""Partial restore (xla_ckpt.io.partial): only the asked keys come back, and only their bytes
+"""Partial restore (xla_ckpt.kinds.partial): only the asked keys come back, and only their bytes
 are read (counted by the reader and, on gs://, by the bytes the server sent)."""
 
 import argparse
@@ -12,7 +12,7 @@ import torch
 import xla_ckpt
 from xla_ckpt.errors import UnknownKeyError
 from xla_ckpt.io import CheckpointReader
-from xla_ckpt.io.partial import PROGRESS_STEP_BYTES, load_partial, read_partial, select_state
+from xla_ckpt.kinds.partial import PROGRESS_STEP_BYTES, load_partial, read_partial, select_state
 from xla_ckpt.testing.fault_proxy import downloads
 
 LAYERS = 12
@@ -126,7 +126,7 @@ def test_unknown_key_names_it_and_the_closest(ckpt):
 
 
 def test_progress_hook_counts_every_byte_read(tmp_path, monkeypatch):
-    import xla_ckpt.io.partial as partial
+    import xla_ckpt.kinds.partial as partial
 
     monkeypatch.setattr(partial, "PROGRESS_STEP_BYTES", 3 * NUMEL * 4)
     assert PROGRESS_STEP_BYTES == 64 * 2**20  # the default a CLI bar sees

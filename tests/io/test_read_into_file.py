@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
+from xla_ckpt.api import save
 from xla_ckpt.errors import IntegrityError
-from xla_ckpt.io import CheckpointReader, read_manifest, save
+from xla_ckpt.io import CheckpointReader, read_manifest
 from xla_ckpt.storage import StorageConfig, open_storage
 
 

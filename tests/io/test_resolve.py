@@ -1,4 +1,4 @@
-"""The one resolver (xla_ckpt.io.resolve): every entry point resolves a URI the same way.
+"""The one resolver (xla_ckpt.run.resolve): every entry point resolves a URI the same way.
 
 Entry points: ``xla_ckpt.load``, the trainer's default restorer, ``restore()``, the CLI's
 ``resolve_checkpoint`` and the CheckpointManager.  Run folders give the latest committed
@@ -17,7 +17,6 @@ import torch
 import xla_ckpt
 from xla_ckpt.cli.common import resolve_checkpoint
 from xla_ckpt.comm import SingleProcess
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.errors import (
     BucketNotFoundError,
     CheckpointCorruptError,
@@ -28,11 +27,11 @@ from xla_ckpt.errors import (
     UncommittedCheckpointError,
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.io import resolve
-from xla_ckpt.io.catalog import write_pointer
-from xla_ckpt.io.resolve import ACCEPTED, LEGACY, XLA_CKPT
-from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 from xla_ckpt.restore import restore
+from xla_ckpt.run.catalog import write_pointer
+from xla_ckpt.run.resolve import resolve
+from xla_ckpt.run.sniff import ACCEPTED, LEGACY, XLA_CKPT
 from xla_ckpt.storage import StorageConfig, open_storage
 from xla_ckpt.testing.asserts import assert_state_identical
 

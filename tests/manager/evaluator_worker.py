@@ -24,8 +24,7 @@ import sys
 import torch
 
 import xla_ckpt
-from xla_ckpt.config import CheckpointConfig
-from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 from xla_ckpt.trainer import Checkpointer
 
 

@@ -31,8 +31,7 @@ import time
 
 import torch
 
-from xla_ckpt.config import CheckpointConfig
-from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 from xla_ckpt.storage.local import LocalStorage
 
 NUMEL = int(os.environ.get("XLA_CKPT_EXIT_WORKER_MIB", "32")) << 18  # MiB of float32
@@ -121,8 +120,7 @@ if __name__ == "__main__":
 def every_rank_raises(run_dir: str) -> dict:
     """One rank of a gloo job whose every rank leaves ``with manager:`` on an error right after
     handing off the save of update 2: the ranks agree on its commit on the way out."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
 
     dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
     cfg = CheckpointConfig(save_dir=run_dir, async_save=True, save_interval_epochs=0,

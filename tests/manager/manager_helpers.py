@@ -10,8 +10,8 @@ import sys
 import threading
 import time
 
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.errors import StorageError
+from xla_ckpt.manager import CheckpointConfig
 from xla_ckpt.storage.local import LocalStorage
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -18,9 +18,8 @@ PIECES = [(0, 1), (1, 5), (5, 5), (5, 10)]  # rank r owns FLAT[lo:hi] (uneven, o
 
 def save_zero_shards(run_dir: str) -> str:
     """Every rank saves its piece of FLAT (async) plus private state; returns the checkpoint."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import CheckpointConfig, DistConfig
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.comm import DistConfig, get_dist
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 
     dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
     lo, hi = PIECES[dist.rank]
@@ -39,9 +38,8 @@ def save_zero_shards(run_dir: str) -> str:
 
 def restore_zero_shards(run_dir: str, zero_sharding: str) -> dict:
     """Restore through the manager with the given ZeRO mode; returns what this rank got."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import CheckpointConfig, DistConfig
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.comm import DistConfig, get_dist
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
     from xla_ckpt.restore import RestoreConfig
 
     dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
@@ -131,8 +129,7 @@ def _objects(run) -> list[str]:
 
 def predecessor(run_uri: str, events_dir: str, dist=None) -> dict:
     """The stale incarnation (see the module docstring); returns this rank's outcome too."""
-    from xla_ckpt.config import CheckpointConfig
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
     from xla_ckpt.storage import open_storage
 
     rank = dist.rank if dist is not None else 0
@@ -162,8 +159,7 @@ def predecessor(run_uri: str, events_dir: str, dist=None) -> dict:
 
 def predecessor_rank(run_uri: str, events_dir: str) -> dict:
     """Entry point for a launcher worker: one rank of the stale job."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
 
     return predecessor(run_uri, events_dir, get_dist(DistConfig(backend="gloo", timeout_s=60)))
 

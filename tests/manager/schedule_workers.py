@@ -50,10 +50,9 @@ def _loop(mgr, rank: int, case: str) -> None:
 
 def disagree(run_dir: str, case: str, async_save: bool, sync_interval_updates: int) -> dict:
     """Every rank: the loop of ``case`` under ``with CheckpointManager``, then ``close()``."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import CheckpointConfig, DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
     from xla_ckpt.errors import XlaCkptError
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 
     dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
     warnings: list[str] = []
@@ -98,10 +97,9 @@ class _Collect(logging.Handler):
 def stops_calling(run_dir: str, linger_s: float) -> dict:
     """Rank 1 stops after update 2 (no after_update, no close) and stays alive ``linger_s``;
     rank 0 goes on.  For a pool of its own: the collective that times out breaks the group."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import CheckpointConfig, DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
     from xla_ckpt.errors import XlaCkptError
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 
     dist = get_dist(DistConfig(backend="gloo", timeout_s=4.0))
     cfg = CheckpointConfig(save_dir=run_dir, save_interval_updates=2, save_interval_epochs=0,

@@ -47,8 +47,7 @@ def _join() -> int:
 
 
 def _dist() -> Any:
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
 
     _join()
     return get_dist(DistConfig(backend="gloo", timeout_s=60))
@@ -108,7 +107,7 @@ class HeldWrites(LocalStorage):
 
 
 def _cfg(run_dir: str, **kw: Any) -> Any:
-    from xla_ckpt.config import CheckpointConfig
+    from xla_ckpt.manager import CheckpointConfig
 
     kw.setdefault("handle_sigterm", False)
     kw.setdefault("save_interval_epochs", 0)

@@ -33,7 +33,10 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME, STATE_ITEM
 from xla_ckpt.io import write_item
-from xla_ckpt.io.catalog import (
+from xla_ckpt.io.writer import commit, new_save_id
+from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.manager.rotation import rotate
+from xla_ckpt.run.catalog import (
     LEASE_EPOCH_KEY,
     list_checkpoints,
     pointer_order,
@@ -42,10 +45,7 @@ from xla_ckpt.io.catalog import (
     resolve_latest,
     write_pointer,
 )
-from xla_ckpt.io.fencing import LEASE_NAME, acquire_lease, check_lease, read_lease
-from xla_ckpt.io.writer import commit, new_save_id
-from xla_ckpt.manager import CheckpointManager
-from xla_ckpt.manager.rotation import rotate
+from xla_ckpt.run.fencing import LEASE_NAME, acquire_lease, check_lease, read_lease
 from xla_ckpt.storage import open_storage
 from xla_ckpt.testing.launcher import shared_pool
 

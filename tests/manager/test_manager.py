@@ -311,7 +311,7 @@ def test_restore_skips_incomplete_and_lagging_pointer(run_dir):
     assert r is not None and r.checkpoint == "checkpoint_1_4"
     m.close()
     # the pointer lags behind the newest commit (crash between commit and pointer update)
-    from xla_ckpt.io.catalog import write_pointer
+    from xla_ckpt.run.catalog import write_pointer
     from xla_ckpt.storage.local import LocalStorage
 
     write_pointer(LocalStorage(run_dir), "last", "checkpoint_1_2")

@@ -271,8 +271,8 @@ def test_a_raising_best_fn_fails_the_save_before_anything_is_written(run_dir):
 
 def _rank_restores(run_dir: str) -> dict:
     """On every rank: the step API and restores; errors reported as (type, attrs)."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import CheckpointConfig, DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
+    from xla_ckpt.manager import CheckpointConfig
 
     dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
     cfg = CheckpointConfig(save_dir=run_dir, handle_sigterm=False, async_save=False)

@@ -5,8 +5,8 @@ import torch
 from manager_helpers import make_cfg
 
 import xla_ckpt
-from xla_ckpt.io.catalog import list_checkpoints, read_pointer
 from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.run.catalog import list_checkpoints, read_pointer
 from xla_ckpt.storage import open_storage
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.manager import (
+    CheckpointConfig,
     checkpoint_kind,
     epoch_checkpoint_name,
     scheduled_name,

@@ -23,9 +23,9 @@ from manager_helpers import REPO, make_cfg
 
 from xla_ckpt.cli.main import main as cli_main
 from xla_ckpt.errors import FencedError
-from xla_ckpt.io.catalog import pointer_order, read_pointer_doc, resolve_latest
-from xla_ckpt.io.fencing import LEASE_NAME, read_lease
 from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.run.catalog import pointer_order, read_pointer_doc, resolve_latest
+from xla_ckpt.run.fencing import LEASE_NAME, read_lease
 from xla_ckpt.storage import open_storage
 from xla_ckpt.trainer import Checkpointer
 

@@ -2,11 +2,11 @@
 
 import os
 
-from xla_ckpt.config import CheckpointConfig
+from xla_ckpt.api import save
 from xla_ckpt.format.manifest import Manifest
-from xla_ckpt.io import save
-from xla_ckpt.io.catalog import CheckpointEntry, list_checkpoints
+from xla_ckpt.manager import CheckpointConfig
 from xla_ckpt.manager.rotation import delete_checkpoint, plan_rotation
+from xla_ckpt.run.catalog import CheckpointEntry, list_checkpoints
 from xla_ckpt.storage.local import LocalStorage
 
 

@@ -43,7 +43,7 @@ def batch(epoch: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def make_cfg(save_dir: str, *, async_save: bool = True):
-    from xla_ckpt.config import CheckpointConfig
+    from xla_ckpt.manager import CheckpointConfig
 
     return CheckpointConfig(save_dir=save_dir, save_interval_updates=4, keep_interval_updates=1,
                             keep_last_epochs=1, keep_best_checkpoints=1,
@@ -131,8 +131,7 @@ def train(cfg, events_dir: str, *, dist=None, pause_at: int = 0,
 def run_rank(save_dir: str, events_dir: str, pause_at: int = 0,
              fail_rank_state_on: int = -1) -> None:
     """Entry point for a launcher worker (xla_ckpt.testing.launcher): one rank of the job."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
 
     dist = get_dist(DistConfig(backend="gloo", timeout_s=60))
     train(make_cfg(save_dir), events_dir, dist=dist, pause_at=pause_at,

@@ -480,8 +480,7 @@ def storage_config(backend: str, *, traced: bool = True):
 def manager_for(run_uri: str, backend: str, *, async_save: bool = False, traced: bool = True,
                 keep: int = 2):
     from xla_ckpt.comm import SingleProcess
-    from xla_ckpt.config import CheckpointConfig
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 
     cfg = CheckpointConfig(save_dir=run_uri, save_interval_epochs=0, save_interval_updates=0,
                            keep_interval_updates=keep, async_save=async_save,
@@ -663,8 +662,8 @@ def _verify_main(run_uri: str, backend: str, recover: bool, wfd: int,
                  emulator_host: str, digest: tuple[str, ...] = ()) -> None:
     torch.set_num_threads(1)
     from xla_ckpt.comm import SingleProcess
-    from xla_ckpt.io.catalog import list_checkpoints, read_pointer_doc, resolve_latest
     from xla_ckpt.restore import restore
+    from xla_ckpt.run.catalog import list_checkpoints, read_pointer_doc, resolve_latest
     from xla_ckpt.storage import open_storage
 
     out: dict[str, Any] = {}
@@ -888,7 +887,7 @@ def folder_digest(st, folder: str) -> dict[str, str]:
 def pointer_order_now(run_uri: str, backend: str, emulator_host: str = "") -> list:
     """``[lease_epoch, num_updates, checkpoint]`` of ``checkpoint_last`` now ([0, -1, None]
     when absent)."""
-    from xla_ckpt.io.catalog import pointer_order, read_pointer_doc
+    from xla_ckpt.run.catalog import pointer_order, read_pointer_doc
 
     if backend == "local":
         from xla_ckpt.storage.local import LocalStorage
@@ -945,7 +944,7 @@ def _successor_main(run_uri: str, backend: str, wfd: int) -> None:
     other, and 2 keeps it), report what it restored, the epoch it holds and the bytes of
     what it holds."""
     torch.set_num_threads(1)
-    from xla_ckpt.io.fencing import read_lease
+    from xla_ckpt.run.fencing import read_lease
 
     mgr = manager_for(run_uri, backend, traced=False, keep=2)
     res = mgr.restore_or_initialize()
@@ -1528,8 +1527,8 @@ def run_sharded_saver(run_uri: str, backend: str, world: int, victim: int,
 def _sharded_verify_main(run_uri: str, backend: str, rank: int, saved_world: int, recover: bool,
                          wfd: int) -> None:
     """One rank of the verifying job (a fresh job, maybe of another size)."""
-    from xla_ckpt.io.catalog import list_checkpoints, resolve_latest
     from xla_ckpt.restore import RestoreConfig, restore
+    from xla_ckpt.run.catalog import list_checkpoints, resolve_latest
     from xla_ckpt.storage import open_storage
 
     d, mesh = join_job()

@@ -116,8 +116,7 @@ def _counter() -> _Counts:
 
 def restore_round(uri: str, storage_kwargs: dict, timeout_s: float) -> dict:
     """On every rank: restore ``uri`` (all_ranks), compare bitwise; never raises."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
     from xla_ckpt.errors import XlaCkptError
     from xla_ckpt.restore import restore
     from xla_ckpt.storage import StorageConfig
@@ -268,8 +267,7 @@ def _dist_and_mesh(timeout_s: float) -> tuple[Any, Any]:
     """This rank's Dist (the pool's gloo group) and a 1-D CPU mesh over it (made once)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
 
     d = get_dist(DistConfig(backend="gloo", timeout_s=timeout_s))
     if d.world_size not in _MESH:
@@ -342,8 +340,7 @@ def plan_restore_round(strategy: str, hosts: int, uri: str, storage_kwargs: dict
     ``functools.partial(plan_restore_round, strategy, hosts)`` for :func:`run_rounds`."""
     import os
 
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
     from xla_ckpt.errors import XlaCkptError
     from xla_ckpt.restore import RestoreConfig, restore
     from xla_ckpt.storage import StorageConfig

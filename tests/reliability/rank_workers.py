@@ -91,8 +91,7 @@ def _hook_second_bucket(d, action) -> None:
 def restore_with_victim(uri: str, strategy: str, scenario: str, victim: int,
                         timeout_s: float) -> dict:
     """Every rank: restore ``uri``; the victim fails as ``scenario`` says.  Never raises."""
-    from xla_ckpt.comm import TorchDist, get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig, TorchDist, get_dist
     from xla_ckpt.errors import XlaCkptError
     from xla_ckpt.restore import RestoreConfig, restore
     from xla_ckpt.storage import StorageConfig
@@ -136,8 +135,7 @@ def exchange_cost(n: int) -> dict:
     collective; this measures that against the same exchanges without them,
     in the same processes.
     """
-    from xla_ckpt.comm import TorchDist, get_dist
-    from xla_ckpt.config import DistConfig
+    from xla_ckpt.comm import DistConfig, TorchDist, get_dist
 
     get_dist(DistConfig(backend="gloo", timeout_s=120.0))
     d = TorchDist.new_subgroup(range(4), timeout_s=60.0)
@@ -364,9 +362,8 @@ def restore_plan_with_victim(uri: str, plan: str, scenario: str, victim: int,
     Never raises; the hooks are removed afterwards."""
     import os
 
-    from xla_ckpt.comm import TorchDist, get_dist
+    from xla_ckpt.comm import DistConfig, TorchDist, get_dist
     from xla_ckpt.comm.host_memory import PrivateMapping
-    from xla_ckpt.config import DistConfig
     from xla_ckpt.errors import XlaCkptError
     from xla_ckpt.restore import RestoreConfig, restore
     from xla_ckpt.storage import StorageConfig
@@ -435,10 +432,9 @@ def manager_restore_rank0_fails(run_dir: str, fault: str, call: str) -> dict:
     import errno
     import os
 
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import CheckpointConfig, DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
     from xla_ckpt.errors import PreconditionFailedError
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
     from xla_ckpt.storage.local import LocalStorage
 
     class Failing(LocalStorage):

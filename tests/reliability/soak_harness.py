@@ -86,10 +86,9 @@ def run_usage(run_uri: str) -> dict:
 def soak(run_uri: str, cycles: int, *, keep: int = KEEP) -> dict:
     """Run ``cycles`` save/restore cycles at ``run_uri``; returns per-cycle records, a summary."""
     from xla_ckpt.comm import SingleProcess
-    from xla_ckpt.config import CheckpointConfig
-    from xla_ckpt.io.catalog import list_checkpoints
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
     from xla_ckpt.restore import restore
+    from xla_ckpt.run.catalog import list_checkpoints
     from xla_ckpt.storage import open_storage
     from xla_ckpt.testing.asserts import assert_state_identical
 

@@ -26,8 +26,8 @@ import crash_harness as H
 import pytest
 import rank_workers as W
 
+from xla_ckpt.api import save
 from xla_ckpt.comm.liveness import DEAD_AFTER_S
-from xla_ckpt.io import save
 from xla_ckpt.testing.fault_proxy import Fault, FaultProxy, downloads, from_address, host_address
 from xla_ckpt.testing.launcher import WorkerPool
 

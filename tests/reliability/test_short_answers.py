@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
+from xla_ckpt.api import save
 from xla_ckpt.comm import SingleProcess
-from xla_ckpt.io import save
 from xla_ckpt.restore import restore
 from xla_ckpt.testing.asserts import assert_state_identical
 from xla_ckpt.testing.fault_proxy import Fault, downloads

@@ -9,8 +9,7 @@ from typing import Any, Literal
 
 import torch
 
-from xla_ckpt.comm import TorchDist, get_dist
-from xla_ckpt.config import DistConfig
+from xla_ckpt.comm import DistConfig, TorchDist, get_dist
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.restore import (
     RestoreConfig,

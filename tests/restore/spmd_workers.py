@@ -221,7 +221,7 @@ def _report(restored_state: Any, into: Any) -> dict[str, Any]:
 
 def describe_boxes(meshes: dict[str, Any]) -> dict[str, Any]:
     """4 devices, no storage: the boxes for_save / for_restore give, and their values."""
-    from xla_ckpt.restore import spmd
+    from xla_ckpt.sharded import spmd
 
     values = global_values()
     out: dict[str, Any] = {"save": {}, "save_owned": {}, "restore_owned": {}, "placement": {},
@@ -314,7 +314,8 @@ def multihost(path: str) -> dict[str, Any]:
     import torch.distributed as dist
     import torch_xla.distributed.spmd as xs
 
-    from xla_ckpt.restore import save_distributed, spmd
+    from xla_ckpt.restore import save_distributed
+    from xla_ckpt.sharded import spmd
 
     meshes = _spmd()
     if not dist.is_initialized():

@@ -6,8 +6,7 @@ from typing import Any
 
 import torch
 
-from xla_ckpt.comm import get_dist
-from xla_ckpt.config import DistConfig
+from xla_ckpt.comm import DistConfig, get_dist
 from xla_ckpt.restore import restore, save_distributed
 
 

@@ -19,8 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from tests.restore.restore_workers import digest
-from xla_ckpt.comm import TorchDist, get_dist
-from xla_ckpt.config import DistConfig
+from xla_ckpt.comm import DistConfig, TorchDist, get_dist
 from xla_ckpt.restore import RestoreConfig, restore, save_distributed
 from xla_ckpt.restore.sharding import partition_bounds
 from xla_ckpt.storage.base import SOURCE_ADDRESS_ENV

@@ -12,6 +12,7 @@ import pytest
 import restore_workers as W
 import torch
 
+from xla_ckpt.api import save
 from xla_ckpt.comm import SingleProcess
 from xla_ckpt.errors import (
     CollectiveTimeoutError,
@@ -22,9 +23,8 @@ from xla_ckpt.errors import (
     WorldSizeMismatchError,
 )
 from xla_ckpt.format.crc import crc32c
-from xla_ckpt.io import save
-from xla_ckpt.io.catalog import write_pointer
 from xla_ckpt.restore import partition_bounds, restore
+from xla_ckpt.run.catalog import write_pointer
 from xla_ckpt.storage import open_storage
 from xla_ckpt.testing.asserts import tensor_bits
 from xla_ckpt.testing.launcher import WorkerPool, shared_pool

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from xla_ckpt.api import save
 from xla_ckpt.comm import SingleProcess
 from xla_ckpt.errors import (
     CheckpointCorruptError,
@@ -17,7 +18,7 @@ from xla_ckpt.errors import (
     WorldSizeMismatchError,
 )
 from xla_ckpt.format.manifest import rank_item
-from xla_ckpt.io import commit, new_save_id, read_manifest, save, write_item
+from xla_ckpt.io import commit, new_save_id, read_manifest, write_item
 from xla_ckpt.restore import (
     RestoreConfig,
     choose_strategy,

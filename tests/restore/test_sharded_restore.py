@@ -12,10 +12,11 @@ import pytest
 import sharded_workers as W
 import torch
 
+from xla_ckpt.api import save
 from xla_ckpt.comm import SingleProcess
 from xla_ckpt.errors import ConfigError, StateMismatchError, WorldSizeMismatchError
 from xla_ckpt.format.manifest import rank_item
-from xla_ckpt.io import commit, new_save_id, read_manifest, save, write_item
+from xla_ckpt.io import commit, new_save_id, read_manifest, write_item
 from xla_ckpt.restore import RestoreConfig, restore
 from xla_ckpt.restore.plan import plan_ranks
 from xla_ckpt.storage import open_storage

@@ -23,7 +23,7 @@ import pytest
 import spmd_workers as W
 import torch
 
-from xla_ckpt.restore import spmd
+from xla_ckpt.sharded import spmd
 from xla_ckpt.testing.asserts import tensor_bits
 from xla_ckpt.testing.launcher import launch
 
@@ -89,7 +89,7 @@ def _assert_restored(report: dict[str, Any], what: str) -> None:
 # ---- no XLA runtime needed --------------------------------------------------------------------
 
 def test_importing_spmd_and_views_does_not_load_torch_xla() -> None:
-    code = ("import sys, torch; import xla_ckpt.restore.spmd, xla_ckpt.restore.views, "
+    code = ("import sys, torch; import xla_ckpt.sharded.spmd, xla_ckpt.sharded.views, "
             "xla_ckpt.restore.owners\n"
             "from xla_ckpt.restore import spmd\n"
             "assert not spmd.is_xla_sharded(torch.ones(2))\n"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from xla_ckpt.api import save
 from xla_ckpt.comm.host_memory import segment_layout
 from xla_ckpt.format.manifest import BlobRecord, Item
 from xla_ckpt.io import CheckpointReader
-from xla_ckpt.io.writer import save
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.restore.cost import Bandwidths, RestoreSizes, RestoreTopology
 from xla_ckpt.restore.select import JobShape, choose_plan_for_job

@@ -423,8 +423,8 @@ def test_a_crc32c_mismatch_in_a_coalesced_read_is_logged(gcs_emulator, caplog):
 
     import torch
 
+    from xla_ckpt.api import save
     from xla_ckpt.io import CheckpointReader
-    from xla_ckpt.io.writer import save
     from xla_ckpt.testing.fault_proxy import Fault, downloads
 
     state = {f"s{i}": torch.full((16 * 1024,), float(i)) for i in range(8)}  # 8 x 64 KiB

@@ -20,8 +20,7 @@ import time
 import torch
 
 import xla_ckpt
-from xla_ckpt.config import CheckpointConfig
-from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 from xla_ckpt.storage import StorageConfig
 from xla_ckpt.storage.gcs import writes
 

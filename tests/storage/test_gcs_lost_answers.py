@@ -159,7 +159,7 @@ def test_a_manager_whose_conditional_answers_are_all_lost_once_saves_rotates_and
     """Lease, manifests (create-only), pointers (compare-and-swap) and rotation (a delete pinned
     to the manifest's generation): the first answer to each is lost, and every save still
     commits, rotation keeps the newest only, and the restore is bitwise the last save."""
-    from xla_ckpt.config import CheckpointConfig
+    from xla_ckpt.manager import CheckpointConfig
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", fault_proxy.url)  # what the restore opens
     lose = _FirstAttemptOfEach()

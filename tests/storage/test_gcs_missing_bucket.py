@@ -16,14 +16,13 @@ import torch
 
 import xla_ckpt
 from xla_ckpt.cli.main import main
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.errors import (
     BucketNotFoundError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     NothingCommittedError,
 )
-from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 from xla_ckpt.testing.fault_proxy import Fault, requests_to
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from xla_ckpt.cli.main import main
-from xla_ckpt.io.prune import collect_in_flight
+from xla_ckpt.run.prune import collect_in_flight
 from xla_ckpt.storage.gcs import TMP_MARK
 
 HOUR_S = 3600.0

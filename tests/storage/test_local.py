@@ -14,7 +14,7 @@ import pytest
 import xla_ckpt.storage.local as local
 import xla_ckpt.storage.local_lock as local_lock
 from xla_ckpt.errors import PreconditionFailedError, StorageError
-from xla_ckpt.io.prune import in_flight_uploads
+from xla_ckpt.run.prune import in_flight_uploads
 from xla_ckpt.storage import StorageConfig
 from xla_ckpt.storage.base import InFlightObject
 from xla_ckpt.storage.local import IN_FLIGHT_NAME, TMP_MARK, LocalStorage

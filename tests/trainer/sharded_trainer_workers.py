@@ -148,8 +148,7 @@ def save_and_restore(folder: str, run_dir: str) -> dict[str, Any]:
     (``after_update(state=ckpt.state_dict)`` / ``restore_or_initialize(into=restore_targets())``
     / ``load_state``).  Returns what each restore gave."""
     from xla_ckpt.comm import get_dist
-    from xla_ckpt.config import CheckpointConfig
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 
     _join()
     rank = tdist.get_rank()

@@ -27,8 +27,8 @@ from xla_ckpt.errors import (
     UncommittedCheckpointError,
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.io.catalog import write_pointer
 from xla_ckpt.restore import make_restorer, restore
+from xla_ckpt.run.catalog import write_pointer
 from xla_ckpt.storage import StorageConfig, open_storage
 from xla_ckpt.storage.local import LocalStorage
 from xla_ckpt.trainer import Checkpointer, SingleProcessRestorer

@@ -80,7 +80,7 @@ class Target:
 
 
 def resolve_checkpoint(uri: str, config: StorageConfig | None = None) -> Target:
-    """What ``uri`` names, by the one resolver (:func:`xla_ckpt.io.resolve.resolve`).
+    """What ``uri`` names, by the one resolver (:func:`xla_ckpt.run.resolve.resolve`).
 
     A checkpoint folder as given, a run folder's latest committed checkpoint, or
     ``<run>/checkpoint_last`` / ``<run>/checkpoint_best``.  A command has no fresh
@@ -97,7 +97,8 @@ def resolve_checkpoint(uri: str, config: StorageConfig | None = None) -> Target:
     # The resolver reads manifests, which needs torch: loaded by the commands that resolve a
     # checkpoint, never by ``xla-ckpt --help`` (which imports this module).
     from xla_ckpt.format.manifest import MANIFEST_NAME  # noqa: PLC0415 - torch-free start-up
-    from xla_ckpt.io.resolve import XLA_CKPT, resolve  # noqa: PLC0415 - torch-free start-up
+    from xla_ckpt.run.resolve import resolve  # noqa: PLC0415 - torch-free start-up
+    from xla_ckpt.run.sniff import XLA_CKPT  # noqa: PLC0415 - torch-free start-up
 
     try:
         resolved = resolve(uri, config)

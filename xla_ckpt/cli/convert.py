@@ -53,6 +53,7 @@ import argparse
 import sys
 import time
 
+from xla_ckpt.api import save
 from xla_ckpt.cli.common import (
     EXIT_OK,
     Parents,
@@ -64,17 +65,17 @@ from xla_ckpt.cli.common import (
 )
 from xla_ckpt.cli.export import summary
 from xla_ckpt.errors import CheckpointNotFoundError
-from xla_ckpt.io import save
-from xla_ckpt.io.catalog import is_checkpoint
-from xla_ckpt.io.export import RANK_STATES, check_destination, export
-from xla_ckpt.io.legacy import (
+from xla_ckpt.kinds.export import RANK_STATES, check_destination, export
+from xla_ckpt.kinds.foreign import read_foreign
+from xla_ckpt.kinds.legacy import (
     convert_legacy_run,
     is_single_object,
     legacy_run_files,
     load_legacy_file,
 )
-from xla_ckpt.io.opener import read_foreign
-from xla_ckpt.io.resolve import LEGACY, XLA_CKPT, Resolved, resolve
+from xla_ckpt.run.catalog import is_checkpoint
+from xla_ckpt.run.resolve import Resolved, resolve
+from xla_ckpt.run.sniff import LEGACY, XLA_CKPT
 from xla_ckpt.storage import open_storage
 
 

@@ -41,7 +41,7 @@ import argparse
 import time
 
 from xla_ckpt.cli.common import EXIT_OK, Parents, Subparsers, human_bytes, plain, progress_bar
-from xla_ckpt.io.export import FORMATS, RANK_STATES, ExportReport, export, parse_size
+from xla_ckpt.kinds.export import FORMATS, RANK_STATES, ExportReport, export, parse_size
 
 
 def register(sub: Subparsers, parents: Parents) -> None:

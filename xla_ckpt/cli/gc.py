@@ -28,8 +28,8 @@ import argparse
 
 from xla_ckpt.cli.common import EXIT_OK, Parents, Subparsers, UsageError, plain
 from xla_ckpt.cli.rm import add_grace_option, print_result
-from xla_ckpt.io.prune import collect_garbage
-from xla_ckpt.io.retention import RetentionPolicy
+from xla_ckpt.run.prune import collect_garbage
+from xla_ckpt.run.retention import RetentionPolicy
 from xla_ckpt.storage import open_storage
 
 

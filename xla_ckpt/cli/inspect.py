@@ -153,7 +153,7 @@ def _describe_tensors(v: Any) -> Any:
 
 def run_legacy(args: argparse.Namespace) -> int:
     """Inspect a legacy .pt/safetensors file as ``convert`` would import it (allow-listed)."""
-    from xla_ckpt.io.legacy import load_legacy_file  # noqa: PLC0415 - its unpickler needs torch
+    from xla_ckpt.kinds.legacy import load_legacy_file  # noqa: PLC0415 - its unpickler needs torch
 
     legacy = load_legacy_file(args.uri, layout=args.layout)
     tree = _describe_tensors(legacy.state)
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         target = resolve_checkpoint(args.uri)
     except UsageError:  # not our format: a legacy file is shown as convert would import it
-        from xla_ckpt.io.legacy import is_legacy_file  # noqa: PLC0415 - it imports torch
+        from xla_ckpt.run.sniff import is_legacy_file  # noqa: PLC0415 - it imports torch
 
         if is_legacy_file(args.uri):
             return run_legacy(args)

@@ -48,10 +48,10 @@ from xla_ckpt.cli.common import (
 )
 from xla_ckpt.cli.rm import add_grace_option, describe_upload, exact_bytes, human_age
 from xla_ckpt.errors import CheckpointNotFoundError
-from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, list_run, read_pointer
 from xla_ckpt.io.names import name_fields
-from xla_ckpt.io.prune import in_flight_uploads
-from xla_ckpt.io.retention import InFlightUpload, check_grace
+from xla_ckpt.run.catalog import POINTERS, CheckpointEntry, list_run, read_pointer
+from xla_ckpt.run.prune import in_flight_uploads
+from xla_ckpt.run.retention import InFlightUpload, check_grace
 from xla_ckpt.storage import open_storage, parse_uri
 
 

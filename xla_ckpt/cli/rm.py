@@ -28,8 +28,8 @@ import re
 import time
 
 from xla_ckpt.cli.common import EXIT_FAILED, EXIT_OK, Parents, Subparsers, human_bytes, plain
-from xla_ckpt.io.prune import RemovalResult, remove_checkpoints
-from xla_ckpt.io.retention import DEFAULT_IN_FLIGHT_GRACE_S, InFlightUpload
+from xla_ckpt.run.prune import RemovalResult, remove_checkpoints
+from xla_ckpt.run.retention import DEFAULT_IN_FLIGHT_GRACE_S, InFlightUpload
 from xla_ckpt.storage import open_storage
 from xla_ckpt.storage.uri import split_uri
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from xla_ckpt.comm.base import Dist
 from xla_ckpt.comm.buckets import DEFAULT_BUCKET_SIZE_BYTES, plan_buckets
+from xla_ckpt.comm.config import DIST_BACKENDS, DistConfig
 from xla_ckpt.comm.failures import describe_error
 from xla_ckpt.comm.objects import decode_object, encode_object
 from xla_ckpt.comm.select import get_dist, resolve_backend
@@ -33,6 +34,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["DEFAULT_BUCKET_SIZE_BYTES", "Dist", "SingleProcess", "Topology", "TorchDist",
-           "XlaDist", "decode_object", "describe_error", "encode_object", "get_dist",
-           "plan_buckets", "resolve_backend"]
+__all__ = ["DEFAULT_BUCKET_SIZE_BYTES", "DIST_BACKENDS", "Dist", "DistConfig", "SingleProcess",
+           "Topology", "TorchDist", "XlaDist", "decode_object", "describe_error", "encode_object",
+           "get_dist", "plan_buckets", "resolve_backend"]

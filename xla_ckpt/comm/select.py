@@ -10,9 +10,9 @@ import torch
 import torch.distributed as tdist
 
 from xla_ckpt.comm.base import Dist
+from xla_ckpt.comm.config import DistConfig
 from xla_ckpt.comm.single import SingleProcess
 from xla_ckpt.comm.torch_dist import TorchDist
-from xla_ckpt.config import DistConfig
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,9 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
-from xla_ckpt.config.sections import Config, _restore_config_cls
+from xla_ckpt.config.sections import Config
 from xla_ckpt.errors import ConfigError
+from xla_ckpt.restore.config import RestoreConfig
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -146,7 +147,7 @@ def dump_config(cfg: Any) -> str:
 
 def _hints(cls: type) -> dict[str, Any]:
     """Resolved field annotations of a config dataclass (``RestoreConfig`` resolved lazily)."""
-    return typing.get_type_hints(cls, localns={"RestoreConfig": _restore_config_cls()})
+    return typing.get_type_hints(cls, localns={"RestoreConfig": RestoreConfig})
 
 
 def _dotted(prefix: str, name: str) -> str:

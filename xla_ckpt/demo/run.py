@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterator, Sequence
 from xla_ckpt.config import load_config
 from xla_ckpt.demo import corpus
 from xla_ckpt.errors import XlaCkptError
-from xla_ckpt.io.catalog import resolve_latest
+from xla_ckpt.run.catalog import resolve_latest
 from xla_ckpt.storage import open_storage
 from xla_ckpt.storage.uri import parse_uri
 

@@ -1,12 +1,12 @@
-"""Checkpoint I/O: the format over a storage backend (sits between storage and restore).
+"""The format engine: the xla_ckpt format over a storage backend (between storage and the rooms
+that decide what to read).
 
-Read side: :func:`resolve` (what a URI names: checkpoint folder, run folder -> latest
-committed, pointer, legacy file, HF safetensors index, DCP folder; the one rule for "nothing
-committed"), :func:`load` (every kind), :class:`CheckpointReader`, :func:`read_manifest`.
-Other formats: :mod:`xla_ckpt.io.export` (``.pt``, HF safetensors, DCP out),
-:mod:`xla_ckpt.io.hf` (sharded safetensors in), :mod:`xla_ckpt.io.legacy` (``.pt`` files and
-whole fairseq run folders in).
-Write side: :func:`save`, or :func:`write_item` + :func:`commit` for several writers.
+Read side: :class:`CheckpointReader` (parallel chunk-aligned ranged reads, crc32c-checked),
+:mod:`xla_ckpt.io.chunked` (boxes of chunked tensors), :func:`read_manifest`,
+:mod:`xla_ckpt.io.verify`.  Write side: :func:`write_item` + :func:`commit` for several
+writers, :func:`write_checkpoint` for one.  What a URI names is :mod:`xla_ckpt.run`'s
+business; other kinds of checkpoint are :mod:`xla_ckpt.kinds`'; ``xla_ckpt.load`` /
+``xla_ckpt.save`` are :mod:`xla_ckpt.api`.
 """
 
 from __future__ import annotations
@@ -14,26 +14,26 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# Eager (and torch-free): the function ``resolve`` must stay this package's attribute, which
-# the submodule of the same name would otherwise replace once imported.
-from xla_ckpt.io.resolve import Resolved, resolve
-
 if TYPE_CHECKING:
     from xla_ckpt.io.manifest_file import read_manifest
-    from xla_ckpt.io.opener import load, read_checkpoint
     from xla_ckpt.io.reader import CheckpointReader, ReadStats
-    from xla_ckpt.io.writer import WrittenItem, commit, discard, new_save_id, save, write_item
+    from xla_ckpt.io.writer import (
+        WrittenItem,
+        commit,
+        discard,
+        new_save_id,
+        write_checkpoint,
+        write_item,
+    )
 
-__all__ = ["CheckpointReader", "ReadStats", "Resolved", "WrittenItem", "commit", "discard",
-           "load", "new_save_id", "read_checkpoint", "read_manifest", "resolve", "save",
-           "write_item"]
+__all__ = ["CheckpointReader", "ReadStats", "WrittenItem", "commit", "discard", "new_save_id",
+           "read_manifest", "write_checkpoint", "write_item"]
 
-_LAZY = {"load": "opener", "read_checkpoint": "opener", "CheckpointReader": "reader",
-         "ReadStats": "reader", "read_manifest": "manifest_file", "WrittenItem": "writer",
-         "commit": "writer", "discard": "writer", "new_save_id": "writer", "save": "writer",
-         "write_item": "writer"}
-"""Public names loaded on first use (PEP 562), so the light parts of this package (the run
-folder catalog, names, retention) import without torch: name -> its module here."""
+_LAZY = {"CheckpointReader": "reader", "ReadStats": "reader", "read_manifest": "manifest_file",
+         "WrittenItem": "writer", "commit": "writer", "discard": "writer",
+         "new_save_id": "writer", "write_checkpoint": "writer", "write_item": "writer"}
+"""Public names loaded on first use (PEP 562), so the light parts of this package (names,
+the manifest file) import without torch: name -> its module here."""
 
 
 def __getattr__(name: str) -> Any:

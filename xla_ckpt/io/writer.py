@@ -25,7 +25,7 @@ are deleted only after the new manifest has committed.
 
 **The commit marker is a conditional write.**  :func:`commit` passes
 ``if_generation_match`` to the store: the manager creates its manifests with ``0``
-(create only; see :mod:`xla_ckpt.io.fencing`), so a committed checkpoint is never
+(create only; see :mod:`xla_ckpt.run.fencing`), so a committed checkpoint is never
 replaced by a stale writer; :func:`save` replaces an existing checkpoint only if its
 manifest is still the generation it saw when it started (compare-and-swap), so of two
 concurrent saves to one path exactly one commits and the other raises.
@@ -454,107 +454,18 @@ def discard(storage: Storage, save_id: str) -> None:
 
 
 @gc_paused()  # many small objects, no cycles (CASES C26)
-def save(state: Any, uri: str, *, metadata: Any = None,
-         rank_states: Mapping[int, Any] | None = None,
-         config: StorageConfig | None = None, storage: Storage | None = None,
-         progress: Callable[[int], object] | None = None) -> Manifest:
-    """Save ``state`` as a checkpoint folder at ``uri`` (local path or ``gs://``), atomically.
+def write_checkpoint(state: Any, uri: str, *, metadata: Any = None,
+                     rank_states: Mapping[int, Any] | None = None,
+                     config: StorageConfig | None = None, storage: Storage | None = None,
+                     progress: Callable[[int], object] | None = None) -> Manifest:
+    """One process writes and commits the whole checkpoint at ``uri``, atomically.
 
-    Called by one process -- except for a sharded state, below.  Saving over an existing
-    checkpoint replaces it, if no
-    other save committed there after this one started (compare-and-swap on the
-    manifest's generation; see the module docstring).  Tensors on any device (CPU, CUDA, XLA) are
-    written as host data with their dtype, shape and aliasing; non-tensor
-    values use the typed encoding (:mod:`xla_ckpt.format.typed`).  The
-    manifest is written last; until it lands, an existing checkpoint at
-    ``uri`` stays intact and loadable.
-
-    **Sharded state** (a ``DTensor`` from FSDP2 / tensor parallel, a torch_xla SPMD tensor):
-    with ``torch.distributed`` initialised this is a COLLECTIVE -- every rank calls it, in the
-    same order, with its own shards and the same ``uri`` (one folder on storage every rank
-    shares; different URIs are refused before anything is written) -- and runs
-    :func:`xla_ckpt.restore.save_distributed` with the default
-    :func:`~xla_ckpt.comm.get_dist`: the ranks agree on the structure, each
-    writes the boxes it owns, rank 0 commits (chunked global tensors, manifest version 2;
-    it replaces an existing checkpoint without the compare-and-swap).  A single process
-    without a process group may save SPMD tensors (it addresses every device), not a
-    DTensor.  :func:`xla_ckpt.load` of the result gives the full tensors on one process.
-
-    Args:
-        state: nested dict/list/tuple of tensors and plain values.
-        uri: checkpoint folder.
-        metadata: small summary (step, epoch, ...) shown by ``xla-ckpt ls``.
-        rank_states: optional per-rank private state, stored as items
-            ``rank/<r>`` (see :func:`xla_ckpt.format.manifest.rank_item`).  The data
-            files are those :func:`xla_ckpt.restore.save_distributed` writes: one per
-            rank, rank 0's item in the state's file.
-        config: storage knobs (parallelism, slice size, retries).
-        progress: called with bytes as the data files are handed to the storage (e.g.
-            :func:`xla_ckpt.cli.common.progress_bar`'s ``update``).
-
-    Returns:
-        The committed :class:`Manifest`.
-
-    Raises:
-        MetaTensorError: a tensor is on the meta device (names its key).
-        UnsupportedTypeError: a value cannot be encoded (names its key and type).
-        PreconditionFailedError: another save committed at ``uri`` after this one
-            started; nothing of this one was committed.
-        StorageError: the backend failed; nothing was committed.
-        StorageNotSharedError: a data file just written is not there (with its size) when
-            the manifest is about to be written (see :func:`commit`); nothing committed.
-        ShardedStateError: a ``DTensor`` while ``torch.distributed`` is not initialised, or
-            a sharded state with ``rank_states`` / ``storage`` (names the key, says what to
-            do).
-        DistributedError: sharded state: the ranks pass different URIs or disagree on its
-            structure, or a write or the commit failed on some rank (a rank's data file not
-            visible to rank 0: storage not shared; see ``save_distributed``); nothing
-            committed.
+    The single-process half of :func:`xla_ckpt.api.save` (which sends a sharded state to
+    :func:`xla_ckpt.restore.save_distributed` instead); the arguments, the compare-and-swap
+    on the manifest's generation and the errors are that function's.  ``state`` holds no
+    sharded tensor (a DTensor or an SPMD-sharded XLA tensor is written whole as a plain
+    tensor by no one: pass it through :func:`xla_ckpt.api.save`).
     """
-    candidates: list[tuple[str, Any]] = []
-
-    def spot(t: Any, path: tuple) -> int:
-        # A DTensor (XLAShardedTensor subclasses it) or an XLA tensor (SPMD annotates those in
-        # place); the restore layer tells which XLA tensors are sharded.  Told apart by class
-        # name, so a plain save imports neither torch.distributed.tensor nor the restore layer.
-        if t.device.type == "xla" or any(c.__name__ == "DTensor" for c in type(t).__mro__):
-            candidates.append((typed.format_path(path), t))
-        return 0
-
-    typed.encode(state, spot)  # what plan_item encodes below: the same errors, in the same order
-    if candidates:
-        # restore sits above io: a sharded state needs every rank, which only that layer
-        # runs.  Imported here, only for such a state, so io never imports restore otherwise.
-        import torch.distributed as tdist  # noqa: PLC0415 - only for a sharded state
-
-        from xla_ckpt.comm import SingleProcess, get_dist  # noqa: PLC0415 - above io, see above
-        from xla_ckpt.errors import ShardedStateError  # noqa: PLC0415 - only for a sharded state
-        from xla_ckpt.restore import spmd, views  # noqa: PLC0415 - above io, see above
-        from xla_ckpt.restore.save import save_distributed  # noqa: PLC0415 - above io, see above
-
-        sharded = [(k, v) for k, v in candidates if views.is_sharded(v)]
-        if sharded:
-            key, value = sharded[0]
-            if rank_states is not None or storage is not None:
-                raise ShardedStateError(
-                    f"{key} is a sharded tensor ({type(value).__name__}): a sharded state is "
-                    "saved by every rank together, so rank_states and storage do not apply; "
-                    "call xla_ckpt.restore.save_distributed(state, uri, rank_state=...) on "
-                    "every rank instead")
-            if tdist.is_available() and tdist.is_initialized():
-                dist = get_dist()
-            else:
-                dtensors = [k for k, v in sharded if not spmd.is_xla_sharded(v)]
-                if dtensors:
-                    raise ShardedStateError(
-                        f"{dtensors[0]} is a DTensor, but torch.distributed is not "
-                        "initialised: its other shards live on the other ranks of its device "
-                        "mesh, so every rank must save together; call xla_ckpt.save(state, "
-                        "uri) on every rank with the process group initialised (it then runs "
-                        "xla_ckpt.restore.save_distributed), or save plain tensors")
-                dist = SingleProcess()  # one process addresses every SPMD device
-            return save_distributed(state, uri, dist=dist, metadata=metadata,
-                                    storage_config=config, progress=progress)
     own = storage is None
     st = storage or open_storage(uri, config)
     try:

@@ -2,7 +2,7 @@
 
 Public surface::
 
-    from xla_ckpt.manager import CheckpointManager, RestoreResult, StepResult
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager, RestoreResult, StepResult
 
 Modules: ``core`` (the manager: constructor and lifecycle), its parts ``schedule`` (when
 to save, the training-loop hook, preemption), ``saving`` (the save path: upload, commit,
@@ -13,6 +13,7 @@ the parts share), ``agreement`` (what the ranks agree on before a save writes);
 SIGTERM flag).
 """
 
+from xla_ckpt.manager.config import CheckpointConfig
 from xla_ckpt.manager.core import CheckpointManager
 from xla_ckpt.manager.naming import (
     checkpoint_kind,
@@ -23,5 +24,5 @@ from xla_ckpt.manager.naming import (
 from xla_ckpt.manager.restoring import RestoreResult
 from xla_ckpt.manager.schedule import StepResult
 
-__all__ = ["CheckpointManager", "RestoreResult", "StepResult",
+__all__ = ["CheckpointConfig", "CheckpointManager", "RestoreResult", "StepResult",
            "checkpoint_kind", "epoch_checkpoint_name", "scheduled_name", "update_checkpoint_name"]

@@ -11,31 +11,58 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-from typing import TYPE_CHECKING, Any
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from xla_ckpt.comm import Dist
 from xla_ckpt.comm.failures import is_broken_collective
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.errors import (
     CheckpointSaveError,
     CollectiveTimeoutError,
     DistributedError,
     FencedError,
 )
-from xla_ckpt.io.fencing import Lease, acquire_lease, lease_from_message, lease_message
 from xla_ckpt.manager import lockstep
 from xla_ckpt.manager.best import BestScore
+from xla_ckpt.manager.config import CheckpointConfig
 from xla_ckpt.manager.preemption import PreemptionNotice
 from xla_ckpt.manager.staging import StagingPool
 from xla_ckpt.restore import RestoreConfig
+from xla_ckpt.restore.owners import ChunkedSavePlan
+from xla_ckpt.run.fencing import Lease, acquire_lease, lease_from_message, lease_message
 from xla_ckpt.storage import Storage
-
-if TYPE_CHECKING:  # saving imports this module
-    from xla_ckpt.manager.saving import _InFlight
 
 # One logger for every part of the manager: its lines keep the name they had as one module.
 logger = logging.getLogger("xla_ckpt.manager.core")
 
+
+
+@dataclass
+class InFlightSave:
+    """A save handed to the background: what it wrote, its upload and commit futures, the
+    host staging buffers to reuse once uploaded; ``SavePath._finish_on_exit`` gives it up
+    under ``gate``."""
+
+
+    name: str
+    save_id: str
+    metadata: dict
+    storage: Storage
+    upload: cf.Future
+    phase: str = "upload"  # "upload" -> "commit"
+    commit: cf.Future | None = None  # rank 0 only
+    manifest_written: bool = False
+    staged_bytes: int = 0
+    score: float | None = None  # rank 0: its best score (manager.best), None for none
+    t0: float = field(default_factory=time.perf_counter)
+    buffers: list = field(default_factory=list)  # host staging buffers, reusable once uploaded
+    plan: ChunkedSavePlan | None = None  # rank 0, chunked save: what it commits
+    # On the way out (SavePath._finish_on_exit): set under ``gate`` once the save is given up;
+    # rank 0's commit job writes the commit marker under ``gate`` only if it is not set.
+    abandoned: bool = False
+    gate: threading.Lock = field(default_factory=threading.Lock)
 
 class ManagerBase:
     """The state the manager's parts share; :class:`~xla_ckpt.manager.CheckpointManager` sets it."""
@@ -48,7 +75,7 @@ class ManagerBase:
     run: Storage  # the run folder
     _own_run: bool  # the manager opened ``run`` (and closes it)
     _executor: cf.ThreadPoolExecutor  # the save thread: uploads, and commits on rank 0
-    _inflight: _InFlight | None
+    _inflight: InFlightSave | None
     _pool: StagingPool | None
     _notice: PreemptionNotice
     _preempt_agreed: bool
@@ -73,7 +100,7 @@ class ManagerBase:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
 
-    # ---- fencing (xla_ckpt.io.fencing) ------------------------------------------------------
+    # ---- fencing (xla_ckpt.run.fencing) ------------------------------------------------------
     def _take_lease(self) -> Lease:
         """Rank 0 only: take the next lease epoch of the run folder."""
         lease = acquire_lease(self.run)

@@ -25,10 +25,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, SupportsFloat
 
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.errors import ConfigError
-from xla_ckpt.io.catalog import LEASE_EPOCH_KEY, CheckpointEntry
-from xla_ckpt.io.retention import best_entries
+from xla_ckpt.manager.config import CheckpointConfig
+from xla_ckpt.run.catalog import LEASE_EPOCH_KEY, CheckpointEntry
+from xla_ckpt.run.retention import best_entries
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ exception (Ctrl-C, ``SystemExit``, an error in the loop) while a save is in flig
 it within ``exit_grace_s`` (a second Ctrl-C gives it up), or names it as abandoned in an
 ERROR line; the previous checkpoint and the pointers stay as they were (CASES C27).
 
-Fencing (:mod:`xla_ckpt.io.fencing`): each incarnation of the job takes the next epoch
+Fencing (:mod:`xla_ckpt.run.fencing`): each incarnation of the job takes the next epoch
 of the run folder's lease (``<run>/lease.json``) at its first save (rank 0 takes it, every
 rank learns it), or earlier when it calls :meth:`CheckpointManager.take_over`.  A restore,
 a step query or a partial restore never takes it and writes nothing, so an evaluator
@@ -75,8 +75,8 @@ import concurrent.futures as cf
 from types import TracebackType
 
 from xla_ckpt.comm import Dist, get_dist
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.manager.best import RESERVED_METADATA, BestFn, BestScore
+from xla_ckpt.manager.config import CheckpointConfig
 from xla_ckpt.manager.preemption import PreemptionNotice
 from xla_ckpt.manager.restoring import RestorePath, RestoreResult
 from xla_ckpt.manager.saving import StateArg
@@ -190,7 +190,7 @@ class CheckpointManager(SaveSchedule, RestorePath):
         A job's first save takes the lease anyway; restores and queries never do.  Call
         this when the job that restored should fence an older incarnation still running
         *before* it saves (a long warm-up): from the moment it returns, that incarnation
-        can no longer commit (past the residual window of :mod:`xla_ckpt.io.fencing`), move
+        can no longer commit (past the residual window of :mod:`xla_ckpt.run.fencing`), move
         a pointer or rotate.  Never call it from a process that only reads (an evaluator):
         it would stop the trainer's saves with :class:`~xla_ckpt.errors.FencedError`.
         Idempotent: a manager holding the lease keeps its epoch.

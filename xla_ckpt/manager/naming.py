@@ -8,16 +8,16 @@ Pure: no I/O, no ranks.
   not at an epoch end (fairseq saves the epoch checkpoint there instead), and
   for a preemption save;
 * ``checkpoint_last`` / ``checkpoint_best`` are pointers, not folders
-  (:mod:`xla_ckpt.io.catalog`).
+  (:mod:`xla_ckpt.run.catalog`).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.io.names import EPOCH_NAME as _EPOCH
 from xla_ckpt.io.names import UPDATE_NAME as _UPDATE
+from xla_ckpt.manager.config import CheckpointConfig
 
 Kind = Literal["epoch", "update"]
 

@@ -1,31 +1,31 @@
 """The restore path of :class:`~xla_ckpt.manager.CheckpointManager`: which checkpoint, then read.
 
 Rank 0 resolves ``config.restore_file`` with the one resolver
-(:func:`xla_ckpt.io.resolve.resolve`: ``checkpoint_last`` -> the run folder's
+(:func:`xla_ckpt.run.resolve.resolve`: ``checkpoint_last`` -> the run folder's
 latest committed checkpoint, ``checkpoint_best`` -> its pointer; a folder name or
 a URI is resolved by :func:`xla_ckpt.restore.restore` itself) and reads the best
 metric recorded so far; every rank gets that decision (or rank 0's error) and
 restores through :func:`xla_ckpt.restore.restore`.
 
 Fencing: a restore, a step query and a partial restore never take the run folder's lease
-(:mod:`xla_ckpt.io.fencing`) and write nothing: an evaluator polling the run, or any other
+(:mod:`xla_ckpt.run.fencing`) and write nothing: an evaluator polling the run, or any other
 process that only reads, never fences the trainer saving there (CASES C25).  Taking over a
 run is the act of a job that saves: its first save takes the next lease epoch (or
 :meth:`~xla_ckpt.manager.CheckpointManager.take_over`, on purpose, earlier).  Until then an
 older incarnation still running may commit newer checkpoints; the first save of this one
 outranks them ("newer" orders by lease epoch first, pointers never move backwards) and
-fences that incarnation (see :mod:`xla_ckpt.io.fencing`, "Who takes the lease").
+fences that incarnation (see :mod:`xla_ckpt.run.fencing`, "Who takes the lease").
 
 A checkpoint of the run folder that cannot be read (truncated, bad crc32c, a data file
 missing) raises with a note naming the previous intact committed checkpoint and the options
-that restore it (:mod:`xla_ckpt.io.recovery`).
+that restore it (:mod:`xla_ckpt.run.recovery`).
 
 Steps (Orbax / torch_xla ``CheckpointManager`` parity): a checkpoint's *step* is the
 ``num_updates`` its manifest metadata records; :meth:`RestorePath.all_steps`,
 :meth:`RestorePath.latest_step` and :meth:`RestorePath.best_step` list them (rank 0
 lists the run folder, every rank gets the answer), and :meth:`RestorePath.restore`
 restores one (``step=None``: the latest) on every rank, optionally only some ``keys``
-of the state (:mod:`xla_ckpt.io.partial`).  Two committed checkpoints with one step (an
+of the state (:mod:`xla_ckpt.kinds.partial`).  Two committed checkpoints with one step (an
 epoch checkpoint and an update checkpoint of the same update, or an incarnation that
 saved that update again): the newest committed one by the catalog's order (lease
 epoch, then creation time) is restored, the same one on every rank.
@@ -58,15 +58,15 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM, Manifest, valid_file_name
-from xla_ckpt.io.catalog import CheckpointEntry, list_checkpoints, pointer_name
-from xla_ckpt.io.partial import Keys, PartialResult, check_keys, read_partial, select_item
 from xla_ckpt.io.reader import CheckpointReader
-from xla_ckpt.io.recovery import add_note, is_corruption, recovery_hint
-from xla_ckpt.io.resolve import committed_manifest, resolve
+from xla_ckpt.kinds.partial import Keys, PartialResult, check_keys, read_partial, select_item
 from xla_ckpt.manager import rank0
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.restore import Restored
 from xla_ckpt.restore import restore as restore_checkpoint
+from xla_ckpt.run.catalog import CheckpointEntry, list_checkpoints, pointer_name
+from xla_ckpt.run.recovery import add_note, is_corruption, recovery_hint
+from xla_ckpt.run.resolve import committed_manifest, resolve
 from xla_ckpt.storage import open_storage, parse_uri
 
 _SHOWN_STEPS = 20  # steps listed in a StepNotFoundError message
@@ -116,7 +116,7 @@ class RestoreResult:
             :class:`~xla_ckpt.restore.RestoreStats` with bytes read and seconds, shards);
             None for a partial restore.
         partial: for :meth:`CheckpointManager.restore` with ``keys``: the
-            :class:`~xla_ckpt.io.partial.PartialResult` of this rank's read (selection,
+            :class:`~xla_ckpt.kinds.partial.PartialResult` of this rank's read (selection,
             bytes read, seconds); None otherwise.
     """
 
@@ -306,7 +306,7 @@ class RestorePath(ManagerBase):
         Args:
             step: a step of :meth:`all_steps`, or None for :meth:`latest_step`'s checkpoint.
             keys: restore only these keys of the replicated state (dotted paths such as
-                ``"model.encoder.layer.0"`` or ``"optimizer"``, see :mod:`xla_ckpt.io.partial`);
+                ``"model.encoder.layer.0"`` or ``"optimizer"``, see :mod:`xla_ckpt.kinds.partial`);
                 every rank then reads only the blobs those tensors live in, from storage
                 itself (``restore_config.strategy`` does not apply), and ``rank_state`` is
                 None.  None: the whole state and this rank's ``rank/<rank>`` item through
@@ -510,7 +510,7 @@ class RestorePath(ManagerBase):
         """Every rank, on a restore of run-folder checkpoint ``name`` that failed with ``err``
         (the same on every rank): when a cause is bad bytes (truncated, crc32c, a data file
         missing), add to ``err``'s message the previous intact committed checkpoint and the
-        options that restore it (:func:`xla_ckpt.io.recovery.recovery_hint`, rank 0; one
+        options that restore it (:func:`xla_ckpt.run.recovery.recovery_hint`, rank 0; one
         exchange).  A broken collective or another cause is left as it is.
         """
         if name is None or isinstance(err, CollectiveTimeoutError) or \

@@ -4,17 +4,17 @@ fairseq keeps ``keep_interval_updates`` update checkpoints (``checkpoint_E_U``),
 ``keep_last_epochs`` epoch checkpoints (``checkpointE``) and
 ``keep_best_checkpoints`` best ones by the metric (or the manager's ``best_fn``:
 :mod:`xla_ckpt.manager.best`).  Built on
-:func:`xla_ckpt.io.retention.plan_deletions`, so its safety rules hold too:
+:func:`xla_ckpt.run.retention.plan_deletions`, so its safety rules hold too:
 a folder is deleted only when every rule allows it, never one named by a
 pointer or in ``protect`` (the checkpoint being restored, the one just
 committed), never the newest committed one, never an incomplete folder (it may
 be a save in flight), and never a folder this manager did not name.
 
-Fencing (:mod:`xla_ckpt.io.fencing`): an incarnation deletes only what its own epoch may
+Fencing (:mod:`xla_ckpt.run.fencing`): an incarnation deletes only what its own epoch may
 delete.  Never a checkpoint whose manifest records a newer lease epoch than its own; the
 pointers are re-read right before each deletion (a successor may have moved one); a
 manifest is deleted on the generation whose epoch was checked, so one replaced meanwhile
-stays; and only objects this library wrote go (:func:`xla_ckpt.io.retention.library_object`:
+stays; and only objects this library wrote go (:func:`xla_ckpt.run.retention.library_object`:
 a ``.pt``, a DCP folder or anything else copied into a checkpoint folder stays, C22).
 """
 
@@ -23,20 +23,20 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from xla_ckpt.config import CheckpointConfig
 from xla_ckpt.errors import CheckpointCorruptError, PreconditionFailedError
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
-from xla_ckpt.io.catalog import (
+from xla_ckpt.manager.best import BestScore
+from xla_ckpt.manager.config import CheckpointConfig
+from xla_ckpt.manager.naming import checkpoint_kind
+from xla_ckpt.run.catalog import (
     CheckpointEntry,
     epoch_of,
     list_checkpoints,
     read_pointer,
     read_versioned,
 )
-from xla_ckpt.io.retention import RetentionPolicy, library_object, plan_deletions
-from xla_ckpt.manager.best import BestScore
-from xla_ckpt.manager.naming import checkpoint_kind
+from xla_ckpt.run.retention import RetentionPolicy, library_object, plan_deletions
 from xla_ckpt.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def plan_rotation(entries: list[CheckpointEntry], cfg: CheckpointConfig,
     """Names of committed checkpoint folders to delete, oldest first.  Pure.
 
     Args:
-        entries: :func:`xla_ckpt.io.catalog.list_checkpoints` output (oldest first).
+        entries: :func:`xla_ckpt.run.catalog.list_checkpoints` output (oldest first).
         protect: folder names never to delete (pointer targets, the restored one).
         own_epoch: the deleting incarnation's lease epoch: checkpoints of a newer epoch
             are never planned (None: no such limit).

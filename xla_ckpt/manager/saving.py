@@ -27,7 +27,7 @@ abandons the upload and deletes its parts within a bound, and whatever is left
 On other backends (a local folder, whose writes leave nothing the tools can list)
 the upload runs on the manager's save thread as before, and exit waits for it.
 
-Fencing (:mod:`xla_ckpt.io.fencing`): every save runs under this incarnation's lease
+Fencing (:mod:`xla_ckpt.run.fencing`): every save runs under this incarnation's lease
 epoch, recorded in the manifest metadata (``lease_epoch``).  Rank 0 looks at the lease
 before any rank writes (a fenced save writes nothing); the commit job checks it again
 right before the commit marker, before the pointers and before rotation.  The commit
@@ -38,7 +38,7 @@ rotation deletes nothing of a newer epoch.  A newer lease, or a pointer or manif
 newer epoch, raises :class:`~xla_ckpt.errors.FencedError` on every rank (through
 :meth:`SavePath._fail`), and the manager refuses every later save at once.  What the one
 step after a passed check can still do is the residual window described in
-:mod:`xla_ckpt.io.fencing`.
+:mod:`xla_ckpt.run.fencing`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
 
 import torch
@@ -65,14 +64,6 @@ from xla_ckpt.errors import (
     PreconditionFailedError,
 )
 from xla_ckpt.format.manifest import FORMAT_NAME, FORMAT_VERSION, STATE_ITEM, Manifest, rank_item
-from xla_ckpt.io.catalog import LEASE_EPOCH_KEY, epoch_of, read_pointer_doc, write_pointer
-from xla_ckpt.io.fencing import (
-    Lease,
-    check_lease,
-    fenced_error,
-    manifest_precondition,
-    read_lease,
-)
 from xla_ckpt.io.writer import (
     WrittenItem,
     commit,
@@ -82,38 +73,25 @@ from xla_ckpt.io.writer import (
     write_items,
 )
 from xla_ckpt.manager import agreement, lockstep
-from xla_ckpt.manager.base import ManagerBase, logger
+from xla_ckpt.manager.base import InFlightSave, ManagerBase, logger
 from xla_ckpt.manager.best import RESERVED_METADATA
 from xla_ckpt.manager.naming import preemption_name
 from xla_ckpt.manager.rotation import rotate
 from xla_ckpt.manager.staging import stage_dense, stage_to_host
 from xla_ckpt.restore.owners import ChunkedSavePlan, plan_chunked_save
 from xla_ckpt.restore.sharding import shard_item, shard_state
+from xla_ckpt.run.catalog import LEASE_EPOCH_KEY, epoch_of, read_pointer_doc, write_pointer
+from xla_ckpt.run.fencing import (
+    Lease,
+    check_lease,
+    fenced_error,
+    manifest_precondition,
+    read_lease,
+)
 from xla_ckpt.storage import Storage
 
 StateArg = Any  # a state, or a zero-argument callable returning it
 MetricValues = Mapping[str, SupportsFloat]  # numbers, numpy scalars, one-element tensors
-
-
-@dataclass
-class _InFlight:
-    name: str
-    save_id: str
-    metadata: dict
-    storage: Storage
-    upload: cf.Future
-    phase: str = "upload"  # "upload" -> "commit"
-    commit: cf.Future | None = None  # rank 0 only
-    manifest_written: bool = False
-    staged_bytes: int = 0
-    score: float | None = None  # rank 0: its best score (manager.best), None for none
-    t0: float = field(default_factory=time.perf_counter)
-    buffers: list = field(default_factory=list)  # host staging buffers, reusable once uploaded
-    plan: ChunkedSavePlan | None = None  # rank 0, chunked save: what it commits
-    # On the way out (SavePath._finish_on_exit): set under ``gate`` once the save is given up;
-    # rank 0's commit job writes the commit marker under ``gate`` only if it is not set.
-    abandoned: bool = False
-    gate: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _status(fut: cf.Future | None) -> str:
@@ -318,7 +296,7 @@ class SavePath(ManagerBase):
             self._abandon(fl, f"leaving on {why}, it did not commit within exit_grace_s="
                               f"{grace:g} s")
 
-    def _abandon(self, fl: _InFlight, reason: str) -> None:
+    def _abandon(self, fl: InFlightSave, reason: str) -> None:
         """Give ``fl`` up (rank 0's commit job will not write its commit marker) and say so
         in one ERROR line naming the checkpoint, the reason and what stays."""
         with fl.gate:  # a commit marker being written now is let finish: then it counts
@@ -424,8 +402,8 @@ class SavePath(ManagerBase):
         buffers: list = []
         nbytes = 0
 
-        def in_flight(upload: cf.Future) -> _InFlight:
-            return _InFlight(name=name, save_id=save_id, metadata=metadata, storage=storage,
+        def in_flight(upload: cf.Future) -> InFlightSave:
+            return InFlightSave(name=name, save_id=save_id, metadata=metadata, storage=storage,
                              upload=upload, staged_bytes=nbytes, t0=t0, buffers=buffers,
                              score=scored[1], plan=plan if self.rank == 0 else None)
 
@@ -571,7 +549,7 @@ class SavePath(ManagerBase):
             return current.epoch, current.owner
         return None
 
-    def _commit_job(self, fl: _InFlight, parts: list[WrittenItem]) -> None:
+    def _commit_job(self, fl: InFlightSave, parts: list[WrittenItem]) -> None:
         """Coordinator only: manifest (commit marker), then pointers, then rotation.
 
         Each step runs only after a check that this incarnation still holds the lease.
@@ -705,13 +683,13 @@ class SavePath(ManagerBase):
             if not block or self._inflight is None:
                 return committed
 
-    def _recycle(self, fl: _InFlight) -> None:
+    def _recycle(self, fl: InFlightSave) -> None:
         """Hand an uploaded snapshot's host buffers to the pool for the next save."""
         if self._pool is not None and fl.buffers:
             self._pool.release(fl.buffers)
         fl.buffers = []
 
-    def _fail(self, fl: _InFlight, failures: dict[int, str]) -> None:
+    def _fail(self, fl: InFlightSave, failures: dict[int, str]) -> None:
         self._inflight = None
         if self._last_saved is not None and self._last_saved[0] == fl.name:
             self._last_saved = None

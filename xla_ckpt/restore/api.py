@@ -9,7 +9,7 @@ run folder's latest moved on) the restore runs once more from the new decision;
 if it is unchanged the read's own error is raised.  A second replacement raises
 :class:`~xla_ckpt.errors.CheckpointReplacedError` (a ``DistributedError``) on every
 rank, naming the race.  The single-process read path applies the same rule
-(:func:`xla_ckpt.io.opener.read_resolved`).
+(:func:`xla_ckpt.kinds.opener.read_resolved`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 DESIGN decision 2: listings of a bucket may disagree between ranks, so only
 rank 0 looks.  It resolves ``uri`` with the one resolver,
-:func:`xla_ckpt.io.resolve.resolve` (a checkpoint folder; a run folder's latest
+:func:`xla_ckpt.run.resolve.resolve` (a checkpoint folder; a run folder's latest
 committed checkpoint; ``<run>/checkpoint_last`` / ``<run>/checkpoint_best``),
 which reads and validates that checkpoint's manifest, and broadcasts the
 outcome: the checkpoint URI plus the manifest bytes, or "nothing committed",
@@ -25,7 +25,8 @@ from xla_ckpt.errors import (
     UncommittedCheckpointError,
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
-from xla_ckpt.io.resolve import XLA_CKPT, resolve
+from xla_ckpt.run.resolve import resolve
+from xla_ckpt.run.sniff import XLA_CKPT
 from xla_ckpt.storage import StorageConfig
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def _resolve(uri: str, config: StorageConfig | None) -> tuple[str, bytes, Manife
     resolver parsed and validated from those bytes (so rank 0 does not parse it again).
 
     Raises:
-        what :func:`xla_ckpt.io.resolve.resolve` raises; ConfigError for a legacy file.
+        what :func:`xla_ckpt.run.resolve.resolve` raises; ConfigError for a legacy file.
     """
     r = resolve(uri, config)
     if r.kind != XLA_CKPT:

@@ -7,7 +7,7 @@ A state that holds sharded tensors (``DTensor`` from FSDP2 / tensor parallel, to
 manifest's global tensors.  :func:`plan_chunked_save` decides all of it, collectively:
 
 1. **Structure agreement, before anything is written.**  Every rank describes its state
-   (:func:`xla_ckpt.restore.views.for_save` for each tensor leaf: global shape, dtype,
+   (:func:`xla_ckpt.sharded.views.for_save` for each tensor leaf: global shape, dtype,
    placement, its boxes) and the ranks compare: the tensor keys, global shapes, dtypes,
    kinds (plain / DTensor / XLA), placements and ties (below), and the shape of the whole
    tree: every key path (tensor or not) and what is there (a tensor, a value, a dict, a
@@ -84,7 +84,7 @@ from xla_ckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
 from xla_ckpt.format.manifest import Item
 from xla_ckpt.format.plan import check_storable, tensor_bytes
 from xla_ckpt.io.writer import WrittenItem
-from xla_ckpt.restore import views
+from xla_ckpt.sharded import views
 
 logger = logging.getLogger(__name__)
 

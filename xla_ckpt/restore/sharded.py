@@ -2,7 +2,7 @@
 
 Every rank describes what it holds of each target leaf of ``into`` (plain tensors,
 DTensor local shards, torch_xla SPMD device shards) as boxes of the global tensor
-(:func:`xla_ckpt.restore.views.for_restore`), matches the leaf to the checkpoint's global
+(:func:`xla_ckpt.sharded.views.for_restore`), matches the leaf to the checkpoint's global
 tensor by its key path (:func:`xla_ckpt.format.typed.format_path`, the path it had at
 save), and fills each box from the saved chunks that overlap it
 (:func:`xla_ckpt.io.chunked.read_boxes`: only the overlapping byte ranges are fetched,
@@ -75,7 +75,8 @@ from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.owners import tensor_paths
 from xla_ckpt.restore.result import Loaded, RestoreStats
 from xla_ckpt.restore.select import ALL_RANKS, STRIPED
-from xla_ckpt.restore.views import ShardedValue, for_restore, is_sharded
+from xla_ckpt.sharded.value import ShardedValue
+from xla_ckpt.sharded.views import for_restore, is_sharded
 from xla_ckpt.storage import StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)
@@ -227,7 +228,7 @@ def plan_rank_requests(saved: SavedTensors, into: Any) -> RankRequests:
     """Match ``into``'s leaves to the checkpoint and list the boxes this rank fills.
 
     Pure apart from allocating the fresh tensors of leaves ``into`` lacks (and the staging
-    tensors :func:`~xla_ckpt.restore.views.for_restore` makes for non-CPU targets).  A
+    tensors :func:`~xla_ckpt.sharded.views.for_restore` makes for non-CPU targets).  A
     target that does not fit adds a line to ``mismatches`` (no exception, so every rank can
     report its own before any of them raises).
     """

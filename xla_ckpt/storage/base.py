@@ -310,7 +310,7 @@ class Storage(abc.ABC):
         """The store's current time in Unix seconds: the clock that stamps
         :attr:`InFlightObject.created_unix_s`, so an age is one clock minus itself.
 
-        Grace periods (``xla-ckpt ls/gc/rm``, :mod:`xla_ckpt.io.prune`) compare creation
+        Grace periods (``xla-ckpt ls/gc/rm``, :mod:`xla_ckpt.run.prune`) compare creation
         times with this, never with this host's clock, which may be skewed against the
         store's.  This default is this host's clock (a local filesystem stamps files with
         it); network backends ask the service.

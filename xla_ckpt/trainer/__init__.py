@@ -21,7 +21,8 @@ writer, ``fairseq_compat`` the map from fairseq optimizer names and states to to
 (``lr_scheduler`` maps fairseq ``lr_scheduler_state`` onto torch schedulers).
 """
 
-from xla_ckpt.trainer.checkpointer import Checkpointer, CheckpointerConfig
+from xla_ckpt.trainer.checkpointer import Checkpointer
+from xla_ckpt.trainer.config import CheckpointerConfig
 from xla_ckpt.trainer.fairseq_compat import FAIRSEQ_OPTIMIZERS
 from xla_ckpt.trainer.lr_scheduler import (
                                           FairseqLRScheduler,

@@ -7,7 +7,7 @@ nothing else: no training loop, no data.  Restore order, as in fairseq:
 
 1. read the state (injectable ``restorer``; the default resolves ``uri`` —
    checkpoint folder, run folder -> latest committed, pointer, legacy ``.pt`` —
-   with :mod:`xla_ckpt.io.resolve`).  Nothing ever committed at ``uri``
+   with :mod:`xla_ckpt.run.resolve`).  Nothing ever committed at ``uri``
    (:class:`~xla_ckpt.errors.NothingCommittedError`) -> ``None`` and the
    WARNING "no existing checkpoint found at <uri>": training starts from
    scratch.  Any other failure raises (a typo'd path whose parent folder is
@@ -82,17 +82,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from xla_ckpt.config.sections import CRITERION_CHECKS
 from xla_ckpt.errors import ConfigError, UnsupportedTypeError
 from xla_ckpt.format import typed
-from xla_ckpt.restore.config import RANK_STATE_ON_RESIZE
+from xla_ckpt.trainer.config import CheckpointerConfig
 from xla_ckpt.trainer.metrics import Metrics
-from xla_ckpt.trainer.module_load import check_dtype_policy
 from xla_ckpt.trainer.restore_state import RestoreState
 from xla_ckpt.trainer.save_state import SaveState
 from xla_ckpt.trainer.sources import Restorer, Saver, SingleProcessRestorer, SingleProcessSaver
@@ -100,79 +97,6 @@ from xla_ckpt.trainer.training_surface import has_parameters
 
 # has_parameters is defined with the live-training surface, importable from here as before.
 __all__ = ["Checkpointer", "CheckpointerConfig", "has_parameters"]
-
-
-@dataclass(kw_only=True)
-class CheckpointerConfig:
-    """Restore/save knobs of :class:`Checkpointer`.
-
-    Attributes:
-        dtype_policy: what a restore does when a saved model/criterion tensor
-            has another dtype than the live one and the cast narrows:
-            ``"error"`` (refuse), ``"warn"`` (cast, log a warning), ``"cast"``
-            (cast silently) or ``"keep"`` (the live tensor takes the saved dtype).
-        strip_prefixes: remove wrapper prefixes (``module.``, ``_orig_mod.``)
-            that every saved model key carries when that makes the keys match.
-        no_save_optimizer_state: leave ``last_optimizer_state`` out of saves
-            (fairseq ``--no-save-optimizer-state``); such a checkpoint
-            restores weights only.
-        criterion_check: what the restore does when the criterion class name
-            differs from the checkpoint's (``optimizer_history[-1]["criterion_name"]``,
-            e.g. saved ``LabelSmoothedCrossEntropyCriterion``, live ``CrossEntropyLoss``
-            or ``None``): ``"strict"`` raises StateMismatchError; ``"warn"``
-            (default) logs a WARNING and continues when the live criterion has
-            no parameters (it has no state to load, so only its name differs) and
-            raises when it has parameters; ``"off"`` never checks (a criterion
-            with parameters is still loaded strictly by key).  Config key
-            ``train.criterion_check``.
-        fairseq_compat: map fairseq optimizer names and states
-            (:data:`~xla_ckpt.trainer.fairseq_compat.FAIRSEQ_OPTIMIZERS`, FP16
-            wrappers with their ``loss_scale``) and fairseq ``lr_scheduler_state``
-            onto the live torch optimizer and scheduler
-            (:mod:`~xla_ckpt.trainer.fairseq_compat`,
-            :func:`~xla_ckpt.trainer.lr_scheduler.load_lr_scheduler_state`).  On by
-            default; off, the saved optimizer name must equal the live class name
-            (fairseq's own rule).  Config key ``train.fairseq_compat``.
-        rank_state_on_resize: a sharded model's restore from a checkpoint saved with
-            another world size that holds per-rank items (``rank_extra_state``: iterator
-            position, RNG): ``"error"`` (default) raises
-            :class:`~xla_ckpt.errors.WorldSizeMismatchError` on every rank naming them and
-            these options; ``"drop"`` restores without them (a WARNING names what was
-            dropped; ``extra_state`` then lacks the per-rank values).  Passed to the
-            restorer (the default one, or one from
-            :func:`xla_ckpt.restore.make_restorer`) as
-            :attr:`xla_ckpt.restore.RestoreConfig.rank_state_on_resize`.
-        rank_state_remap: ``fn(saved: dict[int, Any], rank: int, world_size: int) -> Any``
-            mapping every saved rank's per-rank state (saved rank -> its
-            ``rank_extra_state``) onto this rank when the world size differs; its value is
-            merged over ``extra_state`` as the saved rank's own was.  Called on every rank.
-            Wins over ``rank_state_on_resize``.  Both can also be given per call to
-            :meth:`load_checkpoint`.
-    """
-
-    dtype_policy: str = "error"
-    strip_prefixes: bool = False
-    no_save_optimizer_state: bool = False
-    criterion_check: str = "warn"
-    fairseq_compat: bool = True
-    rank_state_on_resize: str = "error"
-    rank_state_remap: Optional[Callable[[dict[int, Any], int, int], Any]] = None
-
-    def __post_init__(self) -> None:
-        check_dtype_policy(self.dtype_policy, "dtype_policy")
-        if self.criterion_check not in CRITERION_CHECKS:
-            raise ConfigError(f"criterion_check: must be one of {', '.join(CRITERION_CHECKS)}, "
-                              f"got {self.criterion_check!r}")
-        if self.rank_state_on_resize not in RANK_STATE_ON_RESIZE:
-            raise ConfigError(f"rank_state_on_resize: must be one of "
-                              f"{', '.join(RANK_STATE_ON_RESIZE)}, got "
-                              f"{self.rank_state_on_resize!r}")
-        if self.rank_state_remap is not None and not callable(self.rank_state_remap):
-            raise ConfigError("rank_state_remap: must be fn(saved, rank, world_size) or None, "
-                              f"got {self.rank_state_remap!r}")
-        for name in ("strip_prefixes", "no_save_optimizer_state", "fairseq_compat"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
 
 
 class Checkpointer(SaveState, RestoreState):

@@ -9,7 +9,7 @@ optimizer and lr_scheduler (:meth:`RestoreState._restore_optimizer`), then
 Start fresh (fairseq: "No existing checkpoint found <path>", then train from
 scratch) happens on one answer only: the restorer raised
 :class:`~xla_ckpt.errors.NothingCommittedError`, which only the resolver
-(:mod:`xla_ckpt.io.resolve`) raises, when storage says nothing was ever
+(:mod:`xla_ckpt.run.resolve`) raises, when storage says nothing was ever
 committed at the URI.  It is logged at WARNING: ``rank R: no existing checkpoint
 found at <uri>``, or, when saves began there and none committed
 (:class:`~xla_ckpt.errors.UncommittedCheckpointError`), ``rank R: ignoring
@@ -126,7 +126,7 @@ class RestoreState(TrainingSurface):
             uri: checkpoint folder, run folder (its latest committed checkpoint),
                 ``<run>/checkpoint_last`` / ``<run>/checkpoint_best``, or a legacy
                 ``.pt`` file (what the restorer accepts; the default resolves it with
-                :func:`xla_ckpt.io.resolve.resolve`).
+                :func:`xla_ckpt.run.resolve.resolve`).
             reset_optimizer: keep a fresh optimizer (and lr_scheduler, and
                 ``num_updates`` of 0) instead of the saved one.
             reset_lr_scheduler: load the optimizer but keep a fresh lr_scheduler.

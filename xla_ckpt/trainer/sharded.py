@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from xla_ckpt.errors import ConfigError, StateMismatchError
-from xla_ckpt.restore.views import is_sharded
+from xla_ckpt.sharded.views import is_sharded
 
 # Keys a mismatch message lists at most.
 _SHOWN_KEYS = 8

@@ -6,19 +6,19 @@ The trainer never talks to storage itself.  It calls
   object with ``.state`` and ``.rank_state``, such as the ``Restored`` that
   ``xla_ckpt.restore.restore`` returns), which raises
   :class:`~xla_ckpt.errors.NothingCommittedError` when nothing is committed
-  at ``uri`` (what :func:`xla_ckpt.io.resolve.resolve` raises; the trainer
+  at ``uri`` (what :func:`xla_ckpt.run.resolve.resolve` raises; the trainer
   starts fresh on that class only: any other error, a plain
   ``CheckpointNotFoundError`` included, propagates);
 * a **saver** ``saver(state, uri, *, metadata, rank_state) -> Any``.
 
 The defaults here serve a single process: :class:`SingleProcessRestorer`
-resolves ``uri`` with the one resolver (:mod:`xla_ckpt.io.resolve`: a
+resolves ``uri`` with the one resolver (:mod:`xla_ckpt.run.resolve`: a
 checkpoint folder, a run folder's latest committed checkpoint, a pointer) and
 reads with :class:`xla_ckpt.io.CheckpointReader` (CPU tensors, crc32c
 checked; with ``targets`` the trainer's live CPU parameters are filled in
 place), once more if the checkpoint was replaced while it was read, or,
 when ``uri`` names a legacy fairseq/``torch.save`` ``.pt`` file, imports it
-through the allow-list of :mod:`xla_ckpt.io.legacy` (CASES C4);
+through the allow-list of :mod:`xla_ckpt.kinds.legacy` (CASES C4);
 :class:`SingleProcessSaver` writes with :func:`xla_ckpt.io.save`, keeping
 ``rank_state`` in the item ``rank/<rank>``.  A multi-process job passes the
 strategies from ``xla_ckpt.restore`` instead, e.g.::
@@ -33,12 +33,13 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
+from xla_ckpt.api import save
 from xla_ckpt.errors import ConfigError
 from xla_ckpt.format.manifest import STATE_ITEM, Item, rank_item
-from xla_ckpt.io import save
-from xla_ckpt.io.opener import open_reader, read_checkpoint, read_items
-from xla_ckpt.io.resolve import LEGACY, XLA_CKPT, Resolved
+from xla_ckpt.kinds.opener import open_reader, read_checkpoint, read_items
 from xla_ckpt.restore.owners import has_sharded
+from xla_ckpt.run.resolve import Resolved
+from xla_ckpt.run.sniff import LEGACY, XLA_CKPT
 from xla_ckpt.storage import StorageConfig
 
 

@@ -21,7 +21,7 @@ from xla_ckpt.trainer.lr_scheduler import is_fairseq_style
 from xla_ckpt.trainer.sources import Restorer, Saver
 
 if TYPE_CHECKING:  # checkpointer imports this module
-    from xla_ckpt.trainer.checkpointer import CheckpointerConfig
+    from xla_ckpt.trainer.config import CheckpointerConfig
 
 # One logger for all of the Checkpointer's parts: its lines keep the name they had as one module.
 logger = logging.getLogger("xla_ckpt.trainer.checkpointer")

@@ -7,7 +7,7 @@
 * :mod:`.items` -- non-tensor items, ``torch.load(weights_only=True)`` only;
 * :mod:`.unpickle` -- the allow-list unpickler both pickles go through.
 
-Pure (no I/O): :mod:`xla_ckpt.io.dcp` reads and writes DCP folders on top of this.
+Pure (no I/O): :mod:`xla_ckpt.kinds.dcp` reads and writes DCP folders on top of this.
 """
 
 from xla_ckpt.format.dcp.items import load_bytes_item

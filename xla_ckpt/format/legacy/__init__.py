@@ -1,7 +1,7 @@
 """Import legacy ``torch.save`` / fairseq ``.pt`` files and HF ``safetensors`` files, safely.
 
 Pure: takes ``bytes`` or a seekable binary file object; fetching a ``gs://``
-object is :mod:`xla_ckpt.io.legacy`'s job.  A legacy file is untrusted input:
+object is :mod:`xla_ckpt.kinds.legacy`'s job.  A legacy file is untrusted input:
 
 1. **Static scan first.**  Every pickle the loader would run is disassembled
    with :mod:`pickletools` (``data.pkl`` of a zip-format file, the five

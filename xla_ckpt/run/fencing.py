@@ -50,9 +50,9 @@ uploads nothing.
   resumed from an earlier checkpoint and trains over the same names): by compare-and-swap
   on the generation of the manifest whose epoch it checked, so atomically;
 * the manifest records the writer's epoch (metadata ``lease_epoch``); "newer" means a higher
-  ``(lease_epoch, num_updates)`` (:mod:`xla_ckpt.io.catalog`), for "latest" and rotation;
+  ``(lease_epoch, num_updates)`` (:mod:`xla_ckpt.run.catalog`), for "latest" and rotation;
 * pointers move by compare-and-swap and only forward in ``(lease_epoch, num_updates)``
-  (:func:`xla_ckpt.io.catalog.write_pointer`): a pointer document of a newer epoch is never
+  (:func:`xla_ckpt.run.catalog.write_pointer`): a pointer document of a newer epoch is never
   replaced by an older writer, whenever it writes;
 * rotation (:mod:`xla_ckpt.manager.rotation`) deletes only checkpoints whose manifest epoch is
   at most its own, never one a pointer names (re-read before each deletion), never the
@@ -86,7 +86,7 @@ from typing import Any
 
 from xla_ckpt.errors import CheckpointCorruptError, FencedError, PreconditionFailedError
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
-from xla_ckpt.io.catalog import (
+from xla_ckpt.run.catalog import (
     LEASE_EPOCH_KEY,
     POINTERS,
     epoch_of,

@@ -2,7 +2,7 @@
 
 A torch_xla SPMD tensor lives as one shard per device; this process addresses some of the
 devices (all of them on one host, its own chips on each host of a pod).  For a save or a
-restore, :mod:`xla_ckpt.restore.views` asks this module what the process holds:
+restore, :mod:`xla_ckpt.sharded.views` asks this module what the process holds:
 
 * boxes come from ``XLAShardedTensor.local_shards``' ``indices`` (per-dimension slices into
   the global tensor, ``Ellipsis`` for a replicated tensor), never from ``placements``
@@ -35,7 +35,7 @@ default with :func:`owning_devices` (a context manager) so callers that do not t
 argument (``restore(into=...)``) pick it up.
 
 torch_xla is imported lazily inside the functions: importing this module (and
-:mod:`~xla_ckpt.restore.views`) never initialises an XLA runtime.  Nothing here
+:mod:`~xla_ckpt.sharded.views`) never initialises an XLA runtime.  Nothing here
 communicates; every process describes its own values.
 """
 
@@ -43,15 +43,13 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from xla_ckpt.errors import UnsupportedTypeError
 from xla_ckpt.format.chunks import Box
-
-if TYPE_CHECKING:
-    from xla_ckpt.restore.views import ShardedValue
+from xla_ckpt.sharded.value import LocalShard, ShardedValue
 
 __all__ = ["for_restore", "for_save", "is_xla_sharded", "owning_devices"]
 
@@ -89,7 +87,7 @@ def is_xla_sharded(value: Any) -> bool:
     ``xs.mark_sharding(t, mesh, spec)`` annotates ``t`` in place and returns a wrapper; a
     module's ``state_dict()`` then holds the plain annotated tensor, which is sharded all the
     same.  A plain XLA tensor without annotation is not (it is a plain tensor to
-    :mod:`~xla_ckpt.restore.views`).  Never imports torch_xla for a non-XLA value.
+    :mod:`~xla_ckpt.sharded.views`).  Never imports torch_xla for a non-XLA value.
     """
     cls = type(value)
     if cls.__name__ == "XLAShardedTensor" and cls.__module__.startswith("torch_xla"):
@@ -191,7 +189,7 @@ def for_save(value: Any, *, owned_devices: Sequence[int] | None = None) -> Shard
 
     ``value``: an ``XLAShardedTensor`` or an SPMD-annotated XLA tensor.  Pending XLA work is
     run first (``torch_xla.sync()`` + ``xm.wait_device_ops()``).  Each returned
-    :class:`~xla_ckpt.restore.views.LocalShard` holds a C-contiguous CPU copy of shape
+    :class:`~xla_ckpt.sharded.value.LocalShard` holds a C-contiguous CPU copy of shape
     ``box.sizes`` (padding removed); replicas inside the process are given once (the first
     device in device order; ``replica_id`` is that shard's torch_xla replica id), zero-size
     boxes are left out.  A fully replicated tensor is copied to the host once (one box
@@ -206,7 +204,6 @@ def for_save(value: Any, *, owned_devices: Sequence[int] | None = None) -> Shard
         ValueError: an owned device id outside the runtime's devices.
         UnsupportedTypeError: a manual or maximal sharding (no global boxes).
     """
-    from xla_ckpt.restore.views import LocalShard, ShardedValue  # noqa: PLC0415 - views imports this module
 
     x = _wrap(value)
     owned = _owned(owned_devices)
@@ -245,7 +242,7 @@ def for_restore(value: Any, *, owned_devices: Sequence[int] | None = None) -> Sh
 
     * Tiled / partially replicated: one box per distinct ``indices`` of the owned devices
       (replicas share one CPU buffer, so a box is read once per process); each
-      :class:`~xla_ckpt.restore.views.LocalShard` ``tensor`` is a C-contiguous CPU tensor of
+      :class:`~xla_ckpt.sharded.value.LocalShard` ``tensor`` is a C-contiguous CPU tensor of
       shape ``box.sizes`` (a view into the padded device-shard buffer when that is
       contiguous).  ``finish`` copies any separate staging into the padded buffers and calls
       ``load_local_shards_`` with a buffer for every addressable device (torch_xla requires
@@ -262,7 +259,6 @@ def for_restore(value: Any, *, owned_devices: Sequence[int] | None = None) -> Sh
         ValueError: an owned device id outside the runtime's devices.
         UnsupportedTypeError: a manual or maximal sharding.
     """
-    from xla_ckpt.restore.views import LocalShard, ShardedValue  # noqa: PLC0415 - views imports this module
 
     x = _wrap(value)
     owned = _owned(owned_devices)

@@ -57,9 +57,10 @@ from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM, Item, Manifest
 from xla_ckpt.format.plan import MapLocation, materialize_item, resolve_device
 from xla_ckpt.io.chunked import nbytes_of, plan_whole_reads, read_boxes, whole_tensor_request
-from xla_ckpt.io.opener import open_reader, read_checkpoint, read_items
 from xla_ckpt.io.reader import CheckpointReader
-from xla_ckpt.io.resolve import XLA_CKPT, Resolved
+from xla_ckpt.kinds.opener import open_reader, read_checkpoint, read_items
+from xla_ckpt.run.resolve import Resolved
+from xla_ckpt.run.sniff import XLA_CKPT
 from xla_ckpt.storage import StorageConfig
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@
 ``{"metadata": {"total_size": ...}, "weight_map": {tensor name: shard file}}``.
 :func:`read_hf_index` reads and checks the index (shard names must be plain file
 names next to it: no ``/``, no ``..``); :func:`load_hf_index` reads every shard
-through the legacy importer (:func:`xla_ckpt.io.legacy.load_legacy_file`, which
+through the legacy importer (:func:`xla_ckpt.kinds.legacy.load_legacy_file`, which
 validates each safetensors header) and checks that each tensor is in the shard
 the index names, once.  Local paths and ``gs://`` alike.
 """
@@ -21,7 +21,7 @@ import torch
 
 from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 from xla_ckpt.format.manifest import valid_file_name
-from xla_ckpt.io.legacy import Progress, load_legacy_file, split_uri
+from xla_ckpt.kinds.legacy import Progress, load_legacy_file, split_uri
 from xla_ckpt.storage import StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)

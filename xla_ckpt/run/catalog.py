@@ -14,7 +14,7 @@ broadcast (DESIGN decision 2): listings on different ranks may disagree.
 
 **Order.**  A checkpoint written by the :class:`~xla_ckpt.manager.CheckpointManager`
 records the lease epoch of the job incarnation that wrote it (metadata key
-``lease_epoch``, see :mod:`xla_ckpt.io.fencing`); one written without a lease has
+``lease_epoch``, see :mod:`xla_ckpt.run.fencing`); one written without a lease has
 epoch 0.  "Newer" means a higher ``(lease_epoch, num_updates)``, then a later
 creation time: a newer incarnation always wins, within one incarnation the higher
 update count does.  :attr:`CheckpointEntry.sort_key`, "latest" and rotation all use it.
@@ -46,6 +46,7 @@ from xla_ckpt.errors import (
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest, valid_file_name
 from xla_ckpt.io.manifest_file import read_manifest
+from xla_ckpt.run.sniff import foreign_checkpoints
 from xla_ckpt.storage import RangeRead, Storage
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class CheckpointEntry:
             committed-but-unreadable (:attr:`unreadable`), not an incomplete save.
         kind: ``""`` for a folder of this library; otherwise, in words, the checkpoint of
             another kind the folder holds without an xla_ckpt manifest (``"a PyTorch DCP
-            checkpoint"``, ``"an HF model folder"``; :func:`xla_ckpt.io.resolve.
+            checkpoint"``, ``"an HF model folder"``; :func:`xla_ckpt.run.resolve.
             foreign_checkpoints`).  Such a folder is not committed, but it is not an
             incomplete save either: ``ls`` lists it apart and ``rm``/``gc`` never delete it.
     """
@@ -165,8 +166,6 @@ def list_run(run: Storage) -> tuple[list[CheckpointEntry], list[tuple[str, str]]
     words)`` of every checkpoint of another kind in it (folders, as in the entries'
     ``kind``, and top-level files such as a fairseq ``checkpoint_last.pt``), sorted by name.
     """
-    from xla_ckpt.io.resolve import foreign_checkpoints  # noqa: PLC0415 - resolve imports us
-
     names = run.list("")
     foreign = foreign_checkpoints(names)
     foreign_kind = dict(foreign)
@@ -421,7 +420,7 @@ def resolve_latest(run: Storage) -> str | None:
 
     :func:`choose_latest` over :func:`list_checkpoints`.  Call on one rank and
     send the answer to the others.  Entry points resolve a URI with
-    :func:`xla_ckpt.io.resolve.resolve`, which uses this rule and says what
+    :func:`xla_ckpt.run.resolve.resolve`, which uses this rule and says what
     "none committed" means.
     """
     return choose_latest(run, list_checkpoints(run))

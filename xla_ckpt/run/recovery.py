@@ -11,7 +11,7 @@ picks it.  The read's error therefore says what to do (CASES C7):
   restores it (the manager's ``CheckpointConfig.restore_file`` / ``restore(step=...)``,
   the trainer's ``Checkpointer.load_checkpoint(uri)``, ``xla_ckpt.load(uri)``) and the
   command that makes it the latest again (``xla-ckpt rm --force``,
-  :func:`xla_ckpt.io.prune.remove_checkpoints` with ``force=True``);
+  :func:`xla_ckpt.run.prune.remove_checkpoints` with ``force=True``);
 * :func:`add_note` appends such a note to the error being raised (its type and attributes
   stay).
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 
 from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
-from xla_ckpt.io.catalog import CheckpointEntry, list_checkpoints, pointer_name
-from xla_ckpt.io.fencing import LEASE_NAME
+from xla_ckpt.run.catalog import CheckpointEntry, list_checkpoints, pointer_name
+from xla_ckpt.run.fencing import LEASE_NAME
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def previous_intact(run: Storage, bad: str, entries: list[CheckpointEntry] | Non
     not in ``skip``; None if there is none.
 
     ``bad`` not committed (its manifest gone or unreadable): the newest such checkpoint of
-    all.  ``entries``: :func:`~xla_ckpt.io.catalog.list_checkpoints` of ``run``, if at hand.
+    all.  ``entries``: :func:`~xla_ckpt.run.catalog.list_checkpoints` of ``run``, if at hand.
     At most :data:`MAX_CANDIDATES` candidates are looked at.
     """
     entries = list_checkpoints(run) if entries is None else entries

@@ -10,7 +10,7 @@ Rules, whatever the caller asks:
   checkpoint: CASES C7): the checkpoint is uncommitted first, then ``checkpoint_last`` is
   moved by compare-and-swap, only if it still names it, back to the newest committed
   checkpoint that stays and whose data files are all there at their sizes
-  (:func:`xla_ckpt.io.recovery.newest_intact`), and a ``checkpoint_best`` naming it is
+  (:func:`xla_ckpt.run.recovery.newest_intact`), and a ``checkpoint_best`` naming it is
   removed (by compare-and-swap too; the next scored save sets it again).  No lease is
   taken (an operator's tool must not fence the live job, CASES C25): a save that moved a
   pointer meanwhile wins, and a live job's next save moves ``checkpoint_last`` forward as
@@ -23,20 +23,20 @@ Rules, whatever the caller asks:
   a ``.pt`` file; :attr:`CheckpointEntry.kind`) is never deleted, not even when named
   (``xla-ckpt rm``): it is refused, naming its kind;
 * :func:`collect_garbage` deletes only what this library provably wrote
-  (:func:`xla_ckpt.io.retention.library_object`): an incomplete folder holding
+  (:func:`xla_ckpt.run.retention.library_object`): an incomplete folder holding
   anything else (a ``.pt``, a DCP folder, files copied from another run) is left
   alone, and such objects in a committed folder stay where they are;
 * in-flight objects (the ``.tmp-<upload id>-part-<n>`` parts of an interrupted
   upload) are deleted only when their write targeted one of this library's
   names in this run folder and its newest part is older than the grace period
-  (:class:`xla_ckpt.io.retention.InFlightUpload`), so a save still writing is
+  (:class:`xla_ckpt.run.retention.InFlightUpload`), so a save still writing is
   never touched;
 * objects are deleted by their names in the run folder, so on a local disk a checkpoint
   folder that a deletion left empty is removed too (by the local backend, and only when
   empty: a folder still holding anything, ours or not, stays).
 
 Which checkpoints a retention policy lets go is decided by
-:func:`xla_ckpt.io.retention.plan_deletions` (fairseq ``keep_interval_updates``
+:func:`xla_ckpt.run.retention.plan_deletions` (fairseq ``keep_interval_updates``
 / ``keep_best_checkpoints``).  Call from one process (rank 0).
 """
 
@@ -48,7 +48,7 @@ from typing import Iterable
 
 from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.io.catalog import (
+from xla_ckpt.run.catalog import (
     LEFT,
     MOVED,
     POINTERS,
@@ -58,8 +58,8 @@ from xla_ckpt.io.catalog import (
     read_pointer,
     repoint,
 )
-from xla_ckpt.io.recovery import files_present, newest_intact
-from xla_ckpt.io.retention import (
+from xla_ckpt.run.recovery import files_present, newest_intact
+from xla_ckpt.run.retention import (
     DEFAULT_IN_FLIGHT_GRACE_S,
     InFlightUpload,
     RetentionPolicy,
@@ -129,7 +129,7 @@ def in_flight_uploads(run: Storage, folder: str = "") -> list[InFlightUpload]:
     """This library's in-flight writes in ``run`` (or in its checkpoint folder ``folder``).
 
     Objects with an in-flight mark whose target is not a name this library writes
-    there are not returned (see :func:`xla_ckpt.io.retention.owned_in_flight`).
+    there are not returned (see :func:`xla_ckpt.run.retention.owned_in_flight`).
     """
     uploads, _foreign = group_in_flight(run.list_in_flight(folder))
     if folder:
@@ -164,7 +164,7 @@ def delete_checkpoint(run: Storage, name: str, *, only_ours: bool = False) -> in
     """Delete one checkpoint folder under ``run``: manifest first, then every other object.
 
     With ``only_ours`` objects this library did not write (see
-    :func:`xla_ckpt.io.retention.library_object`) stay.  In-flight objects are not
+    :func:`xla_ckpt.run.retention.library_object`) stay.  In-flight objects are not
     touched here (see :func:`collect_in_flight`).  Does *not* check protection; use
     :func:`remove_checkpoints`.  Returns the number of objects deleted.
     """
@@ -375,7 +375,7 @@ def collect_in_flight(run: Storage, *, grace_s: float = DEFAULT_IN_FLIGHT_GRACE_
 
     Only writes whose target is one of this library's names in this run folder and
     whose newest object is at least ``grace_s`` old (see
-    :class:`xla_ckpt.io.retention.InFlightUpload`); the others are reported in
+    :class:`xla_ckpt.run.retention.InFlightUpload`); the others are reported in
     ``in_flight_young``.  Their bytes count in ``bytes_freed``.  Ages are taken on the
     store's clock: ``now`` defaults to :meth:`Storage.now_unix_s
     <xla_ckpt.storage.base.Storage.now_unix_s>`, never this host's (possibly skewed) clock.

@@ -10,7 +10,7 @@ restore-by-byte-range deal only with boxes (:class:`~xla_ckpt.format.chunks.Box`
   included); replicated across the mesh dims with a ``Replicate()`` placement;
 * a torch_xla ``XLAShardedTensor`` (SPMD), or an XLA tensor ``xs.mark_sharding`` annotated in
   place: one box per addressable device shard, from its ``local_shards``' ``indices``
-  (:mod:`xla_ckpt.restore.spmd`).  It is checked *before* DTensor because it subclasses
+  (:mod:`xla_ckpt.sharded.spmd`).  It is checked *before* DTensor because it subclasses
   DTensor and its ``placements`` are wrong for named axes.
 
 Which rank calls what: every rank describes its own values; nothing here communicates.
@@ -18,7 +18,6 @@ Which rank calls what: every rank describes its own values; nothing here communi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeGuard
 
 import torch
@@ -27,54 +26,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from xla_ckpt.format.chunks import Box
-from xla_ckpt.restore import spmd
-
-
-@dataclass
-class LocalShard:
-    """One box of a global tensor held by this process.
-
-    For a save, ``tensor`` is a readable tensor of shape ``box.sizes`` (this process's copy;
-    any device, the writer moves it to host).  For a restore it is the CPU destination of
-    shape ``box.sizes``: the live memory itself when possible (a CPU DTensor's local
-    tensor), else a staging tensor that :attr:`ShardedValue.finish` copies into place.
-    ``replica_id``: which copy this is among processes/devices holding the same box (0 for
-    the first), informational.
-    """
-
-    box: Box
-    tensor: torch.Tensor
-    replica_id: int = 0
-
-
-@dataclass
-class ShardedValue:
-    """What one value of a state tree holds of its global tensor on this rank.
-
-    Attributes:
-        global_shape: shape of the global tensor (elements).
-        dtype: its dtype.
-        shards: this rank's boxes (none when its shard is empty).
-        kind: ``"plain"``, ``"dtensor"`` or ``"xla"``.
-        placement: human-readable placement (``"Shard(0) on mesh (4,)"``, ``"replicated"``),
-            compared across ranks by the structure agreement and kept in the manifest.
-        replicated: every rank holds the whole tensor (a plain tensor, or all ``Replicate()``).
-        finish: for a restore, called once every shard's ``tensor`` is filled (copies staged
-            values into the live tensor, or ``load_local_shards_`` on XLA); ``None`` when the
-            shards are the live memory.
-    """
-
-    global_shape: tuple[int, ...]
-    dtype: torch.dtype
-    shards: list[LocalShard]
-    kind: str
-    placement: str
-    replicated: bool
-    finish: Callable[[], None] | None = field(default=None)
-
-    @property
-    def local_nbytes(self) -> int:
-        return sum(s.box.numel for s in self.shards) * self.dtype.itemsize
+from xla_ckpt.sharded import spmd
+from xla_ckpt.sharded.value import LocalShard, ShardedValue
 
 
 def _is_xla_sharded(value: Any) -> bool:

@@ -15,8 +15,8 @@ Rules of :func:`resolve`, in this order:
    ``save_dir``, which it creates, may be absent on a first start.)
 2. **A single object** (a local file, a ``gs://`` object): a legacy
    ``torch.save``/fairseq ``.pt`` or safetensors file gives ``kind="legacy"``, for
-   the legacy importer (:mod:`xla_ckpt.io.legacy`); a safetensors index
-   (``*.safetensors.index.json``) gives ``kind="hf_index"`` (:mod:`xla_ckpt.io.hf`);
+   the legacy importer (:mod:`xla_ckpt.kinds.legacy`); a safetensors index
+   (``*.safetensors.index.json``) gives ``kind="hf_index"`` (:mod:`xla_ckpt.kinds.hf`);
    a DCP ``.metadata`` file gives ``kind="dcp"`` for its folder; any other file is a
    :class:`CheckpointNotFoundError` naming it, what it starts with and the kinds
    accepted (:data:`ACCEPTED`).
@@ -35,7 +35,7 @@ Rules of :func:`resolve`, in this order:
    committed (the pointer lags after a crash between commit and pointer
    update), else the newest committed one (by lease epoch, then ``num_updates``, then time);
    a pointer ``xla-ckpt convert`` wrote (``converted_from``, no lease epoch) is
-   outranked only by a newer checkpoint a manager saved (:func:`~xla_ckpt.io.catalog
+   outranked only by a newer checkpoint a manager saved (:func:`~xla_ckpt.run.catalog
    .choose_latest`);
    with ``pointer="best"`` the one ``checkpoint_best`` names, which must be
    committed (else :class:`CheckpointNotFoundError`).  A run folder that holds no
@@ -60,7 +60,7 @@ missing bucket, a storage error, and anything that fails while the checkpoint is
 read.
 
 Opening and reading what was resolved — and reading again when the checkpoint
-is replaced mid-read — is :mod:`xla_ckpt.io.opener`.
+is replaced mid-read — is :mod:`xla_ckpt.kinds.opener`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ from xla_ckpt.errors import (
     UncommittedCheckpointError,
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
-from xla_ckpt.io.catalog import (
+from xla_ckpt.io.names import DATA_PREFIX, INDEX_NAME, SINGLE_NAME, is_index_name
+from xla_ckpt.run.catalog import (
     POINTERS,
     CheckpointEntry,
     choose_latest,
@@ -85,38 +86,24 @@ from xla_ckpt.io.catalog import (
     pointer_name,
     read_pointer,
 )
-from xla_ckpt.io.fencing import LEASE_NAME
-from xla_ckpt.io.names import DATA_PREFIX, INDEX_NAME, SINGLE_NAME, is_index_name
+from xla_ckpt.run.fencing import LEASE_NAME
+from xla_ckpt.run.sniff import (
+    ACCEPTED,
+    DCP,
+    DCP_METADATA,
+    HF_INDEX,
+    KINDS,
+    LEGACY,
+    XLA_CKPT,
+    foreign_checkpoints,
+    is_legacy_file,
+)
 from xla_ckpt.storage import RangeRead, Storage, StorageConfig, open_storage
 from xla_ckpt.storage.local import LocalStorage
 from xla_ckpt.storage.uri import split_uri
 
 logger = logging.getLogger(__name__)
 
-XLA_CKPT = "xla_ckpt"
-""":attr:`Resolved.kind` of an xla_ckpt checkpoint folder."""
-LEGACY = "legacy"
-""":attr:`Resolved.kind` of a legacy ``.pt``/safetensors file."""
-HF_INDEX = "hf_index"
-""":attr:`Resolved.kind` of a sharded HF safetensors checkpoint (``checkpoint``: its index)."""
-DCP = "dcp"
-""":attr:`Resolved.kind` of a PyTorch DCP checkpoint folder (``checkpoint``: the folder)."""
-
-KINDS = {XLA_CKPT: "an xla_ckpt checkpoint folder",
-         LEGACY: "a legacy torch.save/fairseq .pt or safetensors file",
-         HF_INDEX: "a sharded HF safetensors checkpoint (model.safetensors.index.json)",
-         DCP: "a PyTorch DCP checkpoint folder (.metadata)"}
-"""What each :attr:`Resolved.kind` is, in words (for messages)."""
-
-ACCEPTED = ("an xla_ckpt checkpoint folder (manifest.json), a run folder of them, a legacy "
-            "torch.save/fairseq .pt, an HF model.safetensors or model.safetensors.index.json "
-            "(or a folder holding one), or a PyTorch DCP checkpoint folder (.metadata)")
-"""The kinds of source :func:`resolve` accepts, for "none of these" errors."""
-
-DCP_METADATA = ".metadata"
-"""The commit marker of a DCP checkpoint (written last by ``dcp.save``)."""
-
-_LEGACY_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 _MAX_NAMED = 5  # objects named in a "found here" message
 
 POINTER_FORMS = {"checkpoint_last": "last", "checkpoint_best": "best"}
@@ -327,7 +314,6 @@ def _single_object(st: Storage) -> Resolved:
         with open_storage(folder, st.config) as parent:
             return _versioned(parent, name, HF_INDEX, uri)
     # The legacy reader loads torch (its unpickler); resolving anything else needs none.
-    from xla_ckpt.io.legacy import is_legacy_file  # noqa: PLC0415 - torch-free start-up
 
     if is_legacy_file(uri, config=st.config):
         with open_storage(folder, st.config) as parent:
@@ -436,26 +422,6 @@ def _nothing_committed(run: Storage, entries: list[CheckpointEntry], names: list
             f"object{'s' if len(other) != 1 else ''}: {shown}; xla_ckpt reads {ACCEPTED})",
             uri=run.uri)
     raise NothingCommittedError(f"{run.uri}: no committed checkpoint here", uri=run.uri)
-
-
-def foreign_checkpoints(names: list[str]) -> list[tuple[str, str]]:
-    """``(name, kind in words)`` of the checkpoints of other kinds a run folder listing shows.
-
-    ``names`` is a recursive listing (:meth:`Storage.list`).  Found by name only: legacy
-    files at the top (``checkpoint_last.pt``, ``*.safetensors``, ...), and sub-folders
-    holding a DCP ``.metadata``, a safetensors index or ``model.safetensors``.
-    """
-
-    found: dict[str, str] = {}
-    for n in names:
-        parts = n.split("/")
-        if len(parts) == 1 and n.endswith(_LEGACY_SUFFIXES):
-            found[n] = KINDS[LEGACY]
-        elif len(parts) == 2 and parts[1] == DCP_METADATA:
-            found[parts[0]] = KINDS[DCP]
-        elif len(parts) == 2 and parts[1] in (INDEX_NAME, SINGLE_NAME):
-            found.setdefault(parts[0], "an HF model folder")
-    return sorted(found.items())
 
 
 # ---- read, once more if replaced --------------------------------------------------------------

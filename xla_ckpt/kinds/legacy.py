@@ -36,13 +36,14 @@ from xla_ckpt.format.legacy import (
     Layout,
     LegacyFile,
     load_legacy,
-    sniff_format,
     upgrade_fairseq_state,
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.io.catalog import pointer_name, read_pointer, write_pointer
 from xla_ckpt.io.reader import read_manifest
-from xla_ckpt.io.writer import save
+from xla_ckpt.io.writer import write_checkpoint
+from xla_ckpt.run.catalog import pointer_name, read_pointer, write_pointer
+from xla_ckpt.run.resolve import resolve
+from xla_ckpt.run.sniff import destination_holds
 from xla_ckpt.storage import Storage, StorageConfig, open_storage, parse_uri
 from xla_ckpt.storage.base import ObjectInfo
 from xla_ckpt.storage.local import LocalStorage
@@ -140,32 +141,6 @@ def is_single_object(uri: str, *, config: StorageConfig | None = None) -> bool:
         return False
     with open_storage(folder, config) as st:
         return st.exists(name)
-
-
-def is_legacy_file(uri: str, *, config: StorageConfig | None = None) -> bool:
-    """True if ``uri`` names one object that is a torch.save/fairseq ``.pt`` or safetensors file.
-
-    An xla_ckpt checkpoint is a folder, so a URI naming one object is never one.
-    Reads at most 16 bytes.
-    """
-    try:
-        folder, name = split_uri(uri)
-    except CheckpointNotFoundError:
-        return False
-    if parse_uri(uri).is_local and not os.path.isfile(_local_path(uri)):
-        return False
-    storage = open_storage(folder, config)
-    try:
-        info = storage.stat(name)
-        prefix = bytearray(min(16, info.size))
-        if prefix:
-            storage.read_range(name, 0, memoryview(prefix), info.generation)
-        sniff_format(bytes(prefix), where=uri, size=info.size)
-        return True
-    except (CheckpointNotFoundError, CheckpointCorruptError):
-        return False
-    finally:
-        storage.close()
 
 
 _FAIRSEQ_PART = re.compile(r"-(?:shard\d+|model_part-\d+|rank-\d+)(?=-|\.pt$)")
@@ -322,7 +297,7 @@ def convert_legacy_run(src: str, dst: str, *, layout: Layout = "auto",
     after it (``checkpoint_2_500.pt`` -> ``checkpoint_2_500``).  fairseq writes
     ``checkpoint_last.pt`` / ``checkpoint_best.pt`` as byte copies of the checkpoint just
     saved: a copy becomes the ``checkpoint_last`` / ``checkpoint_best`` pointer to that
-    checkpoint (:func:`xla_ckpt.io.catalog.write_pointer`, the manager's format); one that
+    checkpoint (:func:`xla_ckpt.run.catalog.write_pointer`, the manager's format); one that
     is a copy of nothing (``--no-epoch-checkpoints`` runs, rotated epochs) is converted as
     its own checkpoint ``checkpoint_<epoch>_<num_updates>`` (``checkpoint_last_pt`` when
     that is taken or unknown) and pointed at.  Pointers are written after every
@@ -331,7 +306,7 @@ def convert_legacy_run(src: str, dst: str, *, layout: Layout = "auto",
     the pointers record ``converted_from`` and no lease epoch, and the resolver follows such
     a ``checkpoint_last`` even where a converted checkpoint records more updates (the stale
     branch of a run restarted from an earlier checkpoint;
-    :func:`xla_ckpt.io.catalog.choose_latest`).  Parts of a sharded fairseq
+    :func:`xla_ckpt.run.catalog.choose_latest`).  Parts of a sharded fairseq
     checkpoint (:func:`fairseq_part_files`) are refused before anything is read.
     ``dst`` may be ``src`` itself (the ``.pt`` files are left alone).  Running it again
     skips checkpoints already converted from the same bytes (resumable).
@@ -345,8 +320,6 @@ def convert_legacy_run(src: str, dst: str, *, layout: Layout = "auto",
             checkpoint at its top (an xla_ckpt manifest, DCP ``.metadata``, HF weights).
         UnsafePickleError / CheckpointCorruptError: as :func:`load_legacy_file` (names the file).
     """
-    from xla_ckpt.io.export import destination_holds  # noqa: PLC0415 - export imports this
-    from xla_ckpt.io.resolve import resolve  # noqa: PLC0415 - resolve imports this module
 
     report = RunConversion(src=src, dst=dst)
     with open_storage(src, config) as src_st, open_storage(dst, config) as dst_st:
@@ -409,7 +382,7 @@ def convert_legacy_run(src: str, dst: str, *, layout: Layout = "auto",
                                             "replace it")
             md.update(converted_from=uri, source_size_bytes=f.size, source_crc32c=f.crc32c)
             with dst_st.child(target) as ck:
-                manifest = save(legacy.state, ck.uri, metadata=md, storage=ck)
+                manifest = write_checkpoint(legacy.state, ck.uri, metadata=md, storage=ck)
             report.nbytes += manifest.nbytes
             f.checkpoint = target
             del legacy

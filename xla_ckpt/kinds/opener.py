@@ -1,4 +1,4 @@
-"""One opener: read what :func:`~xla_ckpt.io.resolve.resolve` named, once more if it was replaced.
+"""One opener: read what :func:`~xla_ckpt.run.resolve.resolve` named, once more if it was replaced.
 
 **Replaced while reading.**  :func:`read_checkpoint` resolves, then reads; when a
 read fails and the checkpoint it read is no longer the one resolved (its
@@ -12,7 +12,7 @@ applies the same rule collectively (:mod:`xla_ckpt.restore.api`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -25,19 +25,12 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.format.plan import MapLocation, resolve_device
-from xla_ckpt.io.legacy import Progress, load_legacy_file, split_uri
 from xla_ckpt.io.reader import CheckpointReader
-from xla_ckpt.io.recovery import note_for_read
-from xla_ckpt.io.resolve import (
-    DCP,
-    DCP_METADATA,
-    HF_INDEX,
-    LEGACY,
-    XLA_CKPT,
-    Resolved,
-    committed_manifest,
-    resolve,
-)
+from xla_ckpt.kinds.foreign import read_foreign
+from xla_ckpt.kinds.legacy import split_uri
+from xla_ckpt.run.recovery import note_for_read
+from xla_ckpt.run.resolve import Resolved, committed_manifest, resolve
+from xla_ckpt.run.sniff import DCP, DCP_METADATA, XLA_CKPT
 from xla_ckpt.storage import StorageConfig, open_storage
 from xla_ckpt.storage.local import LocalStorage
 
@@ -153,10 +146,10 @@ def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[st
     """Read ``item`` and those of the ``optional`` items there are: ``{item name: state}``.
 
     An xla_ckpt checkpoint is read with :class:`CheckpointReader` (crc32c checked);
-    a legacy file is imported through the allow-list of :mod:`xla_ckpt.io.legacy`
+    a legacy file is imported through the allow-list of :mod:`xla_ckpt.kinds.legacy`
     (fairseq files upgraded to the current layout), a sharded HF safetensors
-    checkpoint through :mod:`xla_ckpt.io.hf` (``{tensor name: tensor}``), a DCP
-    folder through :mod:`xla_ckpt.io.dcp` (nested back as it was given to ``dcp.save``).
+    checkpoint through :mod:`xla_ckpt.kinds.hf` (``{tensor name: tensor}``), a DCP
+    folder through :mod:`xla_ckpt.kinds.dcp` (nested back as it was given to ``dcp.save``).
     Those hold only the ``state`` item; their tensors are read on CPU and then placed as
     ``map_location`` says (:func:`place_tensors`), as for an xla_ckpt checkpoint.
 
@@ -231,96 +224,3 @@ def place_tensors(state: Any, map_location: MapLocation) -> Any:
         return obj
 
     return walk(state, "")
-
-
-def read_foreign(resolved: Resolved, *, config: StorageConfig | None = None,
-                 progress: Progress | None = None) -> Any:
-    """The whole state of a resolved source that is not an xla_ckpt checkpoint; CPU tensors.
-
-    Legacy ``.pt``/safetensors: :func:`~xla_ckpt.io.legacy.load_legacy_file` (allow-list,
-    fairseq upgrade); HF index: :func:`~xla_ckpt.io.hf.load_hf_index`; DCP:
-    :func:`xla_ckpt.io.dcp.read_dcp`, nested by :func:`~xla_ckpt.io.dcp.unflatten_dcp_state`.
-    ``progress`` gets byte counts (legacy and HF).
-
-    Raises:
-        ConfigError: ``resolved`` is an xla_ckpt checkpoint (read it with :func:`read_items`).
-    """
-    if resolved.kind == LEGACY:
-        return load_legacy_file(resolved.checkpoint, config=config, progress=progress).state
-    if resolved.kind == HF_INDEX:
-        from xla_ckpt.io.hf import load_hf_index  # noqa: PLC0415 - hf imports legacy
-
-        return load_hf_index(resolved.checkpoint, config=config, progress=progress)
-    if resolved.kind == DCP:
-        from xla_ckpt.io.dcp import (  # noqa: PLC0415 - DCP support loads torch.distributed
-            read_dcp,
-            read_dcp_metadata,
-            unflatten_dcp_state,
-        )
-
-        mapping = read_dcp_metadata(resolved.checkpoint, config=config).mapping
-        return unflatten_dcp_state(read_dcp(resolved.checkpoint, config=config), mapping)
-    raise ConfigError(f"{resolved.checkpoint} is {resolved.what}; read it with read_items")
-
-
-def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
-         config: StorageConfig | None = None, keys: Sequence[str] | str | None = None,
-         mmap: bool = False) -> Any:
-    """Load the state saved by :func:`xla_ckpt.save` from ``uri`` (``xla_ckpt.load``).
-
-    ``uri`` is a checkpoint folder, a run folder (its latest committed checkpoint), a
-    ``<run>/checkpoint_last`` / ``<run>/checkpoint_best`` pointer, a legacy
-    ``.pt``/safetensors file (imported through the allow-list; CPU tensors), an HF
-    ``model.safetensors.index.json`` (or a folder holding it or ``model.safetensors``:
-    ``{tensor name: tensor}``), or a PyTorch DCP checkpoint folder (the state nested as
-    it was given to ``dcp.save``: ``{"model": {...}, "optim": {...}}``); the rules are
-    :func:`xla_ckpt.io.resolve.resolve`'s.  Tensors
-    come back on CPU (``map_location=None``, as ``torch.load``) with the saved dtype,
-    shape, strides and aliasing; ``map_location`` may be a device, a ``{"cpu": device}``
-    dict or a callable ``key -> device``, for every kind of source (a foreign one is read
-    on CPU, then moved: :func:`place_tensors`).  Pickle-free for xla_ckpt checkpoints.
-
-    ``keys`` (a dotted key or prefix such as ``"model.encoder"``, or a list of them)
-    loads only those parts of the state, reading only the blobs that hold them
-    (:func:`xla_ckpt.io.partial.load_partial`).
-
-    ``mmap=True`` (a local xla_ckpt checkpoint only, as ``torch.load(mmap=True)``): CPU
-    tensors are views of private (copy-on-write) memory maps of the data files instead of
-    fresh copies: no copy and no fresh memory, pages are read in by the kernel, and every
-    byte is still crc32c-checked before this returns.  Writing a tensor copies the pages it
-    touches into this process; the file never changes.  The trade-off: pages not yet
-    written follow the file, so a process that writes a data file *in place* would change
-    the tensors, and one that truncates it would make touching them raise ``SIGBUS``.
-    xla_ckpt itself never writes a data file in place (a save writes new files and renames;
-    rotation deletes, which leaves mapped pages readable), so this holds for files only
-    xla_ckpt writes.  Keep the default (fresh copies) when other tools may rewrite them.
-
-    Raises:
-        ConfigError: ``mmap=True`` for a ``gs://`` checkpoint, a foreign source (legacy
-            ``.pt``, HF, DCP) or together with ``keys``.
-        UnknownKeyError: a key of ``keys`` matches nothing (names the closest keys).
-        NothingCommittedError: nothing committed at ``uri`` (a ``CheckpointNotFoundError``,
-            hence a ``FileNotFoundError``); :class:`UncommittedCheckpointError` when saves
-            began there and none committed.
-        CheckpointNotFoundError: a typo'd path (its parent folder is missing too), a file
-            that is not a checkpoint (the message lists the kinds accepted), a run folder
-            holding only checkpoints of other kinds (named).
-        CheckpointReplacedError: the checkpoint was replaced while it was read, twice.
-        CheckpointCorruptError: truncated or malformed files, a data file missing (names
-            the path, expected vs actual size), no item ``item``.
-        IntegrityError: crc32c mismatch after bounded re-reads (names object and tensor).
-    """
-    if keys is not None and mmap:
-        raise ConfigError("xla_ckpt.load: mmap=True reads whole items; it cannot be combined "
-                          f"with keys={keys!r} (load {uri} without mmap, or without keys)")
-    if keys is not None:
-        # Lazy: xla_ckpt.io.partial builds on this module.
-        from xla_ckpt.io.partial import load_partial  # noqa: PLC0415 - partial imports opener
-
-        return load_partial(uri, keys, map_location=map_location, config=config, item=item)
-
-    def read(resolved: Resolved) -> Any:
-        return read_items(resolved, item, map_location=map_location, config=config,
-                          mmap=mmap)[item]
-
-    return read_checkpoint(uri, read, config=config)

@@ -22,8 +22,8 @@ from typing import Iterable
 
 from xla_ckpt.errors import ConfigError
 from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.io.catalog import POINTERS, CheckpointEntry, pointer_name
 from xla_ckpt.io.names import DATA_PREFIX
+from xla_ckpt.run.catalog import POINTERS, CheckpointEntry, pointer_name
 from xla_ckpt.storage.base import InFlightObject
 
 DEFAULT_IN_FLIGHT_GRACE_S = 3600.0
@@ -163,7 +163,7 @@ def plan_deletions(entries: list[CheckpointEntry], policy: RetentionPolicy,
                    protect: Iterable[str] = (), *, delete_incomplete: bool = False) -> list[str]:
     """Names of checkpoint folders that ``policy`` allows deleting, oldest first.
 
-    ``entries`` is :func:`xla_ckpt.io.catalog.list_checkpoints` output (oldest first).
+    ``entries`` is :func:`xla_ckpt.run.catalog.list_checkpoints` output (oldest first).
     Incomplete folders are only returned with ``delete_incomplete=True`` (one of
     them may be a save in flight; only an operator or the saver knows).
     """

@@ -27,7 +27,7 @@ dtype, shape and values exactly (int64, bool, bf16 included; sizes are
   ``{dropped name: kept name}`` (``safetensors.torch.save_model`` semantics;
   ``from_pretrained`` re-ties it); a tensor overlapping another in any other way is
   written as its own copy.  Both are in :attr:`ExportReport.ties`.
-* **dcp** (:func:`export_dcp`): the whole state through :func:`xla_ckpt.io.dcp.write_dcp`
+* **dcp** (:func:`export_dcp`): the whole state through :func:`xla_ckpt.kinds.dcp.write_dcp`
   (``torch.distributed.checkpoint.load`` reads it back).
 
 **Per-rank items.** A checkpoint saved with ``rank_states`` (the manager's ``rank_state``,
@@ -72,8 +72,10 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format.legacy import looks_like_fairseq
 from xla_ckpt.format.manifest import STATE_ITEM
-from xla_ckpt.io.legacy import is_single_object, split_uri
 from xla_ckpt.io.names import INDEX_NAME, SINGLE_NAME
+from xla_ckpt.kinds.legacy import is_single_object, split_uri
+from xla_ckpt.kinds.opener import read_checkpoint, read_items
+from xla_ckpt.run.sniff import OUTPUT_KINDS, destination_holds
 from xla_ckpt.storage import StorageConfig, open_storage, parse_uri
 
 logger = logging.getLogger(__name__)
@@ -299,60 +301,12 @@ def _walk_plain(obj: Any, path: str, out: list[tuple[str, Any]]) -> None:
 
 # ---- writing ----------------------------------------------------------------------------------
 
-OUTPUT_KINDS = {"xla_ckpt": "a committed xla_ckpt checkpoint (manifest.json)",
-                "dcp": "a PyTorch DCP checkpoint (.metadata)",
-                "hf": "HF safetensors weights",
-                "file": "a file",
-                "run": "a run folder of checkpoints"}
-"""What :func:`destination_holds` finds at a destination, in words."""
-
 _HF_WEIGHTS = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
 
 
 def _is_hf_weight_file(name: str) -> bool:
     """``model.safetensors``, ``model-00001-of-00003.safetensors`` or the index."""
     return name == INDEX_NAME or bool(_HF_WEIGHTS.match(name))
-
-
-def destination_holds(dst: str, config: StorageConfig | None = None
-                      ) -> tuple[str, str] | None:
-    """``(kind, description)`` of the checkpoint or output already at ``dst``; None if none.
-
-    Kinds (:data:`OUTPUT_KINDS`): ``"file"`` (``dst`` is one object), ``"xla_ckpt"``
-    (``manifest.json`` at its top), ``"dcp"`` (``.metadata``), ``"hf"`` (``*.safetensors``
-    or ``model.safetensors.index.json`` at its top), ``"run"`` (sub-folders holding a
-    checkpoint of any kind, or ``.pt``/``.bin``/... files at its top).  Other objects
-    (a ``config.json``, logs) do not count.
-    """
-    from xla_ckpt.format.manifest import MANIFEST_NAME  # noqa: PLC0415 - keep imports light
-    from xla_ckpt.io.resolve import DCP_METADATA, foreign_checkpoints  # noqa: PLC0415 - cycle
-
-    if parse_uri(dst).is_local:
-        path = os.path.abspath(os.path.expanduser(parse_uri(dst).path))
-        if os.path.isfile(path):
-            return "file", f"a file ({path})"
-        if not os.path.isdir(path):
-            return None
-    with open_storage(dst, config) as st:
-        names = st.list("")
-        if names == [""]:
-            return "file", f"an object ({st.uri})"
-        top = [n for n in names if "/" not in n]
-        if MANIFEST_NAME in top:
-            return "xla_ckpt", OUTPUT_KINDS["xla_ckpt"]
-        if DCP_METADATA in top:
-            return "dcp", OUTPUT_KINDS["dcp"]
-        hf = [n for n in top if n == INDEX_NAME or n.endswith(".safetensors")]
-        if hf:
-            more = ", ..." if len(hf) > 3 else ""
-            return "hf", f"{OUTPUT_KINDS['hf']} ({', '.join(hf[:3])}{more})"
-        subs = sorted({n.split("/", 1)[0] for n in names
-                       if n.count("/") == 1 and n.split("/", 1)[1] == MANIFEST_NAME})
-        found = [n for n, _ in foreign_checkpoints(names)] + subs
-        if found:
-            shown = ", ".join(sorted(found)[:3]) + (", ..." if len(found) > 3 else "")
-            return "run", f"{OUTPUT_KINDS['run']} ({shown})"
-    return None
 
 
 def _canonical(uri: str) -> str:
@@ -738,7 +692,7 @@ def _namespaces_as_dicts(obj: Any) -> Any:
 
 def export_dcp(state: Any, dst: str, *, overwrite: bool = False,
                config: StorageConfig | None = None) -> ExportReport:
-    """Write ``state`` as a PyTorch DCP checkpoint folder (:func:`xla_ckpt.io.dcp.write_dcp`).
+    """Write ``state`` as a PyTorch DCP checkpoint folder (:func:`xla_ckpt.kinds.dcp.write_dcp`).
 
     DCP has no aliasing: a tied tensor is written under each of its names (reported as
     ``"copied"``), and ``dcp.load`` into a model with the tie fills the one storage.  An
@@ -751,7 +705,7 @@ def export_dcp(state: Any, dst: str, *, overwrite: bool = False,
         UnsupportedTypeError: a value ``torch.load(weights_only=True)`` cannot read back
             (numpy values, other classes), names the key.
     """
-    from xla_ckpt.io.dcp import write_dcp  # noqa: PLC0415 - DCP support loads torch.distributed
+    from xla_ckpt.kinds.dcp import write_dcp  # noqa: PLC0415 - DCP support loads torch.distributed
 
     check_destination(None, dst, writes="dcp", overwrite=overwrite, config=config)
     report = ExportReport(dst=dst, format="dcp")
@@ -838,7 +792,6 @@ def _read_with_ranks(uri: str, config: StorageConfig | None, *, nest: bool
                      ) -> tuple[Any, dict[int, Any], list[str]]:
     """``(state, {rank: its item} (read only when ``nest``), per-rank item names)`` of
     ``uri``, from one resolution (foreign sources have no per-rank items)."""
-    from xla_ckpt.io.opener import read_checkpoint, read_items  # noqa: PLC0415 - the opener imports most of io
 
     def read(resolved: Any) -> tuple[Any, dict[int, Any], list[str]]:
         manifest = resolved.manifest

@@ -1,0 +1,93 @@
+"""The checkpoint manager's config section (``checkpoint:`` in YAML), with fairseq's names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xla_ckpt.checks import check_int, check_number
+from xla_ckpt.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """What :class:`xla_ckpt.manager.CheckpointManager` saves, when, and what it keeps.
+
+    Field names follow fairseq's ``checkpoint`` options (``--save-interval-updates`` ...);
+    ``-1`` means "keep all" for the ``keep_*`` counts, ``0`` turns a schedule off.
+
+    Attributes:
+        save_dir: run folder (local path or ``gs://bucket/prefix``) holding
+            ``checkpoint_<epoch>_<updates>/``, ``checkpoint<epoch>/`` and the pointers
+            ``checkpoint_last.json`` / ``checkpoint_best.json``.
+        restore_file: what ``restore_or_initialize`` restores: ``"checkpoint_last"``
+            (latest committed, the default), ``"checkpoint_best"``, a checkpoint folder
+            name in ``save_dir``, or a full checkpoint URI.
+        no_save: never save (restore still works).
+        save_interval_epochs: save ``checkpoint<epoch>`` at the end of every N-th epoch
+            (fairseq ``save_interval``); 0 = no end-of-epoch saves.
+        save_interval_updates: save ``checkpoint_<epoch>_<updates>`` every N updates; 0 = off.
+        no_epoch_checkpoints: do not save end-of-epoch checkpoints at all.
+        keep_interval_updates: keep the newest N update checkpoints (``checkpoint_E_U``).
+        keep_last_epochs: keep the newest N epoch checkpoints (``checkpointE``).
+        keep_best_checkpoints: also keep the N best checkpoints by ``best_checkpoint_metric``
+            (0: the metric only moves the ``checkpoint_best`` pointer, whose target is never
+            deleted; -1: keep every checkpoint that has the metric).
+        best_checkpoint_metric: metric name (a key of the ``metrics`` passed on save).
+        maximize_best_checkpoint_metric: higher metric is better.
+        async_save: stage to host memory on the training thread, upload in a
+            background thread; at most one save in flight.  (Off: the training thread
+            writes the live state itself and waits for the commit.)
+        reuse_staging_buffers: keep the host buffers of the last async save for the next
+            one (one copy of the state stays in host memory; saves the page faults of
+            fresh allocations, several times the copy itself).
+        handle_sigterm: install a SIGTERM handler that asks for a save at the next
+            update boundary (preemption on Cloud TPU / GKE spot).
+        exit_on_preemption: after the preemption save commits, raise ``SystemExit(0)``.
+        sync_interval_updates: ranks exchange their preemption flag and save status
+            every N updates (one small all-gather on the control plane; it waits at most
+            ``dist.timeout_s``, like every collective).
+        exit_grace_s: seconds an async save already handed off may take to commit when
+            the loop stops with an exception (Ctrl-C, ``SystemExit``, an error) inside
+            ``with manager:``; a second Ctrl-C, a failure, or the end of the grace abandons
+            it, named in an ERROR line (the previous checkpoint and pointers stay as they
+            were).  0: abandon at once (its parts are deleted).
+
+    How a restore moves the bytes (every rank reads, or rank 0 broadcasts) is
+    :class:`xla_ckpt.restore.RestoreConfig` (section ``restore``).
+    """
+
+    save_dir: str = "checkpoints"
+    restore_file: str = "checkpoint_last"
+    no_save: bool = False
+    save_interval_epochs: int = 1
+    save_interval_updates: int = 0
+    no_epoch_checkpoints: bool = False
+    keep_interval_updates: int = -1
+    keep_last_epochs: int = -1
+    keep_best_checkpoints: int = 0
+    best_checkpoint_metric: str = "loss"
+    maximize_best_checkpoint_metric: bool = False
+    async_save: bool = True
+    reuse_staging_buffers: bool = True
+    handle_sigterm: bool = True
+    exit_on_preemption: bool = True
+    sync_interval_updates: int = 1
+    exit_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        s = "checkpoint"
+        for name in ("save_dir", "restore_file", "best_checkpoint_metric"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v.strip():
+                raise ConfigError(f"{s}.{name} must be a non-empty string, got {v!r}")
+        for name in ("save_interval_epochs", "save_interval_updates"):
+            check_int(s, name, getattr(self, name), 0)
+        for name in ("keep_interval_updates", "keep_last_epochs", "keep_best_checkpoints"):
+            check_int(s, name, getattr(self, name), -1)
+        check_int(s, "sync_interval_updates", self.sync_interval_updates, 1)
+        check_number(s, "exit_grace_s", self.exit_grace_s, positive=False)
+        for name in ("no_save", "no_epoch_checkpoints", "maximize_best_checkpoint_metric",
+                     "async_save", "reuse_staging_buffers", "handle_sigterm",
+                     "exit_on_preemption"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{s}.{name} must be true or false, got {getattr(self, name)!r}")
