@@ -6,9 +6,55 @@ reads manifests (the run-folder catalog, ``xla-ckpt ls``/``rm``/``gc``) needs no
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from xla_ckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
 from xla_ckpt.storage import Storage
+
+LEASE_EPOCH_KEY = "lease_epoch"
+"""Key of the writer's lease epoch in a manifest's metadata and in a pointer document."""
+
+ORDER_METADATA = ("xla_ckpt-lease-epoch", "xla_ckpt-num-updates", "xla_ckpt-created-unix-s")
+"""Custom metadata keys the commit stores with ``manifest.json`` (:func:`order_metadata`):
+what a run folder's catalog orders its checkpoints by, read from one listing."""
+
+Order = tuple[int, int, float]
+"""``(lease_epoch, num_updates, created_unix_s)`` of a committed checkpoint (module
+:mod:`xla_ckpt.run.catalog`, "Order")."""
+
+
+def _count(v: Any, default: int) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
+
+
+def order_of(manifest: Manifest) -> Order:
+    """What ``manifest`` says about its checkpoint's place in a run folder: the lease epoch
+    (0: written without a lease) and ``num_updates`` (-1: none) of its metadata summary,
+    and its creation time (Unix seconds)."""
+    md = typed.decode(manifest.metadata) if manifest.metadata is not None else None
+    md = md if isinstance(md, dict) else {}
+    return (_count(md.get(LEASE_EPOCH_KEY), 0), _count(md.get("num_updates"), -1),
+            float(manifest.created_unix_s or 0.0))
+
+
+def order_metadata(manifest: Manifest) -> dict[str, str]:
+    """:func:`order_of` as the custom metadata the commit stores with the manifest."""
+    epoch, updates, created = order_of(manifest)
+    return dict(zip(ORDER_METADATA, (str(epoch), str(updates), repr(created)), strict=True))
+
+
+def order_from_metadata(metadata: Mapping[str, str] | None) -> Order | None:
+    """The :data:`Order` custom metadata records; None when it lacks it (a checkpoint
+    committed by an earlier xla_ckpt, a backend that keeps no metadata) or is malformed."""
+    if not metadata:
+        return None
+    try:
+        epoch, updates, created = (metadata[k] for k in ORDER_METADATA)
+        return int(epoch), int(updates), float(created)
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def read_manifest(storage: Storage) -> Manifest:

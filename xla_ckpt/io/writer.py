@@ -65,6 +65,7 @@ from xla_ckpt.format.manifest import (
 )
 from xla_ckpt.format.plan import PlannedBlob, blob_pieces, blob_record, plan_item
 from xla_ckpt.format.safetensors_layout import build_header
+from xla_ckpt.io.manifest_file import order_metadata
 from xla_ckpt.io.names import DATA_PREFIX
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 from xla_ckpt.storage.local import LocalStorage
@@ -347,10 +348,12 @@ def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
         manifest.version = manifest.written_version
     check_files_visible(storage, files, writers)
     body = [manifest.to_json_bytes()]
+    order = order_metadata(manifest)  # what the run folder's catalog orders by, unread
     if if_generation_match is None:
-        storage.write_atomic(MANIFEST_NAME, body)
+        storage.write_atomic(MANIFEST_NAME, body, metadata=order)
     else:
-        storage.write_atomic(MANIFEST_NAME, body, if_generation_match=if_generation_match)
+        storage.write_atomic(MANIFEST_NAME, body, if_generation_match=if_generation_match,
+                             metadata=order)
     if cleanup:
         remove_other_data_files(storage, files)
     return manifest

@@ -17,6 +17,13 @@ and addresses objects by *names* relative to that root, ``/``-separated
 ``delete(name)``       remove; a missing object is not an error
 =====================  ======================================================
 
+**Custom metadata.**  ``write_atomic(..., metadata={...})`` stores a few short string
+pairs with the object (GCS custom metadata; a local file's extended attribute where the
+file system keeps one), and :meth:`Storage.list_in_subfolders` returns them with each
+object it lists (:attr:`ObjectInfo.metadata`; None where the backend kept none): a run
+folder's catalog reads what it orders checkpoints by from one listing instead of every
+manifest.
+
 **Preconditions.**  ``write_atomic`` and ``delete`` take ``if_generation_match``
 (GCS's ``ifGenerationMatch``): ``None`` -- unconditional; ``0`` -- only if no
 object of that name exists (create only); ``N > 0`` -- only if the live object
@@ -34,6 +41,7 @@ the conformance suite every backend must pass.
 from __future__ import annotations
 
 import abc
+import builtins
 import concurrent.futures as cf
 import ipaddress
 import logging
@@ -41,7 +49,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from xla_ckpt.errors import CheckpointNotFoundError, ConfigError, PreconditionFailedError
 from xla_ckpt.storage.cancel import run_all
@@ -62,11 +70,15 @@ class ObjectInfo:
             across the slices of one read), a local file's modification time in
             ns (see :mod:`xla_ckpt.storage.local`); every replace by
             ``write_atomic`` gives a new one.  What ``if_generation_match`` compares.
+        metadata: the custom metadata ``write_atomic`` stored with it, as
+            :meth:`Storage.list_in_subfolders` returns it; None when not known (not asked
+            for, or the backend kept none).
     """
 
     name: str
     size: int
     generation: int | None = None
+    metadata: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -265,7 +277,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def write_atomic(self, name: str, buffers: Sequence[memoryview | bytes], *,
-                     if_generation_match: int | None = None) -> ObjectInfo:
+                     if_generation_match: int | None = None,
+                     metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         """Write the concatenation of ``buffers`` as ``name``, all or nothing.
 
         An existing object of that name is replaced atomically; on failure it
@@ -274,6 +287,9 @@ class Storage(abc.ABC):
         Args:
             if_generation_match: ``None`` replaces whatever is there; ``0`` creates
                 only (fails if ``name`` exists); ``N > 0`` replaces only generation ``N``.
+            metadata: custom metadata (a few short ``str -> str`` pairs) stored with the
+                object, visible at once with it; a backend that cannot keep it writes the
+                object without (readers then find ``ObjectInfo.metadata`` None).
 
         Returns:
             The new object's size and generation.
@@ -335,6 +351,29 @@ class Storage(abc.ABC):
 
         Temporary/in-flight objects of interrupted writes are never listed.
         """
+
+    def list_in_subfolders(self, prefix: str, name: str) -> builtins.list[ObjectInfo]:
+        """Every object ``<folder>/<name>`` one level below ``prefix``, with its custom
+        metadata, sorted by name (``ObjectInfo.name`` relative to ``prefix``).
+
+        What a run folder's catalog lists: ``list_in_subfolders("", "manifest.json")`` is
+        every committed checkpoint and what :meth:`write_atomic` stored with its manifest,
+        without listing the data files.  Backends answer it in one listing (GCS:
+        ``matchGlob``, one request per 1,000 objects; local: one directory scan); this
+        default is built on :meth:`list` and :meth:`stat` (no metadata).
+        """
+        base = prefix.strip("/")
+        out = []
+        for n in self.list(base):
+            rel = n[len(base) + 1:] if base else n
+            parts = rel.split("/")
+            if len(parts) == 2 and parts[1] == name:
+                try:
+                    info = self.stat(n)
+                except CheckpointNotFoundError:
+                    continue  # deleted since the listing
+                out.append(ObjectInfo(rel, info.size, info.generation, info.metadata))
+        return out
 
     @abc.abstractmethod
     def delete(self, name: str, *, if_generation_match: int | None = None) -> None:

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import mmap
 import os
 import re
 import threading
 import uuid
 from collections import deque
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from xla_ckpt.errors import (
     CheckpointCorruptError,
@@ -168,11 +169,15 @@ class LocalStorage(Storage):
         return path
 
     def write_atomic(self, name: str, buffers: Sequence[memoryview | bytes], *,
-                     if_generation_match: int | None = None) -> ObjectInfo:
+                     if_generation_match: int | None = None,
+                     metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         """Write the concatenation of ``buffers`` as ``name`` (see the module docstring).
 
         ``if_generation_match`` (see :meth:`Storage.write_atomic`) is checked against the
         live file under the folder lock, after the bytes are written and synced.
+        ``metadata`` goes into the extended attribute :data:`METADATA_XATTR` of the file
+        before it gets its name (JSON), where the file system keeps user attributes; where
+        it does not, the file is written without.
 
         Raises:
             PreconditionFailedError: it did not hold; the temporary file is removed.
@@ -191,6 +196,8 @@ class LocalStorage(Storage):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 size = _write_all(fd, buffers)
+                if metadata:
+                    _set_metadata(fd, metadata)
                 os.fsync(fd)  # the durability point: whatever writeback started, wait for all
             finally:
                 os.close(fd)
@@ -258,6 +265,50 @@ class LocalStorage(Storage):
                                       upload_id=m["upload_id"], size=st.st_size,
                                       created_unix_s=st.st_mtime))
         return sorted(out, key=lambda o: o.name)
+
+    def read_bytes(self, name: str) -> bytes:
+        """Whole file as bytes, read through one descriptor: a replace meanwhile (a new file
+        under the name) is never mixed into it."""
+        path = self._path(name)
+        fd = _open_for_reading(path)
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(size)
+            got = 0
+            while got < size:
+                n = os.preadv(fd, [memoryview(buf)[got:]], got)
+                if n == 0:
+                    raise CheckpointCorruptError(f"{path}: truncated while read: {got} of "
+                                                 f"{size} bytes")
+                got += n
+            return bytes(buf)
+        except OSError as e:
+            raise StorageError(f"{path}: read failed: {e}") from e
+        finally:
+            os.close(fd)
+
+    def list_in_subfolders(self, prefix: str, name: str) -> list[ObjectInfo]:
+        """:meth:`Storage.list_in_subfolders` in one scan of folder ``prefix`` (a ``stat``
+        and, where kept, the :data:`METADATA_XATTR` attribute of each file found)."""
+        base = self._path(prefix) if prefix.strip("/") else self.root
+        try:
+            folders = sorted(e.name for e in os.scandir(base) if e.is_dir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except PermissionError as e:
+            raise StoragePermissionError(f"{base}: {e.strerror}") from None
+        out = []
+        for folder in folders:
+            path = os.path.join(base, folder, name)
+            try:
+                st = os.stat(path)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if not os.path.isfile(path):
+                continue
+            out.append(ObjectInfo(f"{folder}/{name}", st.st_size, file_generation(st),
+                                  _get_metadata(path)))
+        return out
 
     def list(self, prefix: str = "") -> list[str]:
         if prefix.strip("/") and os.path.isfile(self._path(prefix)):
@@ -461,6 +512,43 @@ def _write_all(fd: int, buffers: Iterable[memoryview | bytes]) -> int:
     finally:
         wb.close()
     return size
+
+
+METADATA_XATTR = "user.xla_ckpt.metadata"
+"""Extended attribute holding an object's custom metadata (JSON), where the file system
+keeps user attributes (ext4, xfs, btrfs, tmpfs since Linux 6.6)."""
+
+
+def _set_metadata(fd: int, metadata: Mapping[str, str]) -> None:
+    """Store ``metadata`` on the open file ``fd``; a file system without user attributes
+    (or a platform without ``os.setxattr``) keeps none, which readers allow for."""
+    setxattr = getattr(os, "setxattr", None)
+    if setxattr is None:
+        return
+    try:
+        setxattr(fd, METADATA_XATTR, json.dumps(dict(metadata), sort_keys=True).encode())
+    except OSError as e:
+        if e.errno not in _NO_XATTR:
+            raise
+
+
+def _get_metadata(path: str) -> dict[str, str] | None:
+    """The metadata :func:`_set_metadata` stored on ``path``; None if none (or unreadable)."""
+    getxattr = getattr(os, "getxattr", None)
+    if getxattr is None:
+        return None
+    try:
+        doc = json.loads(getxattr(path, METADATA_XATTR))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    return {str(k): str(v) for k, v in doc.items()}
+
+
+_NO_XATTR = frozenset({errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EPERM,
+                       errno.E2BIG, errno.ENOSPC})
+"""``setxattr`` errors of file systems that keep no (or no more) user attributes."""
 
 
 def _open_for_reading(path: str) -> int:

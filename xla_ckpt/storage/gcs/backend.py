@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 from typing import Any
 
@@ -13,6 +14,7 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.storage.base import (
     MiB,
+    ObjectInfo,
     StorageConfig,
     check_generation_match,
     join,
@@ -28,6 +30,9 @@ from xla_ckpt.storage.gcs.transport import (
 from xla_ckpt.storage.gcs.whole_reads import _GCSWholeReads
 from xla_ckpt.storage.gcs.writes import _GCSWrites
 from xla_ckpt.storage.uri import parse_uri
+
+_GLOB_CHARS = frozenset("*?[]{}\\")
+"""Characters a ``matchGlob`` pattern treats as special."""
 
 DEFAULT_CONFIG = StorageConfig(max_workers=32, slice_size_bytes=8 * MiB)
 """Defaults measured against the shaped emulator (see benchmarks/README.md, ``--sweep``)."""
@@ -114,6 +119,34 @@ class GCSStorage(_GCSWholeReads, _GCSWrites):
         if p and p in out:
             return [p]
         return sorted(out)
+
+    def list_in_subfolders(self, prefix: str, name: str) -> builtins.list[ObjectInfo]:
+        """:meth:`Storage.list_in_subfolders` in one listing (``matchGlob``
+        ``<prefix>/*/<name>``: one request per 1,000 objects found; data files are not
+        listed), each object with its custom metadata.  A prefix or name holding glob
+        characters is listed the default way (:meth:`list`, then a stat each)."""
+        base = join(self.prefix, prefix.strip("/"))
+        if any(c in base + name for c in _GLOB_CHARS):
+            return super().list_in_subfolders(prefix, name)
+        head = base + "/" if base else ""
+
+        def run(timeout: tuple[float, float]) -> builtins.list[ObjectInfo]:
+            out = []
+            for b in self._conn.client.list_blobs(self.bucket_name, prefix=head or None,
+                                                  match_glob=f"{head}*/{name}", retry=None,
+                                                  timeout=timeout):
+                rel = b.name[len(head):]
+                if TMP_MARK in rel or rel.count("/") != 1:
+                    continue
+                meta = b.metadata
+                out.append(ObjectInfo(rel, int(b.size or 0),
+                                      int(b.generation) if b.generation else None,
+                                      {str(k): str(v) for k, v in meta.items()}
+                                      if isinstance(meta, dict) else None))
+            return out
+
+        return sorted(self._api(f"list {self._gs(head)}*/{name}", run, bucket_404=True),
+                      key=lambda o: o.name)
 
     def delete(self, name: str, *, if_generation_match: int | None = None) -> None:
         """Delete ``name``; a missing object is not an error.

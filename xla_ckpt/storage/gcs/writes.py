@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from xla_ckpt.errors import CheckpointNotFoundError, PreconditionFailedError, StorageError
 from xla_ckpt.format.crc import crc32c, crc32c_combine
@@ -118,7 +118,8 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
     """The write half of :class:`~xla_ckpt.storage.gcs.GCSStorage` (it stats what it wrote)."""
 
     def write_atomic(self, name: str, buffers: Iterable[memoryview | bytes], *,
-                     if_generation_match: int | None = None) -> ObjectInfo:
+                     if_generation_match: int | None = None,
+                     metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         """Write the concatenation of ``buffers`` as ``name``, all or nothing.
 
         ``buffers`` is consumed first (no upload starts before it is), then:
@@ -135,7 +136,8 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
         ``ifGenerationMatch``; parts and intermediate composes are unconditional.  A
         composite write checks it once before uploading its parts too.  A 412 answer to a
         request that had been retried counts as success when the live object has this
-        write's size and crc32c (the earlier attempt did write it).
+        write's size and crc32c (the earlier attempt did write it).  ``metadata`` becomes
+        the object's custom metadata, on the same request.
 
         Returns:
             The new object's :class:`ObjectInfo` (size in bytes, generation).
@@ -156,13 +158,13 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
             crc = 0
             for p in pieces:
                 crc = crc32c(p, crc)
-            res = self._upload_multipart(full, pieces, size, crc, expected)
+            res = self._upload_multipart(full, pieces, size, crc, expected, metadata)
         else:
             if expected is not None:  # fail before uploading the parts, not after
                 live = self._live(full)
                 if (live[1] if live is not None else None) != (expected or None):
                     raise self._not_written(full, expected, live)
-            res = self._upload_composite(full, pieces, size, expected)
+            res = self._upload_composite(full, pieces, size, expected, metadata)
         return ObjectInfo(name=name.strip("/"), size=int(res.get("size", size)),
                           generation=int(res["generation"]) if res.get("generation") else None)
 
@@ -198,13 +200,18 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
         raise self._not_written(full, expected, live) from None
 
     def _upload_multipart(self, full: str, pieces: Sequence[memoryview], size: int,
-                          crc: int, expected: int | None = None) -> dict[str, Any]:
+                          crc: int, expected: int | None = None,
+                          metadata: Mapping[str, str] | None = None) -> dict[str, Any]:
         """One multipart upload carrying the crc32c: the service checks it before it is visible.
 
-        ``expected``: its ``ifGenerationMatch`` (None: unconditional)."""
+        ``expected``: its ``ifGenerationMatch`` (None: unconditional); ``metadata``: the
+        object's custom metadata."""
         boundary = f"==xla_ckpt_{uuid.uuid4().hex}=="
-        meta = json.dumps({"name": full, "contentType": "application/octet-stream",
-                           "crc32c": crc32c_b64(crc)}).encode()
+        resource: dict[str, Any] = {"name": full, "contentType": "application/octet-stream",
+                                    "crc32c": crc32c_b64(crc)}
+        if metadata:
+            resource["metadata"] = dict(metadata)
+        meta = json.dumps(resource).encode()
         head = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
                 ).encode() + meta + (f"\r\n--{boundary}\r\nContent-Type: application/"
                                      "octet-stream\r\n\r\n").encode()
@@ -256,7 +263,8 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
                            f"{crc32c_b64(crc)}")
 
     def _upload_composite(self, full: str, pieces: Sequence[memoryview], size: int,
-                          expected: int | None = None) -> dict[str, Any]:
+                          expected: int | None = None,
+                          metadata: Mapping[str, str] | None = None) -> dict[str, Any]:
         up = _Upload(self, full)
         with _ACTIVE_LOCK:
             _ACTIVE.add(up)
@@ -280,7 +288,7 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
                     up.futures.append(fut)
                 crcs = [f.result() for f in up.futures]
                 sources = [(p.name, p.size, c) for p, c in zip(parts, crcs, strict=True)]
-                res = self._compose_tree(full, sources, uid, up, expected)
+                res = self._compose_tree(full, sources, uid, up, expected, metadata)
                 self._delete_quietly(up.made())
             except BaseException as e:
                 interrupted = not isinstance(e, Exception)
@@ -300,7 +308,8 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
         return res
 
     def _compose_tree(self, full: str, sources: list[tuple[str, int, int]], uid: str,
-                      up: _Upload, expected: int | None = None) -> dict[str, Any]:
+                      up: _Upload, expected: int | None = None,
+                      metadata: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Compose ``sources`` into ``full``: in a tree of unconditional intermediate composes
         above :data:`MAX_COMPOSE_SOURCES`, the last one with ``ifGenerationMatch=expected``."""
         level = 0
@@ -318,14 +327,16 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
             sources, level = grouped, level + 1
         if up.cancelled.is_set():
             raise _Abandoned(f"{self._gs(full)}: the write was abandoned")
-        size, crc, gen = self._compose(full, sources, expected)
+        size, crc, gen = self._compose(full, sources, expected, metadata)
         return {"size": size, "generation": gen, "crc32c": crc32c_b64(crc)}
 
     def _compose(self, dest: str, sources: list[tuple[str, int, int]],
-                 expected: int | None = None) -> tuple[int, int, int | None]:
+                 expected: int | None = None,
+                 metadata: Mapping[str, str] | None = None) -> tuple[int, int, int | None]:
         """Compose ``sources`` (name, size, crc32c) into ``dest``: (size, crc32c, generation).
 
-        ``expected``: the destination's ``ifGenerationMatch`` (None: unconditional)."""
+        ``expected``: the destination's ``ifGenerationMatch`` (None: unconditional);
+        ``metadata``: its custom metadata."""
         size, crc = 0, 0
         for _name, n, c in sources:
             crc = crc32c_combine(crc, c, n)
@@ -333,6 +344,8 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
         blob = self._bucket.blob(dest)
         blob.content_type = "application/octet-stream"
         blob.crc32c = crc32c_b64(crc)
+        if metadata:
+            blob.metadata = dict(metadata)
         srcs = [self._bucket.blob(name) for name, _n, _c in sources]
         try:
             self._api(f"compose {self._gs(dest)} from {len(srcs)} parts",
