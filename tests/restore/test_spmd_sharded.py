@@ -91,7 +91,7 @@ def _assert_restored(report: dict[str, Any], what: str) -> None:
 def test_importing_spmd_and_views_does_not_load_torch_xla() -> None:
     code = ("import sys, torch; import xla_ckpt.sharded.spmd, xla_ckpt.sharded.views, "
             "xla_ckpt.restore.owners\n"
-            "from xla_ckpt.restore import spmd\n"
+            "from xla_ckpt.sharded import spmd\n"
             "assert not spmd.is_xla_sharded(torch.ones(2))\n"
             "assert not spmd.is_xla_sharded(3)\n"
             "print(sorted(m for m in sys.modules if m.startswith('torch_xla')))")
