@@ -79,7 +79,7 @@ def _may_have_raced(e: DistributedError) -> bool:
 
 
 @gc_paused()  # many small objects, no cycles (CASES C26)
-def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
+def restore(uri: str | Decision, *, dist: Dist | None = None, strategy: str | None = None,
             map_location: MapLocation = None, item: str = STATE_ITEM, rank_item: bool = True,
             zero_sharding: str | None = None,
             load_checkpoint_on_all_dp_ranks: bool | None = None,
@@ -127,7 +127,9 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
     :class:`~xla_ckpt.errors.WorldSizeMismatchError` names them and both options.
 
     Args:
-        uri: checkpoint folder or run folder (local path or ``gs://``).
+        uri: checkpoint folder or run folder (local path or ``gs://``), or a
+            :class:`~xla_ckpt.restore.decide.Decision` already made and the same on every
+            rank (the manager's): then nothing is listed or decided again.
         dist: the job's :class:`~xla_ckpt.comm.Dist` (default :func:`get_dist`).
         strategy: ``"auto"``, ``"all_ranks"``, ``"per_host"``, ``"broadcast"`` or
             ``"striped"`` (overrides ``config``).
@@ -205,7 +207,10 @@ def restore(uri: str, *, dist: Dist | None = None, strategy: str | None = None,
         name, reason = ALL_RANKS, ("auto: restoring into sharded targets, each rank reads only "
                                    "the byte ranges of its own shards")
     context = f"strategy {name}: {reason}"
-    decision = decide(uri, dist, config=storage_config, context=context)
+    if isinstance(uri, Decision):  # decided already (CheckpointManager): not again
+        decision, uri = uri, uri.checkpoint
+    else:
+        decision = decide(uri, dist, config=storage_config, context=context)
     shape = job_shape(dist, cfg)  # every rank: one exchange of host ids and settings
     sizes = sizes_of(decision.manifest, item, cfg, storage_config)
     predictions = {p: e.seconds for p, e in cost.predict(

@@ -33,11 +33,43 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Decision:
-    """What every rank restores: ``checkpoint`` (URI) described by ``manifest``."""
+    """Which checkpoint a restore reads, decided once on one rank and the same on every rank:
+    ``checkpoint`` (its URI) described by ``manifest`` (parsed and validated from the
+    ``manifest_bytes`` bytes rank 0 read).
+
+    The one decision type: :func:`decide` makes it for :func:`xla_ckpt.restore.restore`,
+    :class:`~xla_ckpt.manager.CheckpointManager` makes it for its restores (with the best
+    score and step rules of the run folder) and passes it to ``restore()``, which then
+    decides nothing again.
+    """
 
     checkpoint: str
     manifest: Manifest
     manifest_bytes: int
+
+    @property
+    def name(self) -> str:
+        """Last segment of :attr:`checkpoint` (its folder name in a run folder)."""
+        return self.checkpoint.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def save_id(self) -> str:
+        return self.manifest.save_id
+
+    @classmethod
+    def from_bytes(cls, checkpoint: str, data: bytes, parsed: Manifest | None = None
+                   ) -> Decision:
+        """The decision to read ``checkpoint`` whose manifest is ``data`` (as rank 0 read it
+        and sent it): ``parsed`` when the caller parsed those bytes already (rank 0), else
+        parsed and validated here.
+
+        Raises:
+            CheckpointCorruptError: ``data`` is not a valid manifest.
+        """
+        manifest = parsed if parsed is not None else \
+            Manifest.from_json_bytes(data, where=f"{checkpoint}/{MANIFEST_NAME}",
+                                     require_crc=True)
+        return cls(checkpoint, manifest, len(data))
 
 
 def _resolve(uri: str, config: StorageConfig | None) -> tuple[str, bytes, Manifest | None]:
@@ -122,11 +154,10 @@ def decide(uri: str, dist: Dist, *, config: StorageConfig | None = None,
         raise DistributedError(f"restore: rank 0 could not decide which checkpoint to restore "
                                f"from {uri}{suffix}", {0: status.get("message", "?")}) \
             from local_error
-    ckpt = status["checkpoint"]
     # the other ranks parse and validate the bytes they got (rank 0's resolver already did)
-    manifest = parsed if parsed is not None else \
-        Manifest.from_json_bytes(data, where=f"{ckpt}/{MANIFEST_NAME}")
+    decision = Decision.from_bytes(status["checkpoint"], data, parsed)
     if dist.rank == 0:
-        logger.info("rank 0: restoring %s (save %s, %d bytes of data, manifest %d bytes)%s", ckpt,
-                    manifest.save_id, manifest.nbytes, len(data), suffix)
-    return Decision(ckpt, manifest, len(data))
+        logger.info("rank 0: restoring %s (save %s, %d bytes of data, manifest %d bytes)%s",
+                    decision.checkpoint, decision.save_id, decision.manifest.nbytes, len(data),
+                    suffix)
+    return decision
