@@ -287,7 +287,8 @@ def child(method: str, spec: dict) -> dict:
         import threading
 
         from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
-        from xla_ckpt.io.reader import _shared_pool, host_arenas, plan_spans
+        from xla_ckpt.io.buffers import host_arenas, shared_pool
+        from xla_ckpt.io.planning import plan_spans
         from xla_ckpt.storage import StorageConfig
         from xla_ckpt.storage.gcs import DEFAULT_CONFIG, GCSStorage
 
@@ -316,7 +317,7 @@ def child(method: str, spec: dict) -> dict:
             st.read_range(name, off, memoryview(buf)[:n], gens[name])
 
         def load():
-            pool = _shared_pool(cfg.max_workers)  # the pool (a) reads with
+            pool = shared_pool(cfg.max_workers)  # the pool (a) reads with
             for f in [pool.submit(fetch, *s) for s in slices]:
                 f.result()
             return None

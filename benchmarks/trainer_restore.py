@@ -64,7 +64,7 @@ from xla_ckpt.demo.model import ContrastiveLoss, build  # noqa: E402 - after set
 from xla_ckpt.format.crc import crc32c  # noqa: E402 - after set_num_threads
 from xla_ckpt.format.manifest import STATE_ITEM  # noqa: E402 - after set_num_threads
 from xla_ckpt.format.plan import materialize_item, tensor_bytes  # noqa: E402 - after set_num_threads
-from xla_ckpt.io import reader  # noqa: E402 - after set_num_threads
+from xla_ckpt.io import buffers  # noqa: E402 - after set_num_threads
 from xla_ckpt.kinds.opener import open_reader  # noqa: E402 - after set_num_threads
 from xla_ckpt.run.resolve import resolve  # noqa: E402 - after set_num_threads
 from xla_ckpt.testing.asserts import assert_state_identical  # noqa: E402 - after set_num_threads
@@ -287,7 +287,7 @@ def child_breakdown(tmp: str) -> None:
     """``--child-breakdown``: the parts of one ``xla_ckpt.load`` in this fresh process.
 
     Fresh memory is what a restarted job pays for and the loop hides, so the page faults get
-    a line of their own: the arenas are prefaulted first (``reader.prefault``, one madvise
+    a line of their own: the arenas are prefaulted first (``buffers.prefault``, one madvise
     per arena: the kernel's allocation and zeroing of every page), then read into.
     """
     folder = os.path.join(tmp, "checkpoint_1_1")
@@ -307,7 +307,7 @@ def child_breakdown(tmp: str) -> None:
                 for b in bufs.values() if b.numel()}
     def fault_in() -> None:
         for addr, nbytes in storages.items():
-            reader.prefault(addr, nbytes)
+            buffers.prefault(addr, nbytes)
 
     clock("page_faults(prefault every arena)", fault_in)
     clock("read(copy+crc32c, pool)", rd.read_into, STATE_ITEM, bufs)
@@ -349,13 +349,13 @@ def main() -> None:
     ap.add_argument("--fresh-repeat", type=int, default=3,
                     help="with --rss: fresh processes per method (median seconds, worst RSS)")
     ap.add_argument("--huge-pages", choices=("auto", "on", "off"), default="auto",
-                    help="xla_ckpt.io.reader.HUGE_PAGES for fresh buffers (auto: only where "
+                    help="xla_ckpt.io.buffers.HUGE_PAGES for fresh buffers (auto: only where "
                          "the kernel's THP settings cannot stall a fault)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-breakdown", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    reader.HUGE_PAGES = {"auto": None, "on": True, "off": False}[args.huge_pages]
+    buffers.HUGE_PAGES = {"auto": None, "on": True, "off": False}[args.huge_pages]
     if args.child:
         child(args.child, args.tmp)
         return
@@ -397,7 +397,7 @@ def main() -> None:
                                                     / memory[name]["fresh_process_seconds"], 2)
         print(json.dumps(line), flush=True)
     print(json.dumps({"kernel_counters_during_timed_runs": kernel, "huge_pages": args.huge_pages,
-                      "huge_pages_stall_free": reader.huge_pages_stall_free()}), flush=True)
+                      "huge_pages_stall_free": buffers.huge_pages_stall_free()}), flush=True)
     if args.breakdown:
         print(json.dumps({"breakdown_seconds": breakdown(bench, args.repeat)}), flush=True)
         print(json.dumps({"fresh_process_breakdown_seconds":

@@ -16,14 +16,8 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.io import CheckpointReader, commit, new_save_id, write_item
-from xla_ckpt.io.reader import (
-    CACHE_STEP_BYTES,
-    COALESCE_BLOB_BYTES,
-    host_arenas,
-    in_place_buffers,
-    plan_spans,
-    prefault,
-)
+from xla_ckpt.io.buffers import host_arenas, in_place_buffers, prefault
+from xla_ckpt.io.planning import CACHE_STEP_BYTES, COALESCE_BLOB_BYTES, plan_spans
 from xla_ckpt.storage import StorageConfig, open_storage
 from xla_ckpt.testing.asserts import assert_state_identical
 from xla_ckpt.testing.fault_proxy import downloads
@@ -349,7 +343,7 @@ def test_in_place_buffers_skip_targets_sharing_memory_across_blobs(tmp_path):
 
 # ---- host buffers ------------------------------------------------------------------------------
 def test_host_buffer_huge_pages_only_when_asked_or_stall_free(monkeypatch):
-    from xla_ckpt.io import reader
+    from xla_ckpt.io import buffers as reader
 
     monkeypatch.setattr(reader, "HUGE_PAGES", True)
     buf = reader.host_buffer(5 * reader.HUGE_PAGE_BYTES + 123)
@@ -371,7 +365,7 @@ def test_host_buffer_huge_pages_only_when_asked_or_stall_free(monkeypatch):
 
 
 def test_load_with_huge_pages_is_bitwise(tmp_path, monkeypatch):
-    from xla_ckpt.io import reader
+    from xla_ckpt.io import buffers as reader
 
     monkeypatch.setattr(reader, "HUGE_PAGES", True)
     state = {"a": torch.randn(1 << 20), "b": torch.arange(10), "c": torch.randn(3, 5)}

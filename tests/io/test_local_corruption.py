@@ -32,7 +32,7 @@ def saved(local_dir):
 
 @pytest.fixture(autouse=True)
 def quiet_crc_retries(caplog):
-    caplog.set_level(logging.ERROR, logger="xla_ckpt.io.reader")
+    caplog.set_level(logging.ERROR, logger="xla_ckpt.io.blob_reader")
 
 
 @pytest.mark.parametrize("cut", ["0", "1", "n/2", "n-1"])

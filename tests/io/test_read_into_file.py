@@ -56,7 +56,7 @@ def test_file_holds_exactly_the_blobs_at_their_offsets(checkpoint, tmp_path):
 
 
 def test_a_corrupt_slice_is_never_written(checkpoint, tmp_path, caplog):
-    caplog.set_level(logging.ERROR, logger="xla_ckpt.io.reader")
+    caplog.set_level(logging.ERROR, logger="xla_ckpt.io.blob_reader")
     reader = _reader(checkpoint)
     item = reader.manifest.item()
     big = max(range(len(item.blobs)), key=lambda i: item.blobs[i].length)

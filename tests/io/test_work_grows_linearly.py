@@ -27,8 +27,10 @@ import xla_ckpt
 from xla_ckpt.cli.main import main as cli_main
 from xla_ckpt.format.chunks import ChunkRecord, GlobalTensor, chunk_item
 from xla_ckpt.format.manifest import BlobRecord, Item, Manifest, TensorRecord
+from xla_ckpt.io.buffers import host_arenas
 from xla_ckpt.io.chunked import plan_whole_reads
-from xla_ckpt.io.reader import host_arenas, plan_spans, read_manifest
+from xla_ckpt.io.manifest_file import read_manifest
+from xla_ckpt.io.planning import plan_spans
 from xla_ckpt.storage import open_storage
 from xla_ckpt.trainer import Checkpointer, Metrics
 

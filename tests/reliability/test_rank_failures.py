@@ -241,7 +241,7 @@ def test_sharded_restore_rank_fails(zygote, sharded_ckpt, strategy, scenario, vi
 
 @pytest.fixture(scope="module")
 def plan_local_ckpt(tmp_path_factory):
-    from xla_ckpt.io.reader import read_manifest
+    from xla_ckpt.io.manifest_file import read_manifest
     from xla_ckpt.restore.striped import plan_stripes, stripe_size
     from xla_ckpt.storage import StorageConfig, open_storage
 

@@ -243,7 +243,7 @@ def _corrupt_last_row(src: str, dst: str, key: str) -> None:
     """Copy checkpoint ``src`` to ``dst`` and flip a byte in the last row of ``key``."""
     import shutil
 
-    from xla_ckpt.io.reader import read_manifest
+    from xla_ckpt.io.manifest_file import read_manifest
     from xla_ckpt.storage import open_storage
 
     shutil.copytree(src, dst)

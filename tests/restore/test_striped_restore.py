@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.restore import striped_workers as SW
-from xla_ckpt.io.reader import read_manifest
+from xla_ckpt.io.manifest_file import read_manifest
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.restore.cost import PLANS, RestoreTopology
 from xla_ckpt.restore.plan import plan_ranks

@@ -15,8 +15,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from xla_ckpt.io.blob_reader import ReadStats
     from xla_ckpt.io.manifest_file import read_manifest
-    from xla_ckpt.io.reader import CheckpointReader, ReadStats
+    from xla_ckpt.io.reader import CheckpointReader
     from xla_ckpt.io.writer import (
         WrittenItem,
         commit,
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointReader", "ReadStats", "WrittenItem", "commit", "discard", "new_save_id",
            "read_manifest", "write_checkpoint", "write_item"]
 
-_LAZY = {"CheckpointReader": "reader", "ReadStats": "reader", "read_manifest": "manifest_file",
+_LAZY = {"CheckpointReader": "reader", "ReadStats": "blob_reader", "read_manifest": "manifest_file",
          "WrittenItem": "writer", "commit": "writer", "discard": "writer",
          "new_save_id": "writer", "write_checkpoint": "writer", "write_item": "writer"}
 """Public names loaded on first use (PEP 562), so the light parts of this package (names,

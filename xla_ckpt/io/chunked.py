@@ -23,7 +23,7 @@ then :class:`~xla_ckpt.errors.IntegrityError` names the global tensor and the ch
   restore -- are read straight into ``out`` in slices of about
   ``storage.config.slice_size_bytes``, then checked there (from local disk each crc32c
   chunk is read and checked at once, while it is still in the CPU cache), as
-  :meth:`~xla_ckpt.io.reader.CheckpointReader.read_into` reads live buffers: no staging,
+  :meth:`~xla_ckpt.io.blob_reader.BlobReader.read_into` reads live buffers: no staging,
   no copy, so host memory stays near the shards themselves.  A mismatch that the re-reads
   do not clear raises :class:`~xla_ckpt.errors.PartiallyOverwrittenError` naming the
   key (that ``out`` holds bytes that failed the check) unless the request is ``fresh``;
@@ -62,12 +62,8 @@ from xla_ckpt.format.dtypes import dtype_from_name
 from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import BlobRecord, Manifest, TensorRecord
 from xla_ckpt.format.plan import tensor_bytes
-from xla_ckpt.io.reader import (
-    HUGE_PAGE_BYTES,
-    CheckpointReader,
-    ReadStats,
-    host_buffer,
-)
+from xla_ckpt.io.blob_reader import BlobReader, ReadStats
+from xla_ckpt.io.buffers import fresh_tensor
 from xla_ckpt.io.writer import WrittenItem
 from xla_ckpt.storage.local import LocalStorage
 
@@ -497,7 +493,7 @@ def _pieces(seg: _Segment) -> list[tuple[int, int, int]]:
             for s in range(seg.start, seg.start + seg.length, c)]
 
 
-def _run_task(reader: CheckpointReader, requests: Sequence[BoxRequest], task: _Task,
+def _run_task(reader: BlobReader, requests: Sequence[BoxRequest], task: _Task,
               staging: _Staging) -> None:
     info = reader._infos.get(task.file)
     generation = info.generation if info else None
@@ -533,7 +529,7 @@ def _run_task(reader: CheckpointReader, requests: Sequence[BoxRequest], task: _T
         staging.give(whole)
 
 
-def _run_in_place(reader: CheckpointReader, requests: Sequence[BoxRequest], seg: _Segment,
+def _run_in_place(reader: BlobReader, requests: Sequence[BoxRequest], seg: _Segment,
                   generation: int | None) -> None:
     """Fetch a segment straight into its ``out`` bytes, then check each crc32c chunk there."""
     blob = seg.range.blob
@@ -561,7 +557,7 @@ def _run_in_place(reader: CheckpointReader, requests: Sequence[BoxRequest], seg:
             reader._fetch(blob.file, blob.offset + start, piece, generation)
 
 
-def _integrity_error(reader: CheckpointReader, requests: Sequence[BoxRequest], seg: _Segment,
+def _integrity_error(reader: BlobReader, requests: Sequence[BoxRequest], seg: _Segment,
                      start: int, n: int, *, in_place: bool = False) -> IntegrityError:
     blob = seg.range.blob
     url = reader.storage.url(blob.file)
@@ -585,7 +581,7 @@ def _integrity_error(reader: CheckpointReader, requests: Sequence[BoxRequest], s
 
 
 @gc_paused()  # many small objects, no cycles (CASES C26)
-def read_boxes(reader: CheckpointReader, requests: Sequence[BoxRequest]) -> int:
+def read_boxes(reader: BlobReader, requests: Sequence[BoxRequest]) -> int:
     """Fill every request's ``out`` from the checkpoint; returns the bytes fetched.
 
     Only the byte ranges :func:`plan_box_reads` gives are read (row sub-ranges of saved
@@ -621,14 +617,6 @@ def read_boxes(reader: CheckpointReader, requests: Sequence[BoxRequest]) -> int:
     logger.debug("read %d boxes of %s: %d bytes in %d requests, %.3f s", len(requests),
                  reader.storage.uri, fetched, reader.stats.requests, reader.stats.seconds)
     return fetched
-
-
-def fresh_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor, on huge pages when large (:func:`.reader.host_buffer`)."""
-    n = math.prod(shape) * itemsize(dtype)
-    if n < HUGE_PAGE_BYTES:
-        return torch.empty(tuple(shape), dtype=dtype)
-    return host_buffer(n).view(dtype).view(tuple(shape))
 
 
 def whole_tensor_request(manifest: Manifest, g: int, out: torch.Tensor | None = None

@@ -39,7 +39,7 @@ from xla_ckpt.format.legacy import (
     upgrade_fairseq_state,
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.io.reader import read_manifest
+from xla_ckpt.io.manifest_file import read_manifest
 from xla_ckpt.io.writer import write_checkpoint
 from xla_ckpt.run.catalog import pointer_name, read_pointer, write_pointer
 from xla_ckpt.run.resolve import resolve

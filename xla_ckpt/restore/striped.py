@@ -45,7 +45,7 @@ from xla_ckpt.comm.host_memory import ALIGN_BYTES, HEADER_BYTES, map_private, se
 from xla_ckpt.format.manifest import Item
 from xla_ckpt.format.plan import MapLocation, materialize_item
 from xla_ckpt.io import CheckpointReader
-from xla_ckpt.io.reader import COALESCE_BLOB_BYTES
+from xla_ckpt.io.planning import COALESCE_BLOB_BYTES
 from xla_ckpt.restore.all_ranks import restore_all_ranks
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.host_share import STAGING_BUFFERS, HostShare, negotiate
