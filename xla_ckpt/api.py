@@ -8,8 +8,8 @@ They only dispatch:
 * :func:`save` writes a plain state from one process (:func:`xla_ckpt.io.writer.write_checkpoint`)
   and a sharded one from every rank together (:func:`xla_ckpt.restore.save_distributed`).
 
-This module imports no torch at import time beyond what those modules need; ``import
-xla_ckpt`` loads it on first use of ``xla_ckpt.load`` / ``xla_ckpt.save``.
+This module imports torch (as the modules it dispatches to do); ``import xla_ckpt`` stays
+torch-free because it loads this module on first use of ``xla_ckpt.load`` / ``xla_ckpt.save``.
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ def load(uri: str, *, map_location: MapLocation = None, item: str = STATE_ITEM,
             ``.pt``, HF, DCP) or together with ``keys``.
         UnknownKeyError: a key of ``keys`` matches nothing (names the closest keys).
         NothingCommittedError: nothing committed at ``uri`` (a ``CheckpointNotFoundError``,
-            hence a ``FileNotFoundError``); :class:`UncommittedCheckpointError` when saves
-            began there and none committed.
+            hence a ``FileNotFoundError``);
+            :class:`~xla_ckpt.errors.UncommittedCheckpointError` when saves began there and
+            none committed.
         CheckpointNotFoundError: a typo'd path (its parent folder is missing too), a file
             that is not a checkpoint (the message lists the kinds accepted), a run folder
             holding only checkpoints of other kinds (named).
@@ -102,13 +103,12 @@ def save(state: Any, uri: str, *, metadata: Any = None,
     """Save ``state`` as a checkpoint folder at ``uri`` (local path or ``gs://``), atomically.
 
     Called by one process -- except for a sharded state, below.  Saving over an existing
-    checkpoint replaces it, if no
-    other save committed there after this one started (compare-and-swap on the
-    manifest's generation; see the module docstring).  Tensors on any device (CPU, CUDA, XLA) are
-    written as host data with their dtype, shape and aliasing; non-tensor
-    values use the typed encoding (:mod:`xla_ckpt.format.typed`).  The
-    manifest is written last; until it lands, an existing checkpoint at
-    ``uri`` stays intact and loadable.
+    checkpoint replaces it, if no other save committed there after this one started
+    (compare-and-swap on the manifest's generation; see :mod:`xla_ckpt.io.writer`).  Tensors
+    on any device (CPU, CUDA, XLA) are written as host data with their dtype, shape and
+    aliasing; non-tensor values use the typed encoding (:mod:`xla_ckpt.format.typed`).  The
+    manifest is written last; until it lands, an existing checkpoint at ``uri`` stays intact
+    and loadable.
 
     **Sharded state** (a ``DTensor`` from FSDP2 / tensor parallel, a torch_xla SPMD tensor):
     with ``torch.distributed`` initialised this is a COLLECTIVE -- every rank calls it, in the
@@ -143,7 +143,8 @@ def save(state: Any, uri: str, *, metadata: Any = None,
             started; nothing of this one was committed.
         StorageError: the backend failed; nothing was committed.
         StorageNotSharedError: a data file just written is not there (with its size) when
-            the manifest is about to be written (see :func:`commit`); nothing committed.
+            the manifest is about to be written (see :func:`xla_ckpt.io.writer.commit`);
+            nothing committed.
         ShardedStateError: a ``DTensor`` while ``torch.distributed`` is not initialised, or
             a sharded state with ``rank_states`` / ``storage`` (names the key, says what to
             do).
@@ -156,8 +157,8 @@ def save(state: Any, uri: str, *, metadata: Any = None,
 
     def spot(t: Any, path: tuple) -> int:
         # A DTensor (XLAShardedTensor subclasses it) or an XLA tensor (SPMD annotates those in
-        # place); the restore layer tells which XLA tensors are sharded.  Told apart by class
-        # name, so a plain save imports neither torch.distributed.tensor nor the restore layer.
+        # place), told apart by device and class name: one cheap test per tensor.  Only these
+        # candidates go to xla_ckpt.sharded.views.is_sharded, which tells which are sharded.
         if t.device.type == "xla" or any(c.__name__ == "DTensor" for c in type(t).__mro__):
             candidates.append((typed.format_path(path), t))
         return 0

@@ -12,11 +12,14 @@ from xla_ckpt.errors import ConfigError
 
 
 def check_int(section: str, name: str, value: Any, lo: int) -> None:
+    """Refuse ``value`` unless it is an ``int`` (not a bool) >= ``lo``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < lo:
         raise ConfigError(f"{section}.{name} must be an integer >= {lo}, got {value!r}")
 
 
 def check_number(section: str, name: str, value: Any, *, positive: bool = True) -> None:
+    """Refuse ``value`` unless it is an int or float (not a bool, not NaN) > 0, or >= 0 with
+    ``positive=False``."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
     if not ok or (positive and value <= 0) or (not positive and value < 0):
         raise ConfigError(f"{section}.{name} must be a number {'>' if positive else '>='} 0, "
@@ -24,5 +27,6 @@ def check_number(section: str, name: str, value: Any, *, positive: bool = True) 
 
 
 def check_choice(section: str, name: str, value: Any, choices: Sequence[str]) -> None:
+    """Refuse ``value`` unless it is one of ``choices``."""
     if value not in choices:
         raise ConfigError(f"{section}.{name} must be one of {', '.join(choices)}; got {value!r}")

@@ -20,9 +20,13 @@ class DistConfig:
         backend: ``auto`` (xla on TPU, nccl with CUDA, gloo otherwise, single when
             ``WORLD_SIZE`` is unset), or one of ``single``, ``gloo``, ``nccl``, ``xla``.
         init_method: ``env://`` (torchrun / the demo launcher), ``xla://`` (TPU runtime),
-            or ``tcp://host:port``.
+            ``tcp://host:port`` or ``file:///shared/path``.
         timeout_s: process-group timeout, seconds; every barrier and collective
             gives up after it.
+
+    Raises:
+        ConfigError: an unknown backend, an ``init_method`` of another scheme, or a
+            ``timeout_s`` that is not a number > 0 (names ``dist.<field>`` and the value).
     """
 
     backend: Literal["auto", "single", "gloo", "nccl", "xla"] = "auto"

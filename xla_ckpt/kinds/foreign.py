@@ -26,7 +26,8 @@ def read_foreign(resolved: Resolved, *, config: StorageConfig | None = None,
     ``progress`` gets byte counts (legacy and HF).
 
     Raises:
-        ConfigError: ``resolved`` is an xla_ckpt checkpoint (read it with :func:`read_items`).
+        ConfigError: ``resolved`` is an xla_ckpt checkpoint (read it with
+            :func:`xla_ckpt.kinds.opener.read_items`).
     """
     if resolved.kind == LEGACY:
         return load_legacy_file(resolved.checkpoint, config=config, progress=progress).state

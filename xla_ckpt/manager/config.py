@@ -54,6 +54,10 @@ class CheckpointConfig:
 
     How a restore moves the bytes (every rank reads, or rank 0 broadcasts) is
     :class:`xla_ckpt.restore.RestoreConfig` (section ``restore``).
+
+    Raises:
+        ConfigError: a value of the wrong type or out of range (names ``checkpoint.<field>``
+            and the value).
     """
 
     save_dir: str = "checkpoints"

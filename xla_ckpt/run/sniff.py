@@ -1,9 +1,10 @@
 """What kind of checkpoint a name, or the first bytes of one object, is.
 
 The kinds every entry point accepts (:func:`xla_ckpt.run.resolve.resolve`), told apart by
-name (a run folder listing) or by sniffing at most 16 bytes (a single object).  Torch-free
-to import (the CLI's ``ls``/``inspect`` start without torch): :func:`is_legacy_file` loads
-the sniffer on first use.
+name (a run folder listing) or by sniffing at most 16 bytes (a single object); and what a
+conversion's destination already holds (:func:`destination_holds`).  Torch-free to import
+(the CLI's ``ls``/``inspect`` start without torch): :func:`is_legacy_file` loads the sniffer
+on first use.
 """
 
 from __future__ import annotations
@@ -17,24 +18,27 @@ from xla_ckpt.storage import StorageConfig, open_storage, parse_uri
 from xla_ckpt.storage.uri import split_uri
 
 XLA_CKPT = "xla_ckpt"
-""":attr:`Resolved.kind` of an xla_ckpt checkpoint folder."""
+""":attr:`~xla_ckpt.run.resolve.Resolved.kind` of an xla_ckpt checkpoint folder."""
 LEGACY = "legacy"
-""":attr:`Resolved.kind` of a legacy ``.pt``/safetensors file."""
+""":attr:`~xla_ckpt.run.resolve.Resolved.kind` of a legacy ``.pt``/safetensors file."""
 HF_INDEX = "hf_index"
-""":attr:`Resolved.kind` of a sharded HF safetensors checkpoint (``checkpoint``: its index)."""
+""":attr:`~xla_ckpt.run.resolve.Resolved.kind` of a sharded HF safetensors checkpoint
+(``checkpoint``: its index)."""
 DCP = "dcp"
-""":attr:`Resolved.kind` of a PyTorch DCP checkpoint folder (``checkpoint``: the folder)."""
+""":attr:`~xla_ckpt.run.resolve.Resolved.kind` of a PyTorch DCP checkpoint folder
+(``checkpoint``: the folder)."""
 
 KINDS = {XLA_CKPT: "an xla_ckpt checkpoint folder",
          LEGACY: "a legacy torch.save/fairseq .pt or safetensors file",
          HF_INDEX: "a sharded HF safetensors checkpoint (model.safetensors.index.json)",
          DCP: "a PyTorch DCP checkpoint folder (.metadata)"}
-"""What each :attr:`Resolved.kind` is, in words (for messages)."""
+"""What each :attr:`~xla_ckpt.run.resolve.Resolved.kind` is, in words (for messages)."""
 
 ACCEPTED = ("an xla_ckpt checkpoint folder (manifest.json), a run folder of them, a legacy "
             "torch.save/fairseq .pt, an HF model.safetensors or model.safetensors.index.json "
             "(or a folder holding one), or a PyTorch DCP checkpoint folder (.metadata)")
-"""The kinds of source :func:`resolve` accepts, for "none of these" errors."""
+"""The kinds of source :func:`xla_ckpt.run.resolve.resolve` accepts, for "none of these"
+errors."""
 
 DCP_METADATA = ".metadata"
 """The commit marker of a DCP checkpoint (written last by ``dcp.save``)."""
@@ -45,9 +49,9 @@ _LEGACY_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 def foreign_checkpoints(names: list[str]) -> list[tuple[str, str]]:
     """``(name, kind in words)`` of the checkpoints of other kinds a run folder listing shows.
 
-    ``names`` is a recursive listing (:meth:`Storage.list`).  Found by name only: legacy
-    files at the top (``checkpoint_last.pt``, ``*.safetensors``, ...), and sub-folders
-    holding a DCP ``.metadata``, a safetensors index or ``model.safetensors``.
+    ``names`` is a recursive listing (:meth:`xla_ckpt.storage.Storage.list`).  Found by name
+    only: legacy files at the top (``checkpoint_last.pt``, ``*.safetensors``, ...), and
+    sub-folders holding a DCP ``.metadata``, a safetensors index or ``model.safetensors``.
     """
 
     found: dict[str, str] = {}

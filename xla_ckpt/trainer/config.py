@@ -17,7 +17,7 @@ CRITERION_CHECKS = ("strict", "warn", "off")
 
 @dataclass(kw_only=True)
 class CheckpointerConfig:
-    """Restore/save knobs of :class:`Checkpointer`.
+    """Restore/save knobs of :class:`~xla_ckpt.trainer.Checkpointer` (``Checkpointer(config=)``).
 
     Attributes:
         dtype_policy: what a restore does when a saved model/criterion tensor
@@ -60,7 +60,11 @@ class CheckpointerConfig:
             ``rank_extra_state``) onto this rank when the world size differs; its value is
             merged over ``extra_state`` as the saved rank's own was.  Called on every rank.
             Wins over ``rank_state_on_resize``.  Both can also be given per call to
-            :meth:`load_checkpoint`.
+            :meth:`~xla_ckpt.trainer.Checkpointer.load_checkpoint`.
+
+    Raises:
+        ConfigError: a value outside its choices, a ``rank_state_remap`` that is not
+            callable, or a flag that is not a bool (names the field and the value).
     """
 
     dtype_policy: str = "error"

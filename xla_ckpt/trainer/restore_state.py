@@ -136,7 +136,7 @@ class RestoreState(TrainingSurface):
             rank_state_on_resize: ``"error"`` / ``"drop"``, for this call (default
                 ``config.rank_state_on_resize``): what a sharded model's restore does with
                 per-rank items (``rank_extra_state``) saved by another world size
-                (:class:`CheckpointerConfig`).
+                (:class:`~xla_ckpt.trainer.config.CheckpointerConfig`).
             rank_state_remap: ``fn(saved, rank, world_size)``, for this call (default
                 ``config.rank_state_remap``): maps them onto this rank instead.
 

@@ -13,11 +13,11 @@ checkpointer)::
   ``get_optimizer_state_dict(model, optimizer)`` (state keyed by parameter FQN, DTensor
   moments, ``param_groups`` naming FQNs); the chunked save writes each rank's shards;
 * restore: the same two dicts of the live model and (rebuilt) optimizer are the restore
-  targets (:func:`restore_targets`); each rank reads only its shards' byte ranges into them,
-  onto any mesh; then :func:`load_model` / :func:`load_optimizer` apply them with
-  ``set_state_dict``.  Values read whole instead (a restorer without ``into``, a checkpoint
-  of full tensors) are applied with ``full_state_dict=True``, which shards them onto the live
-  placements.
+  targets (:meth:`~xla_ckpt.trainer.restore_state.RestoreState.restore_targets`); each rank
+  reads only its shards' byte ranges into them, onto any mesh; then :func:`load_model` /
+  :func:`load_optimizer` apply them with ``set_state_dict``.  Values read whole instead (a
+  restorer without ``into``, a checkpoint of full tensors) are applied with
+  ``full_state_dict=True``, which shards them onto the live placements.
 
 A non-sharded model never comes here: its save and restore are unchanged.
 """

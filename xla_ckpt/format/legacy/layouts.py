@@ -80,7 +80,8 @@ def load_legacy(source: Source, *, where: str = "<bytes>", layout: Layout = "aut
         unsafe_trust_pickle: unpickle without the allow-list (logs a warning).
 
     Raises:
-        UnsafePickleError: a pickle global outside :data:`ALLOWED_GLOBALS`.
+        UnsafePickleError: a pickle global outside
+            :data:`~xla_ckpt.format.legacy.unpickle.ALLOWED_GLOBALS`.
         CheckpointCorruptError: malformed, truncated or hostile input.
         MetaTensorError: a meta tensor (names its key).
         ConfigError: ``layout="fairseq"`` on a file that is not fairseq's (names the keys
