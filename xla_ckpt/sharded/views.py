@@ -75,6 +75,26 @@ def _dtensor_box(value: Any) -> tuple[Box, str, bool]:
     return box, placement, replicated
 
 
+def local_tensor(value: Any, box: Box, placement: str) -> torch.Tensor:
+    """``value.to_local()``, checked against ``box`` (its shard's box by DTensor's own rule).
+
+    A byte-free shard (``box`` has no elements) takes whatever shape the local tensor
+    reports, as long as it holds no element either: FSDP2 keeps a ``(0, 0)`` local tensor
+    for a ``(3, 0)`` parameter on every rank, where the rule gives ``(1, 0)`` to ranks 0..2;
+    there is nothing to save or fill either way (DCP saves and loads it too).
+
+    Raises:
+        ValueError: the local tensor's shape differs from ``box.sizes`` and either holds
+            elements (a hand-built DTensor with inconsistent metadata), naming both.
+    """
+    local = value.to_local()
+    shape = tuple(int(s) for s in local.shape)
+    if shape != box.sizes and (box.numel or local.numel()):
+        raise ValueError(f"DTensor local shard has shape {shape}, but its placements "
+                         f"{placement} give {box.sizes}")
+    return local
+
+
 def for_save(value: torch.Tensor, *, owned_devices: Sequence[int] | None = None
              ) -> ShardedValue:
     """What this rank holds of ``value`` for a save (its boxes and readable tensors).
@@ -84,8 +104,9 @@ def for_save(value: torch.Tensor, *, owned_devices: Sequence[int] | None = None
 
     Raises:
         ValueError: a DTensor whose local tensor does not have the shape DTensor's own
-            rule gives (a hand-built DTensor with inconsistent metadata), naming both; a
-            DTensor with a ``Partial`` placement (its local tensors are pending a reduction).
+            rule gives (a hand-built DTensor with inconsistent metadata; a byte-free shard
+            may report any byte-free shape: :func:`local_tensor`), naming both; a DTensor
+            with a ``Partial`` placement (its local tensors are pending a reduction).
     """
     if _is_xla_sharded(value):
         return spmd.for_save(value, owned_devices=owned_devices)
@@ -95,10 +116,7 @@ def for_save(value: torch.Tensor, *, owned_devices: Sequence[int] | None = None
             raise ValueError(f"a DTensor placed {placement} holds partial values (a reduction "
                              "is pending): its local tensors are not its data; redistribute "
                              "it to Shard/Replicate placements before saving")
-        local = value.to_local()
-        if tuple(local.shape) != box.sizes:
-            raise ValueError(f"DTensor local shard has shape {tuple(local.shape)}, but its "
-                             f"placements {placement} give {box.sizes}")
+        local = local_tensor(value, box, placement)
         shards = [LocalShard(box, local.detach())] if box.numel else []
         return ShardedValue(tuple(int(s) for s in value.shape), value.dtype, shards, "dtensor",
                             placement, replicated)
@@ -132,12 +150,12 @@ def for_restore(value: torch.Tensor) -> ShardedValue:
         return spmd.for_restore(value)
     if _is_dtensor(value):
         box, placement, replicated = _dtensor_box(value)
-        local = value.to_local()
-        if tuple(local.shape) != box.sizes:
-            raise ValueError(f"DTensor local shard has shape {tuple(local.shape)}, but its "
-                             f"placements {placement} give {box.sizes}")
+        local = local_tensor(value, box, placement)
+        if not box.numel:  # byte-free: nothing to fill, nothing to copy back
+            return ShardedValue(tuple(int(s) for s in value.shape), value.dtype, [], "dtensor",
+                                placement, replicated)
         dest, finish = _destination(local.detach())
-        shards = [LocalShard(box, dest)] if box.numel else []
+        shards = [LocalShard(box, dest)]
         return ShardedValue(tuple(int(s) for s in value.shape), value.dtype, shards, "dtensor",
                             placement, replicated, finish)
     dest, finish = _destination(value.detach())
