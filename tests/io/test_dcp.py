@@ -49,8 +49,8 @@ from xla_ckpt.kinds.dcp import (
     read_dcp_into,
     read_dcp_metadata,
     unflatten_dcp_state,
-    write_dcp,
 )
+from xla_ckpt.kinds.dcp_write import write_dcp
 from xla_ckpt.storage import open_storage
 from xla_ckpt.storage.local import LocalStorage
 from xla_ckpt.testing.asserts import tensor_bits, tensors_identical
@@ -360,7 +360,7 @@ def test_write_dcp_dtypes_ties_and_items_read_back_by_dcp_load(tmp_path, monkeyp
         return real(self, name, buffers, **kw)
 
     monkeypatch.setattr(LocalStorage, "write_atomic", recording)
-    with caplog.at_level("INFO", logger="xla_ckpt.kinds.dcp"):
+    with caplog.at_level("INFO", logger="xla_ckpt.kinds.dcp_write"):
         write_dcp(_export_state(), path)
     assert order == ["__0_0.distcp", ".metadata"]  # the commit marker last
     assert "tied tensors model.embed.weight, model.out.weight" in caplog.text

@@ -444,6 +444,47 @@ class BlobReader:
                 assert dest is not None  # staged pieces always carry their destination
                 dest[:] = out[at:at + piece.length]
 
+    # ---- how the source's bytes are checked (xla_ckpt's crc32c; other formats override) -----
+    def check_grain(self, blob: BlobRecord) -> int:
+        """Bytes a range of ``blob`` is widened to on both ends so that it can be checked
+        alone: its crc32c chunk, or the whole blob when it has one crc32c for all of it."""
+        return blob.chunk_size if blob.chunk_crc32c else max(blob.length, 1)
+
+    def range_checks(self, blob: BlobRecord, start: int,
+                     length: int) -> list[tuple[int, int, int]]:
+        """``(blob-relative start, length, expected checksum)`` of the checkable pieces of
+        blob bytes ``[start, start + length)`` (a :meth:`check_grain`-aligned range)."""
+        if not blob.chunk_crc32c:
+            return [(0, blob.length, blob.crc32c)]
+        c = blob.chunk_size
+        return [(s, min(c, blob.length - s), blob.chunk_crc32c[s // c])
+                for s in range(start, start + length, c)]
+
+    def checksum(self, data: memoryview) -> int:
+        """The checksum :meth:`range_checks` values are of (crc32c)."""
+        return crc32c(data)
+
+    def range_integrity_error(self, item: str, blob: BlobRecord, start: int, n: int, got: int,
+                              want: int, *, chunks: Sequence[str], tensors: Sequence[str],
+                              live: bool) -> IntegrityError:
+        """The error for blob bytes ``[start, start + n)`` of item ``item`` failing their check
+        after ``crc_retries`` re-reads; ``chunks``/``tensors`` name the chunk records and
+        global tensors they hold, ``live``: they were read straight into a caller's tensor
+        (then :class:`PartiallyOverwrittenError`)."""
+        url = self.storage.url(blob.file)
+        text = (f"{url}: crc32c mismatch in bytes [{blob.offset + start}, "
+                f"{blob.offset + start + n}) of chunk {', '.join(chunks[:3])} (item {item!r}) "
+                f"of global tensor {', '.join(tensors[:3])} after {self.crc_retries + 1} "
+                "reads; the stored object is corrupt (run `xla-ckpt verify`)")
+        key = tensors[0] if tensors else ""
+        if live:
+            return PartiallyOverwrittenError(
+                f"{text}. The bytes were read straight into the destination of "
+                f"{', '.join(tensors[:3])}, which now holds bytes that failed the check "
+                "(partially overwritten): restore another checkpoint into it or re-initialise "
+                "it", path=url, key=key, keys=tuple(tensors))
+        return IntegrityError(text, path=url, key=key)
+
     def _fetch(self, file: str, offset: int, out: memoryview, generation: int | None) -> None:
         self.stats.requests += 1
         try:

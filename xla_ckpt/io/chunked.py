@@ -38,6 +38,12 @@ per slice; nothing outside the planned ranges is ever fetched, so the bytes fetc
 exactly the planned ranges' (a gap would be other ranks' chunks, which the bytes-per-rank
 budget of a sharded restore cannot afford).
 
+What checks the bytes is the reader's source (:class:`~xla_ckpt.io.blob_reader.BlobReader`'s
+``check_grain``, ``range_checks``, ``checksum`` and ``range_integrity_error``): xla_ckpt's
+crc32c records as above; a source without them still reads by byte range with the checks its
+format offers (a DCP checkpoint, :mod:`xla_ckpt.kinds.dcp_boxes`: ranges not widened, a
+whole zip member checked against the zip's CRC-32).
+
 No ranks here: every rank (or the rank that reads for others) calls this for its own
 requests.  Version-1 checkpoints have no global tensors; readers of those use
 :meth:`~xla_ckpt.io.reader.CheckpointReader.load`.
@@ -50,14 +56,13 @@ import math
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
-from xla_ckpt.errors import CheckpointCorruptError, IntegrityError, PartiallyOverwrittenError
+from xla_ckpt.errors import CheckpointCorruptError, IntegrityError
 from xla_ckpt.format import typed
 from xla_ckpt.format.chunks import Box, ChunkRecord, GlobalTensor, intersect, row_span
-from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.dtypes import dtype_from_name
 from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import BlobRecord, Manifest, TensorRecord
@@ -180,8 +185,20 @@ def _check_requests(manifest: Manifest, requests: Sequence[BoxRequest]) -> None:
                 f"covered by the saved chunks: the saved tensor has shape {list(gt.shape)}")
 
 
-def _plan(manifest: Manifest, boxes: Sequence[tuple[int, Box]]) -> list[_Range]:
-    """The merged ranges that hold ``boxes`` (global tensor index, box; already checked)."""
+Grain = Callable[[BlobRecord], int]
+"""Bytes a range of a blob is widened to on both ends so that it can be checked (the
+:meth:`~xla_ckpt.io.blob_reader.BlobReader.check_grain` of the reader's source)."""
+
+
+def crc32c_grain(blob: BlobRecord) -> int:
+    """xla_ckpt's blobs: their crc32c chunk, or the whole blob when it has one crc32c."""
+    return blob.chunk_size if blob.chunk_crc32c else max(blob.length, 1)
+
+
+def _plan(manifest: Manifest, boxes: Sequence[tuple[int, Box]],
+          grain: Grain = crc32c_grain) -> list[_Range]:
+    """The merged ranges that hold ``boxes`` (global tensor index, box; already checked),
+    each widened to ``grain`` bytes of its blob."""
     per_blob: dict[tuple[str, int], list[tuple[int, int, _Copy]]] = {}
     # A box that is exactly a saved chunk (a restore onto the layout it was saved from) is
     # found by one dict look-up; the chunks tile the tensor, so it overlaps no other chunk.
@@ -204,11 +221,8 @@ def _plan(manifest: Manifest, boxes: Sequence[tuple[int, Box]]) -> list[_Range]:
             blob = it.blobs[rec.blob]
             lo, hi = (0, box.numel) if chunk is hit else row_span(chunk.box, ov)
             b0, b1 = rec.byte_offset + lo * isz, rec.byte_offset + hi * isz
-            if blob.chunk_crc32c:
-                c = blob.chunk_size
-                s0, s1 = b0 // c * c, min(blob.length, -(-b1 // c) * c)
-            else:
-                s0, s1 = 0, blob.length
+            c = grain(blob)
+            s0, s1 = b0 // c * c, min(blob.length, -(-b1 // c) * c)
             per_blob.setdefault((chunk.item, rec.blob), []).append(
                 (s0, s1, _Copy(ri, gt, chunk, rec, ov, lo, hi)))
             covered += ov.numel
@@ -294,8 +308,8 @@ def _is_run(sizes: tuple[int, ...], sub: Box) -> bool:
     return all(n == 1 for n in sub.sizes[:max(d - 1, 0)])
 
 
-def _direct_part(rng: _Range, requests: Sequence[BoxRequest],
-                 views: dict[int, memoryview]) -> tuple[int, int, memoryview] | None:
+def _direct_part(rng: _Range, requests: Sequence[BoxRequest], views: dict[int, memoryview],
+                 grain: Grain) -> tuple[int, int, memoryview] | None:
     """Blob bytes ``[a, b)`` of ``rng`` that are exactly a contiguous run of its one
     request's ``out`` (whole crc32c chunks), with that run's bytes; None when there are none.
 
@@ -311,7 +325,7 @@ def _direct_part(rng: _Range, requests: Sequence[BoxRequest],
     isz = itemsize(out.dtype)
     # A blob without per-chunk crc32c (one no longer than a crc32c chunk) is one chunk: its
     # whole-blob crc32c checks it, so a copy that is the whole blob goes in place too.
-    c = blob.chunk_size if blob.chunk_crc32c else max(blob.length, 1)
+    c = grain(blob)
     if not out.is_contiguous() or cp.rec.byte_offset % isz \
             or (blob.chunk_crc32c and c % isz):
         return None
@@ -346,7 +360,7 @@ def _cut(rng: _Range, start: int, end: int, step: int | None,
 
 
 def _tasks(ranges: list[_Range], requests: Sequence[BoxRequest],
-           slice_size: int) -> list[_Task]:
+           slice_size: int, grain: Grain = crc32c_grain) -> list[_Task]:
     staged: list[_Segment] = []
     tasks: list[_Task] = []
     views: dict[int, memoryview] = {}
@@ -354,7 +368,7 @@ def _tasks(ranges: list[_Range], requests: Sequence[BoxRequest],
         r = rng.read
         end = r.start + r.length
         step = _split_step(rng, min(slice_size, STAGING_SLICE_BYTES))
-        direct = _direct_part(rng, requests, views)
+        direct = _direct_part(rng, requests, views, grain)
         if direct is None:
             staged.extend(_cut(rng, r.start, end, step))
             continue
@@ -483,16 +497,6 @@ class _Staging:
         self._free.put(buf)
 
 
-def _pieces(seg: _Segment) -> list[tuple[int, int, int]]:
-    """``(blob-relative start, length, crc32c)`` of the checkable pieces of a segment."""
-    blob = seg.range.blob
-    if not blob.chunk_crc32c:
-        return [(0, blob.length, blob.crc32c)]
-    c = blob.chunk_size
-    return [(s, min(c, blob.length - s), blob.chunk_crc32c[s // c])
-            for s in range(seg.start, seg.start + seg.length, c)]
-
-
 def _run_task(reader: BlobReader, requests: Sequence[BoxRequest], task: _Task,
               staging: _Staging) -> None:
     info = reader._infos.get(task.file)
@@ -508,14 +512,14 @@ def _run_task(reader: BlobReader, requests: Sequence[BoxRequest], task: _Task,
         for seg in task.segments:
             blob = seg.range.blob
             base = blob.offset + seg.start - task.offset  # segment start inside buf
-            for start, n, want in _pieces(seg):
+            for start, n, want in reader.range_checks(blob, seg.start, seg.length):
                 at = base + start - seg.start
                 piece = view[at:at + n]
-                got = crc32c(piece)
+                got = reader.checksum(piece)
                 attempt = 0
                 while got != want:
                     if attempt >= reader.crc_retries:
-                        raise _integrity_error(reader, requests, seg, start, n)
+                        raise _integrity_error(reader, requests, seg, start, n, got, want)
                     attempt += 1
                     reader.stats.crc_retries += 1
                     logger.warning("crc32c mismatch in %s bytes [%d, %d) (attempt %d of %d); "
@@ -523,7 +527,7 @@ def _run_task(reader: BlobReader, requests: Sequence[BoxRequest], task: _Task,
                                    blob.offset + start, blob.offset + start + n, attempt,
                                    reader.crc_retries + 1)
                     reader._fetch(task.file, blob.offset + start, piece, generation)
-                    got = crc32c(piece)
+                    got = reader.checksum(piece)
             _copy_out(requests, seg, buf[base:base + seg.length])
     finally:
         staging.give(whole)
@@ -538,17 +542,20 @@ def _run_in_place(reader: BlobReader, requests: Sequence[BoxRequest], seg: _Segm
     # From local disk a request costs no round trip: each crc32c chunk is read, then checked
     # while its bytes are still in the CPU cache (one pass over memory, not two).  Remote
     # storage fetches the segment in one request, then checks each chunk.
-    per_piece = isinstance(reader.storage, LocalStorage)
+    # Bytes the source records no check for (a part of a DCP member) are read as they are.
+    checks = reader.range_checks(blob, seg.start, seg.length)
+    per_piece = isinstance(reader.storage, LocalStorage) and bool(checks)
     if not per_piece:
         reader._fetch(blob.file, blob.offset + seg.start, view, generation)
-    for start, n, want in _pieces(seg):
+    for start, n, want in checks:
         piece = view[start - seg.start:start - seg.start + n]
         if per_piece:
             reader._fetch(blob.file, blob.offset + start, piece, generation)
         attempt = 0
-        while crc32c(piece) != want:
+        while (got := reader.checksum(piece)) != want:
             if attempt >= reader.crc_retries:
-                raise _integrity_error(reader, requests, seg, start, n, in_place=True)
+                raise _integrity_error(reader, requests, seg, start, n, got, want,
+                                       in_place=True)
             attempt += 1
             reader.stats.crc_retries += 1
             logger.warning("crc32c mismatch in %s bytes [%d, %d) (attempt %d of %d); "
@@ -558,26 +565,19 @@ def _run_in_place(reader: BlobReader, requests: Sequence[BoxRequest], seg: _Segm
 
 
 def _integrity_error(reader: BlobReader, requests: Sequence[BoxRequest], seg: _Segment,
-                     start: int, n: int, *, in_place: bool = False) -> IntegrityError:
-    blob = seg.range.blob
-    url = reader.storage.url(blob.file)
+                     start: int, n: int, got: int, want: int, *,
+                     in_place: bool = False) -> IntegrityError:
+    """The reader's error for blob bytes ``[start, start + n)`` of ``seg`` failing their check
+    after the re-reads (:meth:`~xla_ckpt.io.blob_reader.BlobReader.range_integrity_error`)."""
     hit = [cp for cp in seg.range.copies
            if cp.rec.byte_offset < start + n
            and start < cp.rec.byte_offset + cp.rec.numel * itemsize(dtype_from_name(
                cp.rec.dtype))] or seg.range.copies
-    keys = list(dict.fromkeys(cp.tensor.key for cp in hit))
-    chunks = list(dict.fromkeys(cp.rec.key for cp in hit))
-    text = (f"{url}: crc32c mismatch in bytes [{blob.offset + start}, {blob.offset + start + n}) "
-            f"of chunk {', '.join(chunks[:3])} (item {seg.range.read.item!r}) of global tensor "
-            f"{', '.join(keys[:3])} after {reader.crc_retries + 1} reads; the stored object is "
-            "corrupt (run `xla-ckpt verify`)")
-    if in_place and not all(requests[cp.request].fresh for cp in hit):
-        return PartiallyOverwrittenError(
-            f"{text}. The bytes were read straight into the destination of "
-            f"{', '.join(keys[:3])}, which now holds bytes that failed the check (partially "
-            "overwritten): restore another checkpoint into it or re-initialise it",
-            path=url, key=keys[0] if keys else "", keys=tuple(keys))
-    return IntegrityError(text, path=url, key=keys[0] if keys else "")
+    return reader.range_integrity_error(
+        seg.range.read.item, seg.range.blob, start, n, got, want,
+        chunks=tuple(dict.fromkeys(cp.rec.key for cp in hit)),
+        tensors=tuple(dict.fromkeys(cp.tensor.key for cp in hit)),
+        live=in_place and not all(requests[cp.request].fresh for cp in hit))
 
 
 @gc_paused()  # many small objects, no cycles (CASES C26)
@@ -604,10 +604,10 @@ def read_boxes(reader: BlobReader, requests: Sequence[BoxRequest]) -> int:
     """
     t0 = time.perf_counter()
     _check_requests(reader.manifest, requests)
-    ranges = _plan(reader.manifest, [(r.tensor, r.box) for r in requests])
+    ranges = _plan(reader.manifest, [(r.tensor, r.box) for r in requests], reader.check_grain)
     reader.stats = ReadStats()
     reader.check_files({r.blob.file for r in ranges})
-    tasks = _tasks(ranges, requests, reader.storage.config.slice_size_bytes)
+    tasks = _tasks(ranges, requests, reader.storage.config.slice_size_bytes, reader.check_grain)
     tasks.sort(key=lambda t: -t.length)  # longest first: the short ones fill the last gaps
     staging = _Staging()
     reader._run([(reader, requests, t, staging) for t in tasks], fn=_run_task)

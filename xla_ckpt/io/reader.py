@@ -160,15 +160,34 @@ class CheckpointReader(BlobReader):
         """
         refs: set[int] = set()
         typed.decode(item.state, refs.add)
+        placed = self.assemble(sorted(refs), map_location, into=into)
+        return typed.decode(item.state, placed.__getitem__)
+
+    def assemble(self, tensors: Sequence[int], map_location: MapLocation = None, *,
+                 into: Mapping[str, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+        """Global tensors ``tensors`` (indices into ``manifest.global_tensors``), each whole.
+
+        Every one is one whole-tensor request of :func:`~xla_ckpt.io.chunked.read_boxes`
+        (only its chunks' bytes are read, crc32c-checked), then placed as ``map_location``
+        says; ``into`` (by global tensor key) as for :meth:`load` of a chunked item.
+        ``self.stats`` then says what the read did (``bytes_read``: bytes fetched).
+
+        Returns:
+            Global tensor index -> its tensor (the ``into`` target where one was given).
+
+        Raises:
+            StateMismatchError / ConfigError / IntegrityError / PartiallyOverwrittenError:
+                as :meth:`load` of a chunked item.
+        """
         gts = self.manifest.global_tensors
         if into and map_location is not None:
             raise ConfigError("CheckpointReader.load: into= targets keep their own devices; "
                               "pass into= or map_location=, not both")
-        _check_chunked_targets(into or {}, {gts[g].key: gts[g] for g in refs})
+        _check_chunked_targets(into or {}, {gts[g].key: gts[g] for g in tensors})
         requests = []
         live: list[torch.Tensor] = []
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, checked staging)
-        for g in sorted(refs):
+        for g in tensors:
             gt = gts[g]
             target = into.get(gt.key) if into else None
             if target is not None and fits_box(target, gt.dtype, gt.shape):
@@ -201,7 +220,7 @@ class CheckpointReader(BlobReader):
                 continue
             dev = resolve_device(map_location, gts[req.tensor].key)
             placed[req.tensor] = req.out if dev is None or dev.type == "cpu" else req.out.to(dev)
-        return typed.decode(item.state, placed.__getitem__)
+        return placed
 
     def _mapped(self, item: Item, blob_ids: Sequence[int]) -> dict[int, torch.Tensor]:
         """Blobs as checked views of private maps of their data files; failed ones left out."""

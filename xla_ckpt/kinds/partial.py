@@ -55,8 +55,8 @@ import torch
 from xla_ckpt.errors import UnknownKeyError
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM, Item, Manifest
-from xla_ckpt.format.plan import MapLocation, materialize_item, resolve_device
-from xla_ckpt.io.chunked import nbytes_of, plan_whole_reads, read_boxes, whole_tensor_request
+from xla_ckpt.format.plan import MapLocation, materialize_item
+from xla_ckpt.io.chunked import nbytes_of, plan_whole_reads
 from xla_ckpt.io.reader import CheckpointReader
 from xla_ckpt.kinds.opener import open_reader, read_checkpoint, read_items
 from xla_ckpt.run.resolve import Resolved
@@ -324,18 +324,22 @@ class PartialResult:
     seconds: float
 
 
-def _groups(item: Item, blob_ids: Sequence[int], step_bytes: int | None) -> Iterable[list[int]]:
+def _groups_of(ids: Sequence[int], size: Callable[[int], int],
+               step_bytes: int | None) -> Iterable[list[int]]:
+    """``ids`` in runs of about ``step_bytes`` bytes (``size(i)`` each); all in one run when
+    ``step_bytes`` is None."""
     if step_bytes is None:
-        yield list(blob_ids)
+        if ids:
+            yield list(ids)
         return
     group: list[int] = []
-    size = 0
-    for i in blob_ids:
+    total = 0
+    for i in ids:
         group.append(i)
-        size += item.blobs[i].length
-        if size >= step_bytes:
+        total += size(i)
+        if total >= step_bytes:
             yield group
-            group, size = [], 0
+            group, total = [], 0
     if group:
         yield group
 
@@ -365,8 +369,8 @@ def read_partial(reader: CheckpointReader, keys: Keys, *, item: str = STATE_ITEM
         return _read_chunked(reader, it, sel, keys, map_location, progress, t0)
     buffers: dict[int, torch.Tensor] = {}
     read = 0
-    for group in _groups(it, sel.blob_ids,
-                         PROGRESS_STEP_BYTES if progress is not None else None):
+    for group in _groups_of(sel.blob_ids, lambda i: it.blobs[i].length,
+                            PROGRESS_STEP_BYTES if progress is not None else None):
         bufs = reader.allocate(item, group)
         reader.read_into(item, bufs)
         n = sum(b.numel() for b in bufs.values())
@@ -387,27 +391,18 @@ def read_partial(reader: CheckpointReader, keys: Keys, *, item: str = STATE_ITEM
 def _read_chunked(reader: CheckpointReader, it: Item, sel: Selection, keys: Keys,
                   map_location: MapLocation, progress: Progress | None,
                   t0: float) -> PartialResult:
-    """:func:`read_partial` of a chunked item: the selected global tensors, assembled whole."""
+    """:func:`read_partial` of a chunked item: the selected global tensors, each whole
+    (:meth:`CheckpointReader.assemble`), in groups of about :data:`PROGRESS_STEP_BYTES` when
+    ``progress`` is given."""
     gts = reader.manifest.global_tensors
     placed: dict[int, torch.Tensor] = {}
     read = 0
-    group: list[int] = []
-    size = 0
-    todo = sorted(sel.tensors)
-    for k, g in enumerate(todo):
-        group.append(g)
-        size += nbytes_of(gts[g])
-        if k + 1 < len(todo) and (progress is None or size < PROGRESS_STEP_BYTES):
-            continue
-        requests = [whole_tensor_request(reader.manifest, i) for i in group]
-        n = read_boxes(reader, requests)
-        read += n
-        for req in requests:
-            dev = resolve_device(map_location, gts[req.tensor].key)
-            placed[req.tensor] = req.out if dev is None or dev.type == "cpu" else req.out.to(dev)
+    for group in _groups_of(sorted(sel.tensors), lambda g: nbytes_of(gts[g]),
+                            PROGRESS_STEP_BYTES if progress is not None else None):
+        placed.update(reader.assemble(group, map_location))
+        read += reader.stats.bytes_read
         if progress is not None:
-            progress(n)
-        group, size = [], 0
+            progress(reader.stats.bytes_read)
     full = typed.decode(it.state, placed.get)
     state = select_state(full, keys, where=reader.storage.uri)
     dt = time.perf_counter() - t0
