@@ -223,7 +223,7 @@ def _fail_storage_reads() -> None:
 
 def _hook_agreement(action) -> None:
     """Run ``action()`` when this rank enters the structure agreement of a chunked save."""
-    import xla_ckpt.restore.save as save_module
+    import xla_ckpt.restore.save_steps as save_module
 
     real = save_module.plan_chunked_save
 

@@ -33,6 +33,7 @@ concurrent saves to one path exactly one commits and the other raises.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -54,7 +55,9 @@ from xla_ckpt.format.chunks import GlobalTensor
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import (
+    CHUNKED_FORMAT_VERSION,
     DEFAULT_CHUNK_SIZE_BYTES,
+    FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
     STATE_ITEM,
@@ -92,7 +95,51 @@ class WrittenItem:
     files: dict[str, int]
 
     def to_json(self) -> dict:
+        """``{"name", "item", "files"}``: plain JSON values (:meth:`from_json` undoes it)."""
         return {"name": self.name, "item": self.item.to_json(), "files": self.files}
+
+    @classmethod
+    def from_json(cls, doc: Any, *, rank: int | None = None, save_id: str = "") -> "WrittenItem":
+        """Rebuild (and validate) a written item from its :meth:`to_json` document.
+
+        ``doc`` came from another rank (``rank``, named in errors); it is checked as a
+        manifest's item is (:meth:`~xla_ckpt.format.manifest.Manifest.from_json_bytes`:
+        file names, byte ranges inside their files, dtypes, shapes, the typed tree), so a
+        commit never writes a manifest readers would refuse.  ``save_id``: the save it
+        belongs to (for the check only).
+
+        Raises:
+            CheckpointCorruptError: ``doc`` is not such a document; the message names the
+                rank, the item and the field (``item 'rank/00001' written by rank 1: 'files'
+                must be an object``).
+        """
+        who = f"written by rank {rank}" if rank is not None else "written by a writer"
+        if not isinstance(doc, dict):
+            raise CheckpointCorruptError(f"item document {who} must be an object with 'name', "
+                                         f"'item' and 'files', got {type(doc).__name__}")
+        name = doc.get("name")
+        if not isinstance(name, str) or not name:
+            raise CheckpointCorruptError(f"item document {who}: 'name' must be a non-empty "
+                                         f"string, got {name!r}")
+        where = f"item {name!r} {who}"
+        missing = [k for k in ("item", "files") if k not in doc]
+        if missing:
+            raise CheckpointCorruptError(f"{where}: field {missing[0]!r} is missing")
+        if not isinstance(doc["item"], dict):
+            raise CheckpointCorruptError(f"{where}: 'item' must be an object, got "
+                                         f"{type(doc['item']).__name__}")
+        if not isinstance(doc["files"], dict):
+            raise CheckpointCorruptError(f"{where}: 'files' must be an object, got "
+                                         f"{type(doc['files']).__name__}")
+        version = CHUNKED_FORMAT_VERSION if doc["item"].get("chunked") else FORMAT_VERSION
+        wrapped = {"format": FORMAT_NAME, "version": version, "save_id": save_id,
+                   "files": doc["files"], "items": {name: doc["item"]}}
+        try:
+            body = json.dumps(wrapped, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as e:
+            raise CheckpointCorruptError(f"{where}: not plain JSON ({e})") from None
+        m = Manifest.from_json_bytes(body, where=where)
+        return cls(name, m.items[name], dict(m.files))
 
 
 CHECKSUM_AHEAD_BYTES = 16 * 1024 * 1024

@@ -5,7 +5,7 @@ decides *what* the state is.  Roles on save (all ranks call the same methods at
 the same update boundary):
 
 * before anything is written the ranks agree on what they save
-  (:mod:`~xla_ckpt.manager.agreement`): ranks whose state holds different tensors (a
+  (:mod:`~xla_ckpt.restore.save_steps`): ranks whose state holds different tensors (a
   rank with extra keys, one rank alone passing DTensors or ``shards``) are refused
   with one :class:`~xla_ckpt.errors.CheckpointSaveError` on every rank naming the
   rank and the key (CASES C16), instead of rank 0's copy being written alone;

@@ -8,15 +8,18 @@ coordinator's commit: manifest, ``checkpoint_last`` / ``checkpoint_best``
 pointers (best-N comparison), rotation.  A failure on any rank is raised on
 every rank (:meth:`SavePath._fail`).
 
-Before anything is written the ranks agree on the save (:mod:`~xla_ckpt.manager.agreement`,
-one exchange that also carries rank 0's save id): states holding different tensors, or
+A save takes the steps of :mod:`xla_ckpt.restore.save_steps`, as
+:func:`~xla_ckpt.restore.save_distributed` does.  Before anything is written the ranks agree
+on the save (one exchange that also carries rank 0's save id, whether a newer lease fences
+it, and its best score): different checkpoint folders, states holding different tensors, or
 ``shards`` passed on some ranks only, are refused on every rank.  A state holding sharded
 tensors (DTensor, XLA SPMD) takes the chunked path:
 :func:`~xla_ckpt.restore.owners.plan_chunked_save` (collective, on the training thread)
 decides who writes which box; each rank's boxes go into its one data file as item
 ``chunks/<r>`` with its ``rank/<r>`` and ``shard/<r>`` items (an async save first copies
 them to reused host buffers, :func:`~xla_ckpt.manager.staging.stage_dense`); rank 0 commits
-the state tree as a chunked item plus the global tensors' chunk tables.
+the state tree as a chunked item plus the global tensors' chunk tables
+(:func:`~xla_ckpt.restore.save_steps.commit_save`).
 
 Ctrl-C in the training thread while an async save uploads: on a backend that lists
 what interrupted writes leave (``Storage.lists_in_flight``: gs://) the upload runs on
@@ -46,7 +49,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import contextlib
-import json
 import math
 import threading
 import time
@@ -54,41 +56,17 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, SupportsFloat
 
-import torch
-
-from xla_ckpt.errors import (
-    CheckpointSaveError,
-    CollectiveTimeoutError,
-    DistributedError,
-    FencedError,
-    PreconditionFailedError,
-)
-from xla_ckpt.format.manifest import FORMAT_NAME, FORMAT_VERSION, STATE_ITEM, Manifest, rank_item
-from xla_ckpt.io.writer import (
-    WrittenItem,
-    commit,
-    discard,
-    new_save_id,
-    remove_other_data_files,
-    write_items,
-)
-from xla_ckpt.manager import agreement, lockstep
+from xla_ckpt.errors import CheckpointSaveError, FencedError
+from xla_ckpt.io.writer import discard, remove_other_data_files
+from xla_ckpt.manager import lockstep
 from xla_ckpt.manager.base import InFlightSave, ManagerBase, logger
 from xla_ckpt.manager.best import RESERVED_METADATA
 from xla_ckpt.manager.naming import preemption_name
 from xla_ckpt.manager.rotation import rotate
 from xla_ckpt.manager.staging import stage_dense, stage_to_host
-from xla_ckpt.restore.owners import ChunkedSavePlan, plan_chunked_save
-from xla_ckpt.restore.sharding import shard_item, shard_state
+from xla_ckpt.restore import save_steps as steps
 from xla_ckpt.run.catalog import LEASE_EPOCH_KEY, epoch_of, read_pointer_doc, write_pointer
-from xla_ckpt.run.fencing import (
-    Lease,
-    check_lease,
-    fenced_error,
-    manifest_precondition,
-    read_lease,
-)
-from xla_ckpt.storage import Storage
+from xla_ckpt.run.fencing import Lease, check_lease, fenced_error
 
 StateArg = Any  # a state, or a zero-argument callable returning it
 MetricValues = Mapping[str, SupportsFloat]  # numbers, numpy scalars, one-element tensors
@@ -101,27 +79,6 @@ def _status(fut: cf.Future | None) -> str:
         return "pending"
     exc = fut.exception()
     return "done" if exc is None else f"error:{type(exc).__name__}: {exc}"
-
-
-def _parts_from_json(docs: list[dict], save_id: str, rank: int) -> list[WrittenItem]:
-    """Rebuild (and validate) the items rank ``rank`` wrote from their JSON form."""
-    out = []
-    for d in docs:
-        doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "save_id": save_id,
-               "files": d["files"], "items": {d["name"]: d["item"]}}
-        m = Manifest.from_json_bytes(json.dumps(doc).encode("utf-8"),
-                                     where=f"item {d['name']!r} written by rank {rank}")
-        out.append(WrittenItem(d["name"], m.items[d["name"]], dict(m.files)))
-    return out
-
-
-def _message(e: DistributedError) -> str:
-    """``e``'s message without the ``[rank r: cause; ...]`` detail its failures add."""
-    text = str(e)
-    if e.failures:
-        detail = "; ".join(f"rank {r}: {c}" for r, c in sorted(e.failures.items()))
-        text = text.removesuffix(f" [{detail}]")
-    return text
 
 
 def _done_future(value: Any) -> cf.Future:
@@ -187,6 +144,13 @@ class SavePath(ManagerBase):
     def in_flight(self) -> str | None:
         """Name of the save being uploaded or committed, or None."""
         return self._inflight.name if self._inflight else None
+
+    @property
+    def lease(self) -> Lease | None:
+        """This incarnation's lease of the run folder (every rank), once it saved or called
+        ``take_over()``; None before.  Pass it to :func:`~xla_ckpt.restore.save_distributed`
+        (``lease=``) to commit a save of its own under this manager's fencing."""
+        return self._lease
 
     def save(self, state: StateArg, *, epoch: int, num_updates: int, name: str | None = None,
              rank_state: StateArg = None, shards: StateArg = None, end_of_epoch: bool = False,
@@ -379,12 +343,15 @@ class SavePath(ManagerBase):
         # files of earlier saves), whether a newer incarnation holds the lease (then nobody
         # writes), rank 0's score of the checkpoint (a best_fn that raises fails the save on
         # every rank before anything is written), and every rank's save agreement message
-        # (manager.agreement: input failures, sharded or not, tensor layout, shard layout).
-        inputs = agreement.evaluate_inputs(state, rank_state, shards)
-        head = ((new_save_id(), self._newer_lease(lease), self._score(name, metadata))
-                if self.rank == 0 else None)
-        msgs = self._exchange((head, agreement.message(inputs, url)))
-        save_id, newer, scored = msgs[0][0]
+        # (restore.save_steps: input failures, URI, sharded or not, tensor and shard layout).
+        inputs = steps.evaluate_inputs(state, rank_state, shards)
+        fence = steps.SaveFence(self.run, lease)
+
+        def head() -> dict[str, Any]:  # rank 0's, in the agreement exchange
+            return {"newer": fence.newer(), "score": self._score(name, metadata)}
+
+        got, agreed = steps.agree_on_save(self._exchange, self.rank, inputs, url, head=head)
+        save_id, newer, scored = got["save_id"], got["newer"], got["score"]
         if newer is not None:
             self._fenced = fenced_error(self.run, lease, newer[0], newer[1],
                                         what=f"to save {name}")
@@ -393,11 +360,10 @@ class SavePath(ManagerBase):
             raise CheckpointSaveError(f"saving checkpoint {url} failed: best_fn "
                                       "raised on its metrics (nothing was written)",
                                       {0: scored[1]})
-        agreed = agreement.agree([m[1] for m in msgs], self.rank)
-        self._refuse_disagreement(agreed, inputs, url)
-        plan = None
-        if agreed.sharded and not agreed.input_errors:
-            plan = self._plan_chunked(inputs.state, url)
+        what = "saving checkpoint {uri}"
+        steps.refuse(agreed, inputs, exchange=self._exchange, what=what,
+                     error=CheckpointSaveError, defer_input_errors=True)
+        plan = steps.plan(self.dist, agreed, inputs, what=what, error=CheckpointSaveError)
         storage = self.run.child(name)
         buffers: list = []
         nbytes = 0
@@ -414,32 +380,34 @@ class SavePath(ManagerBase):
                 upload = (_failed_future(inputs.error) if inputs.error is not None
                           else _done_future([]))
             else:
-                payload = self._payload(inputs, agreed, plan)
+                mine = steps.payload(inputs, agreed, plan, self.rank)
                 if block:
                     # The caller waits anyway: write the live state from this thread, no copy.
-                    upload = _done_future(self._upload_job(storage, save_id, *payload))
+                    upload = _done_future(steps.write_payload(storage, save_id, mine, self.rank))
                 else:
                     staged = [stage_to_host(p, self._pool) if p is not None else None
-                              for p in payload[:3]]
-                    chunks = (stage_dense(payload[4], self._pool)
-                              if payload[4] is not None else None)
+                              for p in (mine.state, mine.rank_state, mine.shards)]
+                    chunks = (stage_dense(mine.chunks, self._pool)
+                              if mine.chunks is not None else None)
                     for sg in [*staged, chunks]:
                         if sg is not None:
                             buffers += sg.buffers
                             nbytes += sg.nbytes
-                    args = (storage, save_id, *[sg.state if sg else None for sg in staged],
-                            payload[3], chunks.state if chunks is not None else None)
+                    st, rs, sh = [sg.state if sg else None for sg in staged]
+                    host = steps.SavePayload(st, rs, sh, mine.chunk_name,
+                                             chunks.state if chunks is not None else None)
+                    args = (storage, save_id, host, self.rank)
                     if not self._exit_hook:  # a save handed off is never lost unsaid
                         _register_exit_hook(_report_at_exit, weakref.ref(self))
                         self._exit_hook = True
                     if storage.lists_in_flight:
                         # Ctrl-C must not wait for the upload (see the module docstring).
                         upload = _on_daemon_thread(f"xla_ckpt-upload-r{self.rank}",
-                                                   self._upload_job, *args, started=started)
+                                                   steps.write_payload, *args, started=started)
                     else:
-                        upload = self._executor.submit(self._upload_job, *args)
-                    del staged, chunks
-                del payload
+                        upload = self._executor.submit(steps.write_payload, *args)
+                    del staged, chunks, host
+                del mine
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks in _sync
             upload = _failed_future(e)
         except BaseException:
@@ -458,132 +426,29 @@ class SavePath(ManagerBase):
             committed += self._sync(block=True)
         return committed
 
-    def _refuse_disagreement(self, agreed: agreement.SaveAgreement, inputs: agreement.SaveInputs,
-                             url: str) -> None:
-        """Raise on every rank, before anything is written, when the ranks' state differs.
-
-        Collective only when the tensor layouts differ (a second exchange names rank and key).
-
-        Raises:
-            CheckpointSaveError: ranks save to different checkpoint URIs (names each
-                rank's); ranks passed ``shards`` with different keys or dtypes, or
-                (on some ranks only); their plain states hold different tensors (C16).
-        """
-        if agreed.uri_errors:
-            raise CheckpointSaveError(f"saving checkpoint {agreed.rank0_uri} refused: ranks save "
-                                      "to different "
-                                      f"checkpoint folders ({agreement.URI_HINT}); nothing was "
-                                      "written", agreed.uri_errors)
-        if agreed.input_errors:
-            return  # reported by _sync as the save's failure, as any rank's failure is
-        if agreed.shard_errors:
-            raise CheckpointSaveError(f"saving checkpoint {url} refused: ranks passed different "
-                                      "shards; nothing was written", agreed.shard_errors)
-        if agreed.layouts_differ:
-            layouts = self._exchange(agreement.tensor_layout(inputs.state))
-            differ = agreement.layout_mismatch(layouts)
-            if differ:
-                raise CheckpointSaveError(
-                    f"saving checkpoint {url} refused: ranks hold different tensors; nothing "
-                    f"was written ({agreement.LAYOUT_HINT})", differ)
-
-    def _plan_chunked(self, state: Any, url: str) -> ChunkedSavePlan:
-        """Every rank (collective): the owners' plan of a state holding sharded tensors.
-
-        Raises:
-            CheckpointSaveError: the ranks' structures differ (keys, global shapes, dtypes,
-                placements; names rank and key, on every rank; nothing was written).
-        """
-        what = f"saving checkpoint {url} refused"
-        try:
-            return plan_chunked_save(self.dist, state, what=what)
-        except CheckpointSaveError:
-            raise
-        except DistributedError as e:
-            if isinstance(e, CollectiveTimeoutError) or getattr(e, "collective_broken", False):
-                raise
-            raise CheckpointSaveError(_message(e), e.failures) from e
-
-    def _payload(self, inputs: agreement.SaveInputs, agreed: agreement.SaveAgreement,
-                 plan: ChunkedSavePlan | None) -> tuple:
-        """``(state, rank_state, shards, chunk item name, chunk tensors)`` this rank writes."""
-        shards = (shard_state(inputs.flat, agreed.bounds, agreed.numels)
-                  if inputs.flat is not None else None)
-        if plan is None:
-            return (inputs.state if self.rank == 0 else None, inputs.rank_state, shards,
-                    None, None)
-        chunk = plan.chunk_item()
-        if chunk is None:
-            return None, inputs.rank_state, shards, None, None
-        return None, inputs.rank_state, shards, chunk[0], list(chunk[1])
-
-    def _upload_job(self, storage: Storage, save_id: str, state: Any, rank_state: Any,
-                    shards: Any, chunk_name: str | None = None,
-                    chunks: list[torch.Tensor] | None = None) -> list[WrittenItem]:
-        """Write this rank's items (each a state, or None for none) as one data file (one
-        object, one fsync: :func:`~xla_ckpt.io.writer.write_items`); returns what was written.
-
-        ``chunks``: the boxes of sharded state this rank owns (chunked save), written as item
-        ``chunk_name`` (a list of C-contiguous tensors, in the plan's order)."""
-        items: list[tuple[str, Any]] = []
-        if chunk_name is not None and chunks is not None:
-            items.append((chunk_name, [t if t.is_contiguous() else t.contiguous()
-                                       for t in chunks]))
-        if state is not None:
-            items.append((STATE_ITEM, state))
-        if rank_state is not None:
-            items.append((rank_item(self.rank), rank_state))
-        if shards is not None:
-            items.append((shard_item(self.rank), shards))
-        return write_items(storage, save_id, items) if items else []
-
-    def _newer_lease(self, lease: Lease) -> tuple[int, dict] | None:
-        """Rank 0: ``(epoch, owner)`` of the run folder's lease if newer than ``lease``."""
-        try:
-            current = read_lease(self.run)
-        except Exception as e:  # noqa: BLE001 - the commit job checks again, and fails then
-            logger.warning("[rank %d] could not read the lease of %s before saving: %s",
-                           self.rank, self.run.uri, e)
-            return None
-        if current is not None and current.epoch > lease.epoch:
-            return current.epoch, current.owner
-        return None
-
-    def _commit_job(self, fl: InFlightSave, parts: list[WrittenItem]) -> None:
+    def _commit_job(self, fl: InFlightSave, every: list[bytes]) -> None:
         """Coordinator only: manifest (commit marker), then pointers, then rotation.
 
+        ``every``: each rank's written items (:func:`~xla_ckpt.restore.save_steps.parts_json`).
         Each step runs only after a check that this incarnation still holds the lease.
         """
         lease = self._lease
         assert lease is not None  # _save took it
-        check_lease(self.run, lease, what=f"to commit {fl.name}")
-        expected = manifest_precondition(fl.storage, lease, run=self.run)
+        parts = steps.parts_from_json(every, fl.save_id)
         files = {f for p in parts for f in p.files}
-        if expected:
-            # Replacing an older incarnation's checkpoint of this name: its data files must
-            # all still be here (a stale writer's commit clean-up may have run meanwhile).
-            for f in sorted(files):
-                fl.storage.stat(f)
-        chunked: dict[str, Any] = {}
-        if fl.plan is not None:
-            # Chunked save: the state item is rank 0's tree; each box lives in its owner's
-            # chunks/<r> item (global_tensors also names the chunk records by their box).
-            chunked["global_tensors"] = fl.plan.global_tensors(parts)
-            parts = [*parts, WrittenItem(STATE_ITEM, fl.plan.state_item(), {})]
-        with fl.gate:  # never after the save was reported abandoned (_finish_on_exit)
-            if fl.abandoned:
-                raise CheckpointSaveError(f"saving checkpoint {fl.storage.uri} was abandoned "
-                                          "on the way out; not committed")
-            try:
-                commit(fl.storage, fl.save_id, parts, metadata=fl.metadata,
-                       world_size=self.world_size, cleanup=False, if_generation_match=expected,
-                       **chunked)
-            except PreconditionFailedError:
-                # Created meanwhile: by a newer incarnation (then say so), or by a save of ours.
-                check_lease(self.run, lease, what=f"to commit {fl.name}")
-                manifest_precondition(fl.storage, lease, run=self.run)
-                raise
-            fl.manifest_written = True
+
+        @contextlib.contextmanager
+        def gate() -> Iterator[None]:
+            with fl.gate:  # never after the save was reported abandoned (_finish_on_exit)
+                if fl.abandoned:
+                    raise CheckpointSaveError(f"saving checkpoint {fl.storage.uri} was "
+                                              "abandoned on the way out; not committed")
+                yield
+                fl.manifest_written = True
+
+        steps.commit_save(fl.storage, fl.save_id, parts, name=fl.name, plan=fl.plan,
+                          metadata=fl.metadata, world_size=self.world_size,
+                          fence=steps.SaveFence(self.run, lease), cleanup=False, guard=gate)
         md = fl.metadata
         check_lease(self.run, lease, what=f"to move the pointers to {fl.name} (it is committed, "
                     "but nothing points to it)")
@@ -663,12 +528,10 @@ class SavePath(ManagerBase):
                 if failures:
                     self._fail(fl, failures)
                 if fl.phase == "upload" and all(m[1] == "done" for m in msgs):
-                    gathered = self._exchange([p.to_json() for p in fl.upload.result()])
+                    gathered = self._exchange(steps.parts_json(fl.upload.result()))
                     fl.phase = "commit"
                     if self.rank == 0:
-                        parts = [p for r, docs in enumerate(gathered)
-                                 for p in _parts_from_json(docs, fl.save_id, r)]
-                        fl.commit = self._executor.submit(self._commit_job, fl, parts)
+                        fl.commit = self._executor.submit(self._commit_job, fl, gathered)
                 elif fl.phase == "commit" and msgs[0][2] == "done":
                     self._inflight = None
                     fl.storage.close()

@@ -15,15 +15,16 @@ the *chunked* layout (manifest version 2) replaces the ``state`` item's data::
     chunks/<r>     rank r writes the boxes it owns (its DTensor / SPMD shards, and its share
                    of the replicated tensors, balanced by bytes: each byte written once)
 
-Steps, every rank in the same order: agree on the sharded-tensor layout
-(each rank's shard sizes, exchanged) and on the path (any rank with sharded tensors makes it
-chunked); chunked: agree on the structure and plan the owners
-(:func:`xla_ckpt.restore.owners.plan_chunked_save`); rank 0 picks the save id; every rank
-writes its items into one data file (:func:`xla_ckpt.io.writer.write_items`); one agreement step
-(a failed write anywhere -> every rank raises, rank 0 deletes the stray
-files); the written item records travel to rank 0, which writes the
-manifest — the commit marker — with :func:`xla_ckpt.io.commit`; the
-committed manifest goes back to every rank.
+Steps, every rank in the same order: those of :mod:`xla_ckpt.restore.save_steps`, which the
+:class:`~xla_ckpt.manager.CheckpointManager` takes too.  One agreement exchange (the URI, the
+tensor layout, the flat shard layout, plain or chunked; it also carries rank 0's save id and,
+with a lease, whether a newer one fences this save); chunked: agree on the structure and
+plan the owners (:func:`xla_ckpt.restore.owners.plan_chunked_save`); every rank writes its
+items into one data file (:func:`xla_ckpt.io.writer.write_items`); one agreement step (a
+failed write anywhere -> every rank raises, rank 0 deletes the stray files); the written
+item records travel to rank 0 (validated: :meth:`~xla_ckpt.io.WrittenItem.from_json`), which
+writes the manifest -- the commit marker -- (:func:`~xla_ckpt.restore.save_steps.commit_save`,
+checked against the lease when one is given); the committed manifest goes back to every rank.
 """
 
 from __future__ import annotations
@@ -36,39 +37,17 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from xla_ckpt.comm.base import Dist
-from xla_ckpt.comm.failures import describe_error
 from xla_ckpt.comm.select import get_dist
-from xla_ckpt.errors import DistributedError
-from xla_ckpt.format.dtypes import dtype_name
+from xla_ckpt.errors import DistributedError, FencedError
 from xla_ckpt.format.gc_pause import gc_paused
-from xla_ckpt.format.manifest import (
-    DEFAULT_CHUNK_SIZE_BYTES,
-    MANIFEST_NAME,
-    STATE_ITEM,
-    BlobRecord,
-    Item,
-    Manifest,
-    TensorRecord,
-    rank_item,
-)
-from xla_ckpt.io import WrittenItem, commit, discard, new_save_id
-from xla_ckpt.io.writer import write_items
-from xla_ckpt.restore.owners import ChunkedSavePlan, has_sharded, plan_chunked_save
-from xla_ckpt.restore.sharding import shard_item, shard_state
-from xla_ckpt.storage import StorageConfig, open_storage
+from xla_ckpt.format.manifest import DEFAULT_CHUNK_SIZE_BYTES, MANIFEST_NAME, Manifest
+from xla_ckpt.io.writer import discard
+from xla_ckpt.restore import save_steps as steps
+from xla_ckpt.run.catalog import LEASE_EPOCH_KEY
+from xla_ckpt.run.fencing import Lease, fenced_error
+from xla_ckpt.storage import Storage, StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)
-
-
-def _item_from_json(d: Mapping[str, Any]) -> Item:
-    blobs = [BlobRecord(file=b["file"], offset=b["offset"], length=b["length"],
-                        crc32c=b["crc32c"], chunk_size=b["chunk_size"],
-                        chunk_crc32c=tuple(b.get("chunk_crc32c", ())))
-             for b in d["blobs"]]
-    tensors = [TensorRecord(key=t["key"], blob=t["blob"], byte_offset=t["byte_offset"],
-                            dtype=t["dtype"], shape=tuple(t["shape"]), stride=tuple(t["stride"]))
-               for t in d["tensors"]]
-    return Item(state=d["state"], tensors=tensors, blobs=blobs)
 
 
 def _committed_manifest(storage: Any, save_id: str) -> bytes | None:
@@ -80,58 +59,16 @@ def _committed_manifest(storage: Any, save_id: str) -> bytes | None:
         return None
 
 
-def uri_mismatch(uris: Sequence[str]) -> dict[int, str]:
-    """Rank -> how its checkpoint URI differs from rank 0's (empty: every rank's is the same).
-
-    ``uris``: each rank's normalised URI (``Storage.uri``: an absolute local path, or
-    ``gs://bucket/prefix``), in rank order."""
-    return {r: f"saves to {u!r}, rank 0 to {uris[0]!r}" for r, u in enumerate(uris)
-            if u != uris[0]}
+def _run_of(storage: Storage) -> Storage:
+    """The run folder holding checkpoint folder ``storage`` (its parent), for the lease."""
+    parent = storage.uri.rstrip("/").rsplit("/", 1)[0]
+    return open_storage(parent, storage.config)
 
 
-URI_HINT = ("every rank must pass the same uri: one checkpoint folder on storage every rank "
-            "shares (a shared filesystem or gs://; not a node-local path)")
-
-
-def _shard_layout(dist: Dist, shards: Mapping[str, torch.Tensor], chunked: bool,
-                  uri: str | None, *, error: BaseException | None = None
-                  ) -> tuple[dict[str, tuple[int, int]], dict[str, int], bool]:
-    """This rank's element range of each sharded tensor, each tensor's total numel, and
-    whether any rank asks for the chunked path (one exchange, which also checks that every
-    rank saves to the same ``uri``; ``error``: this rank could not open it)."""
-    mine = {k: [int(t.numel()), dtype_name(t.dtype)] for k, t in shards.items()}
-    gathered = dist.exchange({"shards": mine, "chunked": bool(chunked), "uri": uri,
-                              "error": describe_error(error) if error is not None else None})
-    failed = {r: g["error"] for r, g in enumerate(gathered) if g["error"] is not None}
-    if failed:
-        raise DistributedError("save_distributed: the checkpoint uri could not be opened on "
-                               f"rank(s) {', '.join(str(r) for r in sorted(failed))}; nothing "
-                               "was written", failed)
-    differ = uri_mismatch([g["uri"] for g in gathered])
-    if differ:
-        raise DistributedError(f"save_distributed: ranks passed different checkpoint URIs "
-                               f"({URI_HINT}); nothing was written", differ)
-    every = [g["shards"] for g in gathered]
-    any_chunked = any(g["chunked"] for g in gathered)
-    keys = set(every[0])
-    bad = {r: f"passes shards for keys {sorted(m)}, rank 0 for {sorted(keys)}"
-           for r, m in enumerate(every) if set(m) != keys}
-    if not bad:
-        for k in keys:
-            dtypes = {m[k][1] for m in every}
-            if len(dtypes) > 1:
-                bad = {r: f"{k!r} has dtype {m[k][1]}" for r, m in enumerate(every)}
-                break
-    if bad:
-        raise DistributedError("save_distributed: ranks passed different flat sharded tensors "
-                               "(shards=); nothing was written", bad)
-    bounds, numels = {}, {}
-    for k in keys:
-        sizes = [m[k][0] for m in every]
-        lo = sum(sizes[:dist.rank])
-        bounds[k] = (lo, lo + sizes[dist.rank])
-        numels[k] = sum(sizes)
-    return bounds, numels, any_chunked
+def _fenced(fence: steps.SaveFence, doc: Any) -> FencedError:
+    """The FencedError rank 0 met (``doc``: its message and epochs), on every rank."""
+    return FencedError(str(doc[0]), own_epoch=int(doc[1]), current_epoch=int(doc[2]),
+                       run=str(doc[3]) if doc[3] is not None else fence.run.uri)
 
 
 @gc_paused()  # many small objects, no cycles (CASES C26)
@@ -141,11 +78,15 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
                      chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
                      balance_replicated: bool = False, check_replicas: bool = False,
                      owned_devices: Sequence[int] | None = None,
-                     progress: Callable[[int], object] | None = None) -> Manifest:
+                     progress: Callable[[int], object] | None = None,
+                     lease: Lease | None = None) -> Manifest:
     """Save a checkpoint from every rank at once; every rank calls it with the same ``uri``.
 
     COLLECTIVE: every rank calls it, in the same order.  Matches the trainer's
-    ``saver(state, uri, *, metadata, rank_state)`` protocol.
+    ``saver(state, uri, *, metadata, rank_state)`` protocol.  It takes the steps of
+    :mod:`xla_ckpt.restore.save_steps`, as the :class:`~xla_ckpt.manager.CheckpointManager`
+    does: one agreement exchange (which also carries rank 0's save id), the writes, one
+    gather of what was written, rank 0's commit.
 
     ``uri`` must be one folder on storage every rank shares (a shared filesystem or
     ``gs://``): the ranks compare their (normalised) URIs in their first exchange and refuse
@@ -157,7 +98,8 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
     Two layouts (see the module docstring):
 
     * plain (the default for a state of plain tensors): only rank 0's ``state`` is written,
-      by rank 0 (the other ranks may pass theirs, or None); manifest version 1.
+      by rank 0; the other ranks pass theirs (which must hold the same tensors: keys, shapes
+      and dtypes are compared, as the manager does, C16) or None; manifest version 1.
     * chunked, when any rank's ``state`` holds a ``DTensor`` / ``XLAShardedTensor``, or
       ``balance_replicated`` / ``check_replicas`` is set: every rank passes its *whole* state
       (its shards; the plain tensors, which must be equal on every rank); the ranks agree on
@@ -171,7 +113,19 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
       written once, by its owner (its shard's rank; replicated boxes balanced by bytes over
       their holders); a tensor passed under several keys (the same object, or the same
       memory: a tied weight) is one global tensor, written once and loaded back tied.
+      Byte-free shards (an FSDP2 ``(3, 0)`` parameter) take no box.
       Manifest version 2; ``xla_ckpt.load(uri)`` gives the full tensors on one process.
+
+    **Fencing** (``lease``): a save on behalf of a
+    :class:`~xla_ckpt.manager.CheckpointManager`'s incarnation passes its lease
+    (``manager.lease``, held once it saved or called ``take_over()``); ``uri`` is then a
+    checkpoint folder directly under the manager's run folder (``manager.run.url(name)``),
+    whose ``lease.json`` is checked as the manager's own commit checks it: rank 0 looks at it
+    before any rank writes, and again right before the commit marker, which is created only
+    if absent or on the generation of an older epoch's manifest; the manifest records the
+    epoch (metadata ``lease_epoch``, when ``metadata`` is a dict or None).  A newer lease
+    raises :class:`~xla_ckpt.errors.FencedError` on every rank and commits nothing.  Without
+    a lease the commit replaces whatever is at ``uri`` (no fencing).
 
     Args:
         state: the state (see the two layouts above).
@@ -193,6 +147,7 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
         owned_devices: torch_xla SPMD: the global device ids whose shards this process
             writes (multi-host emulation; default every addressable device).
         progress: called with the bytes of each piece this rank hands to the storage.
+        lease: the lease to commit under (see Fencing), the same on every rank.
 
     Returns:
         The committed :class:`Manifest` (on every rank).
@@ -203,10 +158,13 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
             data files rank 0 sees are deleted.  The commit fails (rank 0's failure a
             :class:`~xla_ckpt.errors.StorageNotSharedError` naming the file and the rank
             that wrote it) when a rank's data file is not there for rank 0: storage not
-            shared by the ranks.  Also, before anything is written: ranks pass different
-            URIs (``failures`` names each rank's), different sharded keys or dtypes
-            (``shards``), or (chunked) states of different structure, or differing
-            replicas with ``check_replicas``.
+            shared by the ranks.  Also, before anything is written: a rank could not open
+            ``uri``; ranks pass different URIs (``failures`` names each rank's), different
+            sharded keys or dtypes (``shards``), plain states holding different tensors, or
+            (chunked) states of different structure, or differing replicas with
+            ``check_replicas``.
+        FencedError: ``lease`` is older than the run folder's (every rank; nothing
+            committed, the data files written are removed).
         CollectiveTimeoutError: a rank died or hung.  One case commits all the same:
             rank 0 stalls past the timeout *inside* its manifest write, the other ranks
             give up naming rank 0, then rank 0's write lands.  That checkpoint is
@@ -215,76 +173,82 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
     """
     dist = dist if dist is not None else get_dist()
     t0 = time.perf_counter()
-    flat = {k: t.detach().reshape(-1) for k, t in (shards or {}).items()}
-    wants_chunked = balance_replicated or check_replicas or has_sharded(state)
+    inputs = steps.evaluate_inputs(state, rank_state, shards)
+    storage: Storage | None = None
+    fence: steps.SaveFence | None = None
     try:
         storage = open_storage(uri, storage_config)
-    except Exception as e:  # told to every rank in the first exchange, then raised there
-        _shard_layout(dist, flat, wants_chunked, None, error=e)
-        raise  # not reached: the exchange raised on every rank
+        if lease is not None:
+            fence = steps.SaveFence(_run_of(storage), lease)
+    except Exception as e:  # noqa: BLE001 - told to every rank in the agreement, raised there
+        inputs.error = inputs.error or e
+    if fence is not None and (metadata is None or isinstance(metadata, dict)):
+        metadata = {**(metadata or {}), LEASE_EPOCH_KEY: fence.lease.epoch}
+    what = "save_distributed of {uri}"
     try:
-        # Every rank enters it, shards or not; the path is chosen by all ranks together, and
-        # they check they save to the same folder before anyone writes.
-        bounds, numels, chunked = _shard_layout(dist, flat, wants_chunked, storage.uri)
-        plan: ChunkedSavePlan | None = None
-        if chunked:
-            plan = plan_chunked_save(dist, state, owned_devices=owned_devices,
-                                     check_replicas=check_replicas, what=f"save of {uri}")
-        save_id = dist.broadcast_object(new_save_id() if dist.rank == 0 else None, src=0)
+        # Every rank enters it; the path is chosen by all ranks together, and they check they
+        # save the same thing to the same folder before anyone writes.
+        def fenced_head() -> dict[str, Any]:
+            return {"fenced": fence.newer() if fence is not None else None}
+
+        head, agreed = steps.agree_on_save(
+            dist.exchange, dist.rank, inputs, storage.uri if storage is not None else uri,
+            chunked=balance_replicated or check_replicas, head=fenced_head)
+        steps.refuse(agreed, inputs, exchange=dist.exchange, what=what)
+        assert storage is not None  # no rank's inputs failed, this one's included
+        if fence is not None and head["fenced"] is not None:
+            epoch, owner = head["fenced"]
+            raise fenced_error(fence.run, fence.lease, epoch, owner, what=f"to save {uri}")
+        plan = steps.plan(dist, agreed, inputs, what=what, owned_devices=owned_devices,
+                          check_replicas=check_replicas)
+        save_id = head["save_id"]
+        mine = steps.payload(inputs, agreed, plan, dist.rank)
 
         def write() -> bytes:
             # This rank's items go into one data file (one object, one fsync).
-            mine: list[tuple[str, Any]] = []
-            if plan is not None:
-                chunk = plan.chunk_item()
-                if chunk is not None:
-                    mine.append(chunk)
-            elif dist.rank == 0:
-                mine.append((STATE_ITEM, state))
-            if rank_state is not None:
-                mine.append((rank_item(dist.rank), rank_state))
-            if flat:
-                mine.append((shard_item(dist.rank), shard_state(flat, bounds, numels)))
-            parts = (write_items(storage, save_id, mine, chunk_size_bytes=chunk_size_bytes,
-                                 progress=progress)
-                     if mine else [])
-            return json.dumps([p.to_json() for p in parts], separators=(",", ":")).encode()
+            return steps.parts_json(steps.write_payload(
+                storage, save_id, mine, dist.rank, chunk_size_bytes=chunk_size_bytes,
+                progress=progress))
+
+        def do_commit(every: list[bytes]) -> bytes:
+            if dist.rank != 0:
+                return b""
+            parts = steps.parts_from_json(every, save_id)
+            try:
+                return b"M" + steps.commit_save(
+                    storage, save_id, parts, name=storage.uri, plan=plan, metadata=metadata,
+                    world_size=dist.world_size, fence=fence).to_json_bytes()
+            except FencedError as e:  # every rank raises it, below
+                return b"F" + json.dumps([str(e), e.own_epoch, e.current_epoch, e.run]).encode()
+            except Exception as e:
+                committed = _committed_manifest(storage, save_id)
+                if committed is None:
+                    raise
+                logger.warning("rank 0: %s committed, but removing the files of earlier "
+                               "saves failed: %s", uri, e)
+                return b"M" + committed
 
         try:
-            mine = dist.run_collectively(write, f"save of {uri}: write data files")
-            every = dist.exchange_bytes(mine)
-
-            def do_commit() -> bytes:
-                if dist.rank != 0:
-                    return b""
-                parts = [WrittenItem(d["name"], _item_from_json(d["item"]), dict(d["files"]))
-                         for blob in every for d in json.loads(blob)]
-                try:
-                    if plan is None:
-                        return commit(storage, save_id, parts, metadata=metadata,
-                                      world_size=dist.world_size).to_json_bytes()
-                    global_tensors = plan.global_tensors(parts)
-                    parts.append(WrittenItem(STATE_ITEM, plan.state_item(), {}))
-                    return commit(storage, save_id, parts, metadata=metadata,
-                                  world_size=dist.world_size,
-                                  global_tensors=global_tensors).to_json_bytes()
-                except Exception as e:
-                    committed = _committed_manifest(storage, save_id)
-                    if committed is None:
-                        raise
-                    logger.warning("rank 0: %s committed, but removing the files of earlier "
-                                   "saves failed: %s", uri, e)
-                    return committed
-
-            data = dist.run_collectively(do_commit, f"save of {uri}: commit (rank 0)")
+            every = dist.exchange_bytes(dist.run_collectively(
+                write, f"save of {uri}: write data files"))
+            data = dist.run_collectively(lambda: do_commit(every),
+                                         f"save of {uri}: commit (rank 0)")
         except DistributedError:
             if dist.rank == 0 and _committed_manifest(storage, save_id) is None:
                 discard(storage, save_id)
             raise
         data = dist.broadcast_bytes(data if dist.rank == 0 else None, src=0)
+        if data[:1] == b"F":
+            assert fence is not None  # only a fenced commit says F
+            if dist.rank == 0:
+                discard(storage, save_id)
+            raise _fenced(fence, json.loads(data[1:]))
     finally:
-        storage.close()
-    manifest = Manifest.from_json_bytes(data, where=f"{uri}/{MANIFEST_NAME}")
+        if storage is not None:
+            storage.close()
+        if fence is not None:
+            fence.run.close()
+    manifest = Manifest.from_json_bytes(data[1:], where=f"{uri}/{MANIFEST_NAME}")
     if dist.rank == 0:
         if plan is not None:
             logger.info("rank 0: committed %s (save %s, %d ranks, %d bytes, chunked: %d global "
