@@ -138,7 +138,7 @@ class WrittenItem:
             body = json.dumps(wrapped, allow_nan=False).encode("utf-8")
         except (TypeError, ValueError) as e:
             raise CheckpointCorruptError(f"{where}: not plain JSON ({e})") from None
-        m = Manifest.from_json_bytes(body, where=where)
+        m = Manifest.from_json_bytes(body, where=f"the items {who}:")
         return cls(name, m.items[name], dict(m.files))
 
 
