@@ -149,6 +149,15 @@ def save_disagreeing(uri: str, case: str) -> Any:
             state["t2"] = state["t2"][:-1].clone()
         save_distributed(state, uri, balance_replicated=True)  # plain: agreement opted in
         return None
+    elif case in ("plain_shape", "plain_extra_key"):
+        # the plain path (rank 0 writes the state alone) compares the ranks' tensors too
+        state = plain_state(d.rank)
+        if d.rank == 1 and case == "plain_shape":
+            state["t2"] = state["t2"][:-1].clone()
+        elif d.rank == 1:
+            state["extra"] = torch.zeros(2)
+        save_distributed(state, uri)
+        return None
     elif case == "shards_alone":
         state = plain_state(d.rank)
         shards = {"exp_avg": torch.zeros(5)} if d.rank == 1 else None

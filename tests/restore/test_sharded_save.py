@@ -281,6 +281,9 @@ def test_replicated_plain_state_is_written_once_balanced_over_ranks(pool, tmp_pa
                    "on mesh (4,)")),
     ("shape", "rank 1: has state['t2'] of shape [1535] float32, rank 0 [1536] float32"),
     ("shards_alone", "rank 1: passes shards for keys ['exp_avg'], rank 0 for []"),
+    ("plain_shape", ("rank 1: tensor state['t2'] has shape [1535] dtype float32, rank 0's "
+                     "shape [1536] dtype float32")),
+    ("plain_extra_key", "rank 1: holds 1 tensor(s) rank 0 does not: state['extra']"),
 ])
 def test_structure_disagreement_is_one_error_on_every_rank_and_nothing_is_written(
         pool, tmp_path, case, failure):
