@@ -580,8 +580,7 @@ def sample_demo_output(b: Block, _cwd: Path, _env: dict[str, str]) -> None:
 
 def sample_layout(b: Block, cwd: Path, env: dict[str, str]) -> None:
     script = ("import torch\n"
-              "from xla_ckpt.config import CheckpointConfig\n"
-              "from xla_ckpt.manager import CheckpointManager\n"
+              "from xla_ckpt.manager import CheckpointConfig, CheckpointManager\n"
               "with CheckpointManager(CheckpointConfig(save_dir='layout-run')) as m:\n"
               "    m.save({'w': torch.ones(2)}, epoch=1, num_updates=500, metrics={'loss': 1.0},\n"
               "           rank_state={'rng': torch.zeros(1)})\n")
