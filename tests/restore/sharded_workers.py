@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (
 from xla_ckpt.io.chunked import plan_box_reads
 from xla_ckpt.io.manifest_file import read_manifest
 from xla_ckpt.restore import RestoreConfig, restore, save_distributed
-from xla_ckpt.restore.sharded import plan_rank_requests, saved_tensors, tensor_leaves
+from xla_ckpt.restore.targets import plan_rank_requests, saved_tensors, tensor_leaves
 from xla_ckpt.storage import open_storage
 from xla_ckpt.testing.asserts import tensor_bits
 

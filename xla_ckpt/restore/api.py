@@ -1,4 +1,4 @@
-"""``restore()``: one entry point over both strategies.
+"""``restore()``: one entry point, one engine (:mod:`xla_ckpt.restore.engine`), one stats object.
 
 Replaced while reading: when the read fails on some rank(s) with a "file not there /
 not as the manifest says" cause (every rank holds the same agreed
@@ -34,37 +34,23 @@ from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.format.plan import MapLocation
 from xla_ckpt.restore import cost
-from xla_ckpt.restore.all_ranks import restore_all_ranks
-from xla_ckpt.restore.broadcast import restore_broadcast
 from xla_ckpt.restore.config import RestoreConfig
 from xla_ckpt.restore.decide import Decision, decide
-from xla_ckpt.restore.per_host import restore_per_host
-from xla_ckpt.restore.plan import RankPlan, plan_ranks
-from xla_ckpt.restore.result import Loaded, Restored
+from xla_ckpt.restore.engine import RankStateRemap, run_plan
+from xla_ckpt.restore.plan import plan_ranks
+from xla_ckpt.restore.result import Restored
 from xla_ckpt.restore.select import (
     ALL_RANKS,
     AUTO,
-    BROADCAST,
-    PER_HOST,
-    STRIPED,
     choose_plan_for_job,
     choose_strategy,
     job_shape,
     sizes_of,
 )
-from xla_ckpt.restore.sharded import (
-    agree_on_inputs,
-    read_items_everywhere,
-    remap_rank_state,
-    restore_into,
-)
-from xla_ckpt.restore.striped import restore_striped
+from xla_ckpt.restore.targets import agree_on_inputs
 from xla_ckpt.storage import StorageConfig
 
 logger = logging.getLogger(__name__)
-
-#: ``fn(saved: {saved rank: per-rank state}, rank, world_size) -> this rank's per-rank state``.
-RankStateRemap = Callable[[dict[int, Any], int, int], Any]
 
 # Causes (``describe_error`` type names) of a read that may have raced with another writer.
 _RACE_CAUSES = frozenset({"CheckpointNotFoundError", "IncompleteCheckpointError",
@@ -229,13 +215,9 @@ def restore(uri: str | Decision, *, dist: Dist | None = None, strategy: str | No
             logger.info("rank 0: restoring %s with strategy %s (%s)", decision.checkpoint, name,
                         reason)
         try:
-            loaded = _run(decision, dist, plans, name, cfg, into=into, item=item,
-                          map_location=map_location, storage_config=storage_config, what=what)
-            if plans[dist.rank].remap_items:
-                assert rank_state_remap is not None  # remap_items come only with a hook
-                loaded.rank_state = _remap(decision, dist, plans[dist.rank], name, cfg,
-                                           rank_state_remap, map_location=map_location,
-                                           storage_config=storage_config, what=what)
+            loaded = run_plan(decision, dist, plans, name, cfg, into=into, item=item,
+                              map_location=map_location, storage_config=storage_config,
+                              what=what, remap=rank_state_remap)
             break
         except DistributedError as e:
             if e.args and isinstance(e.args[0], str) and f"strategy {name}" not in e.args[0]:
@@ -279,86 +261,6 @@ def restore(uri: str | Decision, *, dist: Dist | None = None, strategy: str | No
                     stats.bytes_read, stats.bytes_read / max(stats.seconds, 1e-9) / 2**20,
                     f"; data plane: {stats.data_path}" if stats.data_path else "")
     return result
-
-
-def _strategy(decision: Decision, dist: Dist, plans: list[RankPlan], name: str,
-              cfg: RestoreConfig, *, map_location: MapLocation,
-              storage_config: StorageConfig | None, what: str) -> Loaded:
-    """Run plan ``name`` for the replicated item, the per-rank items and the flat shards."""
-    if name in (ALL_RANKS, PER_HOST) and (name == PER_HOST or cfg.host_shared_memory) \
-            and dist.world_size > 1:
-        # all_ranks with host shared memory: the ranks of a host share one read (per_host)
-        loaded, fallback = restore_per_host(decision, dist, plans, map_location=map_location,
-                                            storage_config=storage_config, what=what,
-                                            host_shared_memory=cfg.host_shared_memory)
-        if fallback and dist.rank == 0:
-            logger.info("rank 0: %s: every rank reads for itself (%s)", what, fallback)
-        return loaded
-    if name in (ALL_RANKS, PER_HOST):
-        loaded = restore_all_ranks(decision, dist, plans[dist.rank], map_location=map_location,
-                                   storage_config=storage_config, what=what)
-        loaded.stats.plan = ALL_RANKS
-        loaded.stats.data_path = ("one process reads for itself" if dist.world_size == 1 else
-                                  "every rank reads for itself (restore.host_shared_memory is "
-                                  "false)")
-        return loaded
-    if name == STRIPED:
-        return restore_striped(decision, dist, plans, map_location=map_location,
-                               storage_config=storage_config,
-                               bucket_size_bytes=cfg.bucket_size_bytes, what=what,
-                               host_shared_memory=cfg.host_shared_memory)
-    loaded = restore_broadcast(decision, dist, plans, map_location=map_location,
-                               storage_config=storage_config,
-                               bucket_size_bytes=cfg.bucket_size_bytes, what=what,
-                               host_shared_memory=cfg.host_shared_memory)
-    loaded.stats.plan = BROADCAST
-    return loaded
-
-
-def _box_strategy(name: str) -> str:
-    """The strategy of the into= path: rank 0 sends (broadcast), the holders of each box split
-    and exchange its rows (striped), or each rank reads its own (all_ranks, per_host)."""
-    return name if name in (BROADCAST, STRIPED) else ALL_RANKS
-
-
-def _run(decision: Decision, dist: Dist, plans: list[RankPlan], name: str, cfg: RestoreConfig,
-         *, into: Any, item: str, map_location: MapLocation,
-         storage_config: StorageConfig | None, what: str) -> Loaded:
-    """One restore attempt on every rank: the state item (into live targets when ``into`` is
-    given or the item is chunked), then the per-rank items and flat shards."""
-    if into is None and not decision.manifest.item(item).chunked:
-        return _strategy(decision, dist, plans, name, cfg, map_location=map_location,
-                         storage_config=storage_config, what=what)
-    loaded = restore_into(decision, dist, into=into, strategy=_box_strategy(name), item=item,
-                          map_location=map_location, storage_config=storage_config,
-                          bucket_size_bytes=cfg.bucket_size_bytes, what=what)
-    loaded.stats.plan = _box_strategy(name)  # the boxes: each rank reads, or rank 0 sends
-    # the same on every rank: the plans come from the manifest alone
-    if any(p.rank_item is not None or p.shards for p in plans):
-        rest = _strategy(decision, dist,
-                         [dataclasses.replace(p, with_state=False) for p in plans], name,
-                         cfg, map_location=map_location, storage_config=storage_config,
-                         what=what)
-        s, r = loaded.stats, rest.stats
-        s.bytes_read += r.bytes_read
-        s.bytes_received += r.bytes_received
-        s.bytes_sent += r.bytes_sent
-        s.read_seconds += r.read_seconds
-        loaded.rank_state, loaded.shards = rest.rank_state, rest.shards
-    return loaded
-
-
-def _remap(decision: Decision, dist: Dist, me: RankPlan, name: str, cfg: RestoreConfig,
-           hook: RankStateRemap, *, map_location: MapLocation,
-           storage_config: StorageConfig | None, what: str) -> Any:
-    """Every rank reads every saved per-rank item and maps them with ``hook``."""
-    states = read_items_everywhere(decision, dist, list(me.remap_items.values()),
-                                   strategy=BROADCAST if name == BROADCAST else ALL_RANKS,
-                                   map_location=map_location,
-                                   storage_config=storage_config,
-                                   bucket_size_bytes=cfg.bucket_size_bytes, what=what)
-    saved = {r: states[n] for r, n in me.remap_items.items()}
-    return remap_rank_state(dist, hook, saved, what)
 
 
 def _replaced(decision: Decision, now: str, e: DistributedError) -> CheckpointReplacedError:

@@ -7,7 +7,7 @@ for just the bytes its next bucket needs (:meth:`BackgroundRead.wait_for`).
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -23,15 +23,13 @@ class BackgroundRead:
 
     def __init__(self, open_reader: Callable[[], CheckpointReader], item: str,
                  bufs: dict[int, torch.Tensor], group_bytes: int,
-                 then: Callable[[CheckpointReader], Any],
                  fill: Callable[[CheckpointReader], int] | None = None,
                  abort: Callable[[], None] | None = None) -> None:
         self.error: BaseException | None = None
-        self.result: Any = None
         self.bytes_read = 0
         self._ready = -1
         self._cond = threading.Condition()
-        self._args = (open_reader, item, group_bytes, then)
+        self._args = (open_reader, item, group_bytes)
         self._bufs = bufs
         self._fill = fill
         self._abort = abort
@@ -39,7 +37,7 @@ class BackgroundRead:
         self._thread.start()
 
     def _run(self) -> None:
-        open_reader, item, group_bytes, then = self._args
+        open_reader, item, group_bytes = self._args
         bufs = self._bufs
         reader = None
         try:
@@ -56,7 +54,6 @@ class BackgroundRead:
                     group, size = {}, 0
             if group:
                 self._read(reader, item, group)
-            self.result = then(reader)
         except BaseException as e:  # noqa: BLE001 - reported through the agreement step
             self.error = e
             if self._abort is not None:

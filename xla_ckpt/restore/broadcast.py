@@ -16,10 +16,7 @@ Order of steps (every rank enters every step, whatever happened locally):
    naming rank 0 and the cause (rank 0 still completed the broadcast
    sequence, with whatever bytes it had, so no rank was left waiting; the
    receivers' bytes are discarded);
-5. each rank's own ``rank/<r>`` item and its partition of the sharded
-   tensors go point to point from rank 0 to that rank only
-   (:meth:`Dist.scatter_tensors`) — the full sharded state is never broadcast;
-6. every rank rebuilds the same state from the same bytes with
+5. every rank rebuilds the same state from the same bytes with
    :func:`~xla_ckpt.format.plan.materialize_item` (aliasing, dtypes, empty
    tensors survive), placing tensors on its own ``map_location``.
 
@@ -40,7 +37,8 @@ when any rank cannot share).  Steps 2-3 change for the replicated item:
   rank 0's buckets over a leaders' subgroup — seals it, and the ranks of
   each host map it.
 
-Steps 4-6 are unchanged; the per-rank items and ZeRO partitions always go
+Steps 4-5 are unchanged.  The per-rank items and ZeRO partitions are boxes of the
+engine (:mod:`xla_ckpt.restore.engine`): rank 0 reads them and sends each rank its own,
 point to point.
 """
 
@@ -54,10 +52,9 @@ import torch
 
 from xla_ckpt.comm.base import Dist
 from xla_ckpt.comm.host_memory import FAILED, HEADER_BYTES, PrivateMapping, map_private
-from xla_ckpt.format.manifest import Item, Manifest
+from xla_ckpt.format.manifest import Item
 from xla_ckpt.format.plan import MapLocation, materialize_item
 from xla_ckpt.io import CheckpointReader
-from xla_ckpt.restore.all_ranks import place
 from xla_ckpt.restore.background_read import BackgroundRead
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.host_share import HostShare, negotiate
@@ -72,18 +69,6 @@ FILE_STAGING_BUFFERS = 2  # slices in flight when rank 0 writes a local checkpoi
 
 def _alloc(item: Item) -> dict[int, torch.Tensor]:
     return {i: torch.empty(b.length, dtype=torch.uint8) for i, b in enumerate(item.blobs)}
-
-
-def _assemble(key: str, plan: RankPlan, saved: dict[str, dict[int, torch.Tensor]]) -> torch.Tensor:
-    """On rank 0: the bytes of ``plan``'s range of sharded tensor ``key`` (a view when possible)."""
-    lo, hi = plan.shards[key]
-    parts = []
-    for piece, a, b in plan.layout[key].overlapping(lo, hi):
-        start, length = piece.byte_range(a, b)
-        parts.append(saved[piece.item][piece.record.blob][start:start + length])
-    if not parts:
-        return torch.empty(0, dtype=torch.uint8)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
@@ -105,7 +90,7 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
             allocation or rebuild) failed; ``failures`` names rank and cause.
         CollectiveTimeoutError: a rank died or hung during a collective.
     """
-    sizes = [b.length for b in _state_item(decision.manifest, plans[dist.rank]).blobs]
+    sizes = [b.length for b in decision.manifest.item(plans[dist.rank].item).blobs]
     share, data_path = negotiate(dist, host_shared_memory, sum(sizes), what)
     if share is None:
         data_path = f"collective broadcast over {dist.backend} ({data_path})"
@@ -117,38 +102,6 @@ def restore_broadcast(decision: Decision, dist: Dist, plans: list[RankPlan], *,
     finally:
         if share is not None:
             share.close()
-
-
-def _state_item(manifest: Manifest, plan: RankPlan) -> Item:
-    """The replicated item this strategy moves (an empty one when it moves none)."""
-    return manifest.item(plan.item) if plan.with_state else Item(state=None)
-
-
-def _read_private_items(reader: CheckpointReader, manifest: Manifest, plans: list[RankPlan],
-                        keys: list[str], own_rank_bufs: dict[int, torch.Tensor]) -> dict[str, Any]:
-    """On rank 0, after the replicated item: every rank's ``rank/<r>`` item and sharded bytes.
-
-    Returns ``{"bytes": bytes read, "rank_inputs": {rank: [blob tensors]},
-    "shard_inputs": {rank: [one uint8 tensor per key of keys]}}``.
-    """
-    nread = 0
-    others: dict[int, dict[int, torch.Tensor]] = {}
-    for p in plans:
-        if p.rank_item is None:
-            continue
-        bufs = own_rank_bufs if p.rank == 0 else _alloc(manifest.item(p.rank_item))
-        reader.read_into(p.rank_item, bufs)
-        others[p.rank] = bufs
-        nread += sum(b.numel() for b in bufs.values())
-    saved: dict[str, dict[int, torch.Tensor]] = {}
-    for lay in plans[0].layout.values():
-        for piece in lay.pieces:
-            if piece.item not in saved:
-                saved[piece.item] = reader.read_blobs(piece.item)
-                nread += sum(b.numel() for b in saved[piece.item].values())
-    return {"bytes": nread,
-            "rank_inputs": {r: [b[i] for i in sorted(b)] for r, b in others.items()},
-            "shard_inputs": {p.rank: [_assemble(k, p, saved) for k in keys] for p in plans}}
 
 
 class _BroadcastRestore:
@@ -167,8 +120,7 @@ class _BroadcastRestore:
         self.manifest = decision.manifest
         self.me = plans[dist.rank]
         self.is_src = dist.rank == 0
-        self.keys = sorted(self.me.shards)
-        self.state_item = _state_item(self.manifest, self.me)
+        self.state_item = self.manifest.item(self.me.item)
         self.sizes = [b.length for b in self.state_item.blobs]
         self.map_location, self.storage_config = map_location, storage_config
         self.bucket_size_bytes, self.what = bucket_size_bytes, what
@@ -197,17 +149,12 @@ class _BroadcastRestore:
         self.move_state()
         if self.is_src:
             self.stats.read_seconds = time.perf_counter() - t0
-        extra = self.background.result if self.background is not None else {}
         if self.mapping is None and self.share is not None:
             self.map_sealed_copies()
-        self.send_private(extra)
-        # drop rank 0's references to the other ranks' buffers before rebuilding
-        del extra
         self.background = None
         return self.dist.run_collectively(self.build, f"{self.what}: rebuild the state")
 
     def _alloc_step(self) -> dict[str, Any]:
-        me = self.me
         if self.share is None:
             out: dict[str, Any] = {"state": _alloc(self.state_item)}
         elif self.one_host:
@@ -218,10 +165,6 @@ class _BroadcastRestore:
             out = {"state": dict(enumerate(self.share.own_segment().writable_views(self.sizes)))}
         else:
             out = {"state": {}}
-        out["rank"] = _alloc(self.manifest.item(me.rank_item)) if me.rank_item else {}
-        # rank 0's partitions are cut from what it reads
-        out["shards"] = [] if self.is_src else [torch.empty(me.shard_nbytes(k), dtype=torch.uint8)
-                                                for k in self.keys]
         return out
 
     def allocate(self) -> None:
@@ -235,16 +178,12 @@ class _BroadcastRestore:
                 lambda: PrivateMapping(fd, self.sizes), f"{self.what}: map host shared memory")
 
     def start_read(self) -> BackgroundRead:
-        """Step 3 on rank 0: read the replicated item (into buffers or the segment), then the
-        private items and shards, on a background thread."""
+        """Step 3 on rank 0: read the replicated item (into buffers or the segment) on a
+        background thread."""
         decision, manifest, storage_config = self.decision, self.manifest, self.storage_config
-        own_rank_bufs = self.got["rank"]
 
         def open_reader() -> CheckpointReader:
             return CheckpointReader(open_storage(decision.checkpoint, storage_config), manifest)
-
-        def then(reader: CheckpointReader) -> dict[str, Any]:
-            return _read_private_items(reader, manifest, self.plans, self.keys, own_rank_bufs)
 
         fill: Callable[[CheckpointReader], int] | None = None
         abort: Callable[[], None] | None = None
@@ -270,7 +209,7 @@ class _BroadcastRestore:
 
         # read groups of a quarter bucket: the first bucket can leave early
         group = max(self.bucket_size_bytes // 4, 1 << 20)
-        return BackgroundRead(open_reader, self.me.item, self.state_bufs, group, then,
+        return BackgroundRead(open_reader, self.me.item, self.state_bufs, group,
                                fill=fill, abort=abort)
 
     def move_state(self) -> None:
@@ -307,7 +246,7 @@ class _BroadcastRestore:
                    f"{self.what}: rank 0 reads" + ("" if share is None
                                                    else " into host shared memory"))
         if background is not None:
-            stats.bytes_read = background.bytes_read + background.result["bytes"]
+            stats.bytes_read = background.bytes_read
         if self.mapping is not None:
             # the views are taken in build(), once checked
             stats.bytes_mapped = 0 if self.is_src else sum(self.sizes)
@@ -326,48 +265,12 @@ class _BroadcastRestore:
         self.stats.bytes_mapped = 0 if self.leader else sum(self.sizes)
         share.close()
 
-    def _count_point_to_point(self, n: int) -> None:
-        if self.is_src:
-            self.stats.bytes_sent += n
-        else:
-            self.stats.bytes_received += n
-
-    def send_private(self, extra: dict[str, Any]) -> None:
-        """Step 5: each rank's own ``rank/<r>`` item and shard partition, from rank 0 only."""
-        dist, stats, bucket = self.dist, self.stats, self.bucket_size_bytes
-        if any(p.rank_item for p in self.plans):
-            rank_bufs = self.got["rank"]
-            n = dist.scatter_tensors([rank_bufs[i] for i in sorted(rank_bufs)],
-                                     extra.get("rank_inputs"), src=0, bucket_size_bytes=bucket)
-            self._count_point_to_point(n)
-        if not self.keys:
-            return
-        if self.is_src:
-            self.got["shards"] = extra["shard_inputs"][0]
-        if all(p.shards == self.me.shards for p in self.plans):  # zero_sharding="none"
-            n = dist.broadcast_tensors(self.got["shards"], src=0, bucket_size_bytes=bucket)
-            stats.bytes_received += 0 if self.is_src else n
-        else:
-            n = dist.scatter_tensors(self.got["shards"], extra.get("shard_inputs"), src=0,
-                                     bucket_size_bytes=bucket)
-            self._count_point_to_point(n)
-
     def build(self) -> Loaded:
-        """Step 6: the same state from the same bytes, placed on this rank's map_location."""
-        me, manifest, map_location = self.me, self.manifest, self.map_location
+        """Step 5: the same state from the same bytes, placed on this rank's map_location."""
         bufs = self.state_bufs
         if self.mapping is not None:
             self.mapping.check_sealed()  # rank 0 said its fill succeeded: sealed, bytes final
             self.mapping.populate(self.mapping.data_bytes)
             bufs = dict(enumerate(self.mapping.views))
-        state = materialize_item(self.state_item, bufs, map_location)
-        rank_state = None
-        if me.rank_item is not None:
-            rank_state = materialize_item(manifest.item(me.rank_item), self.got["rank"],
-                                          map_location)
-        shards = {}
-        for k, raw in zip(self.keys, self.got["shards"], strict=True):
-            dtype = me.shard_dtype(k)
-            t = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
-            shards[k] = place(t.clone() if self.is_src else t, map_location, k)
-        return Loaded(state=state, rank_state=rank_state, shards=shards, stats=self.stats)
+        state = materialize_item(self.state_item, bufs, self.map_location)
+        return Loaded(state=state, stats=self.stats)

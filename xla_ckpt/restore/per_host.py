@@ -11,12 +11,12 @@ bytes cross a collective, so it is safe on TPU today (only control-plane agreeme
 When the ranks of some host cannot share memory (no ``memfd_create``, another PID
 namespace, ``restore.host_shared_memory: false``) every rank reads for itself, as
 ``all_ranks`` always did, and the reason goes into the log and ``Restored.reason``.
-Per-rank items and ZeRO partitions are read by the rank that needs them.
+Per-rank items and ZeRO partitions are read by the rank that needs them (boxes of the
+engine, :mod:`xla_ckpt.restore.engine`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -57,7 +57,7 @@ def restore_per_host(decision: Decision, dist: Dist, plans: list[RankPlan], *,
         CollectiveTimeoutError: a rank died or hung.
     """
     me = plans[dist.rank]
-    item = decision.manifest.item(me.item) if me.with_state else Item(state=None)
+    item = decision.manifest.item(me.item)
     sizes = [b.length for b in item.blobs]
     share, why = negotiate(dist, host_shared_memory, sum(sizes), what, leaders_group=False,
                            plan="per_host")
@@ -124,16 +124,7 @@ def _shared(decision: Decision, dist: Dist, plans: list[RankPlan], share: HostSh
     stats.read_seconds = time.perf_counter() - t0
     views = got.pop("views")
     stats.bytes_mapped = 0 if leader else sum(sizes)
-    state = None
-    if me.with_state:
-        state = dist.run_collectively(
-            lambda: materialize_item(item, dict(enumerate(views)), map_location),
-            f"{what}: rebuild the state")
-    loaded = Loaded(state=state, stats=stats)
-    if any(p.rank_item is not None or p.shards for p in plans):
-        rest = restore_all_ranks(decision, dist, dataclasses.replace(me, with_state=False),
-                                 map_location=map_location, storage_config=storage_config,
-                                 what=what)
-        loaded.rank_state, loaded.shards = rest.rank_state, rest.shards
-        stats.bytes_read += rest.stats.bytes_read
-    return loaded
+    state = dist.run_collectively(
+        lambda: materialize_item(item, dict(enumerate(views)), map_location),
+        f"{what}: rebuild the state")
+    return Loaded(state=state, stats=stats)

@@ -52,9 +52,6 @@ class RankPlan:
             per-rank state of a checkpoint saved with another world size (every rank
             reads all of them); empty otherwise.
         dropped: what the per-rank item rule dropped (one line, for the WARNING), or "".
-        with_state: whether the strategy reads the replicated item ``item``; False when
-            :mod:`xla_ckpt.restore.sharded` restores it into live targets and the strategy
-            only moves the per-rank items and flat shards.
     """
 
     rank: int
@@ -64,7 +61,6 @@ class RankPlan:
     layout: dict[str, ShardedTensorLayout] = field(default_factory=dict)
     remap_items: dict[int, str] = field(default_factory=dict)
     dropped: str = ""
-    with_state: bool = True
 
     def shard_nbytes(self, key: str) -> int:
         lo, hi = self.shards[key]

@@ -22,7 +22,8 @@ every rank of the job, hosts first (DESIGN "Each byte once"; issue 13):
    Without host shared memory every rank is a "host" of its own and the all-gather runs over
    all ranks.
 4. **Private bytes**: each rank reads its own ``rank/<r>`` item and ZeRO partition itself
-   (those bytes are needed by one rank only, so they are fetched once too).
+   (those bytes are needed by one rank only, so they are fetched once too), as boxes of the
+   engine (:mod:`xla_ckpt.restore.engine`).
 
 Every step is entered by every rank and ends in an agreement, so a failed or dead reader
 makes every rank raise one :class:`~xla_ckpt.errors.DistributedError` naming it (or a
@@ -31,7 +32,6 @@ makes every rank raise one :class:`~xla_ckpt.errors.DistributedError` naming it 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -46,7 +46,7 @@ from xla_ckpt.format.manifest import Item
 from xla_ckpt.format.plan import MapLocation, materialize_item
 from xla_ckpt.io import CheckpointReader
 from xla_ckpt.io.planning import COALESCE_BLOB_BYTES
-from xla_ckpt.restore.all_ranks import restore_all_ranks
+from xla_ckpt.restore.assign import balance
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.host_share import STAGING_BUFFERS, HostShare, negotiate
 from xla_ckpt.restore.plan import RankPlan
@@ -102,25 +102,6 @@ def _atoms(item: Item) -> list[tuple[int, int, int]]:
     return out
 
 
-def _cuts(sizes: Sequence[int], lo: int, hi: int, parts: int) -> list[int]:
-    """Indices ``lo = c_0 <= c_1 <= ... <= c_parts = hi`` that cut ``sizes[lo:hi]`` into
-    ``parts`` contiguous runs of about equal bytes: each inner cut is the boundary nearest
-    to its share of the bytes (ties: the lower index), so each run is within one element of
-    an equal share at either end."""
-    prefix = [0]
-    for n in sizes[lo:hi]:
-        prefix.append(prefix[-1] + n)
-    total = prefix[-1]
-    cuts, k = [lo], 0
-    for j in range(1, parts):
-        target = total * j / parts
-        while k + 1 < len(prefix) and abs(prefix[k + 1] - target) < abs(prefix[k] - target):
-            k += 1
-        cuts.append(lo + k)
-    cuts.append(hi)
-    return cuts
-
-
 def _whole(item: Item, blob: int) -> bool:
     """True if ``blob`` is read whole: at most :data:`COALESCE_BLOB_BYTES`, or one crc32c for
     all its bytes."""
@@ -167,12 +148,14 @@ def plan_stripes(item: Item, hosts: Sequence[Sequence[int]], stripe_bytes: int) 
 
     Returns:
         The stripes, in segment order (blob index, then offset); together they cover every
-        byte of every blob exactly once.  The blobs' bytes, in that order, are cut into one
-        contiguous run per host of about equal bytes (a host's network link is the
-        bottleneck), then each host's run into one contiguous run per rank of the host, at
-        crc32c-chunk or small-blob boundaries (each run is within one chunk or small blob of
-        an equal share at either end).  Contiguous runs let the exchange move each host's
-        bytes as one range of the host's segment (:func:`exchange_ranges`).
+        byte of every blob exactly once.  The blobs' crc32c chunks and small blobs are shared
+        out by :func:`xla_ckpt.restore.assign.balance`, first between hosts (equal bytes per
+        host: a host's network link is the bottleneck), then between the ranks of each host:
+        one contiguous run per host and per rank when that is within 20 % of equal shares
+        (the exchange then moves each host's bytes as one range of the host's segment,
+        :func:`exchange_ranges`), else runs of at most an eighth of a share given out
+        largest first, so every reader is within 25 % of its share whatever the blob sizes
+        and their order (unless one crc32c chunk is larger than that).
 
     Raises:
         ValueError: ``hosts`` is empty or has an empty host.
@@ -181,13 +164,18 @@ def plan_stripes(item: Item, hosts: Sequence[Sequence[int]], stripe_bytes: int) 
         raise ValueError(f"plan_stripes needs at least one rank per host, got {list(hosts)}")
     atoms = _atoms(item)
     sizes = [n for _, _, n in atoms]
-    out: list[Stripe] = []
-    host_cuts = _cuts(sizes, 0, len(atoms), len(hosts))
+    host_of = balance(sizes, list(range(len(hosts))))
+    owner = [0] * len(atoms)
     for h, ranks in enumerate(hosts):
-        rank_cuts = _cuts(sizes, host_cuts[h], host_cuts[h + 1], len(ranks))
-        for k, r in enumerate(ranks):
-            out.extend(Stripe(p, r) for p in _group(atoms[rank_cuts[k]:rank_cuts[k + 1]], item,
-                                                    stripe_bytes))
+        mine = [i for i, x in enumerate(host_of) if x == h]
+        for i, r in zip(mine, balance([sizes[i] for i in mine], list(ranks)), strict=True):
+            owner[i] = r
+    out: list[Stripe] = []
+    for ranks in hosts:
+        for r in ranks:
+            out.extend(Stripe(p, r) for p in _group([a for a, o in zip(atoms, owner, strict=True)
+                                                     if o == r], item, stripe_bytes))
+    out.sort(key=lambda s: s.parts[0][:2])
     return out
 
 
@@ -277,7 +265,7 @@ class _Striped:
         self.decision, self.dist, self.plans = decision, dist, plans
         self.me = plans[dist.rank]
         self.manifest = decision.manifest
-        self.item = self.manifest.item(self.me.item) if self.me.with_state else Item(state=None)
+        self.item = self.manifest.item(self.me.item)
         self.sizes = [b.length for b in self.item.blobs]
         self.map_location, self.storage_config = map_location, storage_config
         self.bucket_size_bytes, self.what = bucket_size_bytes, what
@@ -326,21 +314,11 @@ class _Striped:
         self.stats.read_seconds = time.perf_counter() - t0
         self._exchange(stripes, hosts)
         bufs = self._finish()
-        state = None
-        if self.me.with_state:
-            state = dist.run_collectively(
-                lambda: materialize_item(self.item, bufs, self.map_location),
-                f"{what}: rebuild the state")
-        loaded = Loaded(state=state, stats=self.stats)
+        state = dist.run_collectively(
+            lambda: materialize_item(self.item, bufs, self.map_location),
+            f"{what}: rebuild the state")
         self.dest, self.flat = [], None
-        if any(p.rank_item is not None or p.shards for p in self.plans):
-            rest = restore_all_ranks(self.decision, dist,
-                                     dataclasses.replace(self.me, with_state=False),
-                                     map_location=self.map_location,
-                                     storage_config=self.storage_config, what=what)
-            loaded.rank_state, loaded.shards = rest.rank_state, rest.shards
-            self.stats.bytes_read += rest.stats.bytes_read
-        return loaded
+        return Loaded(state=state, stats=self.stats)
 
     # ---- steps ------------------------------------------------------------------------
     def _leader(self) -> bool:
