@@ -117,7 +117,9 @@ def save(state: Any, uri: str, *, metadata: Any = None,
     :func:`xla_ckpt.restore.save_distributed` with the default
     :func:`~xla_ckpt.comm.get_dist`: the ranks agree on the structure, each
     writes the boxes it owns, rank 0 commits (chunked global tensors, manifest version 2;
-    it replaces an existing checkpoint without the compare-and-swap).  A single process
+    it replaces an existing checkpoint without the compare-and-swap).  Each rank may pass its
+    own private state as ``rank_states={its rank: value}`` (item ``rank/<rank>``, as
+    ``save_distributed(rank_state=...)``).  A single process
     without a process group may save SPMD tensors (it addresses every device), not a
     DTensor.  :func:`xla_ckpt.load` of the result gives the full tensors on one process.
 
@@ -128,7 +130,8 @@ def save(state: Any, uri: str, *, metadata: Any = None,
         rank_states: optional per-rank private state, stored as items
             ``rank/<r>`` (see :func:`xla_ckpt.format.manifest.rank_item`).  The data
             files are those :func:`xla_ckpt.restore.save_distributed` writes: one per
-            rank, rank 0's item in the state's file.
+            rank, rank 0's item in the state's file.  A sharded state: only this rank's
+            own entry (every rank writes its own).
         config: storage knobs (parallelism, slice size, retries).
         progress: called with bytes as the data files are handed to the storage (e.g.
             :func:`xla_ckpt.cli.common.progress_bar`'s ``update``).
@@ -146,12 +149,12 @@ def save(state: Any, uri: str, *, metadata: Any = None,
             the manifest is about to be written (see :func:`xla_ckpt.io.writer.commit`);
             nothing committed.
         ShardedStateError: a ``DTensor`` while ``torch.distributed`` is not initialised, or
-            a sharded state with ``rank_states`` / ``storage`` (names the key, says what to
-            do).
+            a sharded state with ``storage`` (names the key, says what to do).
         DistributedError: sharded state: the ranks pass different URIs or disagree on its
-            structure, or a write or the commit failed on some rank (a rank's data file not
-            visible to rank 0: storage not shared; see ``save_distributed``); nothing
-            committed.
+            structure, a rank's ``rank_states`` holds another rank's entry (its failure a
+            ``ShardedStateError`` naming the ranks), or a write or the commit failed on some
+            rank (a rank's data file not visible to rank 0: storage not shared; see
+            ``save_distributed``); nothing committed.
     """
     candidates: list[tuple[str, Any]] = []
 
@@ -168,12 +171,11 @@ def save(state: Any, uri: str, *, metadata: Any = None,
         sharded = [(k, v) for k, v in candidates if views.is_sharded(v)]
         if sharded:
             key, value = sharded[0]
-            if rank_states is not None or storage is not None:
+            if storage is not None:
                 raise ShardedStateError(
                     f"{key} is a sharded tensor ({type(value).__name__}): a sharded state is "
-                    "saved by every rank together, so rank_states and storage do not apply; "
-                    "call xla_ckpt.restore.save_distributed(state, uri, rank_state=...) on "
-                    "every rank instead")
+                    "saved by every rank together, each opening the checkpoint folder, so "
+                    "storage does not apply; pass uri only")
             if tdist.is_available() and tdist.is_initialized():
                 dist = get_dist()
             else:
@@ -186,7 +188,32 @@ def save(state: Any, uri: str, *, metadata: Any = None,
                         "uri) on every rank with the process group initialised (it then runs "
                         "xla_ckpt.restore.save_distributed), or save plain tensors")
                 dist = SingleProcess()  # one process addresses every SPMD device
+            rank = dist.rank
+
+            def own_rank_state() -> Any:  # called inside the save's agreement: a refusal on
+                return _own_rank_state(rank_states, rank, key)  # one rank fails every rank
+
             return save_distributed(state, uri, dist=dist, metadata=metadata,
+                                    rank_state=own_rank_state if rank_states else None,
                                     storage_config=config, progress=progress)
     return write_checkpoint(state, uri, metadata=metadata, rank_states=rank_states,
                             config=config, storage=storage, progress=progress)
+
+
+def _own_rank_state(rank_states: Mapping[int, Any] | None, rank: int, key: str) -> Any:
+    """This rank's entry of ``rank_states`` for a sharded save (each rank writes its own).
+
+    Raises:
+        ShardedStateError: ``rank_states`` holds another rank's entry (``key``: the first
+            sharded tensor, named in the message).
+    """
+    if not rank_states:
+        return None
+    others = sorted(r for r in rank_states if r != rank)
+    if others:
+        raise ShardedStateError(
+            f"{key} is a sharded tensor: a sharded state is saved by every rank together, "
+            f"each writing its own rank_state, but rank_states on rank {rank} holds the "
+            f"state of rank(s) {others}; pass rank_states={{{rank}: ...}} on rank {rank} "
+            "(its own only)")
+    return rank_states[rank]

@@ -184,6 +184,20 @@ def xla_ckpt_save_dtensor(uri: str) -> dict[str, Any]:
     return {"version": m.version, "rank": dist.get_rank(), "pid": os.getpid()}
 
 
+def xla_ckpt_save_dtensor_rank_states(uri: str, other: str) -> dict[str, Any]:
+    """``xla_ckpt.save`` of a DTensor state with each rank's own ``rank_states`` entry (saved
+    as its ``rank/<r>``), then with rank 1 passing every rank's entries (refused)."""
+    world = _join()
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": distribute_tensor(torch.arange(70.0).reshape(10, 7), mesh, [Shard(0)])}
+    m = xla_ckpt.save(state, uri, rank_states={rank: {"pos": 10 + rank}})
+    out: dict[str, Any] = {"items": sorted(m.items)}
+    every = {r: {"pos": r} for r in range(world)} if rank == 1 else {rank: {"pos": rank}}
+    out["other"] = _error(lambda: xla_ckpt.save(state, other, rank_states=every))
+    return out
+
+
 def xla_ckpt_save_dtensor_without_group(uri: str) -> str:
     """One process: a DTensor, then the process group destroyed; ``xla_ckpt.save`` refuses."""
     _join()

@@ -335,6 +335,28 @@ def test_xla_ckpt_save_of_a_dtensor_state_on_every_rank_loads_whole(pool, tmp_pa
 
 
 @pytest.mark.slow
+def test_xla_ckpt_save_of_a_dtensor_state_keeps_each_ranks_own_rank_state(pool, tmp_path):
+    path, other = tmp_path / "ranks", tmp_path / "other"
+    res = pool.run(W.xla_ckpt_save_dtensor_rank_states, str(path), str(other), timeout_s=120)
+    got = [r.value if r.error is None else r.error for r in res]
+    assert all(isinstance(g, dict) for g in got), got
+    assert got[0]["items"] == ["chunks/00000", "chunks/00001", "chunks/00002", "chunks/00003",
+                               "rank/00000", "rank/00001", "rank/00002", "rank/00003", "state"]
+    for r in range(WORLD):
+        assert xla_ckpt.load(str(path), item=rank_item(r)) == {"pos": 10 + r}
+    # rank 1 passes every rank's entry: refused before anything is written, on every rank
+    for g in got:
+        kind, msg, failures = g["other"]
+        assert kind == "DistributedError" and "nothing was written" in msg, g["other"]
+        assert failures == {1: (
+            "ShardedStateError: state['w'] is a sharded tensor: a sharded state is saved by "
+            "every rank together, each writing its own rank_state, but rank_states on rank 1 "
+            "holds the state of rank(s) [0, 2, 3]; pass rank_states={1: ...} on rank 1 (its "
+            "own only)")}
+    assert _files(other) == []
+
+
+@pytest.mark.slow
 def test_xla_ckpt_save_of_a_dtensor_without_process_group_names_the_key(tmp_path):
     path = tmp_path / "nogroup"
     [res] = launch(W.xla_ckpt_save_dtensor_without_group, 1, args=(str(path),), xla=False,

@@ -37,7 +37,6 @@ from xla_ckpt.api import save
 from xla_ckpt.errors import ConfigError
 from xla_ckpt.format.manifest import STATE_ITEM, Item, rank_item
 from xla_ckpt.kinds.opener import open_reader, read_checkpoint, read_items
-from xla_ckpt.restore.owners import has_sharded
 from xla_ckpt.run.resolve import Resolved
 from xla_ckpt.run.sniff import LEGACY, XLA_CKPT
 from xla_ckpt.storage import StorageConfig
@@ -163,24 +162,22 @@ class SingleProcessRestorer:
 
 
 class SingleProcessSaver:
-    """Write the whole state from one process with :func:`xla_ckpt.io.save` (atomic commit)."""
+    """Write the state with :func:`xla_ckpt.save` (atomic commit), this rank's ``rank_state``
+    as item ``rank/<rank>``."""
 
     def __init__(self, *, rank: int = 0, config: Optional[StorageConfig] = None) -> None:
         self.rank = rank
         self.config = config
 
     def __call__(self, state: Any, uri: str, *, metadata: Any, rank_state: Any | None) -> Any:
-        """Write ``state`` (and this rank's ``rank_state``) to ``uri``; the committed manifest.
+        """Write ``state`` (and this rank's ``rank_state``) to ``uri`` with
+        :func:`xla_ckpt.api.save`; the committed manifest.
 
         A state holding sharded tensors (a sharded model's ``DTensor`` state) is saved by
-        every rank at once (call it on every rank): :func:`xla_ckpt.restore.save_distributed`
-        over the job's process group, each rank writing the shards it owns."""
-        if has_sharded(state):
-            from xla_ckpt.comm import get_dist  # noqa: PLC0415 - the sharded path only
-            from xla_ckpt.restore import save_distributed  # noqa: PLC0415 - as above
-
-            return save_distributed(state, uri, dist=get_dist(), metadata=metadata,
-                                    rank_state=rank_state, storage_config=self.config)
+        every rank at once (call it on every rank, ``rank`` being this process's rank in the
+        job's process group): ``xla_ckpt.save`` runs :func:`xla_ckpt.restore.save_distributed`
+        over the job's process group, each rank writing the shards it owns and its own
+        ``rank_state``."""
         rank_states = {self.rank: rank_state} if rank_state is not None else None
         return save(state, uri, metadata=metadata, rank_states=rank_states, config=self.config)
 
