@@ -109,6 +109,17 @@ its ``slice_size_bytes`` (8 MiB); the four probes above (cross-host rate, intra-
 series storage term, fixed seconds); the documented default for the rest
 (``data_plane_latency_s`` 2 ms).
 
+**Balance** (``--balance on``, the default, before the timed plans; ``only``: nothing else;
+issue 23): ``--balance-ranks`` (4) gloo ranks on one host restore the issue's 36 MiB
+replicated state (48 fp32 vectors of 256 KiB and 6 matrices of 4 MiB, the default 4 MiB
+crc32c chunks) from a local folder, saved twice: vectors stored first and matrices first.
+Each of ``all_ranks`` (host shared memory off), ``per_host``, ``broadcast`` and ``striped``
+restores it plainly and into live zero targets (``restore(into=...)``).  One line per case
+(``"kind": "balance"``): ``bytes_read_per_rank`` (``RestoreStats.bytes_read``),
+``mb_read_per_rank``, ``max_over_mean`` over every rank and ``readers_max_over_mean`` over the
+ranks that read (the plan's readers: each within 25 % of their mean share, ``balanced``), and
+``bitwise_ok``; then one ``"kind": "balance_summary"`` line.  Counts, not timings.
+
 ``--all-gather broadcast`` is an A/B knob of this script: every rank's
 ``TorchDist.all_gather_tensors`` is replaced by the base ``Dist`` path (one bucketed broadcast
 per source rank), to compare the striped exchange's two implementations.
@@ -118,6 +129,7 @@ per source rank), to compare the striped exchange's two implementations.
   .venv/bin/python benchmarks/scale_model.py --no-grid --check-emulation striped.jsonl
   .venv/bin/python benchmarks/striped_restore.py --size-mib 8 --hosts 2 --ranks-per-host 2 \
       --repeats 1                                                     # seconds: the test's run
+  .venv/bin/python benchmarks/striped_restore.py --balance only      # bytes per rank, 1 min
 """
 
 from __future__ import annotations
@@ -281,8 +293,7 @@ def _join(spec: dict) -> Any:
     """This rank's Dist (gloo).  On first use: stdout goes to stderr (gloo's connection lines
     would mix with the parent's JSON lines) and, if the launcher cannot, this rank's emulated
     host's environment is set as ``WorkerPool(hosts=H)`` sets it."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.comm import DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
 
     if not _HELD.get("joined"):
         sys.stdout.flush()
@@ -524,6 +535,96 @@ def run_plan(plan: str, spec: dict) -> dict:
     return out
 
 
+# ---- balance: bytes read per rank (issue 23) --------------------------------------------------
+BALANCE_PLANS = ("all_ranks", "per_host", "broadcast", "striped")
+BALANCE_TOLERANCE = 0.25
+
+
+def balance_state(vectors_first: bool, *, empty: bool = False) -> dict[str, Any]:
+    """The issue's state: 48 fp32 vectors of 256 KiB and 6 matrices of 4 MiB (zeros:
+    ``empty``), the vectors first or the matrices first."""
+    import torch
+
+    def value(i: int, shape: tuple[int, ...]) -> Any:
+        if empty:
+            return torch.zeros(shape)
+        return (torch.arange(math.prod(shape), dtype=torch.float32) * 0.5 + i).reshape(shape)
+
+    vecs = {f"v{i:02d}": value(i, (65536,)) for i in range(48)}
+    mats = {f"m{j}": value(100 + j, (1024, 1024)) for j in range(6)}
+    return {**vecs, **mats} if vectors_first else {**mats, **vecs}
+
+
+def balance_save(uri: str, vectors_first: bool) -> None:
+    from xla_ckpt.restore import save_distributed
+
+    save_distributed(balance_state(vectors_first), uri, dist=_join_plain())
+
+
+def _join_plain() -> Any:
+    from xla_ckpt.comm import DistConfig, get_dist
+
+    if not _HELD.get("quiet"):
+        sys.stdout.flush()
+        os.dup2(2, 1)  # gloo's connection lines would mix with the parent's JSON lines
+        _HELD["quiet"] = True
+    return get_dist(DistConfig(backend="gloo"))
+
+
+def balance_restore(uri: str, vectors_first: bool, into: bool, plan: str) -> dict:
+    """One restore on this rank: its bytes read and whether it holds the saved values."""
+    import torch
+
+    from xla_ckpt.restore import RestoreConfig, restore
+
+    d = _join_plain()
+    targets = balance_state(vectors_first, empty=True) if into else None
+    res = restore(uri, dist=d, into=targets, config=RestoreConfig(**_STRATEGY[plan]))
+    got = targets if targets is not None else res.state
+    want = balance_state(vectors_first)
+    ok = set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    return {"read": res.stats.bytes_read, "plan_ran": res.stats.plan, "ok": ok}
+
+
+def balance_lines(ranks: int, plans: list[str]) -> list[dict]:
+    """Every case of the balance part (see the module docstring), as JSON-ready lines."""
+    import tempfile
+
+    from xla_ckpt.testing.launcher import WorkerPool
+
+    out: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp, WorkerPool(ranks, xla=False) as pool:
+        for vectors_first in (True, False):
+            uri = os.path.join(tmp, "vectors_first" if vectors_first else "matrices_first")
+            for r in pool.run(balance_save, uri, vectors_first):
+                r.unwrap()
+            for plan in plans:
+                for into in (False, True):
+                    got = [r.unwrap() for r in pool.run(balance_restore, uri, vectors_first,
+                                                        into, plan)]
+                    reads = [g["read"] for g in got]
+                    mean = sum(reads) / len(reads)
+                    readers = [n for n in reads if n]
+                    rmean = sum(readers) / len(readers) if readers else 0.0
+                    out.append({
+                        "kind": "balance", "plan": plan, "plan_ran": got[0]["plan_ran"],
+                        "into": into, "order": "vectors_first" if vectors_first
+                        else "matrices_first", "ranks": ranks,
+                        "bytes_read_per_rank": reads,
+                        "mb_read_per_rank": [round(n / 1e6, 1) for n in reads],
+                        "bytes_read_job": sum(reads),
+                        "max_over_mean": round(max(reads) / mean, 3) if mean else None,
+                        "readers": len(readers),
+                        "readers_max_over_mean": round(max(readers) / rmean, 3)
+                        if rmean else None,
+                        "balanced": bool(readers) and all(abs(n - rmean) <= BALANCE_TOLERANCE
+                                                          * rmean for n in readers),
+                        "bitwise_ok": all(g["ok"] for g in got)})
+                    print(f"# balance {plan} into={into} {out[-1]['order']}: "
+                          f"{out[-1]['mb_read_per_rank']} MB", file=sys.stderr, flush=True)
+    return out
+
+
 # ---- parent ----------------------------------------------------------------------------------
 class PssSampler:
     """Sum over ``pids`` of ``/proc/<pid>/smaps_rollup`` Pss (bytes), peak over a window.
@@ -734,6 +835,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="experiment: 'broadcast' replaces TorchDist.all_gather_tensors in every "
                          "rank by the base Dist path (one bucketed broadcast per source rank), "
                          "for an A/B of the striped exchange; default: the library's own")
+    ap.add_argument("--balance", choices=("on", "off", "only"), default="on",
+                    help="bytes read per rank of the issue-23 state, every plan, plain and "
+                         "into live targets (default on: before the timed plans; only: "
+                         "nothing else)")
+    ap.add_argument("--balance-ranks", type=int, default=4,
+                    help="gloo ranks of the balance part (one host; default 4)")
     ap.add_argument("--run-timeout-s", type=float, default=600.0,
                     help="limit of one restore call on the ranks (they are killed past it)")
     a = ap.parse_args(argv)
@@ -746,6 +853,21 @@ def main(argv: list[str] | None = None) -> int:
     if a.memory_runs < 0 or a.storage_probe_mib < 0 or a.probe_mib < 0:
         ap.error("--memory-runs, --probe-mib and --storage-probe-mib must be >= 0")
     world = a.hosts * a.ranks_per_host
+    if a.balance != "off":
+        bal = balance_lines(a.balance_ranks, [p for p in BALANCE_PLANS if p in plans]
+                            or list(BALANCE_PLANS))
+        for line in bal:
+            print(json.dumps(line), flush=True)
+        print(json.dumps({
+            "kind": "balance_summary", "target": "every reader within 25 % of the readers' "
+            "mean share, plain and into live targets (issue 23)",
+            "striped_max_over_mean": max(x["max_over_mean"] or 0 for x in bal
+                                         if x["plan"] == "striped") if any(
+                x["plan"] == "striped" for x in bal) else None,
+            "met": all(x["balanced"] for x in bal),
+            "bitwise_ok": all(x["bitwise_ok"] for x in bal)}), flush=True)
+        if a.balance == "only":
+            return 0 if all(x["bitwise_ok"] for x in bal) else 1
 
     import torch
 
