@@ -7,3 +7,6 @@ DCP folders (:mod:`~xla_ckpt.kinds.dcp`), only some keys of an xla_ckpt checkpoi
 (:mod:`~xla_ckpt.kinds.opener`), any other kind whole (:mod:`~xla_ckpt.kinds.foreign`).
 Writing other kinds: :mod:`~xla_ckpt.kinds.export`.
 """
+
+__all__ = ["dcp", "dcp_boxes", "dcp_write", "export", "export_weights", "foreign", "hf", "legacy",
+           "opener", "partial"]

@@ -6,3 +6,5 @@
 :mod:`~xla_ckpt.run.retention` and :mod:`~xla_ckpt.run.prune` (keep-N, garbage),
 :mod:`~xla_ckpt.run.recovery` (the previous intact checkpoint).  Torch-free.
 """
+
+__all__ = ["catalog", "fencing", "prune", "recovery", "resolve", "retention", "sniff"]

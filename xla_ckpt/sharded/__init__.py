@@ -5,3 +5,5 @@ describe it; :mod:`~xla_ckpt.sharded.views` reads them off DTensors (FSDP2, tens
 and :mod:`~xla_ckpt.sharded.spmd` off torch_xla SPMD tensors.  Below :mod:`xla_ckpt.restore`,
 which saves and restores them; knows nothing about checkpoints.
 """
+
+__all__ = ["spmd", "value", "views"]
