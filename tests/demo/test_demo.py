@@ -129,7 +129,7 @@ def _row(strategy, plan, kind, read, recv, mapped, served, predicted, seconds, v
 
 
 def test_demo_table_lists_every_plan_with_bytes_per_host_and_predictions():
-    from xla_ckpt.demo.run import format_table
+    from xla_ckpt.demo.report import format_table
 
     report = {"workers": 4, "hosts": 2, "model": "tiny", "updates": 8,
               "storage": "GCS emulator on http://127.0.0.1:1",
@@ -172,7 +172,7 @@ def test_demo_table_lists_every_plan_with_bytes_per_host_and_predictions():
 
 
 def test_host_env_spreads_workers_over_emulated_hosts():
-    from xla_ckpt.demo.run import host_env
+    from xla_ckpt.demo.phase import host_env
 
     envs = [host_env(r, 4, 2) for r in range(4)]
     assert [(e["GROUP_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
@@ -208,7 +208,8 @@ def test_demo_rejects_workers_not_a_multiple_of_hosts():
 
 def test_demo_config_cost_model_is_the_restore_link():
     from xla_ckpt.config import load_config
-    from xla_ckpt.demo.run import RESTORE_SHAPING_FIGURES, default_config_path
+    from xla_ckpt.demo.link import RESTORE_SHAPING_FIGURES
+    from xla_ckpt.demo.run import default_config_path
 
     cm = load_config(default_config_path(), environ={}).restore.cost_model
     link = RESTORE_SHAPING_FIGURES
@@ -223,7 +224,8 @@ def test_demo_config_cost_model_is_the_restore_link():
 
 def test_served_counter_counts_each_restore_per_host(gcs_emulator, tmp_path):
     """Real downloads from two emulated hosts' source addresses through a real proxy."""
-    from xla_ckpt.demo.run import DemoError, ServedCounter
+    from xla_ckpt.demo.link import ServedCounter
+    from xla_ckpt.demo.phase import DemoError
     from xla_ckpt.testing.fault_proxy import FaultProxy, host_address
 
     stem = f"served-{os.getpid()}"
@@ -266,14 +268,14 @@ def _state_row(strategy, kind, digests, ok=True):
 
 
 def test_every_plan_must_restore_the_all_ranks_state_bitwise():
-    from xla_ckpt.demo.run import _check_states
+    from xla_ckpt.demo.report import check_states
 
     rows = [_state_row("all_ranks", "resume", ["a0", "a1"]),
             _state_row("broadcast", "resume", ["a0", "a1"], ok=False),  # its resume diverged
             _state_row("per_host", "restore", ["a0", "a1"]),
             _state_row("striped", "restore", ["a0", "b1"]),  # rank 1 got other bytes
             _state_row("auto", "restore", ["a0", "a1"])]
-    _check_states(rows)
+    check_states(rows)
     assert [(r["state_identical"], r["bitwise_identical"], r["verdict"]) for r in rows] == [
         (True, True, "bitwise identical"), (True, False, "MISMATCH"),
         (True, True, "bitwise identical"), (False, False, "MISMATCH"),
@@ -281,12 +283,12 @@ def test_every_plan_must_restore_the_all_ranks_state_bitwise():
     # A restore-only plan equal to a wrong all_ranks restore proves nothing.
     rows = [_state_row("all_ranks", "resume", ["a0", "a1"], ok=False),
             _state_row("per_host", "restore", ["a0", "a1"])]
-    _check_states(rows)
+    check_states(rows)
     assert [r["verdict"] for r in rows] == ["MISMATCH", "MISMATCH"]
     # No digest (a worker that did not report one) is never a match.
     rows = [_state_row("all_ranks", "resume", ["", ""]),
             _state_row("per_host", "restore", ["", ""])]
-    _check_states(rows)
+    check_states(rows)
     assert [r["state_identical"] for r in rows] == [False, False]
 
 
@@ -363,7 +365,7 @@ def _sharded_report():
 
 
 def test_demo_table_of_the_sharded_leg():
-    from xla_ckpt.demo.run import format_table
+    from xla_ckpt.demo.report import format_table
 
     table = format_table(_sharded_report()).splitlines()
     assert table[0] == "xla_ckpt demo: 4 workers, model minilm, 12 updates, storage local path"
@@ -389,7 +391,7 @@ def _shard(t, offsets, sizes):
 def test_sharded_verdict_names_every_wrong_shard_and_each_failed_check():
     import torch
 
-    from xla_ckpt.demo.run import sharded_verdict
+    from xla_ckpt.demo.report import sharded_verdict
 
     w = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
     step = torch.tensor(3.0)

@@ -12,8 +12,11 @@ import threading
 import pytest
 
 from xla_ckpt.cli.main import main
+from xla_ckpt.demo import report as demo_report
 from xla_ckpt.demo import run as demo_run
-from xla_ckpt.demo.run import DemoError, Heartbeat, failure_line, step, verdict_line
+from xla_ckpt.demo.phase import DemoError
+from xla_ckpt.demo.progress import Heartbeat, step
+from xla_ckpt.demo.report import failure_line, verdict_line
 
 
 class _Clock:
@@ -110,7 +113,7 @@ def _report(ok: dict) -> dict:
 @pytest.mark.parametrize("json_out", [False, True])
 def test_cli_prints_one_verdict_line_last_and_exits_nonzero_on_fail(capsys, monkeypatch,
                                                                     json_out):
-    monkeypatch.setattr(demo_run, "format_table", lambda report: "TABLE")
+    monkeypatch.setattr(demo_report, "format_table", lambda report: "TABLE")
     outcomes = [
         (_report({"fsdp_same_size": True, "fsdp_resharded": True}), 0,
          "PASS: every restore bitwise identical: fsdp (same_size, resharded); 2 restores in "),

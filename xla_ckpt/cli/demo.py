@@ -85,13 +85,13 @@ class _Elapsed(logging.Formatter):
 
 
 def run(args: argparse.Namespace) -> int:
-    from xla_ckpt.demo.run import (  # noqa: PLC0415 - the demo and its extra load only for `demo`
-        DemoError,
+    from xla_ckpt.demo.phase import DemoError  # noqa: PLC0415 - the demo and its extra load only for `demo`
+    from xla_ckpt.demo.report import (  # noqa: PLC0415 - the demo and its extra load only for `demo`
         failure_line,
         format_table,
-        run_demo,
         verdict_line,
     )
+    from xla_ckpt.demo.run import run_demo  # noqa: PLC0415 - the demo and its extra load only for `demo`
 
     t0 = time.time()
     log = logging.getLogger("xla_ckpt.demo")

@@ -1,0 +1,205 @@
+"""One phase of the demo: ``workers`` worker processes launched torchrun-style, watched, reaped.
+
+:func:`run_phase` starts the workers (each with its emulated host's variables,
+:func:`host_env`), logs their progress (:class:`~xla_ckpt.demo.progress.Heartbeat`), sends
+SIGTERM for a preemption, and returns every rank's JSON report (:class:`PhaseResult`); a
+worker that fails, or a phase that outlives its timeout, raises :class:`DemoError` with every
+rank's log tail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from xla_ckpt.demo.progress import Heartbeat
+from xla_ckpt.errors import XlaCkptError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PhaseResult:
+    phase: str
+    reports: list[dict]
+    exitcodes: list[int]
+    seconds: float
+
+
+class DemoError(XlaCkptError, RuntimeError):
+    """A demo phase failed; the message names the phase, the rank and its last error line.
+
+    ``logs`` holds the tail of every rank's log; ``leg`` (``"ddp"``/``"fsdp"``) the leg that
+    was running, set by :func:`xla_ckpt.demo.run.run_demo` (``""`` before any leg
+    started).
+    """
+
+    def __init__(self, message: str, logs: str = "", leg: str = "") -> None:
+        super().__init__(message)
+        self.logs = logs
+        self.leg = leg
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def host_env(rank: int, workers: int, hosts: int) -> dict[str, str]:
+    """torchrun's per-rank host variables for ``hosts`` emulated hosts of ``workers // hosts``
+    (:func:`xla_ckpt.testing.launcher.rank_environment`, less ``RANK``).
+
+    ``GROUP_RANK = rank * hosts // workers``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``; with more
+    than one host also ``XLA_CKPT_GCS_SOURCE_ADDRESS`` = the host's loopback address
+    (:func:`xla_ckpt.testing.fault_proxy.host_address`), which the GCS storage binds.
+
+    Raises:
+        ValueError: ``hosts`` < 1 or ``workers`` not a multiple of it (names both keys).
+    """
+    if not isinstance(hosts, int) or isinstance(hosts, bool) or hosts < 1 or workers % hosts:
+        raise ValueError(f"train.workers={workers} must be a multiple of train.hosts={hosts} "
+                         f"(>= 1); set train.hosts to a divisor of train.workers")
+    from xla_ckpt.testing.launcher import rank_environment  # noqa: PLC0415 - the demo's launcher env only
+
+    env = rank_environment(rank, workers, hosts)
+    del env["RANK"]
+    return env
+
+
+def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], env: dict,
+              workdir: str, device: str = "cpu", preempt_after_update: int | None = None,
+              timeout_s: float = 1200.0, module: str = "xla_ckpt.demo.worker",
+              args: list[str] | None = None, label: str | None = None, hosts: int = 1,
+              poll: Callable[[str], None] | None = None) -> PhaseResult:
+    """Launch ``workers`` worker processes (torchrun-style env) and collect their reports.
+
+    ``module`` is the worker program (:mod:`xla_ckpt.demo.worker`, or :mod:`xla_ckpt.demo.fsdp`
+    for the sharded leg, which takes no ``--device``), ``args`` extra arguments for it, ``label``
+    the folder name of the phase's logs and reports (default ``phase``).  ``hosts``: emulated
+    hosts the workers are spread over (:func:`host_env`).  ``poll(out)`` is called about every
+    50 ms while the workers run (``out``: the phase's folder).  With
+    ``preempt_after_update``, SIGTERM goes to every worker once rank 0 has finished that
+    update.  Raises :class:`DemoError` if a worker fails or the phase outlives ``timeout_s``.
+    """
+    name = label or phase
+    out = os.path.join(workdir, name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    port = _free_port()
+    procs = []
+    logs = []
+    t0 = time.perf_counter()
+    for rank in range(workers):
+        wenv = dict(os.environ)
+        wenv.update(env)
+        wenv.pop("XLA_CKPT_GCS_SOURCE_ADDRESS", None)
+        wenv.update(host_env(rank, workers, hosts))
+        wenv.update({"RANK": str(rank), "WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(port), "PJRT_DEVICE": "CPU", "GLOO_SOCKET_IFNAME": "lo",
+                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                     "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+                     "PYTHONUNBUFFERED": "1"})
+        cmd = [sys.executable, "-m", module, "--config", config, "--phase", phase, "--out", out]
+        if module == "xla_ckpt.demo.worker":
+            cmd += ["--device", device]
+        cmd += list(args or [])
+        for o in overrides:
+            cmd += ["--set", o]
+        log = open(os.path.join(out, f"log{rank}.txt"), "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(cmd, env=wenv, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    sent = False
+    hb = Heartbeat(f"phase {name}")
+    hb.start(f"{workers} workers")
+    try:
+        while any(p.poll() is None for p in procs):
+            done = _read_int(os.path.join(out, "progress0"))
+            hb.beat("rank 0: no update finished yet" if done is None
+                    else f"rank 0 at update {done}")
+            if time.perf_counter() - t0 > timeout_s:
+                raise DemoError(f"{name}: workers still running after {timeout_s:.0f} s",
+                                _tails(out, workers))
+            if preempt_after_update is not None and not sent:
+                if done is not None and done >= preempt_after_update:
+                    logger.info("phase %s: rank 0 finished update %d; sending SIGTERM to every "
+                                "worker",
+                                name, done)
+                    for p in procs:
+                        if p.poll() is None:
+                            p.send_signal(signal.SIGTERM)
+                    sent = True
+            if poll is not None:
+                poll(out)
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(2.0)  # let the others fail with their own (named) error
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:  # a failed, timed-out or interrupted phase leaves no worker behind
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        bad = next(r for r, c in enumerate(codes) if c)
+        raise DemoError(f"{name}: rank {bad} exited with {codes[bad]} ({_last_error(out, bad)}); "
+                        f"exit codes {codes}; logs in {out}", _tails(out, workers))
+    reports = []
+    for rank in range(workers):
+        path = os.path.join(out, f"rank{rank}.json")
+        if not os.path.exists(path):
+            raise DemoError(f"{name}: rank {rank} wrote no report; logs in {out}",
+                            _tails(out, workers))
+        with open(path) as f:
+            reports.append(json.load(f))
+    if preempt_after_update is not None and not all(r.get("preempted") for r in reports):
+        raise DemoError(f"{name}: the job ended before the preemption at update "
+                        f"{preempt_after_update}; lower train.preempt_at_update")
+    hb.done()
+    return PhaseResult(name, reports, codes, time.perf_counter() - t0)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip() or "0")
+    except (OSError, ValueError):
+        return None
+
+
+def _last_error(out: str, rank: int) -> str:
+    try:
+        with open(os.path.join(out, f"log{rank}.txt")) as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except OSError:
+        return "no log"
+    for ln in reversed(lines):
+        if "Error" in ln or "error" in ln:
+            return ln.split("]: ", 1)[-1][:300]
+    return lines[-1][:300] if lines else "empty log"
+
+
+def _tails(out: str, workers: int, n: int = 1500) -> str:
+    parts = []
+    for rank in range(workers):
+        try:
+            with open(os.path.join(out, f"log{rank}.txt")) as f:
+                text = f.read()[-n:]
+        except OSError:
+            text = "(no log)"
+        parts.append(f"\n--- rank {rank} log tail ---\n{text}")
+    return "".join(parts)
+

@@ -1,0 +1,276 @@
+"""The demo's report: each restore judged, the tables ``xla-ckpt demo`` prints, the last line.
+
+A restore of the replicated leg that trains on is judged by :func:`resume_verdict` (losses and
+final parameters against the uninterrupted reference), one that only restores by
+:func:`restore_verdict`, and every row against the ``all_ranks`` resume's restored state by
+:func:`check_states`; a restore of the sharded leg by :func:`sharded_verdict` (local shards
+against the saved global tensors and DCP's restore).  :func:`format_table` renders the report
+that :func:`xla_ckpt.demo.run.run_demo` returns; :func:`verdict_line` and :func:`failure_line`
+give the one PASS/FAIL line the CLI ends with.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from xla_ckpt.demo.phase import DemoError, PhaseResult
+
+
+def global_losses(reports: list[dict]) -> dict[int, str]:
+    """Per-update global losses; every rank must report the same value."""
+    merged: dict[int, str] = {}
+    for r in reports:
+        for u, v in r["losses"].items():
+            u = int(u)
+            if merged.setdefault(u, v) != v:
+                raise DemoError(f"ranks disagree on the loss of update {u}")
+    return merged
+
+
+
+def shard_mismatches(global_tensors: dict[str, Any], tables: list[dict]) -> list[str]:
+    """``"rank r: key"`` for every local shard (of :func:`xla_ckpt.demo.fsdp.shard_table`)
+    whose crc32c differs from its box of the global tensor (or whose key is missing)."""
+    from xla_ckpt.format.crc import crc32c  # noqa: PLC0415 - light
+    from xla_ckpt.testing.asserts import tensor_bits  # noqa: PLC0415 - light
+
+    bad = []
+    for rank, table in enumerate(tables):
+        for key, e in table.items():
+            full = global_tensors.get(key)
+            if full is None:
+                bad.append(f"rank {rank}: {key} (not in the checkpoint)")
+                continue
+            box = full[tuple(slice(o, o + s) for o, s in
+                             zip(e["offsets"], e["sizes"], strict=True))]
+            crc = crc32c(tensor_bits(box.contiguous())) if box.numel() else 0
+            if list(box.shape) != e["sizes"] or crc != e["crc32c"]:
+                bad.append(f"rank {rank}: {key}")
+    return bad
+
+
+def sharded_verdict(kind: str, reports: list[dict], global_tensors: dict[str, Any],
+                    saved_bad: list[str], *, ref: list[dict] | None, pre: list[dict]) -> dict:
+    """One restore of the sharded leg, judged.
+
+    ``shards_equal_saved``: every rank's restored local shards equal their boxes of the saved
+    global tensors (and those equal the shards every rank saved: ``saved_bad`` is empty);
+    ``shards_equal_dcp``: the same boxes and bytes as DCP's restore of the same state; for
+    ``same_size`` (``ref`` given) also ``losses_identical`` (the preempted run's losses up to
+    the checkpoint plus the resumed run's equal the reference's) and ``shards_identical`` (each
+    rank's final local shards equal the reference rank's).
+    """
+    restores = [r["restore"] for r in reports]
+    mismatched = shard_mismatches(global_tensors, [r["shards"] for r in restores]) + saved_bad
+    dcp_equal = all(r.get("dcp_shards") == r["shards"] for r in restores)
+    out: dict[str, Any] = {
+        "restore": kind, "workers": len(reports),
+        "saved_workers": restores[0]["saved_world_size"], "strategy": restores[0]["strategy"],
+        "resumed_at_update": restores[0]["num_updates"],
+        "bytes_read_per_rank": [r["bytes_read"] for r in restores],
+        "shard_bytes_per_rank": [r["shard_bytes"] for r in restores],
+        "seconds": round(max(r["seconds"] for r in restores), 3),
+        "rank_state_kept": all(r["rank_state_kept"] for r in restores),
+        "shards_equal_saved": not mismatched, "mismatched_shards": mismatched[:10],
+        "shards_equal_dcp": dcp_equal,
+    }
+    ok = not mismatched and dcp_equal
+    if ref is not None:
+        start = out["resumed_at_update"]
+        combined = {u: v for u, v in global_losses(pre).items() if u <= start}
+        combined.update(global_losses(reports))
+        out["losses_identical"] = combined == global_losses(ref)
+        out["shards_identical"] = [r["digest"] for r in reports] == [r["digest"] for r in ref]
+        ok = ok and out["losses_identical"] and out["shards_identical"]
+    out["bitwise_identical"] = ok
+    out["verdict"] = "bitwise identical" if ok else "MISMATCH"
+    return out
+
+
+
+def _restore_figures(strategy: str, restores: list[dict], served: dict) -> dict:
+    """The figures of one restore (``restores``: every rank's, in rank order) for the table."""
+    seconds = max(r["seconds"] for r in restores)
+    read = [r["bytes_read"] for r in restores]
+    received = [r["bytes_received"] for r in restores]
+    mapped = [r.get("bytes_mapped", 0) for r in restores]
+    moved = max(a + b + c for a, b, c in zip(read, received, mapped, strict=True))
+    return {
+        "strategy": strategy, "plan": restores[0].get("plan") or restores[0]["strategy"],
+        "reason": restores[0]["reason"],
+        "checkpoint": restores[0]["checkpoint"], "resumed_at_update": restores[0]["num_updates"],
+        "bytes_read_per_rank": read, "bytes_received_per_rank": received,
+        "bytes_mapped_per_rank": mapped, "data_path": restores[0].get("data_path", ""),
+        "host_shared_memory": restores[0].get("host_shared_memory", True),
+        "served_bytes_per_host": served.get("served_bytes_per_host"),
+        "served_bytes_other": served.get("served_bytes_other"),
+        "seconds": round(seconds, 3), "mib_per_s": round(moved / max(seconds, 1e-9) / 2**20, 1),
+        "restore_seconds": round(max(r.get("restore_seconds", r["seconds"]) for r in restores),
+                                 3),
+        "predicted_s": round(float(restores[0].get("predicted_s", 0.0)), 3),
+        "predictions": restores[0].get("predictions", {}),
+        "state_devices": restores[0]["state_devices"],
+        "state_digests": [r.get("state_digest", "") for r in restores],
+    }
+
+
+def resume_verdict(strategy: str, res: PhaseResult, pre_losses: dict, ref_losses: dict,
+             ref_digest: set, served: dict | None = None) -> dict:
+    """A resume that trained on: its losses and final parameters against the reference's
+    (``state_identical``, against the ``all_ranks`` resume, comes from :func:`check_states`)."""
+    restores = [r["restore"] for r in res.reports]
+    start = restores[0]["num_updates"]
+    resumed = global_losses(res.reports)
+    combined = {u: v for u, v in pre_losses.items() if u <= start}
+    combined.update(resumed)
+    digests = {r["digest"] for r in res.reports}
+    losses_ok = combined == ref_losses
+    params_ok = len(digests) == 1 and digests == ref_digest
+    out = _restore_figures(strategy, restores, served or {})
+    out.update(kind="resume", losses_identical=losses_ok, params_identical=params_ok,
+               bitwise_identical=losses_ok and params_ok,
+               verdict="bitwise identical" if losses_ok and params_ok else "MISMATCH")
+    return out
+
+
+def restore_verdict(strategy: str, restores: list[dict], served: dict | None = None) -> dict:
+    """A restore-only plan: judged by :func:`check_states` (its state against the
+    ``all_ranks`` resume's on every rank)."""
+    out = _restore_figures(strategy, restores, served or {})
+    out.update(kind="restore", bitwise_identical=False, verdict="MISMATCH")
+    return out
+
+
+def check_states(rows: list[dict]) -> None:
+    """Every row's restored state must equal the ``all_ranks`` row's on every rank (the
+    :func:`~xla_ckpt.demo.worker.state_digest` of the state and the rank's own item): sets
+    ``state_identical`` on each row and folds it into ``bitwise_identical`` / ``verdict``;
+    a restore-only row also needs the ``all_ranks`` resume itself to be bitwise identical.
+    """
+    ref = next((r for r in rows if r["strategy"] == "all_ranks"), None)
+    ref_states = ref["state_digests"] if ref is not None else None
+    ref_ok = ref is not None and ref["bitwise_identical"]
+    for r in rows:
+        same = (ref_states is not None and all(ref_states)
+                and r["state_digests"] == ref_states)
+        r["state_identical"] = same
+        ok = same and (r["bitwise_identical"] if r["kind"] == "resume" else ref_ok)
+        r["bitwise_identical"] = ok
+        r["verdict"] = "bitwise identical" if ok else "MISMATCH"
+
+
+def _grid(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
+    sep = "  ".join("-" * w for w in widths)
+    body = "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True))
+                     for row in rows)
+    return line + "\n" + sep + "\n" + body
+
+
+def _mib(values: Sequence[int]) -> str:
+    return "/".join(f"{b / 2**20:.0f}" for b in values)
+
+
+def format_table(report: dict) -> str:
+    """The human-readable tables ``xla-ckpt demo`` prints (one per leg that ran)."""
+    hosts = report.get("hosts", 1)
+    out = (f"xla_ckpt demo: {report['workers']} workers, model {report['model']}, "
+           f"{report['updates']} updates, storage {report['storage']}\n")
+    if report.get("restores"):
+        link = report.get("restore_link")
+        where = ""
+        if link:
+            where = (f" through a link per host ({link['first_byte_latency_s'] * 1000:.0f} ms "
+                     f"first byte, {link['stream_mib_s']:.0f} MiB/s per stream, "
+                     f"{link['host_mib_s']:.0f} MiB/s per host)")
+        out += (f"{hosts} emulated host(s) x {report['workers'] // max(hosts, 1)} workers; "
+                f"preempted (SIGTERM) after update {report['preempted_at_update']}; "
+                f"restoring {report['checkpoint']}{where}\n")
+        cols: tuple[str, ...] = (
+            "strategy", "plan", "MiB read/rank", "MiB recv/rank", "MiB mapped/rank",
+            "MiB served/host", "predicted s", "seconds", "on device", "checked", "verdict")
+        rows: list[tuple[str, ...]] = []
+        for r in report["restores"]:
+            served = r.get("served_bytes_per_host")
+            strategy = r["strategy"]
+            if strategy == "all_ranks" and r.get("host_shared_memory") is False:
+                strategy += "*"
+            rows.append((strategy, r.get("plan") or r["strategy"],
+                         _mib(r["bytes_read_per_rank"]), _mib(r["bytes_received_per_rank"]),
+                         _mib(r.get("bytes_mapped_per_rank",
+                                    [0] * len(r["bytes_read_per_rank"]))),
+                         _mib(served) if served is not None else "-",
+                         f"{r['predicted_s']:.2f}" if r.get("predicted_s") else "-",
+                         f"{r.get('restore_seconds', r['seconds']):.2f}",
+                         ",".join(r["state_devices"]),
+                         "resume" if r.get("kind", "resume") == "resume" else "state",
+                         r["verdict"]))
+        out += _grid(cols, rows)
+        if any(r["strategy"] == "all_ranks" and r.get("host_shared_memory") is False
+               for r in report["restores"]):
+            out += "\n* restore.host_shared_memory=false: every rank reads everything"
+    sh = report.get("sharded")
+    if sh:
+        if report.get("restores"):
+            out += "\n\n"
+        out += (f"FSDP2 (fully_shard per layer, {sh['workers']} workers): preempted (SIGTERM) "
+                f"after update {sh['preempted_at_update']}; restoring {sh['checkpoint_name']}\n")
+        cols = ("restore", "workers", "MiB read/rank", "MiB shards/rank", "seconds",
+                "= saved", "= DCP", "resume", "verdict")
+        rows = []
+        for r in sh["restores"]:
+            resume = "-"
+            if "losses_identical" in r:
+                resume = ("bitwise" if r["losses_identical"] and r["shards_identical"]
+                          else "DIFFERS")
+            rows.append((r["restore"].replace("_", " "),
+                         f"{r['saved_workers']}->{r['workers']}",
+                         _mib(r["bytes_read_per_rank"]), _mib(r["shard_bytes_per_rank"]),
+                         f"{r['seconds']:.2f}", "yes" if r["shards_equal_saved"] else "NO",
+                         "yes" if r["shards_equal_dcp"] else "NO", resume, r["verdict"]))
+        out += _grid(cols, rows)
+    return out
+
+
+def restore_leg(key: str) -> tuple[str, str]:
+    """``(leg, restore)`` of a ``report["bitwise_identical"]`` key: ``"fsdp_resharded"`` ->
+    ``("fsdp", "resharded")``, ``"striped"`` -> ``("ddp", "striped")``."""
+    if key.startswith("fsdp_"):
+        return "fsdp", key.removeprefix("fsdp_")
+    return "ddp", key
+
+
+def verdict_line(report: dict, seconds: float) -> str:
+    """The demo's last line: ``PASS: ...`` when every restore is bitwise identical, else
+    ``FAIL: ...`` naming each failing restore by leg (``ddp (striped)``); ``seconds``: the
+    whole demo's wall time."""
+    results = report.get("bitwise_identical", {})
+    by_leg: dict[str, list[str]] = {}
+    failed: dict[str, list[str]] = {}
+    for key, ok in results.items():
+        leg, name = restore_leg(key)
+        by_leg.setdefault(leg, []).append(name)
+        if not ok:
+            failed.setdefault(leg, []).append(name)
+    if not results:
+        legs = ", ".join(report.get("legs", []))
+        return f"FAIL: no restore was checked (legs {legs}) in {seconds:.0f} s"
+    if failed:
+        bad = ", ".join(f"{leg} ({', '.join(names)})" for leg, names in failed.items())
+        n_bad = sum(len(v) for v in failed.values())
+        return (f"FAIL: not bitwise identical: {bad}; {len(results) - n_bad} of "
+                f"{len(results)} restores passed in {seconds:.0f} s")
+    good = ", ".join(f"{leg} ({', '.join(names)})" for leg, names in by_leg.items())
+    return (f"PASS: every restore bitwise identical: {good}; {len(results)} restores in "
+            f"{seconds:.0f} s")
+
+
+def failure_line(error: BaseException, seconds: float) -> str:
+    """The demo's last line when it could not finish: ``FAIL: leg <leg> did not finish:
+    <the error's first line>``."""
+    leg = getattr(error, "leg", "")
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    where = f"leg {leg} did not finish" if leg else "the demo did not finish"
+    return f"FAIL: {where}: {text} (after {seconds:.0f} s)"
+
