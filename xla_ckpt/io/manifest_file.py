@@ -35,7 +35,9 @@ def order_of(manifest: Manifest) -> Order:
     and its creation time (Unix seconds)."""
     md = typed.decode(manifest.metadata) if manifest.metadata is not None else None
     md = md if isinstance(md, dict) else {}
-    return (_count(md.get(LEASE_EPOCH_KEY), 0), _count(md.get("num_updates"), -1),
+    n = md.get("num_updates")
+    return (_count(md.get(LEASE_EPOCH_KEY), 0),
+            n if isinstance(n, int) and not isinstance(n, bool) else -1,
             float(manifest.created_unix_s or 0.0))
 
 

@@ -31,7 +31,7 @@ from xla_ckpt.kinds.legacy import split_uri
 from xla_ckpt.run.recovery import note_for_read
 from xla_ckpt.run.resolve import Resolved, committed_manifest, resolve
 from xla_ckpt.run.sniff import DCP, DCP_METADATA, XLA_CKPT
-from xla_ckpt.storage import StorageConfig, open_storage
+from xla_ckpt.storage import Storage, StorageConfig, open_storage
 from xla_ckpt.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
@@ -118,8 +118,8 @@ def read_checkpoint(uri: str, read: Callable[[Resolved], T], *,
     The single-process read path of every entry point (:func:`load`, the trainer's
     default restorer).  Raises what :func:`resolve`, ``read`` and :func:`read_resolved` raise.
     """
-    return read_resolved(resolve(uri, config), read, again=lambda: resolve(uri, config),
-                         config=config)
+    with open_storage(uri, config) as root:  # one storage: resolved, then read under it
+        return read_resolved(resolve(root), read, again=lambda: resolve(root), config=config)
 
 
 # ---- the opener -------------------------------------------------------------------------------
@@ -137,7 +137,18 @@ def open_reader(resolved: Resolved, config: StorageConfig | None = None) -> Chec
         raise ConfigError(f"{resolved.checkpoint} is {resolved.what}, not an xla_ckpt "
                           "checkpoint folder; read it with xla_ckpt.load or convert it with "
                           f"`xla-ckpt convert {resolved.checkpoint} DST`")
-    return CheckpointReader(open_storage(resolved.checkpoint, config), resolved.manifest)
+    return CheckpointReader(_open_under(resolved, config), resolved.manifest)
+
+
+def _open_under(resolved: Resolved, config: StorageConfig | None) -> Storage:
+    """A storage rooted at ``resolved.checkpoint`` (the caller closes it): a child of the one
+    the resolver used when the checkpoint is under it (a run folder's latest: no second
+    client, no second connection pool), else a new one."""
+    root = resolved.storage
+    head = root.uri.rstrip("/") + "/" if root is not None else ""
+    if root is not None and resolved.checkpoint.startswith(head):
+        return root.child(resolved.checkpoint[len(head):])
+    return open_storage(resolved.checkpoint, config)
 
 
 def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[str, ...] = (),

@@ -45,7 +45,13 @@ from xla_ckpt.errors import (
 )
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest, valid_file_name
-from xla_ckpt.io.manifest_file import read_manifest
+from xla_ckpt.io.manifest_file import (
+    LEASE_EPOCH_KEY,
+    Order,
+    order_from_metadata,
+    order_of,
+    read_manifest,
+)
 from xla_ckpt.run.sniff import foreign_checkpoints
 from xla_ckpt.storage import RangeRead, Storage
 
@@ -54,8 +60,6 @@ logger = logging.getLogger(__name__)
 POINTERS = ("last", "best")
 POINTER_SUFFIX = ".json"
 
-LEASE_EPOCH_KEY = "lease_epoch"
-"""Key of the writer's lease epoch in a manifest's metadata and in a pointer document."""
 
 CAS_ATTEMPTS = 16
 """Compare-and-swap attempts of one pointer move before giving up (each re-reads it)."""
@@ -379,6 +383,143 @@ def repoint(run: Storage, which: str, away_from: str, to: CheckpointEntry | None
         actual_generation=last.actual_generation if last else None) from last
 
 
+def _choose(doc: dict | None, committed: list[tuple[str, tuple]], where: str) -> str | None:
+    """The rule of :func:`choose_latest` over ``committed`` (``(name, sort key)``, oldest
+    first) and the ``checkpoint_last`` document ``doc`` (None: absent or unreadable)."""
+    ptr = doc.get("checkpoint") if doc is not None else None
+    ptr = ptr if valid_file_name(ptr) else None
+    keys = dict(committed)
+    if ptr in keys and doc is not None and epoch_of(doc) == 0 and "converted_from" in doc:
+        managed = [n for n, k in committed if k[0] > 0 and k > keys[ptr]]
+        return managed[-1] if managed else ptr
+    if ptr in keys:
+        newest, key = committed[-1]
+        # The pointer lags (a crash between commit and pointer update): newest committed wins.
+        return newest if key > keys[ptr] else ptr
+    if ptr is not None and committed:
+        logger.warning("pointer %s names %r, which is not a committed checkpoint; ignoring it",
+                       where, ptr)
+    return committed[-1][0] if committed else None
+
+
+def read_pointer_once(run: Storage, which: str) -> dict | None:
+    """The document of pointer ``which`` in one read (one GET on GCS): None when absent or
+    unreadable (logged).  For deciding what to restore; a compare-and-swap reads it with its
+    generation instead (:func:`read_pointer_doc`)."""
+    name = pointer_name(which)
+    for attempt in range(_READ_ATTEMPTS):  # a local pointer replaced while read: read again
+        try:
+            doc = json.loads(run.read_bytes(name).decode("utf-8"))
+        except CheckpointNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError, CheckpointCorruptError) as e:
+            if attempt + 1 < _READ_ATTEMPTS:
+                continue
+            logger.warning("ignoring unreadable pointer %s: %s", run.url(name), e)
+            return None
+        return doc if isinstance(doc, dict) else None
+    return None  # pragma: no cover - the loop returns
+
+
+@dataclass(frozen=True)
+class Latest:
+    """What :func:`find_latest` chose: checkpoint folder ``name`` of the run folder, its
+    manifest parsed and validated, and the manifest's bytes as read."""
+
+    name: str
+    manifest: Manifest
+    manifest_bytes: bytes
+
+
+def _order_key(order: Order, name: str) -> tuple:
+    return (*order, name)
+
+
+def find_latest(run: Storage) -> Latest | None:
+    """The checkpoint :func:`choose_latest` picks in ``run``, in a number of requests that
+    does not grow with the number of checkpoints kept; None when none is committed.
+
+    One listing of the sub-folders' commit markers with their custom metadata
+    (:meth:`Storage.list_in_subfolders`: the order the commit stored with each manifest,
+    :func:`~xla_ckpt.io.manifest_file.order_metadata`; no data file is listed), one read of
+    the ``checkpoint_last`` pointer, and one download of the chosen manifest.  Only a
+    manifest committed without that metadata (by an earlier xla_ckpt, or on a local file
+    system without user attributes) is downloaded to learn its order, and a chosen manifest
+    that cannot be read is skipped with a WARNING (as :func:`choose_latest` skips it) and the
+    next one chosen.  None sends the caller to :func:`list_checkpoints`, which says why
+    nothing is committed (an unreadable commit marker, a dangling pointer, checkpoints of
+    another kind).  Call on one rank and send the answer to the others.
+
+    Raises:
+        StorageError and its kinds: from the storage.
+    """
+    markers = run.list_in_subfolders("", MANIFEST_NAME)
+    if not markers:
+        return None
+    keys: dict[str, tuple] = {}
+    read: dict[str, tuple[Manifest, bytes]] = {}
+    for m in markers:
+        folder = m.name.split("/", 1)[0]
+        order = order_from_metadata(m.metadata)
+        if order is None:  # committed without the order in its metadata: read it
+            got = _read_marker(run, folder)
+            if got is None:
+                continue
+            read[folder] = got
+            order = order_of(got[0])
+        keys[folder] = _order_key(order, folder)
+    doc = read_pointer_once(run, "last")
+    while keys:
+        committed = sorted(keys.items(), key=lambda kv: kv[1])
+        chosen = _choose(doc, committed, run.url(pointer_name("last")))
+        assert chosen is not None  # committed is not empty
+        got = read.get(chosen) or _read_marker(run, chosen)
+        if got is not None:
+            return Latest(chosen, *got)
+        del keys[chosen]  # unreadable or gone since the listing: the next one
+    return None
+
+
+def _read_marker(run: Storage, folder: str) -> tuple[Manifest, bytes] | None:
+    """Folder ``folder``'s manifest and its bytes (:func:`read_manifest_bytes`); None, with a
+    WARNING when it is there but cannot be used, when it is gone or unreadable."""
+    try:
+        return read_manifest_bytes(run, f"{folder}/{MANIFEST_NAME}")
+    except CheckpointCorruptError as e:
+        logger.warning("%s: skipping %s: its commit marker cannot be read (%s)", run.uri,
+                       folder, e)
+        return None
+
+
+def read_manifest_bytes(storage: Storage, name: str = MANIFEST_NAME
+                        ) -> tuple[Manifest, bytes] | None:
+    """The manifest ``name`` of ``storage``, parsed and validated, and its bytes; None if there
+    is none.  One read (one GET on GCS); a read that does not parse is made again, up to
+    :data:`_READ_ATTEMPTS` times in all, since a manifest replaced while it was read (locally:
+    another size between the stat and the read) reads as corrupt once.
+
+    Raises:
+        CheckpointCorruptError: it does not parse, every time.
+    """
+    where = storage.url(name)
+    for attempt in range(_READ_ATTEMPTS):
+        try:
+            data = storage.read_bytes(name)
+        except CheckpointNotFoundError:
+            return None
+        except CheckpointCorruptError:
+            if attempt + 1 < _READ_ATTEMPTS:
+                continue  # shortened by a replace between the stat and the read
+            raise
+        try:
+            return Manifest.from_json_bytes(data, where=where, require_crc=True), data
+        except CheckpointCorruptError:
+            if attempt + 1 < _READ_ATTEMPTS:
+                continue
+            raise
+    return None  # pragma: no cover - the loop returns or raises
+
+
 def choose_latest(run: Storage, entries: list[CheckpointEntry]) -> str | None:
     """Which of ``entries`` (:func:`list_checkpoints` of ``run``) to restore, or None if none
     is committed.
@@ -396,23 +537,9 @@ def choose_latest(run: Storage, entries: list[CheckpointEntry]) -> str | None:
     lease epoch) never do, however many updates they record (the stale branch of a
     run restarted from an earlier checkpoint).
     """
-    committed = [e for e in entries if e.committed]
+    committed = [(e.name, e.sort_key) for e in entries if e.committed]
     doc, _ = read_pointer_doc(run, "last")
-    ptr = doc.get("checkpoint") if doc is not None else None
-    ptr = ptr if valid_file_name(ptr) else None
-    chosen = next((e for e in committed if e.name == ptr), None)
-    if chosen is not None and doc is not None and epoch_of(doc) == 0 \
-            and "converted_from" in doc:
-        managed = [e for e in committed if e.lease_epoch > 0 and e.sort_key > chosen.sort_key]
-        return managed[-1].name if managed else chosen.name
-    if chosen is not None:
-        newest = committed[-1]
-        # The pointer lags (a crash between commit and pointer update): newest committed wins.
-        return newest.name if newest.sort_key > chosen.sort_key else chosen.name
-    if ptr is not None and committed:
-        logger.warning("pointer %s names %r, which is not a committed checkpoint; ignoring it",
-                       run.url(pointer_name("last")), ptr)
-    return committed[-1].name if committed else None
+    return _choose(doc, committed, run.url(pointer_name("last")))
 
 
 def resolve_latest(run: Storage) -> str | None:

@@ -44,6 +44,13 @@ Rules of :func:`resolve`, in this order:
    them and saying how to read or convert them, never "nothing committed": a trainer
    must not start from scratch next to a checkpoint it could not read.
 
+**Cost.**  Rule 3 is one read of ``manifest.json``.  A folder holding committed checkpoint
+folders is a run folder (rule 7) as soon as one listing of its sub-folders' commit markers
+(:func:`~xla_ckpt.run.catalog.find_latest`) finds one, before rules 4-6 look at its top:
+then "latest" is that listing, one read of ``checkpoint_last`` and one read of the chosen
+manifest, however many checkpoints the folder keeps.  Only a folder where that finds none
+is listed whole (rules 4-7 and the reasons below).
+
 **Nothing committed** — the one answer on which a trainer or the manager starts
 from scratch — is :class:`NothingCommittedError` (a :class:`CheckpointNotFoundError`),
 raised here only, and only when storage answered that nothing was ever committed
@@ -65,9 +72,10 @@ is replaced mid-read — is :mod:`xla_ckpt.kinds.opener`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 from xla_ckpt.errors import (
@@ -76,15 +84,19 @@ from xla_ckpt.errors import (
     NothingCommittedError,
     UncommittedCheckpointError,
 )
-from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
+from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest, valid_file_name
 from xla_ckpt.io.names import DATA_PREFIX, INDEX_NAME, SINGLE_NAME, is_index_name
 from xla_ckpt.run.catalog import (
     POINTERS,
     CheckpointEntry,
+    Latest,
     choose_latest,
+    find_latest,
     list_checkpoints,
     pointer_name,
+    read_manifest_bytes,
     read_pointer,
+    read_pointer_once,
 )
 from xla_ckpt.run.fencing import LEASE_NAME
 from xla_ckpt.run.sniff import (
@@ -98,7 +110,7 @@ from xla_ckpt.run.sniff import (
     foreign_checkpoints,
     is_legacy_file,
 )
-from xla_ckpt.storage import RangeRead, Storage, StorageConfig, open_storage
+from xla_ckpt.storage import Storage, StorageConfig, open_storage
 from xla_ckpt.storage.local import LocalStorage
 from xla_ckpt.storage.uri import split_uri
 
@@ -109,7 +121,6 @@ _MAX_NAMED = 5  # objects named in a "found here" message
 POINTER_FORMS = {"checkpoint_last": "last", "checkpoint_best": "best"}
 """Last path segments that name a run folder's pointer (rule 5)."""
 
-_MANIFEST_ATTEMPTS = 3  # a manifest replaced between its stat and its read is read again
 
 
 @dataclass(frozen=True)
@@ -126,6 +137,9 @@ class Resolved:
         manifest: the checkpoint's manifest, read and validated (None for other kinds).
         manifest_bytes: its bytes, as read (what ``decide`` sends to every rank).
         generation: generation of the manifest / legacy object / index / DCP ``.metadata``.
+        storage: the open storage the caller resolved with (rooted at :attr:`uri`; the
+            caller owns and closes it), so the read opens no other; None when
+            :func:`resolve` was given a URI.
     """
 
     uri: str
@@ -135,6 +149,7 @@ class Resolved:
     manifest: Manifest | None = None
     manifest_bytes: bytes = b""
     generation: int | None = None
+    storage: Storage | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -185,7 +200,8 @@ def resolve(target: str | Storage, config: StorageConfig | None = None, *,
         StorageError / StoragePermissionError / StorageURIError: from the storage.
     """
     if isinstance(target, Storage):
-        return _resolve(target, pointer=pointer, missing_ok=missing_ok)
+        return dataclasses.replace(_resolve(target, pointer=pointer, missing_ok=missing_ok),
+                                   storage=target)
     with open_storage(target, config) as st:
         return _resolve(st, pointer=pointer, missing_ok=missing_ok)
 
@@ -204,6 +220,9 @@ def _resolve(st: Storage, *, pointer: str | None, missing_ok: bool) -> Resolved:
     found = committed_manifest(st)
     if found is not None:
         return _checkpoint(st, *found, asked=st.uri, run=None)
+    latest = find_latest(st)  # committed checkpoint folders in it: a run folder (rule 7)
+    if latest is not None:
+        return _latest(st, latest, asked=st.uri)
     names = _list(st)
     if names == [""]:  # the root is one object (gs://)
         return _single_object(st)
@@ -267,34 +286,20 @@ def _list(st: Storage, prefix: str = "") -> list[str]:
 
 
 def committed_manifest(st: Storage) -> tuple[Manifest, bytes, int | None] | None:
-    """The validated manifest at the root of ``st``, its bytes and generation; None if absent."""
-    for attempt in range(_MANIFEST_ATTEMPTS):
-        try:
-            info = st.stat(MANIFEST_NAME)
-        except CheckpointNotFoundError:
-            return None
-        buf = bytearray(info.size)
-        try:
-            if info.size:
-                st.read_ranges([RangeRead(MANIFEST_NAME, 0, memoryview(buf), info.generation)])
-            manifest = Manifest.from_json_bytes(bytes(buf), where=st.url(MANIFEST_NAME),
-                                                require_crc=True)
-        except (CheckpointNotFoundError, CheckpointCorruptError):
-            # Replaced between the stat and the read (another generation, another size)?
-            if attempt + 1 < _MANIFEST_ATTEMPTS and _changed(st, MANIFEST_NAME, info.size,
-                                                             info.generation):
-                continue
-            raise
-        return manifest, bytes(buf), info.generation
-    return None  # pragma: no cover - the loop returns or raises
+    """The validated manifest at the root of ``st``, its bytes and generation (None: the
+    read does not tell it; a checkpoint's version is its save id); None if absent.
+
+    One read (one GET on GCS), again if it was replaced while read
+    (:func:`~xla_ckpt.run.catalog.read_manifest_bytes`).
+    """
+    found = read_manifest_bytes(st)
+    return (found[0], found[1], None) if found is not None else None
 
 
-def _changed(st: Storage, name: str, size: int, generation: int | None) -> bool:
-    try:
-        now = st.stat(name)
-    except CheckpointNotFoundError:
-        return True
-    return (now.size, now.generation) != (size, generation)
+def _latest(run: Storage, latest: Latest, *, asked: str) -> Resolved:
+    """The :class:`Resolved` of what :func:`~xla_ckpt.run.catalog.find_latest` chose."""
+    return Resolved(uri=asked, checkpoint=run.url(latest.name), run=run.uri,
+                    manifest=latest.manifest, manifest_bytes=latest.manifest_bytes)
 
 
 def _checkpoint(st: Storage, manifest: Manifest, data: bytes, generation: int | None, *,
@@ -341,7 +346,9 @@ def _from_run(run: Storage, which: str, *, asked: str, names: list[str] | None =
               attempts: int = 2) -> Resolved:
     """Rule 6 in the run folder ``run``."""
     if which == "best":
-        name = read_pointer(run, "best")
+        doc = read_pointer_once(run, "best")
+        name = doc.get("checkpoint") if doc is not None else None
+        name = name if valid_file_name(name) else None
         where = run.url(pointer_name("best"))
         if name is None:
             raise CheckpointNotFoundError(f"{where}: no checkpoint_best pointer; restore "
@@ -353,7 +360,10 @@ def _from_run(run: Storage, which: str, *, asked: str, names: list[str] | None =
                     f"{where}: names {name!r}, which is not a committed checkpoint of {run.uri}")
             return _checkpoint(child, *found, asked=asked, run=run.uri)
     for _ in range(attempts):
-        entries = list_checkpoints(run)
+        latest = find_latest(run)  # a constant number of requests
+        if latest is not None:
+            return _latest(run, latest, asked=asked)
+        entries = list_checkpoints(run)  # none committed and readable: say why
         chosen = choose_latest(run, entries)
         if chosen is None:
             _nothing_committed(run, entries, names if names is not None else _list(run))

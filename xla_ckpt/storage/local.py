@@ -266,27 +266,6 @@ class LocalStorage(Storage):
                                       created_unix_s=st.st_mtime))
         return sorted(out, key=lambda o: o.name)
 
-    def read_bytes(self, name: str) -> bytes:
-        """Whole file as bytes, read through one descriptor: a replace meanwhile (a new file
-        under the name) is never mixed into it."""
-        path = self._path(name)
-        fd = _open_for_reading(path)
-        try:
-            size = os.fstat(fd).st_size
-            buf = bytearray(size)
-            got = 0
-            while got < size:
-                n = os.preadv(fd, [memoryview(buf)[got:]], got)
-                if n == 0:
-                    raise CheckpointCorruptError(f"{path}: truncated while read: {got} of "
-                                                 f"{size} bytes")
-                got += n
-            return bytes(buf)
-        except OSError as e:
-            raise StorageError(f"{path}: read failed: {e}") from e
-        finally:
-            os.close(fd)
-
     def list_in_subfolders(self, prefix: str, name: str) -> list[ObjectInfo]:
         """:meth:`Storage.list_in_subfolders` in one scan of folder ``prefix`` (a ``stat``
         and, where kept, the :data:`METADATA_XATTR` attribute of each file found)."""
