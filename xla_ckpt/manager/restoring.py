@@ -64,6 +64,7 @@ from xla_ckpt.manager import rank0
 from xla_ckpt.manager.base import ManagerBase, logger
 from xla_ckpt.restore import Restored
 from xla_ckpt.restore import restore as restore_checkpoint
+from xla_ckpt.restore.decide import Decision
 from xla_ckpt.run.catalog import CheckpointEntry, list_checkpoints, pointer_name
 from xla_ckpt.run.recovery import add_note, is_corruption, recovery_hint
 from xla_ckpt.run.resolve import committed_manifest, resolve
@@ -74,16 +75,6 @@ _SHOWN_STEPS = 20  # steps listed in a StepNotFoundError message
 RankStateRemap = Callable[[dict[int, Any], int, int], Any]
 """``fn(saved rank states by rank, rank, world_size) -> this rank's state`` (the restore's
 ``rank_state_remap``)."""
-
-
-@dataclass(frozen=True)
-class _StepDecision:
-    """Which checkpoint :meth:`RestorePath.restore` reads, as rank 0 decided it."""
-
-    uri: str
-    name: str  # its folder name in the run folder
-    manifest_bytes: bytes  # its manifest as rank 0 read it (partial restores only, else b"")
-    save_id: str
 
 
 def _steps(entries: list[CheckpointEntry]) -> list[int]:
@@ -133,6 +124,14 @@ class RestoreResult:
 
 class RestorePath(ManagerBase):
     """Restoring: :meth:`restore_or_initialize` and how it resolves and reads a checkpoint."""
+
+    _parsed: tuple[str, Manifest] | None = None
+    """Rank 0: the manifest it parsed for the decision being sent, with its checkpoint URI
+    (taken by :meth:`_take_parsed`, so rank 0 does not parse the bytes it sends again)."""
+
+    def _take_parsed(self, uri: str) -> Manifest | None:
+        parsed, self._parsed = self._parsed, None
+        return parsed[1] if parsed is not None and parsed[0] == uri else None
 
     def restore_or_initialize(self, init_fn: Callable[[], Any] | None = None, *,
                               map_location: Any = None, into: Any = None,
@@ -205,7 +204,7 @@ class RestorePath(ManagerBase):
             rank0.raise_error(decision, own if self.rank == 0 else None,
                               world_size=self.world_size,
                               what="resolve the checkpoint to restore")
-        _, uri, name, in_run, best = decision
+        _, uri, name, in_run, best, mbytes = decision
         self._best = best
         if uri is None:
             if self.rank == 0:
@@ -213,8 +212,12 @@ class RestorePath(ManagerBase):
             if init_fn is not None:
                 init_fn()
             return None
+        # The run folder's choice, made once on rank 0 and read from the manifest it sent:
+        # restore() decides nothing again.  A named checkpoint restore() resolves itself.
+        source: str | Decision = uri if mbytes is None else \
+            Decision.from_bytes(uri, mbytes, self._take_parsed(uri))
         try:
-            result = self._read_checkpoint(uri, name, map_location, into=into,
+            result = self._read_checkpoint(source, name, map_location, into=into,
                                            rank_state_remap=rank_state_remap)
         except UncommittedCheckpointError as e:  # a named folder: not a fresh start here
             raise IncompleteCheckpointError(str(e)) from e
@@ -342,7 +345,7 @@ class RestorePath(ManagerBase):
         for attempt in range(2):
             if keys is None:
                 try:
-                    result = self._read_checkpoint(decision.uri, decision.name, map_location,
+                    result = self._read_checkpoint(decision, decision.name, map_location,
                                                    into=into, rank_state_remap=rank_state_remap)
                 except UncommittedCheckpointError as e:
                     raise IncompleteCheckpointError(str(e)) from e
@@ -359,19 +362,19 @@ class RestorePath(ManagerBase):
                 if isinstance(e, CollectiveTimeoutError) or getattr(e, "collective_broken", False):
                     raise
                 again = self._decide(step, keys)
-                if (again.uri, again.save_id) == (decision.uri, decision.save_id):
+                if (again.checkpoint, again.save_id) == (decision.checkpoint, decision.save_id):
                     self._note_recovery(e, decision.name)
                     raise  # not replaced: the read's own error
                 if attempt == 1:
                     raise CheckpointReplacedError(
-                        f"{decision.uri} was replaced while reading (save id "
+                        f"{decision.checkpoint} was replaced while reading (save id "
                         f"{decision.save_id} -> {again.save_id}); retry or pause the other "
-                        "writer", e.failures, uri=decision.uri, before=decision.save_id,
+                        "writer", e.failures, uri=decision.checkpoint, before=decision.save_id,
                         after=again.save_id) from e
                 if self.rank == 0:
                     logger.warning("[rank %d] %s was replaced while reading (save id %s -> "
-                                   "%s); restoring %s once more", self.rank, decision.uri,
-                                   decision.save_id, again.save_id, again.uri)
+                                   "%s); restoring %s once more", self.rank, decision.checkpoint,
+                                   decision.save_id, again.save_id, again.checkpoint)
                 decision = again
         self.restored_from = decision.name  # a folder of the run folder: never rotated away
         if result.num_updates is not None:
@@ -411,19 +414,20 @@ class RestorePath(ManagerBase):
         stepped = [e for e in list_checkpoints(self.run) if e.committed and e.num_updates >= 0]
         return stepped[-1].num_updates if stepped else None
 
-    def _decide(self, step: int | None, keys: Keys) -> _StepDecision:
+    def _decide(self, step: int | None, keys: Keys) -> Decision:
         """Every rank: rank 0's decision for :meth:`restore` (and the best score so far, read
-        on the way).  Takes no lease."""
-        uri, name, mbytes, best, save_id = self._on_rank0(
+        on the way), with the manifest rank 0 read: no rank reads it again.  Takes no lease."""
+        uri, mbytes, best = self._on_rank0(
             lambda: self._decide_on_rank0(step, keys), "resolve the checkpoint to restore")
         self._best = best
-        return _StepDecision(uri=uri, name=name, manifest_bytes=mbytes, save_id=save_id)
+        return Decision.from_bytes(uri, mbytes, self._take_parsed(uri))
 
     def _decide_on_rank0(self, step: int | None, keys: Keys) -> tuple:
-        """Rank 0: ``(uri, folder name, manifest bytes (partial only), best, save id)``."""
+        """Rank 0: ``(checkpoint URI, its manifest bytes, best)``; the manifest it parsed is
+        kept for this rank's :class:`Decision` (:attr:`_parsed`)."""
         if step is None:
             r = resolve(self.run, pointer="last", missing_ok=True)
-            uri, name, manifest, mbytes = r.checkpoint, r.name, r.manifest, r.manifest_bytes
+            uri, manifest, mbytes = r.checkpoint, r.manifest, r.manifest_bytes
         else:
             entries = [e for e in list_checkpoints(self.run) if e.committed]
             matches = [e for e in entries if e.num_updates == step]
@@ -447,25 +451,21 @@ class RestorePath(ManagerBase):
                 raise CheckpointNotFoundError(f"{uri}: deleted while the run folder was read "
                                               "(is another job rotating it?)")
             manifest, mbytes, _ = found
-            name = chosen.name
         if manifest is None:
             raise ConfigError(f"{uri} is not an xla_ckpt checkpoint folder")
         if keys is not None:  # an unknown key fails here, on every rank alike
             select_item(manifest.item(STATE_ITEM), keys, where=uri)
-        return (uri, name, mbytes if keys is not None else b"", self._read_best_value(),
-                manifest.save_id)
+        self._parsed = (uri, manifest)
+        return uri, mbytes, self._read_best_value()
 
-    def _read_partial(self, decision: _StepDecision, keys: Keys,
+    def _read_partial(self, decision: Decision, keys: Keys,
                       map_location: Any) -> RestoreResult:
         """Every rank reads its selection of ``decision``'s checkpoint; failures agreed on."""
-        uri, name = decision.uri, decision.name
+        uri, name = decision.checkpoint, decision.name
         got: PartialResult | None = None
         err: Exception | None = None
-        manifest: Manifest | None = None
+        manifest = decision.manifest
         try:
-            manifest = Manifest.from_json_bytes(decision.manifest_bytes,
-                                                where=f"{uri} (manifest from rank 0)",
-                                                require_crc=True)
             with open_storage(uri, self.run.config) as st:
                 got = read_partial(CheckpointReader(st, manifest), keys,
                                    map_location=map_location)
@@ -477,7 +477,7 @@ class RestorePath(ManagerBase):
             ranks = ", ".join(str(r) for r in sorted(failures))
             raise DistributedError(f"partial restore of {uri} failed on rank(s) {ranks} of "
                                    f"{self.world_size}", failures) from err
-        assert got is not None and manifest is not None
+        assert got is not None
         md = typed.decode(manifest.metadata) if manifest.metadata is not None else None
         md = md if isinstance(md, dict) else {}
         return RestoreResult(state=got.state, rank_state=None, checkpoint=name, uri=uri,
@@ -528,10 +528,11 @@ class RestorePath(ManagerBase):
         hint = self._exchange(hint)[0]
         add_note(err, hint)
 
-    def _resolve_restore(self) -> tuple[str | None, str, bool, float | None]:
-        """Rank 0: (checkpoint URI or None, folder name, is it in the run folder, best metric).
+    def _resolve_restore(self) -> tuple[str | None, str, bool, float | None, bytes | None]:
+        """Rank 0: (checkpoint URI or None, folder name, is it in the run folder, best metric,
+        the manifest bytes it read or None when ``restore()`` is to resolve the URI itself).
 
-        ``checkpoint_last`` with nothing committed gives ``(None, why, True, best)``.
+        ``checkpoint_last`` with nothing committed gives ``(None, why, True, best, None)``.
         """
         rf = self.config.restore_file
         best = self._read_best_value()
@@ -542,12 +543,15 @@ class RestorePath(ManagerBase):
             except NothingCommittedError as e:
                 if which != "last":
                     raise
-                return None, str(e), True, best
-            return r.checkpoint, r.name, True, best
+                return None, str(e), True, best, None
+            if r.manifest is None:
+                raise ConfigError(f"{r.checkpoint} is not an xla_ckpt checkpoint folder")
+            self._parsed = (r.checkpoint, r.manifest)
+            return r.checkpoint, r.name, True, best, r.manifest_bytes
         target = parse_uri(rf)  # refuses s3://, gs:/b/x, gs//b/x before anything is read
         if target.is_gcs or str(target).startswith(("/", "./", "../")):
-            return rf, rf.rstrip("/").rsplit("/", 1)[-1], False, best
-        return self.run.url(rf), rf, True, best
+            return rf, rf.rstrip("/").rsplit("/", 1)[-1], False, best, None
+        return self.run.url(rf), rf, True, best, None
 
     def _pointer_doc(self, which: str) -> dict:
         try:
@@ -592,16 +596,18 @@ class RestorePath(ManagerBase):
                            self.rank, self.run.url(name), type(e).__name__, e)
             return None
 
-    def _read_checkpoint(self, uri: str, name: str, map_location: Any, *, into: Any = None,
+    def _read_checkpoint(self, source: str | Decision, name: str, map_location: Any, *,
+                         into: Any = None,
                          rank_state_remap: RankStateRemap | None = None) -> RestoreResult:
-        """Every rank restores ``uri`` with the configured strategy (xla_ckpt.restore.restore),
-        into the live targets ``into`` when given."""
+        """Every rank restores ``source`` (the decision made, or a URI to resolve) with the
+        configured strategy (xla_ckpt.restore.restore), into the live targets ``into`` when
+        given."""
         extra: dict[str, Any] = {}
         if into is not None:
             extra["into"] = into
         if rank_state_remap is not None:
             extra["rank_state_remap"] = rank_state_remap
-        r = restore_checkpoint(uri, dist=self.dist, map_location=map_location,
+        r = restore_checkpoint(source, dist=self.dist, map_location=map_location,
                                config=self.restore_config, storage_config=self.run.config,
                                **extra)
         md = r.metadata if isinstance(r.metadata, dict) else {}
