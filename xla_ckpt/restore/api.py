@@ -287,35 +287,3 @@ def _decide_again(uri: str, dist: Dist, decision: Decision, e: DistributedError,
         return None
     return again
 
-
-def make_restorer(*, dist: Dist | None = None, **kwargs: Any) -> Callable[..., Restored]:
-    """A ``restorer(uri, *, into=None, rank_state_on_resize=None, rank_state_remap=None)
-    -> Restored`` for :class:`xla_ckpt.trainer.Checkpointer`.
-
-    ``kwargs`` are passed to :func:`restore` (strategy, map_location, config,
-    rank_state_remap, ...).  Every rank calls the restorer.  The Checkpointer passes a
-    sharded model's live targets as ``into`` (:meth:`~xla_ckpt.trainer.Checkpointer.
-    restore_targets`), so each rank fills its own shards in place, reading only their byte
-    ranges; ``rank_state_on_resize`` / ``rank_state_remap`` given to the call (from
-    :class:`~xla_ckpt.trainer.CheckpointerConfig` or ``load_checkpoint``) win over the
-    ones in ``kwargs`` (``rank_state_on_resize`` replaces that field of
-    ``kwargs["config"]``).
-
-    Raises:
-        ConfigError: (at the call) a bad ``rank_state_on_resize`` (from
-            :class:`RestoreConfig`); TypeError for a ``kwargs`` name :func:`restore` lacks.
-    """
-
-    def restorer(uri: str, *, into: Any = None, rank_state_on_resize: str | None = None,
-                 rank_state_remap: RankStateRemap | None = None) -> Restored:
-        kw = dict(kwargs)
-        if into is not None:
-            kw["into"] = into
-        if rank_state_remap is not None:
-            kw["rank_state_remap"] = rank_state_remap
-        if rank_state_on_resize is not None:
-            kw["config"] = dataclasses.replace(kw.get("config") or RestoreConfig(),
-                                               rank_state_on_resize=rank_state_on_resize)
-        return restore(uri, dist=dist, **kw)
-
-    return restorer
