@@ -13,16 +13,16 @@ Public surface:
 * Flat sharded tensors (ZeRO optimizer-state sharding, ``zero_sharding="os"``):
   :func:`partition_bounds`; :mod:`xla_ckpt.restore.zero` turns a torch
   optimizer state dict into flat partitions and back.
-* :func:`make_restorer` / :func:`make_saver` — plug both into
-  :class:`xla_ckpt.trainer.Checkpointer`.
+* :func:`make_saver` — plug it into :class:`xla_ckpt.trainer.Checkpointer` (its restorer
+  counterpart is :func:`xla_ckpt.trainer.make_restorer`).
 """
 
-from xla_ckpt.restore.api import make_restorer, restore
+from xla_ckpt.restore.api import restore
 from xla_ckpt.restore.config import RestoreConfig
 from xla_ckpt.restore.result import Restored, RestoreStats
 from xla_ckpt.restore.save import make_saver, save_distributed
 from xla_ckpt.restore.select import choose_strategy
 from xla_ckpt.restore.sharding import partition_bounds, shard_item
 
-__all__ = ["RestoreConfig", "RestoreStats", "Restored", "choose_strategy", "make_restorer",
-           "make_saver", "partition_bounds", "restore", "save_distributed", "shard_item"]
+__all__ = ["RestoreConfig", "RestoreStats", "Restored", "choose_strategy", "make_saver",
+           "partition_bounds", "restore", "save_distributed", "shard_item"]
