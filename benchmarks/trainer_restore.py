@@ -69,7 +69,11 @@ from xla_ckpt.kinds.opener import open_reader  # noqa: E402 - after set_num_thre
 from xla_ckpt.run.resolve import resolve  # noqa: E402 - after set_num_threads
 from xla_ckpt.testing.asserts import assert_state_identical  # noqa: E402 - after set_num_threads
 from xla_ckpt.trainer import Checkpointer, Metrics  # noqa: E402 - after set_num_threads
-from xla_ckpt.trainer.sources import SingleProcessRestorer  # noqa: E402 - after set_num_threads
+from xla_ckpt.trainer.sources import (  # noqa: E402 - after set_num_threads
+    RestoredState,
+    RestoreRequest,
+    SingleProcessRestorer,
+)
 
 EXTRA = {"train_iterator": {"epoch": 1, "iterations_in_epoch": 7, "version": 2}, "val_loss": 1.5}
 PEERS = {"save_xla_ckpt": "save_torch", "restore_xla_ckpt": "restore_torch",
@@ -94,12 +98,12 @@ def make(seed: int, restorer: Callable[[str], Any] | None = None) -> Checkpointe
         metrics=Metrics(), args=argparse.Namespace(arch="minilm", lr=[1e-4]), restorer=restorer)
 
 
-def copying_restorer() -> Callable[[str], Any]:
+def copying_restorer() -> Callable[[RestoreRequest], RestoredState]:
     """The default restorer without in-place targets: fresh buffers, then load_state_dict."""
     inner = SingleProcessRestorer()
 
-    def restorer(uri: str) -> Any:
-        return inner(uri)
+    def restorer(request: RestoreRequest) -> RestoredState:
+        return inner(RestoreRequest(uri=request.uri))
     return restorer
 
 

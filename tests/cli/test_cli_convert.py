@@ -24,7 +24,7 @@ import xla_ckpt
 from xla_ckpt.kinds.legacy import load_legacy_checkpoint
 from xla_ckpt.run.catalog import write_pointer
 from xla_ckpt.storage import open_storage
-from xla_ckpt.trainer import Checkpointer
+from xla_ckpt.trainer import Checkpointer, RestoredState, RestoreRequest
 
 torch.set_num_threads(1)
 
@@ -149,8 +149,8 @@ def test_trainer_restore_reads_a_legacy_pt_directly(tmp_path):
     path = tmp_path / "checkpoint_last.pt"
     path.write_bytes(data)
 
-    def restorer(uri):
-        return load_legacy_checkpoint(uri), None
+    def restorer(request: RestoreRequest) -> RestoredState:
+        return RestoredState(load_legacy_checkpoint(request.uri))
 
     _restore_and_compare({"restorer": restorer}, str(path), reference, steps=3)
 

@@ -13,7 +13,6 @@ from xla_ckpt.comm import DistConfig, TorchDist, get_dist
 from xla_ckpt.format.crc import crc32c
 from xla_ckpt.restore import (
     RestoreConfig,
-    make_restorer,
     make_saver,
     partition_bounds,
     restore,
@@ -80,7 +79,7 @@ def build_scheduler(optimizer):
 
 
 def make_checkpointer(device, dist, strategy: str):
-    from xla_ckpt.trainer import Checkpointer
+    from xla_ckpt.trainer import Checkpointer, make_restorer
 
     return Checkpointer(model=build_model(device), build_optimizer=build_optimizer,
                         build_lr_scheduler=build_scheduler, args={"arch": "mlp", "lr": 1e-2},

@@ -257,8 +257,7 @@ def resize_load(folder: str, dcp_dir: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from xla_ckpt.restore import make_restorer
-    from xla_ckpt.trainer.sources import accepts_keyword
+    from xla_ckpt.trainer import make_restorer
 
     _join()
     rank = tdist.get_rank()
@@ -284,8 +283,19 @@ def resize_load(folder: str, dcp_dir: str) -> dict[str, Any]:
     extra = ck.load_checkpoint(folder)
     out["remap_config"] = (dict(extra or {}), _shards(ck))
     ck = _checkpointer(seed=1)
+    inner = make_restorer(rank_state_remap=remap)
+    offered: list[bool] = []
+
+    def recording(request: Any) -> Any:
+        offered.append(request.into is not None)
+        return inner(request)
+
+    ck.restorer = recording
+    extra = ck.load_checkpoint(folder)
+    out["make_restorer_takes_into"] = offered == [True]  # one call, the live shards as into
+    out["make_restorer"] = (dict(extra or {}), _shards(ck))
+    ck = _checkpointer(seed=1)
     ck.restorer = make_restorer(rank_state_remap=remap)
-    out["make_restorer_takes_into"] = accepts_keyword(ck.restorer, "into")
     extra = ck.load_checkpoint(folder)
     out["make_restorer"] = (dict(extra or {}), _shards(ck))
     ref = _checkpointer(seed=2)

@@ -2,8 +2,6 @@
 
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
@@ -30,6 +28,8 @@ from xla_ckpt.trainer import (
     CheckpointerConfig,
     InverseSquareRootSchedule,
     Metrics,
+    RestoredState,
+    RestoreRequest,
     SingleProcessRestorer,
     TimeMeter,
 )
@@ -310,13 +310,6 @@ def test_no_save_optimizer_state_restores_weights_only(local_dir):
     assert fresh.optimizer.state_dict()["state"] == {} and fresh.get_num_updates() == 0
 
 
-@dataclass
-class Restored:
-    """The shape of what xla_ckpt.restore strategies and the manager return."""
-
-    state: Any
-    rank_state: Any
-
 
 def test_injected_restorer_and_per_rank_state(local_dir):
     source = make_checkpointer(0)
@@ -328,9 +321,9 @@ def test_injected_restorer_and_per_rank_state(local_dir):
         1: {"train_iterator": {"epoch": 1, "iterations_in_epoch": 5, "version": 2}}})
     seen = []
 
-    def restorer(uri):
-        seen.append(uri)
-        return Restored(*SingleProcessRestorer(rank=1)(uri))
+    def restorer(request: RestoreRequest) -> RestoredState:
+        seen.append(request.uri)
+        return SingleProcessRestorer(rank=1)(request)
 
     fresh = make_checkpointer(7, restorer=restorer, rank=1)
     extra = fresh.load_checkpoint(local_dir)
@@ -345,9 +338,12 @@ def test_load_state_applies_an_already_read_checkpoint(local_dir):
     saved = save_trained(local_dir)
     fresh = make_checkpointer(7)
     assert fresh.load_state(None, where=local_dir) is None
-    extra = fresh.load_state((xla_ckpt.load(local_dir), None), where=local_dir)
+    extra = fresh.load_state(RestoredState(xla_ckpt.load(local_dir)), where=local_dir)
     assert extra["train_iterator"] == ITER_MID_EPOCH
     assert_state_identical(fresh.state_dict()["model"], saved.state_dict()["model"])
+    with pytest.raises(TypeError, match=r"load_state: restored must be None or have \.state "
+                                        r"and \.rank_state .*, got a tuple"):
+        make_checkpointer(7).load_state((xla_ckpt.load(local_dir), None), where=local_dir)
 
 
 def test_not_a_trainer_checkpoint(local_dir):

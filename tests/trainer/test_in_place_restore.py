@@ -18,8 +18,7 @@ from xla_ckpt.io import reader as reader_mod
 from xla_ckpt.storage import StorageConfig
 from xla_ckpt.storage.local import LocalStorage
 from xla_ckpt.testing.asserts import assert_state_identical
-from xla_ckpt.trainer import Checkpointer, SingleProcessRestorer
-from xla_ckpt.trainer.sources import accepts_targets
+from xla_ckpt.trainer import Checkpointer, RestoreRequest, SingleProcessRestorer
 
 EXTRA = {"train_iterator": {"epoch": 1, "iterations_in_epoch": 3, "version": 2}}
 
@@ -86,7 +85,7 @@ def test_default_restore_reads_model_and_criterion_into_the_live_parameters(tmp_
                                                                             in_place_plans):
     uri, src = saved(tmp_path)
     dst = trainer(5)
-    assert accepts_targets(dst.restorer)
+    assert isinstance(dst.restorer, SingleProcessRestorer)
     ptrs = live_ptrs(dst)
     extra = dst.load_checkpoint(uri)
     assert extra is not None and extra["train_iterator"]["iterations_in_epoch"] == 3
@@ -116,20 +115,21 @@ def test_a_strict_mismatch_raises_before_any_live_byte_is_written(tmp_path, in_p
     assert in_place_plans == []                                       # nothing read in place
 
 
-def test_a_restorer_without_targets_is_called_with_the_uri_alone(tmp_path, in_place_plans):
+def test_a_restorer_that_leaves_the_targets_unused_reads_into_fresh_memory(tmp_path,
+                                                                            in_place_plans):
     uri, src = saved(tmp_path)
-    calls: list[str] = []
+    calls: list[RestoreRequest] = []
     plain = SingleProcessRestorer()
 
-    def restorer(u: str):
-        calls.append(u)
-        return plain(u)
+    def restorer(request: RestoreRequest):
+        calls.append(request)
+        return plain(RestoreRequest(uri=request.uri))
 
-    assert not accepts_targets(restorer)
     dst = trainer(5, restorer=restorer)
     ptrs = live_ptrs(dst)
     dst.load_checkpoint(uri)
-    assert calls == [uri] and in_place_plans == []                    # read into fresh memory
+    assert [c.uri for c in calls] == [uri] and calls[0].targets is not None  # offered
+    assert calls[0].into is None and in_place_plans == []             # read into fresh memory
     assert live_ptrs(dst) == ptrs
     assert_state_identical(dict(dst.model.state_dict()), dict(src.model.state_dict()))
 

@@ -27,11 +27,11 @@ from xla_ckpt.errors import (
     UncommittedCheckpointError,
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME
-from xla_ckpt.restore import make_restorer, restore
+from xla_ckpt.restore import restore
 from xla_ckpt.run.catalog import write_pointer
 from xla_ckpt.storage import StorageConfig, open_storage
 from xla_ckpt.storage.local import LocalStorage
-from xla_ckpt.trainer import Checkpointer, SingleProcessRestorer
+from xla_ckpt.trainer import Checkpointer, SingleProcessRestorer, make_restorer
 
 SLICE = 4 * 2**20
 READ_CONFIG = StorageConfig(slice_size_bytes=SLICE, max_workers=1)

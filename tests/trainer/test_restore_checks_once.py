@@ -7,6 +7,7 @@ restorer read from that same item; a restorer that does not say which state it r
 checked item gets every check again on the state it returns.
 """
 
+import dataclasses
 import gc
 
 import pytest
@@ -17,7 +18,7 @@ import xla_ckpt.trainer.restore_state as restore_state_mod
 from xla_ckpt.errors import StateMismatchError
 from xla_ckpt.trainer import Checkpointer
 from xla_ckpt.trainer.restore_checks import NOTHING_RESTORED
-from xla_ckpt.trainer.sources import SingleProcessRestorer
+from xla_ckpt.trainer.sources import RestoreRequest, SingleProcessRestorer
 
 
 class Net(torch.nn.Module):
@@ -113,15 +114,29 @@ def test_the_default_restore_builds_and_checks_the_optimizer_once(tmp_path, coun
     assert ck.get_num_updates() == 2
 
 
+class _Unreported:
+    """The trainer's targets, with the read never reported back (``read_back`` does nothing)."""
+
+    def __init__(self, targets) -> None:
+        self.targets = targets
+
+    def __call__(self, item):
+        return self.targets(item)
+
+    def read_back(self, item, state) -> None:
+        pass
+
+
 class PlainTargetsRestorer:
-    """Passes the trainer's targets on as a plain function: no read_back, so the restore
-    cannot know which state was read from the item it checked."""
+    """Fills the trainer's targets but never reports the read back, so the restore cannot
+    know which state was read from the item it checked."""
 
     def __init__(self) -> None:
         self.inner = SingleProcessRestorer()
 
-    def __call__(self, uri, *, targets=None):
-        return self.inner(uri, targets=(lambda item: targets(item)) if targets else None)
+    def __call__(self, request: RestoreRequest):
+        targets = _Unreported(request.targets) if request.targets is not None else None
+        return self.inner(dataclasses.replace(request, targets=targets))
 
 
 @pytest.mark.parametrize("case", sorted(INPUTS))

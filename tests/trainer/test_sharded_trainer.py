@@ -116,22 +116,35 @@ def test_fsdp2_checkpointer_2_to_3_ranks_and_the_per_rank_extra_state(tmp_path):
         assert g["make_restorer_takes_into"] is True
 
 
-def test_rank_state_options_need_a_restorer_that_takes_them():
-    """Options the restorer cannot take are refused, naming them (never silently dropped);
-    a bad value is a ConfigError at construction."""
-    from xla_ckpt.errors import ConfigError
-    from xla_ckpt.trainer import Checkpointer, CheckpointerConfig
+def test_rank_state_options_reach_the_restorer_in_its_one_request():
+    """The per-rank item options (config or call) reach the restorer in the one request it
+    gets, never dropped; a bad value is a ConfigError at construction; a restorer that
+    returns anything but a RestoredState is named."""
+    from xla_ckpt.errors import ConfigError, NothingCommittedError
+    from xla_ckpt.trainer import Checkpointer, CheckpointerConfig, RestoreRequest
 
     with pytest.raises(ConfigError, match="rank_state_on_resize: must be one of error, drop"):
         CheckpointerConfig(rank_state_on_resize="keep")
     model = torch.nn.Linear(2, 2)
+    calls: list[RestoreRequest] = []
+
+    def nothing(request: RestoreRequest):
+        calls.append(request)
+        raise NothingCommittedError(f"{request.uri}: no committed checkpoint here")
+
     ck = Checkpointer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                      restorer=lambda uri: None,
-                      config=CheckpointerConfig(rank_state_on_resize="drop"))
-    with pytest.raises(ConfigError, match="rank_state_on_resize: the Checkpointer's restorer "
-                                          "function takes no such keyword"):
-        ck.load_checkpoint("/nonexistent/run")
-    with pytest.raises(ConfigError, match="rank_state_on_resize and rank_state_remap: "):
-        ck.load_checkpoint("/nonexistent/run", rank_state_remap=lambda s, r, w: None)
+                      restorer=nothing, config=CheckpointerConfig(rank_state_on_resize="drop"))
+    assert ck.load_checkpoint("/nonexistent/run") is None
+    remap = lambda s, r, w: None  # noqa: E731 - a stand-in hook, compared by identity
+    assert ck.load_checkpoint("/nonexistent/run2", rank_state_remap=remap) is None
     ck.config = CheckpointerConfig()
-    assert ck.load_checkpoint("/nonexistent/run") is None  # nothing set: the restorer is called
+    assert ck.load_checkpoint("/nonexistent/run3") is None  # nothing set: defaults
+    assert [(c.uri, c.rank_state_on_resize, c.rank_state_remap, c.into) for c in calls] == [
+        ("/nonexistent/run", "drop", None, None), ("/nonexistent/run2", "drop", remap, None),
+        ("/nonexistent/run3", None, None, None)]
+    assert all(c.targets is not None for c in calls)  # the live tensors, offered in place
+    ck.restorer = lambda request: (None, None)
+    with pytest.raises(TypeError, match=r"the Checkpointer's restorer function returned a "
+                                        r"tuple: a restorer returns a "
+                                        r"xla_ckpt.trainer.RestoredState\(state, rank_state\)"):
+        ck.load_checkpoint("/nonexistent/run")

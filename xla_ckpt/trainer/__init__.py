@@ -30,27 +30,35 @@ from xla_ckpt.trainer.lr_scheduler import (
                                           load_lr_scheduler_state,
 )
 from xla_ckpt.trainer.meters import (
-                                     AverageMeter,
-                                     DerivedMeter,
-                                     Meter,
-                                     MetersDict,
-                                     StopwatchMeter,
-                                     SumMeter,
-                                     TimeMeter,
-                                     register_meter,
+                                          AverageMeter,
+                                          DerivedMeter,
+                                          Meter,
+                                          MetersDict,
+                                          StopwatchMeter,
+                                          SumMeter,
+                                          TimeMeter,
+                                          register_meter,
 )
 from xla_ckpt.trainer.metrics import Metrics
 from xla_ckpt.trainer.module_load import DTYPE_POLICIES, ModuleLoadReport, load_module_state
 from xla_ckpt.trainer.optimizer_state import check_live_params, load_optimizer_state
 from xla_ckpt.trainer.prefixes import best_prefix_strip, strip_state_dict, unwrap_module
-from xla_ckpt.trainer.sources import SingleProcessRestorer, SingleProcessSaver
+from xla_ckpt.trainer.sources import (
+                                          RestoredState,
+                                          Restorer,
+                                          RestoreRequest,
+                                          SingleProcessRestorer,
+                                          SingleProcessSaver,
+                                          make_restorer,
+)
 from xla_ckpt.trainer.training_surface import has_parameters
 
 __all__ = [
     "AverageMeter", "Checkpointer", "CheckpointerConfig", "DTYPE_POLICIES", "DerivedMeter",
     "FAIRSEQ_OPTIMIZERS", "FairseqLRScheduler", "InverseSquareRootSchedule", "Meter",
-    "MetersDict", "Metrics", "ModuleLoadReport", "SingleProcessRestorer", "SingleProcessSaver",
+    "MetersDict", "Metrics", "ModuleLoadReport", "RestoreRequest", "RestoredState", "Restorer",
+    "SingleProcessRestorer", "SingleProcessSaver",
     "StopwatchMeter", "SumMeter", "TimeMeter", "best_prefix_strip", "check_live_params",
     "has_parameters", "load_lr_scheduler_state", "load_module_state", "load_optimizer_state",
-    "register_meter", "strip_state_dict", "unwrap_module",
+    "make_restorer", "register_meter", "strip_state_dict", "unwrap_module",
 ]

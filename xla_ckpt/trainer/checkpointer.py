@@ -129,18 +129,14 @@ class Checkpointer(SaveState, RestoreState):
         config: :class:`CheckpointerConfig`.
         criterion_check: shorthand for ``config.criterion_check`` (``"strict"``,
             ``"warn"``, ``"off"``); None keeps the config's.
-        restorer: ``fn(uri) -> (state, rank_state | None)`` or a ``Restored``;
-            default :class:`~xla_ckpt.trainer.sources.SingleProcessRestorer`.  One
-            that takes the keyword ``targets`` is passed the in-place targets
-            (:meth:`SingleProcessRestorer.__call__
-            <xla_ckpt.trainer.sources.SingleProcessRestorer.__call__>`).  For a sharded
-            model, one that takes ``into`` is passed :meth:`restore_targets` (filled in
-            place, each rank reading only its shards: the default, and
-            :func:`xla_ckpt.restore.make_restorer`'s); one that does not reads the whole
-            state on every rank (logged at WARNING).  ``rank_state_on_resize`` /
-            ``rank_state_remap`` (config or :meth:`load_checkpoint`) are passed to a
-            restorer that takes those keywords; one that does not gets ConfigError when
-            they are set.
+        restorer: a :class:`~xla_ckpt.trainer.sources.Restorer`:
+            ``restorer(request: RestoreRequest) -> RestoredState``, called once per restore
+            with the URI, the in-place targets (the live CPU tensors, or a sharded model's
+            :meth:`restore_targets` as ``into``) and ``rank_state_on_resize`` /
+            ``rank_state_remap`` (config or :meth:`load_checkpoint`); default
+            :class:`~xla_ckpt.trainer.sources.SingleProcessRestorer`, or
+            :func:`~xla_ckpt.trainer.sources.make_restorer` for a strategy of
+            :func:`xla_ckpt.restore.restore`.
         saver: ``fn(state, uri, *, metadata, rank_state)``; default
             :class:`~xla_ckpt.trainer.sources.SingleProcessSaver`.
         device: where a model built on the meta device is materialised

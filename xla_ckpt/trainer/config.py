@@ -53,7 +53,7 @@ class CheckpointerConfig:
             these options; ``"drop"`` restores without them (a WARNING names what was
             dropped; ``extra_state`` then lacks the per-rank values).  Passed to the
             restorer (the default one, or one from
-            :func:`xla_ckpt.restore.make_restorer`) as
+            :func:`xla_ckpt.trainer.make_restorer`) as
             :attr:`xla_ckpt.restore.RestoreConfig.rank_state_on_resize`.
         rank_state_remap: ``fn(saved: dict[int, Any], rank: int, world_size: int) -> Any``
             mapping every saved rank's per-rank state (saved rank -> its

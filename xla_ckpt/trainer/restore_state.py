@@ -70,12 +70,7 @@ from xla_ckpt.trainer.restore_checks import (
 from xla_ckpt.trainer.sharded import is_sharded_module, model_state, optimizer_state
 from xla_ckpt.trainer.sharded import load_model as load_sharded_model
 from xla_ckpt.trainer.sharded import load_optimizer as load_sharded_optimizer
-from xla_ckpt.trainer.sources import (
-    RankStateRemap,
-    accepts_keyword,
-    accepts_targets,
-    unpack_restored,
-)
+from xla_ckpt.trainer.sources import RankStateRemap, RestoredState, RestoreRequest
 from xla_ckpt.trainer.training_surface import TrainingSurface, has_parameters, logger
 
 
@@ -224,14 +219,23 @@ class RestoreState(TrainingSurface):
                    reset_meters: bool = False) -> Optional[dict]:
         """Apply an already-read checkpoint: :meth:`load_checkpoint` without the read.
 
-        ``restored`` is ``None`` (no checkpoint), ``(state, rank_state)``, or
-        an object with ``.state`` and ``.rank_state`` (what
-        ``CheckpointManager.restore_or_initialize`` or a restore strategy
-        returns).  ``where`` names the checkpoint in messages.  Same flags,
+        ``restored`` is ``None`` (no checkpoint) or what has ``.state`` and ``.rank_state``:
+        a :class:`~xla_ckpt.trainer.sources.RestoredState`, what
+        ``CheckpointManager.restore_or_initialize`` or :func:`xla_ckpt.restore.restore`
+        returns.  ``where`` names the checkpoint in messages.  Same flags,
         return value and errors as :meth:`load_checkpoint`.  A sharded model's
         state read into :meth:`restore_targets` is applied with ``set_state_dict``
         (so are full tensors, sharded onto the live placements).
+
+        Raises:
+            TypeError: ``restored`` has no ``.state`` / ``.rank_state`` (wrap a bare state
+                as ``RestoredState(state)``).
         """
+        if restored is not None and not (hasattr(restored, "state") and
+                                         hasattr(restored, "rank_state")):
+            raise TypeError(f"load_state: restored must be None or have .state and .rank_state "
+                            f"(xla_ckpt.trainer.RestoredState(state, rank_state)), got a "
+                            f"{type(restored).__qualname__}")
         # A sharded model's state may have been read into its live DTensors already
         # (into=restore_targets()): a refusal cannot then say that nothing was restored.
         self._sharded_read_in_place = restored is not None and \
@@ -253,7 +257,7 @@ class RestoreState(TrainingSurface):
             if not absent_logged:
                 logger.info("rank %d: no existing checkpoint found at %s", self.rank, uri)
             return None
-        state, rank_state = unpack_restored(restored)
+        state, rank_state = restored.state, restored.rank_state
         checked, self._records_plan, self._checked_read = self._checked_read, None, None
         prior = checked[1] if checked is not None and checked[0] is state else None
         try:
@@ -560,11 +564,10 @@ class RestoreState(TrainingSurface):
 
     def _rank_state_options(self, rank_state_on_resize: Optional[str],
                             rank_state_remap: Optional[RankStateRemap]) -> dict[str, Any]:
-        """The per-rank item options to pass to the restorer (only those set).
+        """The per-rank item options of the :class:`RestoreRequest` (only those set).
 
         Raises:
-            ConfigError: a bad ``rank_state_on_resize``, or options set for a restorer
-                that takes no such keyword.
+            ConfigError: a bad ``rank_state_on_resize``.
         """
         on_resize = rank_state_on_resize or self.config.rank_state_on_resize
         if on_resize not in RANK_STATE_ON_RESIZE:
@@ -576,12 +579,6 @@ class RestoreState(TrainingSurface):
             wanted["rank_state_on_resize"] = on_resize
         if remap is not None:
             wanted["rank_state_remap"] = remap
-        refused = [k for k in wanted if not accepts_keyword(self.restorer, k)]
-        if refused:
-            raise ConfigError(
-                f"{' and '.join(refused)}: the Checkpointer's restorer "
-                f"{type(self.restorer).__name__} takes no such keyword; use the default "
-                "restorer or xla_ckpt.restore.make_restorer(...) (or pass them to yours)")
         return wanted
 
     def _restore(self, uri: str, *, reset_optimizer: bool = False,
@@ -590,10 +587,11 @@ class RestoreState(TrainingSurface):
                  rank_state_remap: Optional[RankStateRemap] = None) -> Any:
         """What the restorer read, or None (logged at WARNING) when nothing is committed.
 
-        A sharded model: a restorer that takes ``into`` fills :meth:`restore_targets` in
-        place (the default does, through :func:`xla_ckpt.restore.restore`, and so does
-        :func:`xla_ckpt.restore.make_restorer`'s); any other reads full tensors on every rank
-        (logged at WARNING), which :meth:`load_state` shards onto the live placements."""
+        One call of the restorer with one :class:`~xla_ckpt.trainer.sources.RestoreRequest`:
+        a sharded model's :meth:`restore_targets` as ``into`` (the default restorer and
+        :func:`~xla_ckpt.trainer.sources.make_restorer`'s fill them in place; a restorer
+        that returns full tensors instead has them sharded onto the live placements by
+        :meth:`load_state`), any other model's live CPU tensors as ``targets``."""
         into = None
         options = self._rank_state_options(rank_state_on_resize, rank_state_remap)
         self._restore_call = (reset_optimizer, reset_lr_scheduler, uri)
@@ -601,21 +599,10 @@ class RestoreState(TrainingSurface):
         self._sharded_read_in_place = False
         try:
             into = self.restore_targets(reset_optimizer=reset_optimizer)
-            if into is not None and accepts_keyword(self.restorer, "into"):
-                self._sharded_read_in_place = True
-                restored = self.restorer(uri, into=into, **options)
-            elif into is None and accepts_targets(self.restorer):
-                restored = self.restorer(uri, targets=_InPlaceTargets(self), **options)
-            else:
-                if into is not None:
-                    logger.warning(
-                        "rank %d: the Checkpointer's restorer %s takes no into=: every rank "
-                        "reads the WHOLE sharded state of %s (host memory about the full "
-                        "model and optimizer per rank) and then keeps only its shards; use "
-                        "the default restorer or xla_ckpt.restore.make_restorer(...) to fill "
-                        "each rank's shards in place by byte range", self.rank,
-                        type(self.restorer).__name__, uri)
-                restored = self.restorer(uri, **options)
+            self._sharded_read_in_place = into is not None
+            restored = self.restorer(RestoreRequest(
+                uri=uri, into=into, targets=_InPlaceTargets(self) if into is None else None,
+                **options))
         except WorldSizeMismatchError as e:
             self._discard_restore_targets()
             if "rank_state_remap" not in str(e):
@@ -645,8 +632,12 @@ class RestoreState(TrainingSurface):
         except BaseException:
             self._discard_restore_targets()
             raise
-        if restored is None:  # a restorer that says "nothing" by returning None
-            logger.warning("rank %d: no existing checkpoint found at %s", self.rank, uri)
+        if not isinstance(restored, RestoredState):
+            raise TypeError(
+                f"the Checkpointer's restorer {type(self.restorer).__name__} returned a "
+                f"{type(restored).__qualname__}: a restorer returns a "
+                "xla_ckpt.trainer.RestoredState(state, rank_state) and raises "
+                "NothingCommittedError when nothing is committed (xla_ckpt.trainer.Restorer)")
         return restored
 
     def _restore_optimizer(self, uri: str, plan: RestorePlan, reset_lr_scheduler: bool,

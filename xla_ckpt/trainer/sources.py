@@ -1,43 +1,47 @@
-"""Where the trainer's state comes from and goes to: injectable restorer and saver.
+"""Where the trainer's state comes from and goes to: one restorer protocol, one saver.
 
 The trainer never talks to storage itself.  It calls
 
-* a **restorer** ``restorer(uri) -> (state, rank_state | None)`` (or any
-  object with ``.state`` and ``.rank_state``, such as the ``Restored`` that
-  ``xla_ckpt.restore.restore`` returns), which raises
-  :class:`~xla_ckpt.errors.NothingCommittedError` when nothing is committed
-  at ``uri`` (what :func:`xla_ckpt.run.resolve.resolve` raises; the trainer
-  starts fresh on that class only: any other error, a plain
+* a **restorer**: any :class:`Restorer`, always the same way, ``restorer(request)`` with one
+  :class:`RestoreRequest` (the URI; the live tensors to fill in place, if any; what becomes of
+  per-rank items saved by another world size), and it returns one :class:`RestoredState`
+  (``state``, ``rank_state``).  It raises :class:`~xla_ckpt.errors.NothingCommittedError`
+  when nothing is committed at the URI (what :func:`xla_ckpt.run.resolve.resolve` raises;
+  the trainer starts fresh on that class only: any other error, a plain
   ``CheckpointNotFoundError`` included, propagates);
 * a **saver** ``saver(state, uri, *, metadata, rank_state) -> Any``.
 
-The defaults here serve a single process: :class:`SingleProcessRestorer`
-resolves ``uri`` with the one resolver (:mod:`xla_ckpt.run.resolve`: a
-checkpoint folder, a run folder's latest committed checkpoint, a pointer) and
-reads with :class:`xla_ckpt.io.CheckpointReader` (CPU tensors, crc32c
-checked; with ``targets`` the trainer's live CPU parameters are filled in
-place), once more if the checkpoint was replaced while it was read, or,
-when ``uri`` names a legacy fairseq/``torch.save`` ``.pt`` file, imports it
-through the allow-list of :mod:`xla_ckpt.kinds.legacy` (CASES C4);
-:class:`SingleProcessSaver` writes with :func:`xla_ckpt.io.save`, keeping
-``rank_state`` in the item ``rank/<rank>``.  A multi-process job passes the
-strategies from ``xla_ckpt.restore`` instead, e.g.::
-
-    restorer=lambda uri: restore(uri, dist=dist, strategy="broadcast")
+Restorers here: :class:`SingleProcessRestorer` (the default) resolves ``uri`` with the one
+resolver (:mod:`xla_ckpt.run.resolve`: a checkpoint folder, a run folder's latest committed
+checkpoint, a pointer) and reads with :class:`xla_ckpt.io.CheckpointReader` (CPU tensors,
+crc32c checked; the request's ``targets`` filled in place), once more if the checkpoint was
+replaced while it was read, or, when ``uri`` names a legacy fairseq/``torch.save`` ``.pt``
+file, imports it through the allow-list of :mod:`xla_ckpt.kinds.legacy` (CASES C4).  In a
+job of several ranks (a process group is up) rank 0 decides which checkpoint and sends it
+with its manifest to every rank (:func:`xla_ckpt.restore.decide.decide`): the run folder is
+listed once per restore, not once per rank.  :func:`make_restorer` restores through
+:func:`xla_ckpt.restore.restore` (a strategy, live sharded targets); every rank calls it.
+:class:`SingleProcessSaver` writes with :func:`xla_ckpt.api.save`, keeping ``rank_state`` in
+the item ``rank/<rank>``.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
+import torch.distributed as tdist
 
 from xla_ckpt.api import save
+from xla_ckpt.comm import Dist, get_dist
 from xla_ckpt.errors import ConfigError
 from xla_ckpt.format.manifest import STATE_ITEM, Item, rank_item
-from xla_ckpt.kinds.opener import open_reader, read_checkpoint, read_items
-from xla_ckpt.run.resolve import Resolved
+from xla_ckpt.kinds.opener import open_reader, read_checkpoint, read_items, read_resolved
+from xla_ckpt.restore import RestoreConfig, restore
+from xla_ckpt.restore.decide import decide
+from xla_ckpt.run.resolve import Resolved, resolve
 from xla_ckpt.run.sniff import LEGACY, XLA_CKPT
 from xla_ckpt.storage import StorageConfig
 
@@ -47,34 +51,80 @@ class Saver(Protocol):
                  rank_state: Any | None) -> Any: ...
 
 
-Restorer = Callable[..., Any]
-"""``restorer(uri)``; one that also takes ``targets=`` (:func:`accepts_targets`) may fill live
-tensors in place."""
-
-Targets = Callable[[Item], Mapping[str, torch.Tensor]]
-
 #: ``fn(saved: {saved rank: per-rank state}, rank, world_size) -> this rank's per-rank state``.
 RankStateRemap = Callable[[dict[int, Any], int, int], Any]
-"""The manifest's ``state`` item -> live tensors to read into, by tensor key."""
 
 
-def accepts_keyword(restorer: Any, name: str) -> bool:
-    """Whether ``restorer`` takes the keyword ``name`` (``targets``, ``into``)."""
-    try:
-        params = inspect.signature(restorer).parameters
-    except (TypeError, ValueError):  # a builtin or C callable without a signature
-        return False
-    p = params.get(name)
-    return p is not None and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+class InPlaceTargets(Protocol):
+    """Live tensors a restorer may read into (the trainer's model and criterion).
+
+    ``targets(item)`` is called with the manifest's ``state`` item before any byte is read
+    and returns live tensors by tensor key (``TensorRecord.key``); after the read the restorer
+    calls ``targets.read_back(item, state)`` with the state read from that item, so the
+    trainer need not check its structure again.  A restorer may also not use them (the
+    trainer then checks and copies what it returns).
+    """
+
+    def __call__(self, item: Item) -> Mapping[str, torch.Tensor]: ...
+
+    def read_back(self, item: Item, state: Any) -> None: ...
 
 
-def accepts_targets(restorer: Any) -> bool:
-    """Whether ``restorer`` takes the keyword ``targets`` (as :class:`SingleProcessRestorer`)."""
-    return accepts_keyword(restorer, "targets")
+@dataclass(frozen=True, kw_only=True)
+class RestoreRequest:
+    """What the trainer asks its restorer for, on every rank that restores.
+
+    Attributes:
+        uri: a checkpoint folder, a run folder (its latest committed checkpoint), a
+            ``<run>/checkpoint_last`` / ``checkpoint_best`` pointer, or a legacy ``.pt`` file.
+        targets: live CPU tensors to fill in place (an unsharded model), or None.
+        into: a sharded model's live state tree
+            (:meth:`~xla_ckpt.trainer.Checkpointer.restore_targets`: DTensors) to fill in
+            place, each rank reading only its shards; or None.  A restorer that cannot
+            returns full tensors, which the trainer shards onto the live placements.
+        rank_state_on_resize: ``"error"`` or ``"drop"``: per-rank items saved by another
+            world size (:class:`~xla_ckpt.restore.RestoreConfig`); None: the restorer's own
+            (``"error"`` unless it was built with another).
+        rank_state_remap: ``fn(saved, rank, world_size)`` mapping them onto this rank.
+    """
+
+    uri: str
+    targets: InPlaceTargets | None = None
+    into: Any = None
+    rank_state_on_resize: str | None = None
+    rank_state_remap: RankStateRemap | None = None
+
+
+@dataclass(frozen=True)
+class RestoredState:
+    """What a restorer returns: the replicated state as saved and this rank's private state
+    (its ``rank/<rank>`` item; None if the checkpoint has none for it)."""
+
+    state: Any
+    rank_state: Any = None
+
+
+class Restorer(Protocol):
+    """The trainer's restorer: ``restorer(request) -> RestoredState`` (module docstring).
+
+    Raises:
+        NothingCommittedError: nothing committed at ``request.uri`` (the trainer starts
+            fresh); any other error propagates.
+    """
+
+    def __call__(self, request: RestoreRequest) -> RestoredState: ...
+
+
+def job_dist() -> Dist | None:
+    """The job's :class:`~xla_ckpt.comm.Dist` when a process group of more than one rank is
+    up (the ranks then restore together), else None; never starts one."""
+    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+        return get_dist()
+    return None
 
 
 class SingleProcessRestorer:
-    """Read the replicated state and this rank's ``rank/<rank>`` item (if any) on one process.
+    """Read the replicated state and this rank's ``rank/<rank>`` item (if any) on each process.
 
     Args:
         rank: whose private item to read.
@@ -89,32 +139,25 @@ class SingleProcessRestorer:
         self.config = config
         self.legacy = legacy
 
-    def __call__(self, uri: str, *, targets: Optional[Targets] = None,
-                 into: Any = None, rank_state_on_resize: str = "error",
-                 rank_state_remap: Optional[RankStateRemap] = None) -> Any:
-        """Returns ``(state, rank_state or None)`` with CPU tensors.
+    def __call__(self, request: RestoreRequest) -> RestoredState:
+        """The state at ``request.uri`` with CPU tensors (module docstring).
 
-        ``into`` (a sharded model's :meth:`~xla_ckpt.trainer.Checkpointer.restore_targets`:
-        live DTensors): every rank calls it; :func:`xla_ckpt.restore.restore` with
-        ``into=`` over the job's process group (:func:`xla_ckpt.comm.get_dist`) fills
-        this rank's shards in place, reading only their byte ranges, and its
-        :class:`~xla_ckpt.restore.Restored` is returned (``.state``, ``.rank_state``).
-        ``rank_state_on_resize`` (``"error"`` / ``"drop"``) and ``rank_state_remap``
-        (``fn(saved, rank, world_size)``) then say what becomes of per-rank items saved by
-        another world size (:class:`~xla_ckpt.restore.RestoreConfig`); without ``into``
-        only this rank's own ``rank/<rank>`` item is read and they are not used.
+        ``request.into`` (a sharded model's live DTensors): every rank calls it;
+        :func:`xla_ckpt.restore.restore` with ``into=`` over the job's process group fills
+        this rank's shards in place, reading only their byte ranges, with the request's
+        per-rank item options.  Otherwise only this rank's own ``rank/<rank>`` item is read.
 
-        ``targets``: for an xla_ckpt checkpoint, called with the manifest's ``state``
-        item before any byte is read; it returns live tensors by tensor key
-        (``TensorRecord.key``) that the read fills in place
-        (:meth:`~xla_ckpt.io.CheckpointReader.load` ``into=``; the trainer passes
-        :func:`~xla_ckpt.trainer.module_load.in_place_targets` of its model and
-        criterion).  The state returned then holds views of those tensors.  If the
-        checkpoint is replaced while it is read, it is resolved again, ``targets``
-        is called again with the new manifest and the read starts over.  A ``targets``
-        with a ``read_back(item, state)`` method is told which state was read from the item
-        it was given (the trainer then need not check that state's structure again).
-        Ignored for other kinds of source (legacy ``.pt``, HF, DCP).
+        ``request.targets``: for an xla_ckpt checkpoint, called with the manifest's
+        ``state`` item before any byte is read; the read fills the tensors it returns in
+        place (:meth:`~xla_ckpt.io.CheckpointReader.load` ``into=``), and
+        ``targets.read_back(item, state)`` is told the state read.  If the checkpoint is
+        replaced while it is read, it is resolved again, ``targets`` is called again with the
+        new manifest and the read starts over.  Ignored for other kinds of source (legacy
+        ``.pt``, HF, DCP).
+
+        With a process group of several ranks up, every rank calls it: rank 0 decides which
+        checkpoint (listing a run folder once) and sends it with its manifest to every rank,
+        and each rank reads it.
 
         Raises:
             NothingCommittedError: nothing committed at ``uri`` (the trainer starts fresh);
@@ -126,39 +169,86 @@ class SingleProcessRestorer:
             UnsafePickleError: a legacy file names a class outside the allow-list.
             ConfigError: a legacy file with ``legacy=False``.
         """
-        if into is not None:
-            from xla_ckpt.comm import get_dist  # noqa: PLC0415 - the sharded path only
-            from xla_ckpt.restore import (  # noqa: PLC0415 - restore imports trainer-free io
-                RestoreConfig,
-                restore,
-            )
-
-            return restore(uri, dist=get_dist(), into=into, storage_config=self.config,
-                           config=RestoreConfig(rank_state_on_resize=rank_state_on_resize),
-                           rank_state_remap=rank_state_remap)
+        uri, targets = request.uri, request.targets
+        if request.into is not None:
+            return _restore_collectively(request, dist=get_dist(), storage_config=self.config)
         own = rank_item(self.rank)
 
-        def read(resolved: Resolved) -> tuple[Any, Any | None]:
+        def read(resolved: Resolved) -> RestoredState:
             if resolved.kind == LEGACY and not self.legacy:
                 raise ConfigError(f"{resolved.checkpoint} is a legacy .pt/safetensors file and "
                                   "this restorer was built with legacy=False")
             if targets is None or resolved.kind != XLA_CKPT:
                 got = read_items(resolved, STATE_ITEM, optional=(own,), config=self.config)
-                return got[STATE_ITEM], got.get(own)
+                return RestoredState(got[STATE_ITEM], got.get(own))
             reader = open_reader(resolved, self.config)
             try:
                 item = reader.manifest.item(STATE_ITEM)
-                into = targets(item)
-                state = reader.load(STATE_ITEM, into=into)
-                read_back = getattr(targets, "read_back", None)
-                if read_back is not None:
-                    read_back(item, state)  # the trainer's checks of item's records hold
+                state = reader.load(STATE_ITEM, into=targets(item))
+                targets.read_back(item, state)  # the trainer's checks of item's records hold
                 rank_state = reader.load(own) if own in reader.manifest.items else None
-                return state, rank_state
+                return RestoredState(state, rank_state)
             finally:
                 reader.storage.close()
 
-        return read_checkpoint(uri, read, config=self.config)
+        decided = self._decided(uri)
+        if decided is None:
+            return read_checkpoint(uri, read, config=self.config)
+        return read_resolved(decided, read, again=lambda: resolve(uri, self.config),
+                             config=self.config)
+
+    def _decided(self, uri: str) -> Resolved | None:
+        """In a job of several ranks: the checkpoint rank 0 chose, with the manifest it sent
+        (every rank calls this); None on one process, or for a source of another kind
+        (a legacy ``.pt``, HF, DCP), which each rank then resolves and reads itself."""
+        dist = job_dist()
+        if dist is None:
+            return None
+        try:
+            d = decide(uri, dist, config=self.config)
+        except ConfigError:  # another kind of source, on every rank alike
+            return None
+        return Resolved(uri=uri, checkpoint=d.checkpoint, manifest=d.manifest)
+
+
+def _restore_collectively(request: RestoreRequest, *, dist: Dist | None,
+                          storage_config: StorageConfig | None = None,
+                          **kwargs: Any) -> RestoredState:
+    """:func:`xla_ckpt.restore.restore` of ``request`` (every rank calls it)."""
+    kw = dict(kwargs)
+    if request.into is not None:
+        kw["into"] = request.into
+    if request.rank_state_remap is not None:
+        kw["rank_state_remap"] = request.rank_state_remap
+    if request.rank_state_on_resize is not None:
+        kw["config"] = dataclasses.replace(kw.get("config") or RestoreConfig(),
+                                           rank_state_on_resize=request.rank_state_on_resize)
+    if storage_config is not None:
+        kw["storage_config"] = storage_config
+    r = restore(request.uri, dist=dist, **kw)
+    return RestoredState(r.state, r.rank_state)
+
+
+def make_restorer(*, dist: Dist | None = None, **kwargs: Any) -> Restorer:
+    """A :class:`Restorer` that restores through :func:`xla_ckpt.restore.restore` on every
+    rank (rank 0 decides and sends the decision; the strategy moves the bytes).
+
+    ``kwargs`` are passed to :func:`~xla_ckpt.restore.restore` (strategy, map_location,
+    config, storage_config, rank_state_remap, ...).  Every rank calls the restorer.  The
+    request's ``into`` (a sharded model's :meth:`~xla_ckpt.trainer.Checkpointer.
+    restore_targets`) is filled in place, each rank reading only its shards' byte ranges;
+    its ``rank_state_on_resize`` and ``rank_state_remap``, when set, win over those of
+    ``kwargs`` (the first replaces that field of ``kwargs["config"]``).  Its ``targets`` are not
+    used (the trainer copies what was read).
+
+    Raises:
+        TypeError: (at the call) a ``kwargs`` name :func:`~xla_ckpt.restore.restore` lacks.
+    """
+
+    def restorer(request: RestoreRequest) -> RestoredState:
+        return _restore_collectively(request, dist=dist, **kwargs)
+
+    return restorer
 
 
 class SingleProcessSaver:
@@ -180,12 +270,3 @@ class SingleProcessSaver:
         ``rank_state``."""
         rank_states = {self.rank: rank_state} if rank_state is not None else None
         return save(state, uri, metadata=metadata, rank_states=rank_states, config=self.config)
-
-
-def unpack_restored(result: Any) -> tuple[Any, Any | None]:
-    """Accept ``(state, rank_state)``, an object with ``.state``/``.rank_state`` or a bare state."""
-    if hasattr(result, "state") and hasattr(result, "rank_state"):
-        return result.state, result.rank_state
-    if isinstance(result, tuple) and len(result) == 2:
-        return result[0], result[1]
-    return result, None
