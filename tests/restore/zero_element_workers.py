@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 import xla_ckpt
 from xla_ckpt.restore import restore, save_distributed
-from xla_ckpt.restore.sharded import tensor_leaves
+from xla_ckpt.restore.targets import tensor_leaves
 from xla_ckpt.testing.asserts import tensor_bits
 
 
