@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import logging
-import math
 import mmap
 import os
 import sys
@@ -185,14 +184,6 @@ def host_arenas(item: Item, blob_ids: Iterable[int]) -> dict[int, torch.Tensor]:
             out[i] = arena[rec.offset - first.offset:rec.offset - first.offset + rec.length]
     return out
 
-
-
-def fresh_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor, on huge pages when large (:func:`host_buffer`)."""
-    n = math.prod(shape) * dtype.itemsize
-    if n < HUGE_PAGE_BYTES:
-        return torch.empty(tuple(shape), dtype=dtype)
-    return host_buffer(n).view(dtype).view(tuple(shape))
 
 
 def bump_versions(tensors: Iterable[torch.Tensor]) -> None:

@@ -68,7 +68,7 @@ from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import BlobRecord, Manifest, TensorRecord
 from xla_ckpt.format.plan import tensor_bytes
 from xla_ckpt.io.blob_reader import BlobReader, ReadStats
-from xla_ckpt.io.buffers import fresh_tensor
+from xla_ckpt.io.buffers import HUGE_PAGE_BYTES, host_buffer
 from xla_ckpt.io.writer import WrittenItem
 from xla_ckpt.storage.local import LocalStorage
 
@@ -617,6 +617,16 @@ def read_boxes(reader: BlobReader, requests: Sequence[BoxRequest]) -> int:
     logger.debug("read %d boxes of %s: %d bytes in %d requests, %.3f s", len(requests),
                  reader.storage.uri, fetched, reader.stats.requests, reader.stats.seconds)
     return fetched
+
+
+def fresh_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor, on huge pages when large
+    (:func:`~xla_ckpt.io.buffers.host_buffer`): what a whole-tensor request fills when no
+    ``out`` is given."""
+    n = math.prod(shape) * dtype.itemsize
+    if n < HUGE_PAGE_BYTES:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return host_buffer(n).view(dtype).view(tuple(shape))
 
 
 def whole_tensor_request(manifest: Manifest, g: int, out: torch.Tensor | None = None

@@ -50,7 +50,7 @@ from xla_ckpt.format.dcp import (
     load_bytes_item,
 )
 from xla_ckpt.format.dtypes import dtype_name
-from xla_ckpt.io.buffers import fresh_tensor
+from xla_ckpt.io.chunked import fresh_tensor
 from xla_ckpt.kinds.dcp_boxes import (
     DcpBox,
     DcpReadStats,
