@@ -55,6 +55,8 @@ def test_zero_element_parameters_restore_onto_another_mesh_bitwise_as_dcp(saved,
         assert "state['optim']['state']['e']['exp_avg_sq']" in ref
         for s in ("all_ranks", "broadcast"):
             assert got[s] == ref, (rank, s, sorted(k for k in ref if got[s].get(k) != ref[k]))
+        model_ref = {k: v for k, v in ref.items() if k.startswith("state['model']")}
+        assert got["dcp_into"] == model_ref, rank  # xla_ckpt's DCP reader into live targets
         assert got["whole"]["state['model']['e']"] == ((3, 0), "torch.float32")
         assert got["whole"]["state['model']['v']"] == ((4, 0), "torch.float32")
         assert got["whole"]["state['model']['z']"] == ((0, 5), "torch.float32")

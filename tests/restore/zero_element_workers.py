@@ -33,6 +33,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import xla_ckpt
+from xla_ckpt.kinds.dcp import read_dcp_into
 from xla_ckpt.restore import restore, save_distributed
 from xla_ckpt.restore.targets import tensor_leaves
 from xla_ckpt.testing.asserts import tensor_bits
@@ -116,6 +117,11 @@ def restore_both(root: str, strategies: tuple[str, ...] = ("all_ranks", "broadca
         set_state_dict(model, optim, model_state_dict=r.state["model"],
                        optim_state_dict=r.state["optim"])
         out[s] = _shards(_state(model, optim))
+    # DCP's own checkpoint read into the live (FSDP2) targets by xla_ckpt's DCP reader
+    model, optim = _build(seed=3)
+    read_dcp_into(f"{root}/dcp", {f"model.{k}": v
+                                  for k, v in get_model_state_dict(model).items()})
+    out["dcp_into"] = _shards({"model": get_model_state_dict(model)})
     whole = xla_ckpt.load(f"{root}/ours")
     out["whole"] = {k: (tuple(v.shape), str(v.dtype)) for k, v in tensor_leaves(whole).items()}
     tdist.barrier()
