@@ -41,3 +41,12 @@ def test_a_replace_without_metadata_drops_it(storage: Storage):
     storage.write_atomic("a/manifest.json", [b"22"])
     (only,) = storage.list_in_subfolders("", "manifest.json")
     assert (only.size, only.metadata in (None, {})) == (2, True)
+
+
+def test_metadata_of_a_composed_write(storage: Storage):
+    """An object large enough to go up as parts (GCS: composed) keeps its metadata too."""
+    big = bytes(range(256)) * 600  # 153,600 bytes: above the conformance GCS part threshold
+    storage.write_atomic("e/manifest.json", [big], if_generation_match=0, metadata={"n": "7"})
+    (only,) = storage.list_in_subfolders("", "manifest.json")
+    assert (only.name, only.size, only.metadata) == ("e/manifest.json", len(big), {"n": "7"})
+    assert storage.read_bytes("e/manifest.json") == big

@@ -36,7 +36,7 @@ import re
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 from urllib.parse import quote
 
 from xla_ckpt.errors import CheckpointNotFoundError
@@ -144,6 +144,7 @@ class _Upload:
         self._made: list[str] = []  # in-flight names whose creation started
         self._lock = threading.Lock()
         self._cleaning = False
+        self.metadata: Mapping[str, str] | None = None  # the target's custom metadata
 
     def begin(self, name: str) -> None:
         """About to create in-flight object ``name``; raises :class:`_Abandoned` once cancelled."""

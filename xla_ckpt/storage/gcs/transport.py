@@ -291,6 +291,11 @@ class _Connection:
         else:
             self.client = gcs.Client(project=project, credentials=credentials)
         self.endpoint = self.client.api_endpoint.rstrip("/")
+        # google-cloud-storage 3.x fetches each bucket's metadata once per client, on a
+        # thread of its own, only to label OpenTelemetry spans: one more GET per storage
+        # opened, at an unpredictable moment.  Nothing here traces: no such fetch.
+        if getattr(self.client, "_bucket_metadata_cache", None) is not None:
+            self.client._bucket_metadata_cache = None
         # The client's authorised session, which carries the client's JSON-API calls and
         # media transfers as well as ours: enlarge its pool so every I/O thread keeps a
         # connection, and bind it to the source address (module docstring).

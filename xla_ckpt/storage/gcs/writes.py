@@ -266,6 +266,7 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
                           expected: int | None = None,
                           metadata: Mapping[str, str] | None = None) -> dict[str, Any]:
         up = _Upload(self, full)
+        up.metadata = metadata  # the last compose gives the object its custom metadata
         with _ACTIVE_LOCK:
             _ACTIVE.add(up)
         try:
@@ -288,7 +289,7 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
                     up.futures.append(fut)
                 crcs = [f.result() for f in up.futures]
                 sources = [(p.name, p.size, c) for p, c in zip(parts, crcs, strict=True)]
-                res = self._compose_tree(full, sources, uid, up, expected, metadata)
+                res = self._compose_tree(full, sources, uid, up, expected)
                 self._delete_quietly(up.made())
             except BaseException as e:
                 interrupted = not isinstance(e, Exception)
@@ -308,8 +309,7 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
         return res
 
     def _compose_tree(self, full: str, sources: list[tuple[str, int, int]], uid: str,
-                      up: _Upload, expected: int | None = None,
-                      metadata: Mapping[str, str] | None = None) -> dict[str, Any]:
+                      up: _Upload, expected: int | None = None) -> dict[str, Any]:
         """Compose ``sources`` into ``full``: in a tree of unconditional intermediate composes
         above :data:`MAX_COMPOSE_SOURCES`, the last one with ``ifGenerationMatch=expected``."""
         level = 0
@@ -327,7 +327,7 @@ class _GCSWrites(_GCSInFlight, _GCSReads):
             sources, level = grouped, level + 1
         if up.cancelled.is_set():
             raise _Abandoned(f"{self._gs(full)}: the write was abandoned")
-        size, crc, gen = self._compose(full, sources, expected, metadata)
+        size, crc, gen = self._compose(full, sources, expected, up.metadata)
         return {"size": size, "generation": gen, "crc32c": crc32c_b64(crc)}
 
     def _compose(self, dest: str, sources: list[tuple[str, int, int]],
