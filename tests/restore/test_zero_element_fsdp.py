@@ -16,7 +16,9 @@ import pytest
 import torch
 import zero_element_workers as W
 
+from xla_ckpt.comm import SingleProcess
 from xla_ckpt.format.chunks import Box
+from xla_ckpt.restore.owners import plan_chunked_save
 from xla_ckpt.sharded.views import for_restore, for_save, local_tensor
 from xla_ckpt.testing.launcher import shared_pool
 
@@ -86,3 +88,13 @@ def test_a_byte_free_box_takes_any_byte_free_local_shape_and_nothing_else():
         local_tensor(Fake(torch.zeros(1, 3)), Box((3, 0), (0, 3)), "Shard(0) on mesh (4,)")
     # plain byte-free tensors: no box to save or fill
     assert for_save(torch.empty(3, 0)).shards == [] and for_restore(torch.empty(0, 5)).shards == []
+
+
+def test_byte_free_views_of_one_storage_are_not_tied():
+    # no bytes to share: each is its own (empty) global tensor, as DCP keeps them
+    buf = torch.arange(10.0)
+    plan = plan_chunked_save(SingleProcess(), {"a": buf[4:4], "b": buf[4:4].view(0),
+                                               "c": buf[2:6], "d": buf[2:6]})
+    assert plan.tree == {"a": {"$tensor": 0}, "b": {"$tensor": 1}, "c": {"$tensor": 2},
+                         "d": {"$tensor": 2}}
+    assert [s.shape for s in plan.specs] == [(0,), (0,), (4,)]

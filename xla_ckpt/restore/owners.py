@@ -351,7 +351,7 @@ def _storage_key(t: torch.Tensor, v: views.ShardedValue) -> tuple | None:
         ptr = local.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001 - a tensor subclass without storage: identity ties only
         return None
-    if ptr == 0:
+    if ptr == 0 or local.numel() == 0:  # byte-free: no bytes to share, never tied by memory
         return None
     return (str(local.device), ptr, local.storage_offset(), tuple(local.shape),
             tuple(local.stride()), local.dtype)
