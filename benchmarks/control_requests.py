@@ -7,21 +7,23 @@ opens it.  On GCS each of those is a round trip.  This benchmark counts them thr
 emulator, for three entry points:
 
   load      ``xla_ckpt.load(run)`` on every rank (a single-process API: each process
-            decides for itself)
+            decides for itself, so its total grows with the ranks by design; its
+            per-rank figure is the one to read)
   manager   ``CheckpointManager(...).restore_or_initialize()`` (constructor included)
   trainer   ``xla_ckpt.trainer.Checkpointer(...).load_checkpoint(run)`` with the default
             restorer
 
 on 1, 2 and 4 ranks (real gloo worker processes from :mod:`xla_ckpt.testing.launcher`, one
-emulated host; each rank's connections leave from its own loopback address, so the log
-says which rank sent what) and for run folders holding 3 and 100 committed checkpoints of
-a tiny training state (a ``Linear(4, 2)`` with AdamW), written once by a
-``CheckpointManager`` and reused by every measurement.
+emulated host, the default process group up as in a training job; each rank's connections
+leave from its own loopback address, so the log says which rank sent what) and for run
+folders holding 3 and 100 committed checkpoints of a tiny training state (a ``Linear(4, 2)``
+with AdamW), written once by a ``CheckpointManager`` and reused by every measurement.
 
 Kinds of request (GCS JSON API, from the proxy's log):
 
   list      an object listing (``GET /storage/v1/b/B/o``); ``list_recursive`` of them had
-            no delimiter (every object under the prefix, data files included)
+            neither a delimiter nor a ``matchGlob`` (every object under the prefix, data
+            files included)
   stat      object metadata (``GET /storage/v1/b/B/o/NAME``)
   manifest  a download of a ``manifest.json``
   pointer   a download of ``checkpoint_last.json`` / ``checkpoint_best.json``
@@ -108,10 +110,14 @@ def _trainer(rank: int) -> Any:
 
 def restore_once(entry: str, run: str) -> int:
     """One restore of ``run`` through ``entry`` on this rank; the num_updates it restored."""
+    import torch.distributed as tdist
+
     from xla_ckpt.testing.fault_proxy import host_address
 
     rank = int(os.environ.get("RANK", "0"))
     os.environ[SOURCE_ADDRESS_ENV] = host_address(rank)  # the proxy's log names the rank
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not tdist.is_initialized():
+        tdist.init_process_group("gloo", init_method="env://")  # as a training job has it
     if entry == "load":
         import xla_ckpt
 
@@ -193,7 +199,7 @@ def count(records: list[Any], world_size: int) -> dict[str, Any]:
         per_rank.setdefault(rank, Counter())[kind] += 1
         if kind == "manifest":
             manifests[(rank, rec.object_name)] += 1
-        if kind == "list" and "delimiter=" not in rec.query:
+        if kind == "list" and "delimiter=" not in rec.query and "matchGlob=" not in rec.query:
             recursive += 1
     control = sum(total[k] for k in KINDS)
     return {
@@ -204,6 +210,7 @@ def count(records: list[Any], world_size: int) -> dict[str, Any]:
         "list_recursive": recursive,
         "per_rank": {str(r): {k: c[k] for k in KINDS if c[k]} for r, c in sorted(per_rank.items())},
         "control_per_rank": {str(r): sum(c[k] for k in KINDS) for r, c in sorted(per_rank.items())},
+        "list_max_per_process": max((c["list"] for c in per_rank.values()), default=0),
         "manifests_distinct": len({name for _, name in manifests}),
         "manifest_max_per_process": max(manifests.values(), default=0),
     }
@@ -244,6 +251,8 @@ def summarize(lines: list[dict[str, Any]]) -> dict[str, Any]:
                               / max(by[(lo, k)]["control"] / lo, 1e-9), 3)
                 for k in kept if (lo, k) in by and (hi, k) in by}
         e["max_list_per_restore"] = max(ln["counts"]["list"] for ln in mine)
+        e["max_list_per_process"] = max(ln.get("list_max_per_process", 0) for ln in mine)
+        e["max_recursive_lists"] = max(ln["list_recursive"] for ln in mine)
         e["max_manifest_per_process"] = max(ln["manifest_max_per_process"] for ln in mine)
         out[entry] = e
     return out
