@@ -159,7 +159,8 @@ def c2_devices(uri: str) -> dict:
     d = dist_for("xla")
     own = torch_xla.device()
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    state = {"w": w.to(own) if d.rank == 0 else None}  # saved from rank 0's device
+    # every rank passes the same state (C16 refuses ranks that disagree); rank 0's is written
+    state = {"w": w.to(own)}
     save_distributed(state, uri, dist=d)
     out: dict[str, Any] = {"own": str(own)}
     for strategy in ("all_ranks", "broadcast"):
