@@ -196,9 +196,38 @@ def striped_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: Ran
         for o in others:
             pairs.setdefault((block.rank, o.rank), []).append((block, o))
 
+    world = dist.world_size
+    # every box held by every rank (plain or replicated targets): one all-gather, every rank's
+    # blocks at once (NCCL's own all-gather on GPUs), instead of pairs one after the other
+    gather = world > 1 and len(sends) == sum(len(v) for v in reads.values()) \
+        and all(len(others) == world - 1 for _, others in sends)
+
+    def exchange_all() -> int:
+        parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        mine_bytes = 0
+        for block, others in sends:  # one order on every rank
+            if block.rank == me:
+                t = _rows(mine.requests[block.index].out, block).contiguous()
+                mine_bytes += t.numel() * t.element_size()
+            else:
+                o = next(o for o in others if o.rank == me)
+                mine.touch([o.index])
+                t = _rows(mine.requests[o.index].out, o)
+                if not t.is_contiguous():
+                    buf = torch.empty_like(t, memory_format=torch.contiguous_format)
+                    staged.append((t, buf))
+                    t = buf
+            parts[block.rank].append(t)
+        stats.bytes_received += dist.all_gather_tensors(parts, bucket_size_bytes)
+        with torch.no_grad():
+            for t, buf in staged:
+                t.copy_(buf)
+        return mine_bytes * (world - 1)
+
     def exchange() -> int:
-        moved = 0
-        for (src, dst), items in sorted(pairs.items()):
+        moved = exchange_all() if gather else 0
+        for (src, dst), items in sorted(pairs.items()) if not gather else ():
             if me == src:
                 moved += dist.send_tensors(
                     [_rows(mine.requests[b.index].out, b).contiguous() for b, _ in items],
