@@ -337,7 +337,7 @@ class PartiallyOverwrittenError(IntegrityError):
 class CheckpointExistsError(XlaCkptError, FileExistsError):
     """A write would replace a committed checkpoint the caller did not ask to replace.
 
-    Raised by :func:`xla_ckpt.kinds.dcp.write_dcp` when the target folder already holds a DCP
+    Raised by :func:`xla_ckpt.kinds.dcp_write.write_dcp` when the target folder already holds a DCP
     ``.metadata`` and ``overwrite=False``; nothing was written.  The message names the URI
     and says to pass ``overwrite=True`` or pick an empty folder.
     """
