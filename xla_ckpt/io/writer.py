@@ -2,7 +2,7 @@
 
 Single writer::
 
-    save(state, "gs://bucket/run/checkpoint_10")
+    write_checkpoint(state, "gs://bucket/run/checkpoint_10")   # what xla_ckpt.save runs
 
 Several writers (each rank writes its own items, one coordinator commits)::
 
@@ -26,7 +26,7 @@ are deleted only after the new manifest has committed.
 **The commit marker is a conditional write.**  :func:`commit` passes
 ``if_generation_match`` to the store: the manager creates its manifests with ``0``
 (create only; see :mod:`xla_ckpt.run.fencing`), so a committed checkpoint is never
-replaced by a stale writer; :func:`save` replaces an existing checkpoint only if its
+replaced by a stale writer; :func:`write_checkpoint` replaces an existing checkpoint only if its
 manifest is still the generation it saw when it started (compare-and-swap), so of two
 concurrent saves to one path exactly one commits and the other raises.
 """
