@@ -24,7 +24,7 @@ PLANS = ["all_ranks", "per_host", "broadcast", "striped", "auto"]
 def test_small_run_counts_bytes_per_host_and_checks_every_plan(tmp_path):
     out = subprocess.run([sys.executable, BENCH, "--size-mib", "8", "--hosts", "2",
                           "--ranks-per-host", "2", "--repeats", "1", "--probe-mib", "4",
-                          "--run-timeout-s", "180"],
+                          "--run-timeout-s", "180", "--balance", "off"],
                          capture_output=True, text=True, timeout=380, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "Traceback" not in out.stderr
@@ -67,7 +67,9 @@ def test_small_run_counts_bytes_per_host_and_checks_every_plan(tmp_path):
     assert by["auto"]["plan_ran"] in PLANS[:4]
     # Fetched once per job: striped over both hosts, per_host once per host, broadcast host 0.
     striped = by["striped"]
-    assert striped["bytes_per_job_x_checkpoint"] == 1.0
+    # every data byte once per job; the manifest is fetched once, by the deciding rank, and
+    # sent with the decision, so the readers' total is the data files' share of the checkpoint
+    assert 0.99 <= striped["bytes_per_job_x_checkpoint"] <= 1.0
     assert summary["striped_bytes_per_job"]["met"] is True
     assert all(0.3 <= x <= 0.7 for x in striped["bytes_per_host_x_checkpoint"]), striped
     assert all(0.99 <= x <= 1.0 for x in by["per_host"]["bytes_per_host_x_checkpoint"])
