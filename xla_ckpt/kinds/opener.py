@@ -115,7 +115,7 @@ def read_checkpoint(uri: str, read: Callable[[Resolved], T], *,
                     config: StorageConfig | None = None) -> T:
     """:func:`resolve` ``uri``, then ``read(resolved)``, once more if replaced meanwhile.
 
-    The single-process read path of every entry point (:func:`load`, the trainer's
+    The single-process read path of every entry point (:func:`xla_ckpt.load`, the trainer's
     default restorer).  Raises what :func:`resolve`, ``read`` and :func:`read_resolved` raise.
     """
     with open_storage(uri, config) as root:  # one storage: resolved, then read under it
@@ -164,8 +164,8 @@ def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[st
     Those hold only the ``state`` item; their tensors are read on CPU and then placed as
     ``map_location`` says (:func:`place_tensors`), as for an xla_ckpt checkpoint.
 
-    ``mmap``: tensors are checked views of private maps of the data files, as :func:`load`
-    describes; local xla_ckpt checkpoints only.
+    ``mmap``: tensors are checked views of private maps of the data files, as
+    :func:`xla_ckpt.load` describes; local xla_ckpt checkpoints only.
 
     Raises:
         CheckpointCorruptError: the checkpoint has no item ``item``.
@@ -199,7 +199,7 @@ def read_items(resolved: Resolved, item: str = STATE_ITEM, *, optional: tuple[st
 def place_tensors(state: Any, map_location: MapLocation) -> Any:
     """``state`` with each tensor moved to the device ``map_location`` gives for its key.
 
-    ``map_location`` as :func:`load` takes it (a device, ``{"cpu": device}``, a callable
+    ``map_location`` as :func:`xla_ckpt.load` takes it (a device, ``{"cpu": device}``, a callable
     ``dotted key -> device``; :func:`~xla_ckpt.format.plan.resolve_device`).  Tensors
     already there (CPU for ``None``, ``"cpu"``, ``torch.device("cpu")``,
     ``{"cpu": "cpu"}``) are returned as they are, without a copy; the very same tensor
