@@ -56,3 +56,36 @@ def test_a_stale_lease_is_refused_on_every_rank_and_nothing_is_committed(tmp_pat
     assert sorted(os.listdir(os.path.join(run, "ckpt_a"))) == sorted(
         ["manifest.json", *xla_ckpt.io.read_manifest(
             xla_ckpt.storage.open_storage(os.path.join(run, "ckpt_a"))).files])
+
+
+@pytest.mark.parametrize("where", ["sub-folder", "another folder", "relative spelling"])
+def test_a_lease_commits_only_directly_under_its_own_run_folder(tmp_path, monkeypatch, where):
+    # A fenced lease must not escape its fence by saving where its lease.json is not looked at:
+    # a folder below a checkpoint folder, or a folder outside the run.  The same run folder
+    # spelled another way (relative) is the same place and is fenced as usual.
+    from xla_ckpt.errors import ConfigError, FencedError
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
+    from xla_ckpt.restore import save_distributed
+
+    run = tmp_path / "run"
+    old = CheckpointManager(CheckpointConfig(save_dir=str(run)))
+    old.take_over()
+    new = CheckpointManager(CheckpointConfig(save_dir=str(run)))
+    new.take_over()  # epoch 2: the old incarnation is fenced
+    assert old.lease is not None and old.lease.run.rstrip("/") == str(run)
+    if where == "relative spelling":
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(FencedError, match="epoch"):
+            save_distributed({"w": torch.ones(2)}, "run/checkpoint_1_45", lease=old.lease)
+        assert not (run / "checkpoint_1_45" / "manifest.json").exists()
+        return
+    uri = str(run / "checkpoint_1_45" / "extra") if where == "sub-folder" else \
+        str(tmp_path / "elsewhere" / "ck")
+    with pytest.raises((ConfigError, xla_ckpt.errors.DistributedError)) as e:
+        save_distributed({"w": torch.ones(2)}, uri, lease=old.lease)
+    assert "is not a folder directly under it" in str(e.value)
+    assert str(run) in str(e.value)
+    assert not os.path.exists(os.path.join(uri, "manifest.json"))
+    # the current incarnation's own lease saves there (directly under the run) as before
+    m = save_distributed({"w": torch.ones(2)}, str(run / "checkpoint_1_46"), lease=new.lease)
+    assert m.metadata["lease_epoch"] == 2

@@ -49,6 +49,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -149,8 +150,9 @@ class SavePath(ManagerBase):
     def lease(self) -> Lease | None:
         """This incarnation's lease of the run folder (every rank), once it saved or called
         ``take_over()``; None before.  Pass it to :func:`~xla_ckpt.restore.save_distributed`
-        (``lease=``) to commit a save of its own under this manager's fencing."""
-        return self._lease
+        (``lease=``) to commit a save of its own under this manager's fencing; it names this
+        manager's run folder (:attr:`Lease.run`), so such a save must go directly under it."""
+        return dataclasses.replace(self._lease, run=self.run.uri) if self._lease else None
 
     def save(self, state: StateArg, *, epoch: int, num_updates: int, name: str | None = None,
              rank_state: StateArg = None, shards: StateArg = None, end_of_epoch: bool = False,

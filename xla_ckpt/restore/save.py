@@ -38,7 +38,7 @@ import torch
 
 from xla_ckpt.comm.base import Dist
 from xla_ckpt.comm.select import get_dist
-from xla_ckpt.errors import DistributedError, FencedError
+from xla_ckpt.errors import ConfigError, DistributedError, FencedError
 from xla_ckpt.format.gc_pause import gc_paused
 from xla_ckpt.format.manifest import DEFAULT_CHUNK_SIZE_BYTES, MANIFEST_NAME, Manifest
 from xla_ckpt.io.writer import discard
@@ -63,6 +63,22 @@ def _run_of(storage: Storage) -> Storage:
     """The run folder holding checkpoint folder ``storage`` (its parent), for the lease."""
     parent = storage.uri.rstrip("/").rsplit("/", 1)[0]
     return open_storage(parent, storage.config)
+
+
+def _lease_run(storage: Storage, lease: Lease, uri: str) -> Storage:
+    """The run folder of ``lease``, which must be the parent of checkpoint folder ``storage``:
+    its lease.json is the one the commit is checked against, so a save elsewhere (a sub-folder,
+    another run) would commit unfenced."""
+    run = _run_of(storage)
+    if not lease.run or run.uri.rstrip("/") != lease.run.rstrip("/"):
+        run.close()
+        where = f"the run folder {lease.run}" if lease.run else "no run folder (built by hand?)"
+        raise ConfigError(
+            f"save_distributed to {uri} with lease= ({lease.describe()}): the lease names "
+            f"{where}, and {uri} is not a folder directly under it, so its lease.json would not "
+            "fence this save; save to manager.run.url(<name>) with lease=manager.lease, or pass "
+            "no lease (an unfenced save)")
+    return run
 
 
 def _fenced(fence: steps.SaveFence, doc: Any) -> FencedError:
@@ -179,7 +195,7 @@ def save_distributed(state: Any, uri: str, *, dist: Dist | None = None, metadata
     try:
         storage = open_storage(uri, storage_config)
         if lease is not None:
-            fence = steps.SaveFence(_run_of(storage), lease)
+            fence = steps.SaveFence(_lease_run(storage, lease, uri), lease)
     except Exception as e:  # noqa: BLE001 - told to every rank in the agreement, raised there
         inputs.error = inputs.error or e
     if fence is not None and (metadata is None or isinstance(metadata, dict)):

@@ -138,11 +138,14 @@ class Lease:
         epoch: the incarnation's epoch (1 for the first; 0 for none).
         owner: who took it (:func:`owner_info`).
         generation: the lease object's generation when read or written.
+        run: the URI of the run folder it is a lease of, as its storage names it
+            (``Storage.uri``); empty when unknown (a lease rebuilt from a rank's message).
     """
 
     epoch: int
     owner: dict = field(default_factory=dict)
     generation: int | None = None
+    run: str = ""
 
     def describe(self) -> str:
         return f"lease epoch {self.epoch} ({describe_owner(self.owner)})"
