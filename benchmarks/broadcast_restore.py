@@ -175,8 +175,7 @@ def run_method(method: str, ckpt: str, pt: str, gcs_uri: str, bucket_size_bytes:
     import torch
     import torch.distributed as tdist
 
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.comm import DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
     from xla_ckpt.restore import RestoreConfig, restore
 
     d = get_dist(DistConfig(backend="gloo", timeout_s=1800))

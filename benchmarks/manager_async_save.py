@@ -36,8 +36,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402 - after the sys.path insert above
 
-from xla_ckpt.manager import CheckpointConfig  # noqa: E402 - after the sys.path insert above
-from xla_ckpt.manager import CheckpointManager  # noqa: E402 - after the sys.path insert above
+from xla_ckpt.manager import (
+    CheckpointConfig,
+    CheckpointManager,
+)
 
 TENSOR_MIB = 8
 

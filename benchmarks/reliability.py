@@ -377,8 +377,7 @@ def _writer_main(target: str, cmd: int, ack: int) -> None:
 def _read_via(entry: str, run_uri: str, backend: str) -> tuple[Any, Any]:
     """Resume through one entry point; (num_updates, weight), or (None, None) for a fresh start."""
     from xla_ckpt.comm import SingleProcess
-    from xla_ckpt.manager import CheckpointConfig
-    from xla_ckpt.manager import CheckpointManager
+    from xla_ckpt.manager import CheckpointConfig, CheckpointManager
     from xla_ckpt.restore import restore
     from xla_ckpt.trainer import SingleProcessRestorer
 

@@ -125,8 +125,7 @@ _HELD: dict[str, Any] = {}
 def _join() -> Any:
     """This rank's Dist (gloo).  The rank's stdout goes to stderr first: gloo prints its
     connection lines to stdout, which is the parent's stream of JSON lines."""
-    from xla_ckpt.comm import get_dist
-    from xla_ckpt.comm import DistConfig
+    from xla_ckpt.comm import DistConfig, get_dist
 
     if not _HELD.get("stdout_to_stderr"):
         sys.stdout.flush()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 from xla_ckpt.comm.base import Dist
 from xla_ckpt.comm.failures import is_broken_collective
