@@ -36,10 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402 - after the sys.path insert above
 
-from xla_ckpt.manager import (
-    CheckpointConfig,
-    CheckpointManager,
-)
+from xla_ckpt.manager import CheckpointConfig, CheckpointManager  # noqa: E402 - as above
 
 TENSOR_MIB = 8
 
