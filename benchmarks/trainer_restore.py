@@ -68,7 +68,7 @@ from xla_ckpt.io import buffers  # noqa: E402 - after set_num_threads
 from xla_ckpt.kinds.opener import open_reader  # noqa: E402 - after set_num_threads
 from xla_ckpt.run.resolve import resolve  # noqa: E402 - after set_num_threads
 from xla_ckpt.testing.asserts import assert_state_identical  # noqa: E402 - after set_num_threads
-from xla_ckpt.trainer import Checkpointer, Metrics  # noqa: E402 - after set_num_threads
+from xla_ckpt.trainer import Checkpointer, Metrics, Restorer  # noqa: E402 - after set_num_threads
 from xla_ckpt.trainer.sources import (  # noqa: E402 - after set_num_threads
     RestoredState,
     RestoreRequest,
@@ -83,7 +83,7 @@ ORDER = ["save_xla_ckpt", "save_torch", "restore_torch", "restore_xla_ckpt",
          "restore_xla_ckpt_copy", "torch_load", "read_xla_ckpt", "read_xla_ckpt_mmap"]
 
 
-def make(seed: int, restorer: Callable[[str], Any] | None = None) -> Checkpointer:
+def make(seed: int, restorer: Restorer | None = None) -> Checkpointer:
     _, model = build("minilm", seed=seed)
     with torch.no_grad():
         # The pretrained weights come as a private mapping of the package's safetensors file:

@@ -119,8 +119,8 @@ def restore_both(root: str, strategies: tuple[str, ...] = ("all_ranks", "broadca
         out[s] = _shards(_state(model, optim))
     # DCP's own checkpoint read into the live (FSDP2) targets by xla_ckpt's DCP reader
     model, optim = _build(seed=3)
-    read_dcp_into(f"{root}/dcp", {f"model.{k}": v
-                                  for k, v in get_model_state_dict(model).items()})
+    read_dcp_into(f"{root}/dcp", {f"model.{k}": v for k, v in get_model_state_dict(model).items()
+                                  if isinstance(v, torch.Tensor)})
     out["dcp_into"] = _shards({"model": get_model_state_dict(model)})
     whole = xla_ckpt.load(f"{root}/ours")
     out["whole"] = {k: (tuple(v.shape), str(v.dtype)) for k, v in tensor_leaves(whole).items()}

@@ -143,7 +143,7 @@ def test_rank_state_options_reach_the_restorer_in_its_one_request():
         ("/nonexistent/run", "drop", None, None), ("/nonexistent/run2", "drop", remap, None),
         ("/nonexistent/run3", None, None, None)]
     assert all(c.targets is not None for c in calls)  # the live tensors, offered in place
-    ck.restorer = lambda request: (None, None)
+    ck.restorer = lambda request: (None, None)  # type: ignore[assignment]  # the wrong return, tested
     with pytest.raises(TypeError, match=r"the Checkpointer's restorer function returned a "
                                         r"tuple: a restorer returns a "
                                         r"xla_ckpt.trainer.RestoredState\(state, rank_state\)"):

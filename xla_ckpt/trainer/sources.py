@@ -112,7 +112,7 @@ class Restorer(Protocol):
             fresh); any other error propagates.
     """
 
-    def __call__(self, request: RestoreRequest) -> RestoredState: ...
+    def __call__(self, request: RestoreRequest, /) -> RestoredState: ...
 
 
 def job_dist() -> Dist | None:
