@@ -395,7 +395,7 @@ def _body_bytes(data: Any) -> bytes:
         return data.encode("utf-8")
     if isinstance(data, (bytes, bytearray, memoryview)):
         return bytes(data)
-    if hasattr(data, "read"):  # xla_ckpt.storage.gcs._BodyReader over several buffers
+    if hasattr(data, "read"):  # xla_ckpt.storage.gcs.writes._BodyReader over several buffers
         parts = []
         while True:
             chunk = data.read(1 << 20)

@@ -157,7 +157,8 @@ class BlobReader:
         that sit next to each other in the data file, and whose buffers sit
         the same way in one storage (what :meth:`allocate` gives), is read with
         one request per ``storage.config.slice_size_bytes``; small blobs (at
-        most :data:`COALESCE_BLOB_BYTES` each) whose buffers are apart are read
+        most :data:`~xla_ckpt.io.planning.COALESCE_BLOB_BYTES` each) whose buffers are apart
+        are read
         together into a staging buffer and copied out once every one of them
         passed its crc32c.  Every chunk-aligned piece is checked against its
         own crc32c by the thread that read it; a mismatch re-reads that piece
@@ -165,7 +166,7 @@ class BlobReader:
 
         ``live``: blob indices whose buffers are memory the caller already uses
         (parameters restored in place).  Small ones (at most
-        :data:`COALESCE_BLOB_BYTES`) always go through a staging buffer and
+        :data:`~xla_ckpt.io.planning.COALESCE_BLOB_BYTES`) always go through a staging buffer and
         land only once checked; larger ones are read in place, and a crc32c
         failure that remains after the re-reads there raises
         :class:`~xla_ckpt.errors.PartiallyOverwrittenError`: bytes that failed
@@ -400,7 +401,8 @@ class BlobReader:
 
         On storage whose reads are memory copies (:attr:`Storage.memory_bound_reads`: a
         local file), an in-place span is read in steps of whole pieces of about
-        :data:`CACHE_STEP_BYTES`: each step's fresh destination pages are prefaulted in one
+        :data:`~xla_ckpt.io.planning.CACHE_STEP_BYTES`: each step's fresh destination pages
+        are prefaulted in one
         call (:func:`prefault`), then it is read and its pieces checked at once, while
         their bytes are still in cache.  Elsewhere the span is one request (one ranged
         GET) and its pieces are checked after it.

@@ -149,7 +149,7 @@ def host_arenas(item: Item, blob_ids: Iterable[int]) -> dict[int, torch.Tensor]:
     top-level entry of the state (``state['model']``, ``state['optimizer']``)
     and keep their tensors' alignment share one :func:`host_buffer` of at most
     :data:`ARENA_MAX_BYTES`, at the same distances as in the file, so
-    :func:`plan_spans` reads them with one request per slice.  The tensors
+    :func:`~xla_ckpt.io.planning.plan_spans` reads them with one request per slice.  The tensors
     rebuilt from a blob keep its arena alive (memory is freed per arena, not
     per tensor); a model state the caller drops is never in an arena with
     optimizer state it keeps.

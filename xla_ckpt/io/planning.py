@@ -167,7 +167,7 @@ def plan_spans(item: Item, buffers: Mapping[int, torch.Tensor], slice_size_bytes
 
     * in place, when the next piece follows in the file with no gap and its
       buffer follows in the same storage at the same distance (the chunks of
-      one blob; adjacent blobs of an :func:`host_arenas` arena);
+      one blob; adjacent blobs of an :func:`~xla_ckpt.io.buffers.host_arenas` arena);
     * staged, when the pieces are of small blobs (at most
       :data:`COALESCE_BLOB_BYTES`) at most :data:`MAX_GAP_BYTES` apart in the file
       but not adjacent in memory (separate tensors): one request for all of them.

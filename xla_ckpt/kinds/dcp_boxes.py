@@ -72,7 +72,8 @@ GROUP_BYTES = 256 * 1024 * 1024
 
 @dataclass
 class DcpReadStats:
-    """What one :func:`read_dcp` / :func:`read_dcp_into` call fetched from storage.
+    """What one :func:`~xla_ckpt.kinds.dcp.read_dcp` /
+    :func:`~xla_ckpt.kinds.dcp.read_dcp_into` call fetched from storage.
 
     Attributes:
         bytes_read: every byte fetched (``.metadata``, zip structure, tensor data).

@@ -11,9 +11,9 @@ local tensor is the destination itself); other devices get a CPU staging tensor 
 ``finish()`` copies it into place.  Saved tensors that ``into`` lacks come back whole.
 
 A version-1 checkpoint (plain tensors, e.g. saved by a DDP job) is read the same way: each
-saved tensor is one chunk covering it (:func:`saved_tensors` builds those global tensors in
-memory), so a DDP checkpoint restores into FSDP2 / tensor-parallel targets, each rank
-reading only the rows of its shards.
+saved tensor is one chunk covering it (:func:`~xla_ckpt.restore.targets.saved_tensors`
+builds those global tensors in memory), so a DDP checkpoint restores into FSDP2 /
+tensor-parallel targets, each rank reading only the rows of its shards.
 
 Strategies (every rank calls :func:`restore_into` with the same arguments):
 

@@ -1,7 +1,7 @@
 """One way in: what a checkpoint URI names, how it is opened, and when nothing is committed.
 
 Every entry point resolves a URI here and nowhere else: :func:`xla_ckpt.load`
-(:func:`load` below), the trainer's
+(:mod:`xla_ckpt.api`), the trainer's
 :class:`~xla_ckpt.trainer.sources.SingleProcessRestorer`, ``restore()``'s
 :func:`~xla_ckpt.restore.decide.decide`, the CLI's
 :func:`~xla_ckpt.cli.common.resolve_checkpoint` and
