@@ -84,3 +84,10 @@ def test_balance_keeps_contiguous_runs_when_they_are_even():
     assert balance(sizes, [0, 1, 2, 3]) == [r for r in range(4) for _ in range(4)]
     with pytest.raises(ValueError, match="no reader allowed"):
         balance([1, 2], [0, 1], [(0,), ()])
+
+
+def test_empty_pieces_do_not_stop_the_contiguous_cuts():
+    # an empty blob (a zero-element tensor) among the pieces: the cuts still reach every
+    # reader's share (before: every cut after it stuck there, one reader got the rest)
+    sizes = [MiB] * 6 + [0] + [MiB] * 6
+    assert balance(sizes, [0, 1, 2]) == [0] * 4 + [1] * 5 + [2] * 4

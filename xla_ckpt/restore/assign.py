@@ -1,9 +1,9 @@
 """Who reads which bytes: the one balanced assignment of every plan that splits a read.
 
-The striped plans (the replicated item's blobs, :mod:`xla_ckpt.restore.striped`; boxes of
-live targets, :mod:`xla_ckpt.restore.box_striped`) cut what the job needs into *pieces* (whole
+The striped plan (:mod:`xla_ckpt.restore.box_striped`: boxes of live targets and the
+replicated item's blobs alike) cuts what the job needs into *pieces* (whole
 crc32c chunks, small whole blobs, or runs of them, so every byte is checked by the rank that
-fetches it) and give each piece to one reader, so each byte is fetched once per job.
+fetches it) and gives each piece to one reader, so each byte is fetched once per job.
 :func:`balance` decides, over the pieces' concatenated byte space, whatever their sizes and
 order:
 
@@ -64,7 +64,10 @@ def cuts(sizes: Sequence[int], parts: int) -> list[int]:
     out, k = [0], 0
     for j in range(1, parts):
         target = total * j / parts
-        while k + 1 < len(prefix) and abs(prefix[k + 1] - target) < abs(prefix[k] - target):
+        # past empty pieces while short of the target (they would stop the walk: equal
+        # distances), then on while the next boundary is nearer
+        while k + 1 < len(prefix) and (prefix[k + 1] == prefix[k] < target or
+                                       abs(prefix[k + 1] - target) < abs(prefix[k] - target)):
             k += 1
         out.append(k)
     out.append(len(sizes))
