@@ -69,6 +69,7 @@ from xla_ckpt.format.manifest import BlobRecord, Manifest, TensorRecord
 from xla_ckpt.format.plan import tensor_bytes
 from xla_ckpt.io.blob_reader import BlobReader, ReadStats
 from xla_ckpt.io.buffers import HUGE_PAGE_BYTES, host_buffer
+from xla_ckpt.io.planning import COALESCE_BLOB_BYTES
 from xla_ckpt.io.writer import WrittenItem
 from xla_ckpt.storage.local import LocalStorage
 
@@ -359,16 +360,34 @@ def _cut(rng: _Range, start: int, end: int, step: int | None,
             for s in range(start, end, step)]
 
 
+def _small_neighbours(ranges: list[_Range]) -> set[int]:
+    """Indices of the ranges (in file order) of at most :data:`COALESCE_BLOB_BYTES` that
+    touch another such range in the same data file."""
+    out: set[int] = set()
+    for k in range(1, len(ranges)):
+        a, b = ranges[k - 1], ranges[k]
+        if a.blob.file == b.blob.file and max(a.read.length, b.read.length) <= \
+                COALESCE_BLOB_BYTES and a.blob.offset + a.read.start + a.read.length == \
+                b.blob.offset + b.read.start:
+            out.update((k - 1, k))
+    return out
+
+
 def _tasks(ranges: list[_Range], requests: Sequence[BoxRequest],
-           slice_size: int, grain: Grain = crc32c_grain) -> list[_Task]:
+           slice_size: int, grain: Grain = crc32c_grain, *,
+           coalesce_small: bool = False) -> list[_Task]:
     staged: list[_Segment] = []
     tasks: list[_Task] = []
     views: dict[int, memoryview] = {}
-    for rng in ranges:
+    beside = _small_neighbours(ranges) if coalesce_small else set()
+    for k, rng in enumerate(ranges):
         r = rng.read
         end = r.start + r.length
         step = _split_step(rng, min(slice_size, STAGING_SLICE_BYTES))
-        direct = _direct_part(rng, requests, views, grain)
+        # object storage: a small range beside another in its file is staged, so they share
+        # one request (many small tensors: one ranged GET, one first-byte latency, for a run
+        # of them, not one each); a local file's pread costs no latency, so in place there
+        direct = None if k in beside else _direct_part(rng, requests, views, grain)
         if direct is None:
             staged.extend(_cut(rng, r.start, end, step))
             continue
@@ -607,7 +626,8 @@ def read_boxes(reader: BlobReader, requests: Sequence[BoxRequest]) -> int:
     ranges = _plan(reader.manifest, [(r.tensor, r.box) for r in requests], reader.check_grain)
     reader.stats = ReadStats()
     reader.check_files({r.blob.file for r in ranges})
-    tasks = _tasks(ranges, requests, reader.storage.config.slice_size_bytes, reader.check_grain)
+    tasks = _tasks(ranges, requests, reader.storage.config.slice_size_bytes, reader.check_grain,
+                   coalesce_small=not isinstance(reader.storage, LocalStorage))
     tasks.sort(key=lambda t: -t.length)  # longest first: the short ones fill the last gaps
     staging = _Staging()
     reader._run([(reader, requests, t, staging) for t in tasks], fn=_run_task)
