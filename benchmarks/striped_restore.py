@@ -61,8 +61,9 @@ fitted to the timed runs; each gives one parameter of the cost model (``setup`` 
   control-plane agreements, storage clients, negotiating and sealing host shared memory.
 
 Every striped run also times its steps on every rank (``striped_steps_s_per_rank``, wrappers
-around ``xla_ckpt.restore.striped``'s ``negotiate``, ``_allocate``, ``_read``, ``_exchange``,
-``_finish`` and ``materialize_item``; timing only), beside ``RestoreStats.read_seconds``
+around ``xla_ckpt.restore.blobs``' ``negotiate``, ``_allocate``, ``_seal_and_map`` and
+``materialize_item`` and ``xla_ckpt.restore.box_striped``'s ``read_requests`` and
+``_exchange_flat``; timing only), beside ``RestoreStats.read_seconds``
 (``stats_read_seconds_per_rank``) and the wall time of ``restore`` itself
 (``restore_seconds_per_rank``; ``seconds`` adds the touch of every page).
 
@@ -263,14 +264,15 @@ _PHASES: dict[str, float] = {}
 
 
 def _time_striped_steps() -> None:
-    """Wrap the steps of ``xla_ckpt.restore.striped`` to time them on this rank (wall seconds,
-    summed per step into ``_PHASES``): ``negotiate`` (host shared memory), ``allocate``,
-    ``read`` (this rank's own stripe reads, without waiting for the others), ``exchange``
-    (the cross-host collective, waiting included), ``finish`` (seal + map the host's copy),
-    ``rebuild`` (``materialize_item``).  Timing only: every call goes through unchanged."""
+    """Wrap the steps of the replicated state's restore (``xla_ckpt.restore.blobs``) to time
+    them on this rank (wall seconds, summed per step into ``_PHASES``): ``negotiate`` (host
+    shared memory), ``allocate``, ``read`` (this rank's own reads, without waiting for the
+    others), ``exchange`` (the cross-host collective, waiting included), ``finish`` (unmap,
+    seal and map the host's copy), ``rebuild`` (``materialize_item``).  Timing only: every
+    call goes through unchanged."""
     import functools
 
-    from xla_ckpt.restore import striped
+    from xla_ckpt.restore import blobs, box_striped
 
     def timed(step: str, fn: Any) -> Any:
         @functools.wraps(fn)
@@ -282,11 +284,13 @@ def _time_striped_steps() -> None:
                 _PHASES[step] = _PHASES.get(step, 0.0) + time.perf_counter() - t0
         return wrapper
 
-    cls = striped._Striped
-    for step in ("allocate", "read", "exchange", "finish"):
-        setattr(cls, f"_{step}", timed(step, getattr(cls, f"_{step}")))
-    striped.negotiate = timed("negotiate", striped.negotiate)  # timing wrapper, this run only
-    striped.materialize_item = timed("rebuild", striped.materialize_item)  # same
+    cls = blobs._Blobs
+    cls._allocate = timed("allocate", cls._allocate)  # type: ignore[method-assign]  # timing wrapper, this run only
+    cls._seal_and_map = timed("finish", cls._seal_and_map)  # type: ignore[method-assign]  # same
+    box_striped.read_requests = timed("read", box_striped.read_requests)  # same
+    box_striped._exchange_flat = timed("exchange", box_striped._exchange_flat)  # same
+    blobs.negotiate = timed("negotiate", blobs.negotiate)  # same
+    blobs.materialize_item = timed("rebuild", blobs.materialize_item)  # same
 
 
 def _join(spec: dict) -> Any:
@@ -382,7 +386,7 @@ def setup(spec: dict) -> dict:
     """
     import torch
 
-    from xla_ckpt.comm.host_memory import Segment, map_private, open_segment
+    from xla_ckpt.comm.host_memory import Segment, WritableMapping, map_private, open_segment
 
     torch.set_num_threads(1)
     d = _join(spec)
@@ -433,9 +437,10 @@ def setup(spec: dict) -> dict:
     seg = None
     if d.rank == leader:
         seg = Segment("xla_ckpt-probe")
-        data = seg.writable_data([n])
-        data.fill_(d.rank % 251 + 1)
-        del data
+        seg.size_for([n])
+        mapping = WritableMapping(seg.fd, [n])
+        mapping.data.fill_(d.rank % 251 + 1)
+        mapping.close()
         seg.seal()
     handles = d.exchange(seg.handle if seg is not None else None)
     fd = seg.fd if seg is not None else open_segment(handles[leader])

@@ -6,8 +6,6 @@ import errno
 import os
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -15,11 +13,10 @@ import torch
 from xla_ckpt.api import save
 from xla_ckpt.comm.host_memory import (
     ALIGN_BYTES,
-    FAILED,
     HEADER_BYTES,
     HostMemoryError,
-    PrivateMapping,
     Segment,
+    WritableMapping,
     host_identity,
     map_private,
     open_segment,
@@ -36,11 +33,12 @@ pytestmark = pytest.mark.skipif(host_identity() is None, reason="needs memfd_cre
 
 def _filled(sizes, fill=None):
     seg = Segment("test")
-    views = seg.writable_views(sizes)
-    for i, v in enumerate(views):
+    seg.size_for(sizes)
+    mapping = WritableMapping(seg.fd, sizes)
+    for i, v in enumerate(mapping.views):
         v.fill_(fill if fill is not None else i + 1)
     del v
-    return seg, views
+    return seg, mapping
 
 
 def test_layout_aligns_every_tensor():
@@ -51,8 +49,8 @@ def test_layout_aligns_every_tensor():
 
 
 def test_sealed_segment_maps_copy_on_write_and_cannot_change():
-    seg, views = _filled([10, 5000, 0])
-    del views
+    seg, mapping = _filled([10, 5000, 0])
+    mapping.close()
     seg.seal()
     with pytest.raises(OSError) as e:  # sealed: not even the leader can write it
         os.pwrite(seg.fd, b"x", HEADER_BYTES)
@@ -67,21 +65,25 @@ def test_sealed_segment_maps_copy_on_write_and_cannot_change():
     assert int(b[1][0]) == 2  # mappings outlive the descriptor
 
 
-def test_seal_refuses_while_a_writable_view_is_alive():
-    seg, views = _filled([100])
+def test_a_writable_mapping_blocks_the_seal_until_closed():
+    seg, mapping = _filled([100])
+    view = mapping.views[0]
     with pytest.raises(HostMemoryError, match="still alive"):
-        seg.seal()
-    assert int(views[0][0]) == 1  # and the view is still valid
-    del views
+        mapping.close()
+    assert int(view[0]) == 1  # and the view is still valid
+    with pytest.raises(HostMemoryError, match="sealing the host shared-memory segment failed"):
+        seg.seal()  # EBUSY: a writable shared mapping is still open
+    del view
+    mapping.close()
     seg.seal()
     seg.close()
 
 
 def test_map_refuses_an_unsealed_or_wrongly_sized_segment():
-    seg, views = _filled([100])
+    seg, mapping = _filled([100])
     with pytest.raises(HostMemoryError, match="not sealed"):
         map_private(seg.fd, [100])
-    del views
+    mapping.close()
     seg.seal()
     with pytest.raises(HostMemoryError, match="the manifest needs"):
         map_private(seg.fd, [100, 100])
@@ -89,7 +91,7 @@ def test_map_refuses_an_unsealed_or_wrongly_sized_segment():
 
 
 def test_open_checks_the_nonce_and_names_the_path():
-    seg, views = _filled([8])
+    seg, _ = _filled([8])
     fd = open_segment(seg.handle)
     os.close(fd)
     wrong = dict(seg.handle, nonce="00" * 16)
@@ -101,8 +103,8 @@ def test_open_checks_the_nonce_and_names_the_path():
 
 
 def test_another_process_maps_the_sealed_bytes(tmp_path):
-    seg, views = _filled([4096 * 3 + 5], fill=7)
-    del views
+    seg, mapping = _filled([4096 * 3 + 5], fill=7)
+    mapping.close()
     seg.seal()
     code = f"""
 import json, os
@@ -132,10 +134,12 @@ def test_materialize_from_blobs_that_are_views_of_one_segment(tmp_path):
     storage.close()
     sizes = [b.length for b in item.blobs]
     seg = Segment("test")
-    views = seg.writable_views(sizes)
-    for i, v in enumerate(views):
+    seg.size_for(sizes)
+    mapping = WritableMapping(seg.fd, sizes)
+    for i, v in enumerate(mapping.views):
         v.copy_(blobs[i])
-    del views, v
+    del v
+    mapping.close()
     seg.seal()
     got = materialize_item(item, dict(enumerate(map_private(seg.fd, sizes))))
     seg.close()
@@ -148,55 +152,33 @@ def test_materialize_from_blobs_that_are_views_of_one_segment(tmp_path):
         materialize_item(item, short)
 
 
-# ---- following a fill -------------------------------------------------------------------------
+# ---- several ranks of a host fill one segment --------------------------------------------------
 
-def _sized(sizes):
-    seg = Segment("test")
-    offsets = seg.size_for(sizes)
-    return seg, offsets
-
-
-def test_follow_maps_published_ranges_while_the_leader_fills():
+def test_a_rank_of_the_host_fills_its_part_through_its_own_mapping():
     sizes = [3 * 4096 + 7, 5000, 0, 40000]
-    seg, offsets = _sized(sizes)
-    mapping = PrivateMapping(seg.fd, sizes)  # before a single byte is written
-    data = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
-    published = []
-
-    def leader():
-        for off, d in zip(offsets, data, strict=True):
-            os.pwrite(seg.fd, d, off)
-            published.append(off - HEADER_BYTES + len(d))
-            seg.publish(published[-1])
-            time.sleep(0.01)
-        seg.seal()
-
-    t = threading.Thread(target=leader)
-    t.start()
-    assert mapping.follow(os.getpid(), timeout_s=30) == "sealed"
-    t.join()
-    assert [bytes(v.numpy()) for v in mapping.views] == data
-    assert published == sorted(published)
-    seg.close()
-
-
-def test_follow_stops_when_the_leader_fails_dies_or_times_out():
-    sizes = [10000]
-    seg, _ = _sized(sizes)
-    mapping = PrivateMapping(seg.fd, sizes)
-    assert mapping.follow(os.getpid(), timeout_s=0.05) == "timeout"
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    assert mapping.follow(gone.pid, timeout_s=30) == "dead"
-    seg.publish(FAILED)
-    assert mapping.follow(os.getpid(), timeout_s=30) == "failed"
-    with pytest.raises(HostMemoryError, match="not sealed"):
-        mapping.check_sealed()
+    seg = Segment("test")
+    seg.size_for(sizes)
+    leader = WritableMapping(seg.fd, sizes)
+    fd = open_segment(seg.handle, writable=True)  # as another rank of the host opens it
+    other = WritableMapping(fd, sizes)
+    leader.views[0].fill_(1)
+    other.views[1].fill_(2)
+    other.views[3].fill_(4)
+    assert int(leader.views[3].sum()) == 4 * 40000  # the same pages, no copy
+    leader.close()
+    with pytest.raises(HostMemoryError, match="sealing the host shared-memory segment failed"):
+        seg.seal()  # the other rank's writable mapping is still open
+    other.close()
+    os.close(fd)
+    seg.seal()
+    got = map_private(seg.fd, sizes)
+    assert [int(t.sum()) for t in got] == [3 * 4096 + 7, 2 * 5000, 0, 4 * 40000]
     seg.close()
 
 
 def test_a_mapping_of_another_size_is_refused():
-    seg, _ = _sized([100])
+    seg = Segment("test")
+    seg.size_for([100])
     with pytest.raises(HostMemoryError, match="the manifest needs"):
-        PrivateMapping(seg.fd, [100, 64])
+        WritableMapping(seg.fd, [100, 64])
     seg.close()

@@ -62,16 +62,16 @@ def _hook_storage_reads(action) -> None:
 
 
 def _hook_host_memory_map(action) -> None:
-    """Run ``action()`` when this rank starts mapping in its host leader's shared segment."""
-    from xla_ckpt.comm.host_memory import PrivateMapping
+    """Run ``action()`` when this rank starts mapping its host leader's sealed segment."""
+    from xla_ckpt.restore import blobs
 
-    real = PrivateMapping.follow
+    real = blobs.map_private
 
-    def hooked(self, *a, **kw):
+    def hooked(*a, **kw):
         action()
-        return real(self, *a, **kw)
+        return real(*a, **kw)
 
-    PrivateMapping.follow = hooked  # type: ignore[method-assign]  # the fault hook, on purpose
+    blobs.map_private = hooked  # the fault hook, on purpose
 
 
 def _hook_second_bucket(d, action) -> None:
@@ -340,7 +340,7 @@ def sharded_restore_with_victim(rank: int, uri: str, strategy: str, scenario: st
 # and ``striped_private`` (striped without host shared memory: all-gather over every rank).
 # ``kill`` / ``stall`` hook the victim's first ranged read (its stripe; a per-host leader's
 # read into shared memory) or, with ``follow``, a per-host follower's mapping of its leader's
-# fill; ``proxy``: nothing is hooked, the proxy fails or stalls the host's reads.
+# sealed copy; ``proxy``: nothing is hooked, the proxy fails or stalls the host's reads.
 
 PLAN_HOSTS = 2
 
@@ -363,9 +363,8 @@ def restore_plan_with_victim(uri: str, plan: str, scenario: str, victim: int,
     import os
 
     from xla_ckpt.comm import DistConfig, TorchDist, get_dist
-    from xla_ckpt.comm.host_memory import PrivateMapping
     from xla_ckpt.errors import XlaCkptError
-    from xla_ckpt.restore import RestoreConfig, restore
+    from xla_ckpt.restore import RestoreConfig, blobs, restore
     from xla_ckpt.storage import StorageConfig
     from xla_ckpt.storage.base import SOURCE_ADDRESS_ENV
     from xla_ckpt.storage.gcs import GCSStorage
@@ -380,7 +379,7 @@ def restore_plan_with_victim(uri: str, plan: str, scenario: str, victim: int,
     saved_env = {k: os.environ.get(k) for k in env}
     saved_attrs = [(LocalStorage, "read_range", LocalStorage.read_range),
                    (GCSStorage, "read_range", GCSStorage.read_range),
-                   (PrivateMapping, "follow", PrivateMapping.follow)]
+                   (blobs, "map_private", blobs.map_private)]
     os.environ.update(env)
     out: dict = {"rank": rank, "host": host}
     try:
@@ -391,7 +390,7 @@ def restore_plan_with_victim(uri: str, plan: str, scenario: str, victim: int,
             action = kill_self if scenario.startswith("kill") else \
                 (lambda: time.sleep(timeout_s + STALL_EXTRA_S))
             if scenario.endswith("_follow"):
-                _hook_host_memory_map(action)  # a per-host follower mapping its leader's fill
+                _hook_host_memory_map(action)  # a per-host follower mapping its leader's copy
             else:
                 _hook_storage_reads(action)  # its stripe, or a leader's read into the segment
         t0 = time.monotonic()

@@ -395,17 +395,17 @@ def pid() -> int:
 def rank0_cannot_open_storage(uri: str) -> str:
     """Rank 0 decides, then fails to open storage for the read (before any byte is filled)."""
     from xla_ckpt.errors import StorageError
-    from xla_ckpt.restore import broadcast
+    from xla_ckpt.restore import sharded
 
     d = get_dist(DistConfig(backend="gloo", timeout_s=120.0))  # far past the launcher's limit
-    real = broadcast.open_storage
+    real = sharded.open_storage
     if d.rank == 0:
         def refuse(*a, **kw):  # a fault at this exact point: the storage was fine a moment ago
             raise StorageError(f"{uri}: connection refused")
 
-        broadcast.open_storage = refuse
+        sharded.open_storage = refuse
     try:
         restore(uri, dist=d, strategy="broadcast")
     finally:
-        broadcast.open_storage = real
+        sharded.open_storage = real
     return "restored"

@@ -1,19 +1,18 @@
-"""The striped plan's stripes, the stripe reads, and ``auto``'s choice (no processes, no timing)."""
+"""The striped plan's reads of the replicated blobs, its exchange ranges, and ``auto``'s choice
+(no processes, no timing)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from xla_ckpt.api import save
-from xla_ckpt.comm.host_memory import segment_layout
-from xla_ckpt.format.manifest import BlobRecord, Item
-from xla_ckpt.io import CheckpointReader
+from xla_ckpt.comm.host_memory import ALIGN_BYTES, segment_layout
+from xla_ckpt.format.manifest import BlobRecord, Item, Manifest
 from xla_ckpt.restore import RestoreConfig
+from xla_ckpt.restore.assign import BALANCE_TOLERANCE
+from xla_ckpt.restore.blobs import blob_reads
+from xla_ckpt.restore.box_striped import FlatExchange, _Block, flat_ranges
 from xla_ckpt.restore.cost import Bandwidths, RestoreSizes, RestoreTopology
 from xla_ckpt.restore.select import JobShape, choose_plan_for_job
-from xla_ckpt.restore.striped import exchange_ranges, plan_stripes, ranges_of, stripe_size
-from xla_ckpt.storage import open_storage
 
 MiB = 1 << 20
 
@@ -28,140 +27,92 @@ def _item(lengths: list[int], chunk: int = MiB, whole: tuple[int, ...] = ()) -> 
     return Item(state=None, blobs=blobs)
 
 
-def _parts(stripes):
-    return [(b, lo, n, s.reader) for s in stripes for b, lo, n in s.parts]
+def _manifest(lengths: list[int], **kw) -> Manifest:
+    item = _item(lengths, **kw)
+    return Manifest(save_id="s", items={"state": item}, files={"data/0": sum(lengths)})
 
 
-def test_stripes_cover_every_byte_once_and_respect_chunks():
-    item = _item([10 * MiB + 5, 3 * MiB, 0, 700, 2 * MiB + 1], whole=(3,))
-    stripes = plan_stripes(item, [[0, 1], [2, 3]], stripe_bytes=2 * MiB + 17)
-    parts = _parts(stripes)
-    for i, rec in enumerate(item.blobs):
-        mine = sorted((lo, n) for b, lo, n, _ in parts if b == i)
-        covered = 0
-        for start, length in mine:
-            assert start == covered  # no gap, no overlap
-            assert start % MiB == 0 and ((start + length) % MiB == 0 or
-                                         start + length == rec.length)
-            covered += length
-        assert covered == rec.length
-    assert [n for b, _, n, _ in parts if b == 3] == [700]  # one crc32c: whole
-    assert not [p for p in parts if p[0] == 2]  # empty blob: nothing to read
-    assert max(s.length for s in stripes) == 2 * MiB  # rounded down to whole chunks
+def _covers_once(m: Manifest, reads: list[list[tuple[int, int, int]]]) -> None:
+    item = m.item("state")
+    per_blob: dict[int, list[tuple[int, int]]] = {}
+    for mine in reads:
+        for b, lo, hi in mine:
+            per_blob.setdefault(b, []).append((lo, hi))
+    for b, rec in enumerate(item.blobs):
+        spans = sorted(per_blob.get(b, []))
+        if rec.length:
+            assert spans[0][0] == 0 and spans[-1][1] == rec.length, b
+        assert all(spans[k][1] == spans[k + 1][0] for k in range(len(spans) - 1)), b
+        for lo, hi in spans:  # whole crc32c chunks (or the whole blob): checked by its reader
+            assert lo % rec.chunk_size == 0 or not rec.chunk_crc32c, (b, lo)
+            assert hi % rec.chunk_size == 0 or hi == rec.length, (b, hi)
+            assert rec.chunk_crc32c or (lo, hi) == (0, rec.length), (b, lo, hi)
 
 
-def test_small_adjacent_blobs_share_a_stripe():
-    # 40 blobs of 1 KiB back to back, then a 6 MiB one, then 3 more small ones
-    item = _item([1024] * 40 + [6 * MiB] + [512] * 3)
-    stripes = plan_stripes(item, [[0, 1]], stripe_bytes=16 * 1024)
-    small = [s for s in stripes if all(b != 40 for b, _, _ in s.parts)]
-    # 40 KiB of small blobs in runs of at most 16 KiB; the 3 after the big blob: one run
-    assert [s.length for s in small] == [16384, 16384, 8192, 1536]
-    for s in small:  # a run is file-adjacent: one ranged request reads it
-        ends = [item.blobs[b].offset + item.blobs[b].length for b, _, _ in s.parts[:-1]]
-        assert ends == [item.blobs[b].offset for b, _, _ in s.parts[1:]]
-    assert sorted(b for b, _, _, _ in _parts(stripes)) == sorted(
-        [b for b in range(44) if b != 40] + [40] * len([s for s in stripes if s not in small]))
+def test_blob_reads_cover_every_byte_once_on_chunk_boundaries_balanced():
+    sizes = [5 * MiB + 3, 700, 3 * MiB, 0, 129, 6 * MiB + 1, 64, 2 * MiB, 900 * 1024]
+    m = _manifest(sizes, chunk=256 * 1024, whole=(1, 4, 6))
+    for world in (1, 2, 3, 6, 8):
+        reads = blob_reads(m, "state", world)
+        _covers_once(m, reads)
+        per_rank = [sum(hi - lo for _, lo, hi in mine) for mine in reads]
+        mean = sum(sizes) / world
+        assert max(abs(n - mean) for n in per_rank) <= BALANCE_TOLERANCE * mean, per_rank
+        assert blob_reads(m, "state", world) == reads  # pure: every rank plans the same
+    # the blobs in another order: still within 25 % (not one rank with every large blob)
+    m = _manifest([64] * 40 + [4 * MiB] * 4, chunk=256 * 1024)
+    reads = blob_reads(m, "state", 4)
+    _covers_once(m, reads)
+    per_rank = [sum(hi - lo for _, lo, hi in mine) for mine in reads]
+    assert max(per_rank) <= 1.25 * sum(per_rank) / 4, per_rank
 
 
-def test_stripes_balance_hosts_then_ranks():
-    item = _item([64 * MiB] * 4)
-    stripes = plan_stripes(item, [[0, 1], [2, 3], [4, 5], [6, 7]], stripe_bytes=8 * MiB)
-    per_rank = {r: sum(s.length for s in stripes if s.reader == r) for r in range(8)}
-    assert set(per_rank.values()) == {32 * MiB}  # 256 MiB over 8 readers, exactly
-    per_host = [per_rank[2 * h] + per_rank[2 * h + 1] for h in range(4)]
-    assert per_host == [64 * MiB] * 4
-    # every rank computes the same plan
-    assert plan_stripes(item, [[0, 1], [2, 3], [4, 5], [6, 7]], 8 * MiB) == stripes
-    uneven = plan_stripes(_item([5 * MiB, 3 * MiB, 2 * MiB]), [[0], [1, 2]], stripe_bytes=MiB)
-    loads = [sum(s.length for s in uneven if s.reader == r) for r in range(3)]
-    assert loads[0] - (loads[1] + loads[2]) in (-MiB, 0, MiB)  # hosts within one stripe
-    mine = ranges_of(uneven, 0)
-    assert sum(n for spans in mine.values() for _, n in spans) == loads[0]
-
-
-def test_each_host_and_rank_reads_one_contiguous_run():
-    """Runs in segment order, so the exchange moves each host's bytes as one range (odd blob
-    sizes: the alignment padding between blobs travels with them, no other host's byte)."""
-    sizes = [5 * MiB + 3, 700, 3 * MiB, 0, 129, 6 * MiB + 1, 64, 2 * MiB]
-    item = _item(sizes)
-    hosts = [[0, 1], [2, 3], [4, 5]]
-    stripes = plan_stripes(item, hosts, stripe_bytes=2 * MiB)
-    offsets, data = segment_layout(sizes)
-    owner = {r: h for h, ranks in enumerate(hosts) for r in ranks}
-    ranges = exchange_ranges(stripes, sizes, owner, len(hosts))
-    assert [len(r) for r in ranges] == [1, 1, 1]
-    (a, b), (c, d), (e, f) = (r[0] for r in ranges)
-    assert a == 0 and b <= c and d <= e and f == offsets[-1] + sizes[-1] <= data
-    for h, (lo, hi) in enumerate(r[0] for r in ranges):  # exactly this host's blob bytes
-        mine = {(offsets[x] + st, n) for s in stripes if owner[s.reader] == h
-                for x, st, n in s.parts}
-        assert sum(n for _, n in mine) == sum(s.length for s in stripes if owner[s.reader] == h)
-        inside = [(o + st, n) for s in stripes for x, st, n in s.parts
-                  for o in [offsets[x]] if lo <= o + st < hi]
-        assert set(inside) == mine
-    # and per rank: the exchange without host sharing has one part per rank
-    per_rank = exchange_ranges(stripes, sizes, {r: r for r in range(6)}, 6)
-    assert all(len(r) <= 1 for r in per_rank)
-    total = sum(sizes)
-    assert abs(sum(s.length for s in stripes if owner[s.reader] == 0) - total / 3) <= 4 * MiB
-
-
-def test_exchange_ranges_never_span_another_members_bytes():
-    # blob 1 (64 bytes, whole) between two parts of rank 0: rank 0 gets two ranges
-    sizes = [100, 64, 100]
-    item = _item(sizes, whole=(0, 1, 2))
-    from xla_ckpt.restore.striped import Stripe
-
-    stripes = [Stripe(((0, 0, 100),), 0), Stripe(((1, 0, 64),), 1), Stripe(((2, 0, 100),), 0)]
+def _ex(sizes: list[int], member: list[int]) -> tuple[FlatExchange, list[int]]:
     offsets, _ = segment_layout(sizes)
-    ranges = exchange_ranges(stripes, sizes, {0: 0, 1: 1}, 2)
-    assert ranges == [[(0, 100), (offsets[2], offsets[2] + 100)],
-                      [(offsets[1], offsets[1] + 64)]]
+    return FlatExchange(None, member, None, offsets, ALIGN_BYTES), offsets
+
+
+def test_each_host_sends_its_rows_as_one_range():
+    """Contiguous runs in rank order, ranks of a host side by side: the exchange moves each
+    host's bytes as one range of its segment (odd blob sizes: the alignment padding between
+    blobs travels with them, no other host's byte)."""
+    sizes = [5 * MiB + 3, 700, 3 * MiB, 0, 129, 6 * MiB + 1, 64, 2 * MiB]
+    m = _manifest(sizes, chunk=256 * 1024, whole=(1, 4, 6))
+    hosts = [[0, 1], [2, 3], [4, 5]]
+    member = [h for h, ranks in enumerate(hosts) for _ in ranks]
+    reads = {r: [_Block(r, b, lo, hi) for b, lo, hi in mine]
+             for r, mine in enumerate(blob_reads(m, "state", 6))}
+    ex, offsets = _ex(sizes, member)
+    ranges = flat_ranges(reads, sizes, ex, len(hosts))
+    assert [len(r) for r in ranges] == [1, 1, 1]
+    for h, [(lo, hi)] in enumerate(ranges):  # exactly this host's blob bytes, and padding
+        mine = {(offsets[b.index] + b.lo, offsets[b.index] + b.hi) for r in hosts[h]
+                for b in reads[r]}
+        inside = {(offsets[b.index] + b.lo, offsets[b.index] + b.hi) for bl in reads.values()
+                  for b in bl if lo <= offsets[b.index] + b.lo < hi and b.hi > b.lo}
+        assert inside == {x for x in mine if x[1] > x[0]}
+    # without host sharing every rank is a member: at most one range each
+    ex, _ = _ex(sizes, list(range(6)))
+    assert all(len(r) <= 1 for r in flat_ranges(reads, sizes, ex, 6))
+
+
+def test_flat_ranges_never_span_another_members_bytes():
+    # blob 1 (64 bytes) between two blobs of member 0: member 0 sends two ranges
+    sizes = [100, 64, 100]
+    ex, offsets = _ex(sizes, [0, 1])
+    reads = {0: [_Block(0, 0, 0, 100), _Block(0, 2, 0, 100)], 1: [_Block(1, 1, 0, 64)]}
+    assert flat_ranges(reads, sizes, ex, 2) == [[(0, 100), (offsets[2], offsets[2] + 100)],
+                                                [(offsets[1], offsets[1] + 64)]]
     # without blob 1 in between (it is empty) the padding after blob 0 joins them
     sizes = [100, 0, 100]
-    offsets, _ = segment_layout(sizes)
-    stripes = [Stripe(((0, 0, 100),), 0), Stripe(((2, 0, 100),), 0)]
-    assert exchange_ranges(stripes, sizes, {0: 0, 1: 1}, 2) == [[(0, offsets[2] + 100)], []]
-    assert item.blobs[1].length == 64
-
-
-def test_stripe_size_bounds():
-    assert stripe_size(0, 8, 16 * MiB) == MiB
-    assert stripe_size(256 * MiB, 8, 16 * MiB) == 8 * MiB
-    assert stripe_size(64 * 1024 * MiB, 8, 16 * MiB) == 16 * MiB
-    with pytest.raises(ValueError, match="at least one rank per host"):
-        plan_stripes(_item([MiB]), [[0], []], MiB)
-
-
-def test_stripe_reads_check_and_refuse_unaligned_ranges(tmp_path):
-    t = torch.arange(5 * MiB // 2, dtype=torch.float32) * 0.5  # 2.5 chunks of 4 MiB
-    uri = str(tmp_path / "ck")
-    save({"t": t}, uri)
-    reader = CheckpointReader.open(uri)
-    item = reader.manifest.item("state")
-    (rec,) = item.blobs
-    c = rec.chunk_size
-    buf = torch.zeros(rec.length, dtype=torch.uint8)
-    got = reader.read_ranges_into("state", {0: buf}, {0: [(0, c)]})
-    assert got == c
-    assert torch.equal(buf[:c], t.view(torch.uint8)[:c]) and not buf[c:].any()
-    with pytest.raises(ValueError, match="not aligned to its crc32c chunks"):
-        reader.read_ranges_into("state", {0: buf}, {0: [(1, c)]})
-    # the tail range ends at the blob's end, not a chunk boundary: allowed
-    tail = rec.length - (rec.length // c) * c or c
-    reader.read_ranges_into("state", {0: buf}, {0: [(rec.length - tail, tail)]})
-    assert torch.equal(buf[rec.length - tail:], t.view(torch.uint8)[rec.length - tail:])
-    # a corrupted byte inside a stripe is caught by that chunk's crc32c
-    storage = open_storage(uri)
-    path = tmp_path / "ck" / rec.file
-    raw = bytearray(path.read_bytes())
-    raw[rec.offset + 5] ^= 0xFF
-    path.write_bytes(bytes(raw))
-    storage.close()
-    from xla_ckpt.errors import IntegrityError
-    with pytest.raises(IntegrityError, match="crc32c mismatch"):
-        CheckpointReader.open(uri).read_ranges_into("state", {0: buf}, {0: [(0, c)]})
+    ex, offsets = _ex(sizes, [0, 1])
+    reads = {0: [_Block(0, 0, 0, 100), _Block(0, 2, 0, 100)], 1: []}
+    assert flat_ranges(reads, sizes, ex, 2) == [[(0, offsets[2] + 100)], []]
+    # a block that ends inside a blob does not reach across the next member's rows
+    sizes = [300]
+    ex, _ = _ex(sizes, [0, 1])
+    reads = {0: [_Block(0, 0, 0, 100), _Block(0, 0, 200, 300)], 1: [_Block(1, 0, 100, 200)]}
+    assert flat_ranges(reads, sizes, ex, 2) == [[(0, 100), (200, 300)], [(100, 200)]]
 
 
 def _shape(hosts: int, per: int, kind: str = "gloo") -> JobShape:

@@ -370,7 +370,7 @@ class Dist(abc.ABC):
         with :meth:`broadcast_tensors` from that rank (bounded buckets, no staging beyond
         one bucket); a backend may override it with a native all-gather (the XLA data
         plane, :mod:`xla_ckpt.comm.xla_dist`).  Used by the striped restore
-        (:mod:`xla_ckpt.restore.striped`): each rank's stripes reach every other rank.
+        (:mod:`xla_ckpt.restore.box_striped`): each rank's rows reach every other rank.
 
         Returns:
             Bytes this rank received (the other ranks' parts).

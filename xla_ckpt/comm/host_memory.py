@@ -1,11 +1,10 @@
 """Host shared memory: one copy of the checkpoint bytes per host, mapped by every rank on it.
 
-The broadcast strategy's data plane copies rank 0's bytes into every other
-rank over the collective (gloo over TCP on CPU).  Ranks on the *same host*
-do not need a copy sent to them: the host's leader (its lowest rank) holds
-the bytes in a sealed anonymous memory file and the other ranks of the host
-map it.  This module is that mechanism; :mod:`xla_ckpt.restore.broadcast`
-decides when to use it (and falls back to the collective when it cannot).
+A plan that moves the replicated state to every rank (:mod:`xla_ckpt.restore.blobs`)
+need not copy it into every rank of the *same host*: the host holds the bytes once, in a
+sealed anonymous memory file, and every rank of it maps that.  This module is the
+mechanism; :mod:`xla_ckpt.restore.host_share` negotiates it (and falls back to a copy per
+rank when any rank cannot share).
 
 The segment is a Linux ``memfd`` (``memfd_create(2)``):
 
@@ -18,11 +17,11 @@ The segment is a Linux ``memfd`` (``memfd_create(2)``):
 * **nothing to clean up after a crash** — it has no name on disk; its pages
   are freed when the last process holding its descriptor or a mapping of
   it exits;
-* **immutable once filled** — the leader fills it through a shared
-  mapping, drops that mapping, then seals it (``F_SEAL_WRITE``,
-  ``F_SEAL_SHRINK``, ``F_SEAL_GROW``, ``F_SEAL_SEAL``).  From then on no
-  process can change its bytes, so what the leader crc32c-checked is what
-  every rank maps.  Readers refuse a segment without those seals;
+* **immutable once filled** — the ranks that fill it write through shared mappings
+  (:class:`WritableMapping`), drop them, then the leader seals it (``F_SEAL_WRITE``,
+  ``F_SEAL_SHRINK``, ``F_SEAL_GROW``, ``F_SEAL_SEAL``).  From then on no process can change
+  its bytes, so what the readers crc32c-checked is what every rank maps.  Readers refuse a
+  segment without those seals;
 * **copy-on-write for every rank** — each rank (the leader too) maps it
   ``MAP_PRIVATE``: a rank that later changes a restored tensor in place
   (a training step) gets its own copy of the pages it writes; the other
@@ -34,16 +33,6 @@ machine with the same user; :func:`host_identity` is the key that says
 whether two ranks can share, and the first ``HEADER_BYTES`` of a segment
 carry a random nonce each reader checks, so a rank never maps the wrong
 segment after a PID was reused.
-
-**Following a fill.**  A leader that fills the segment with ``os.pwrite``
-publishes how many leading data bytes are written and checked
-(:meth:`Segment.publish`); the other ranks map the segment before it is
-complete and map in each published range as it grows
-(:meth:`PrivateMapping.follow`), so their page-table work overlaps the
-leader's fill instead of following it.  Only published bytes are ever mapped;
-the segment is sealed before any rank returns a tensor of it.  A leader that
-fails publishes :data:`FAILED`; a leader that dies is noticed through its
-PID.
 
 Layout of a segment: ``HEADER_BYTES`` of header (magic, nonce, progress),
 then the tensors' bytes at offsets aligned to :data:`ALIGN_BYTES`
@@ -58,9 +47,7 @@ import gc
 import mmap
 import os
 import socket
-import struct
 import sys
-import time
 from typing import Sequence
 
 import torch
@@ -70,9 +57,6 @@ HEADER_BYTES = mmap.ALLOCATIONGRANULARITY  # the data starts page-aligned (mmap 
 ALIGN_BYTES = 64  # every tensor's first byte: a cache line, enough for every dtype's view
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
-PROGRESS_OFFSET = 64  # u64 little-endian in the header: data bytes written and checked
-FAILED = (1 << 64) - 1  # progress value of a leader whose fill failed
-PAGE_BYTES = mmap.PAGESIZE
 SEALS = (getattr(fcntl, "F_SEAL_WRITE", 0) | getattr(fcntl, "F_SEAL_SHRINK", 0)
          | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0))
 
@@ -128,22 +112,12 @@ class Segment:
         except OSError as e:
             raise HostMemoryError(f"memfd_create failed: {e}") from None
         self.nonce = os.urandom(16)
-        self._map: mmap.mmap | None = None
-        self._data_bytes = 0
-        self._addr = 0
         os.pwrite(self.fd, MAGIC + self.nonce, 0)
 
     @property
     def sealed(self) -> bool:
         """True once :meth:`seal` has sealed the segment."""
         return self.fd >= 0 and _sealed(self.fd)
-
-    def publish(self, nbytes: int) -> None:
-        """Tell followers the first ``nbytes`` data bytes are written and checked.
-
-        ``nbytes`` is :data:`FAILED` when the fill failed.
-        """
-        os.pwrite(self.fd, struct.pack("<Q", nbytes), PROGRESS_OFFSET)
 
     @property
     def handle(self) -> dict:
@@ -153,15 +127,12 @@ class Segment:
     def size_for(self, sizes: Sequence[int]) -> list[int]:
         """Size the segment for tensors of ``sizes`` bytes; their byte offsets in :attr:`fd`.
 
-        For a caller that fills the segment with ``os.pwrite`` (no mapping:
-        the kernel allocates each page as it is written, without zeroing it
-        first).
+        The ranks that fill it then map it with :class:`WritableMapping`.
 
         Raises:
             HostMemoryError: the segment could not be sized.
         """
         offsets, data = segment_layout(sizes)
-        self._data_bytes = data
         try:
             os.ftruncate(self.fd, HEADER_BYTES + data)
         except OSError as e:
@@ -169,67 +140,14 @@ class Segment:
                                   f"bytes: {e}; set restore.host_shared_memory: false") from None
         return [HEADER_BYTES + o for o in offsets]
 
-    def writable_views(self, sizes: Sequence[int]) -> list[torch.Tensor]:
-        """Size the segment for tensors of ``sizes`` bytes; uint8 views to fill, one per size.
-
-        Pages are allocated as they are first written, as for ``torch.empty``.
-        The views must all be dropped before :meth:`seal`.
-
-        Raises:
-            HostMemoryError: the segment could not be sized (names the size).
-        """
-        base = self.writable_data(sizes)
-        if base.numel() == 0:
-            return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
-        return _views(base, sizes)
-
-    def writable_data(self, sizes: Sequence[int]) -> torch.Tensor:
-        """Size the segment for tensors of ``sizes`` bytes; its whole data region as one
-        writable uint8 tensor (tensor ``i`` at ``segment_layout(sizes)[0][i]``; the alignment
-        padding between tensors included).  As :meth:`writable_views`: drop it before
-        :meth:`seal`.
-
-        Raises:
-            HostMemoryError: the segment could not be sized (names the size).
-        """
-        self.size_for(sizes)
-        data = self._data_bytes
-        if data == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        self._map = mmap.mmap(self.fd, data, flags=mmap.MAP_SHARED,
-                              prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=HEADER_BYTES)
-        base = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._addr, self._data_bytes = base.data_ptr(), data
-        return base
-
-    def prefault(self) -> bool:
-        """Allocate and map every page of the writable mapping now (``MADV_POPULATE_WRITE``,
-        Linux >= 5.14), contents unchanged, so bytes received into it later take no page
-        fault each.  The GIL is released meanwhile (call it on a helper thread while the
-        reads wait on the network).  Returns False where the kernel lacks it (pages then
-        fault in on first write, as before).
-        """
-        if self._map is None or not self._data_bytes:
-            return False
-        return _libc.madvise(self._addr, self._data_bytes, MADV_POPULATE_WRITE) == 0
-
     def seal(self) -> None:
-        """Drop the writable mapping and seal the segment: its bytes can never change again.
+        """Seal the segment: its bytes can never change again.
+
+        Every :class:`WritableMapping` of it, on every rank, must be closed first.
 
         Raises:
-            HostMemoryError: a view from :meth:`writable_views` is still alive
-                (a bug: the caller must drop them first), or sealing failed.
+            HostMemoryError: sealing failed (``EBUSY``: a writable mapping is still open).
         """
-        if self._map is not None:
-            # torch.frombuffer holds a reference, not a buffer export: closing the map
-            # under a live tensor would leave it dangling, so count the references
-            if sys.getrefcount(self._map) > 2:
-                gc.collect()  # a view kept alive only by a reference cycle
-            if sys.getrefcount(self._map) > 2:
-                raise HostMemoryError("a view of the host shared-memory segment is still alive; "
-                                      "cannot seal it")
-            self._map.close()
-            self._map = None
         try:
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
         except OSError as e:
@@ -246,8 +164,8 @@ def open_segment(handle: dict, *, writable: bool = False) -> int:
     """A reader's descriptor of the leader's segment ``handle`` (``O_RDONLY``), its nonce checked.
 
     ``writable=True`` opens it ``O_RDWR`` instead: a rank of the host that fills part of
-    the leader's segment with ``os.pwrite`` before the leader seals it (the striped
-    restore); it must never map it writable (that would block the seal).
+    the leader's segment (:class:`WritableMapping`) before the leader seals it (the
+    striped plan); it closes that mapping before the seal.
 
     Raises:
         HostMemoryError: the segment cannot be opened from this process (another
@@ -274,121 +192,101 @@ def _sealed(fd: int) -> bool:
     return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
 
 
-def _alive(pid: int) -> bool:
-    """False once ``pid`` has exited (a zombie counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+class WritableMapping:
+    """A shared, writable mapping of a sized segment's data: how a rank of the host fills it.
 
-
-class PrivateMapping:
-    """A rank's copy-on-write mapping of a segment (sealed, or being filled by its leader).
+    The leader maps its own segment; a rank that fills part of it maps the descriptor
+    :func:`open_segment` gave it with ``writable=True``.  Every byte written through any
+    rank's mapping is in the one segment.  :meth:`close` every mapping (on every rank)
+    before the leader's :meth:`Segment.seal`.
 
     Attributes:
-        views: uint8 tensors of ``sizes`` bytes, views of the mapping (they
-            keep it alive; ``fd`` may be closed).  Use them only after
-            :meth:`follow` returned ``"sealed"`` or :meth:`check_sealed` passed.
+        data: the whole data region as one uint8 tensor (tensor ``i`` of ``sizes`` at
+            ``segment_layout(sizes)[0][i]``, the alignment padding between them included).
+        views: one uint8 tensor of each size, views of :attr:`data`.
+
+    Raises:
+        HostMemoryError: the segment does not have the size ``sizes`` need.
     """
 
     def __init__(self, fd: int, sizes: Sequence[int]) -> None:
         _, self.data_bytes = segment_layout(sizes)
-        self.fd = fd
-        self._done = 0  # data bytes mapped in so far
-        self._populate_ok = True
-        self._check_size()
+        _check_size(fd, self.data_bytes)
+        self._map: mmap.mmap | None = None
         if self.data_bytes == 0:
+            self.data = torch.empty(0, dtype=torch.uint8)
             self.views = [torch.empty(0, dtype=torch.uint8) for _ in sizes]
-            self._addr = 0
             return
-        m = mmap.mmap(fd, self.data_bytes, flags=mmap.MAP_PRIVATE,
-                      prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=HEADER_BYTES)
-        base = torch.frombuffer(m, dtype=torch.uint8)
-        self._addr = base.data_ptr()
-        self.views = _views(base, sizes)
+        self._map = mmap.mmap(fd, self.data_bytes, flags=mmap.MAP_SHARED,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=HEADER_BYTES)
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.views = _views(self.data, sizes)
 
-    def populate(self, upto: int) -> None:
-        """Map in data bytes ``[done, upto)`` now, read-only (copy-on-write intact), in one call.
-
-        Best effort (``MADV_POPULATE_READ``, Linux >= 5.14; elsewhere pages
-        map in on first touch).  Whole pages only, unless ``upto`` is the end.
+    def prefault(self) -> bool:
+        """Allocate and map every page now (``MADV_POPULATE_WRITE``, Linux >= 5.14), contents
+        unchanged, so bytes written into it later take no page fault each.  The GIL is
+        released meanwhile (call it on a helper thread while the reads wait on the network).
+        Returns False where the kernel lacks it (pages then fault in on first write).
         """
-        upto = min(upto, self.data_bytes)
-        if upto < self.data_bytes:
-            upto -= upto % PAGE_BYTES
-        if upto <= self._done or not self._populate_ok:
-            return
-        # ctypes releases the GIL: the leader's fill threads keep running meanwhile
-        if _libc.madvise(self._addr + self._done, upto - self._done, MADV_POPULATE_READ) != 0:
-            self._populate_ok = False
-        self._done = upto
+        if self._map is None:
+            return False
+        return _libc.madvise(self.data.data_ptr(), self.data_bytes, MADV_POPULATE_WRITE) == 0
 
-    def check_sealed(self) -> None:
-        """Raise unless the segment is sealed and has the size the manifest says.
+    def close(self, *, strict: bool = True) -> None:
+        """Unmap, so the segment can be sealed.  Every tensor taken from :attr:`data` or
+        :attr:`views` must be gone first.
 
         Raises:
-            HostMemoryError: not sealed against writes, or another size.
+            HostMemoryError: such a tensor is still alive (with ``strict``; without, the
+                mapping is left to the garbage collector: after a failed restore).
         """
-        if not _sealed(self.fd):
-            seals = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
-            raise HostMemoryError(f"host shared-memory segment is not sealed (seals {seals:#x}); "
-                                  "refusing to map bytes that could still change")
-        self._check_size()
+        self.data, self.views = torch.empty(0, dtype=torch.uint8), []
+        if self._map is None:
+            return
+        # torch.frombuffer holds a reference, not a buffer export: closing the map
+        # under a live tensor would leave it dangling, so count the references
+        if sys.getrefcount(self._map) > 2:
+            gc.collect()  # a view kept alive only by a reference cycle
+        if sys.getrefcount(self._map) > 2:
+            if not strict:
+                self._map = None
+                return
+            raise HostMemoryError("a view of the host shared-memory segment is still alive; "
+                                  "cannot seal it")
+        self._map.close()
+        self._map = None
 
-    def _check_size(self) -> None:
-        size = os.fstat(self.fd).st_size
-        if size != HEADER_BYTES + self.data_bytes:
-            raise HostMemoryError(f"host shared-memory segment holds {size} bytes, the manifest "
-                                  f"needs {HEADER_BYTES + self.data_bytes}")
 
-    def follow(self, leader_pid: int, timeout_s: float) -> str:
-        """Map in the leader's published bytes as they grow, until it seals the segment.
-
-        Returns:
-            ``"sealed"`` (complete: every page mapped, seals and size
-            checked), ``"failed"`` (the leader published :data:`FAILED`),
-            ``"dead"`` (the leader's process exited) or ``"timeout"``
-            (nothing sealed after ``timeout_s`` seconds).  Only ``"sealed"``
-            makes :attr:`views` usable; on the others the caller goes on to
-            the collective step that reports the leader's error.
-
-        Raises:
-            HostMemoryError: sealed, but with another size than the manifest's.
-        """
-        deadline = time.monotonic() + timeout_s
-        pause = 0.0005
-        while True:
-            if _sealed(self.fd):
-                self.check_sealed()
-                self.populate(self.data_bytes)
-                return "sealed"
-            (progress,) = struct.unpack("<Q", os.pread(self.fd, 8, PROGRESS_OFFSET))
-            if progress == FAILED:
-                return "failed"
-            if progress > self._done + PAGE_BYTES:
-                self.populate(progress)
-                pause = 0.0005
-                continue
-            if not _alive(leader_pid):
-                return "dead"
-            if time.monotonic() > deadline:
-                return "timeout"
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+def _check_size(fd: int, data_bytes: int) -> None:
+    size = os.fstat(fd).st_size
+    if size != HEADER_BYTES + data_bytes:
+        raise HostMemoryError(f"host shared-memory segment holds {size} bytes, the manifest "
+                              f"needs {HEADER_BYTES + data_bytes}")
 
 
 def map_private(fd: int, sizes: Sequence[int]) -> list[torch.Tensor]:
     """Map a sealed segment copy-on-write: uint8 views of tensors of ``sizes`` bytes.
 
-    Every page is mapped in before returning; the views keep the mapping
-    alive, and ``fd`` may be closed afterwards.
+    Every page is mapped in before returning (``MADV_POPULATE_READ``, Linux >= 5.14, best
+    effort; elsewhere pages map in on first touch); the views keep the mapping alive, and
+    ``fd`` may be closed afterwards.  A rank that later writes a tensor in place gets its
+    own copy of those pages.
 
     Raises:
         HostMemoryError: the segment is not sealed against writes, or its
             size does not match ``sizes``.
     """
-    mapping = PrivateMapping(fd, sizes)
-    mapping.check_sealed()
-    mapping.populate(mapping.data_bytes)
-    return mapping.views
+    _, data_bytes = segment_layout(sizes)
+    if not _sealed(fd):
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        raise HostMemoryError(f"host shared-memory segment is not sealed (seals {seals:#x}); "
+                              "refusing to map bytes that could still change")
+    _check_size(fd, data_bytes)
+    if data_bytes == 0:
+        return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
+    m = mmap.mmap(fd, data_bytes, flags=mmap.MAP_PRIVATE,
+                  prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=HEADER_BYTES)
+    base = torch.frombuffer(m, dtype=torch.uint8)
+    # ctypes releases the GIL meanwhile
+    _libc.madvise(base.data_ptr(), data_bytes, MADV_POPULATE_READ)
+    return _views(base, sizes)

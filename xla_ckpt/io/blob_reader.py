@@ -25,9 +25,6 @@ plain :class:`CheckpointCorruptError` naming expected and actual sizes.
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
@@ -50,8 +47,6 @@ from xla_ckpt.io.planning import (
     Piece,
     Span,
     cache_steps,
-    check_range,
-    coalesce,
     first_bad_chunk,
     plan_spans,
     slice_ranges,
@@ -197,183 +192,6 @@ class BlobReader:
         self._run([(item, sp, live_ids) for sp in spans], fn=self._read_span)
         self.stats.seconds = time.perf_counter() - t0
         self.stats.bytes_read = sum(item.blobs[i].length for i in buffers)
-
-    def read_into_file(self, item_name: str, fd: int, offsets: dict[int, int], *,
-                       staging_buffers: int = 2,
-                       on_written: Callable[[int], None] | None = None,
-                       ranges: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> None:
-        """Read blobs into a file at ``offsets`` (blob index -> byte offset in ``fd``), checked.
-
-        ``ranges`` (blob index -> ``[(start, length), ...]`` bytes of that blob, each start a
-        multiple of the blob's crc32c chunk size and each end a chunk boundary or the blob's
-        end) reads only those byte ranges, written at ``offsets[blob] + start``; blobs
-        without per-chunk crc32c can only be read whole (``[(0, length)]``).  Default: every
-        blob of ``offsets``, whole.  The striped restore reads its stripes this way.
-
-        Each chunk-aligned slice is read into one of ``staging_buffers``
-        reusable buffers of the slice size, crc32c-checked there, and only
-        then written with ``os.pwrite``: the file receives checked bytes
-        only, and a file the kernel fills on ``write`` (a memfd, tmpfs) gets
-        its pages without zeroing them first or taking a page fault each,
-        which is what reading into a fresh mapping of it would cost.  At most
-        ``staging_buffers`` slices are in flight, taken in file-offset order.
-
-        ``on_written(end)``, if given, is called (from a worker thread, in
-        increasing order) each time every requested byte below file offset
-        ``end`` has been written and checked.
-
-        Raises:
-            IntegrityError / CheckpointCorruptError: as :meth:`read_into`.
-            OSError: the write to ``fd`` failed (out of memory or space).
-        """
-        item = self.manifest.item(item_name)
-        wanted = ranges if ranges is not None else \
-            {i: [(0, item.blobs[i].length)] for i in offsets}
-        self.check_files({item.blobs[i].file for i in wanted})
-        tasks: list[tuple[Item, int, BlobRecord, int, int]] = []  # (item, blob, rec, start, n)
-        nbytes = 0
-        for i, spans in wanted.items():
-            rec = item.blobs[i]
-            for lo, length in spans:
-                if length == 0 and rec.length == 0:
-                    continue
-                check_range(rec, i, lo, length)
-                nbytes += length
-                tasks.extend((item, i, rec, lo + s, n)
-                             for s, n in slice_ranges(rec, length, self.storage.config))
-        tasks.sort(key=lambda t: offsets[t[1]] + t[3])
-        done = [False] * len(tasks)
-        lock = threading.Lock()
-        front = [0]  # tasks[:front] are all written
-
-        def written(index: int) -> None:
-            with lock:
-                done[index] = True
-                k = front[0]
-                while k < len(tasks) and done[k]:
-                    k += 1
-                if k > front[0]:
-                    front[0] = k
-                    _, blob_id, _, start, n = tasks[k - 1]
-                    if on_written is not None:
-                        on_written(offsets[blob_id] + start + n)
-
-        groups = coalesce(tasks, self.storage.config.slice_size_bytes)
-        t0 = time.perf_counter()
-        self.stats = ReadStats()
-        if tasks:
-            free: queue.SimpleQueue = queue.SimpleQueue()
-            size = max(sum(tasks[i][4] for i in g) for g in groups)
-            for _ in range(max(1, staging_buffers)):
-                free.put(memoryview(bytearray(size)))
-
-            def one(group: list[int]) -> None:
-                buf = free.get()
-                try:
-                    parts = [tasks[i] for i in group]
-                    if len(parts) == 1:
-                        _, item, blob_id, rec, start, n = (0,) + parts[0]
-                        self._read_slice(item, blob_id, rec, start, buf[:n])
-                    else:  # small pieces side by side in one file: one request for them all
-                        self._read_adjacent(parts, buf)
-                    pos = 0
-                    for _, blob_id, _, start, n in parts:
-                        view, at = buf[pos:pos + n], offsets[blob_id] + start
-                        pos += n
-                        while view:
-                            k = os.pwrite(fd, view, at)
-                            view, at = view[k:], at + k
-                finally:
-                    free.put(buf)
-                for i in group:
-                    written(i)
-
-            self._run([(g,) for g in groups], fn=one)
-        self.stats.seconds = time.perf_counter() - t0
-        self.stats.bytes_read = nbytes
-
-    def read_ranges_into(self, item_name: str, buffers: Mapping[int, torch.Tensor],
-                         ranges: Mapping[int, Sequence[tuple[int, int]]]) -> int:
-        """Fill byte ranges of blob buffers, every byte crc32c-checked, all in one thread pool.
-
-        ``buffers[blob]`` is a fresh (not live) contiguous CPU ``uint8[blob length]`` tensor;
-        ``ranges[blob]`` lists ``(start, length)`` byte ranges of that blob, aligned as for
-        :meth:`read_into_file`.  Bytes land in place and are checked there (a mismatch is
-        re-read; the buffer is the caller's staging, never a live tensor); small pieces side
-        by side in one file share one request, through a staging buffer.
-
-        Returns:
-            Bytes fetched (the sum of the ranges).
-
-        Raises:
-            IntegrityError / CheckpointCorruptError / DataFileMissingError: as :meth:`read_into`.
-            ValueError: a buffer of another size, or a range that is not chunk-aligned.
-        """
-        item = self.manifest.item(item_name)
-        self.check_files({item.blobs[i].file for i in ranges})
-        tasks: list[tuple] = []
-        nbytes = 0
-        for i, spans in ranges.items():
-            rec, buf = item.blobs[i], buffers[i]
-            if buf.numel() != rec.length or buf.dtype != torch.uint8 or not buf.is_contiguous() \
-                    or buf.device.type != "cpu":
-                raise ValueError(f"buffer for blob {i} must be a contiguous CPU "
-                                 f"uint8[{rec.length}] tensor")
-            for lo, length in spans:
-                check_range(rec, i, lo, length)
-                nbytes += length
-                tasks.extend((item, i, rec, lo + st, n)
-                             for st, n in slice_ranges(rec, length, self.storage.config))
-        dests = [tensor_bytes(buffers[i]) for _, i, _, _, _ in tasks]
-
-        def one(group: list[int]) -> None:
-            if len(group) == 1:  # in place
-                item, i, rec, start, n = tasks[group[0]]
-                self._read_slice(item, i, rec, start, dests[group[0]][start:start + n])
-                return
-            # small pieces side by side in one file: one request into staging, then copied
-            staging = memoryview(bytearray(sum(tasks[k][4] for k in group)))
-            self._read_adjacent([tasks[k] for k in group], staging)
-            pos = 0
-            for k in group:
-                _, _, _, start, n = tasks[k]
-                dests[k][start:start + n] = staging[pos:pos + n]
-                pos += n
-
-        t0 = time.perf_counter()
-        self.stats = ReadStats()
-        self._run([(g,) for g in coalesce(tasks, self.storage.config.slice_size_bytes)], fn=one)
-        self.stats.seconds = time.perf_counter() - t0
-        self.stats.bytes_read = nbytes
-        return nbytes
-
-    def _read_adjacent(self, parts: Sequence[tuple[Item, int, BlobRecord, int, int]],
-                       buf: memoryview) -> None:
-        """Read file-adjacent pieces ``(item, blob, rec, start, n)`` with one ranged request
-        into ``buf`` (back to back), then check each against its own crc32c; a piece that
-        fails is read again alone (:meth:`_read_slice`: its retries and its error)."""
-        _, _, rec0, start0, _ = parts[0]
-        total = sum(p[4] for p in parts)
-        info = self._infos.get(rec0.file)
-        try:
-            self.storage.read_range(rec0.file, rec0.offset + start0, buf[:total],
-                                    info.generation if info else None)
-        except CheckpointNotFoundError as e:  # deleted or replaced after check_files
-            raise data_file_missing(self.storage, rec0.file,
-                                    self.manifest.files.get(rec0.file), during=str(e)) from e
-        self.stats.requests += 1
-        pos = 0
-        for item, blob_id, rec, start, n in parts:
-            out = buf[pos:pos + n]
-            bad = first_bad_chunk(rec, start, out)
-            if bad is not None:
-                self.stats.crc_retries += 1
-                logger.warning("crc32c mismatch in %s bytes [%d, %d) (a read of %d adjacent "
-                               "pieces); re-reading that piece alone",
-                               self.storage.url(rec.file), rec.offset + bad[0],
-                               rec.offset + bad[1], len(parts))
-                self._read_slice(item, blob_id, rec, start, out)
-            pos += n
 
     def read_blob_range(self, item_name: str, blob_id: int, start: int,
                         length: int) -> torch.Tensor:

@@ -1,11 +1,9 @@
-"""Read planning for blobs: chunk-aligned slices, spans over adjacent blobs, coalescing.
+"""Read planning for blobs: chunk-aligned slices and spans over adjacent blobs.
 
 Pure arithmetic over a manifest's blob records and the destination buffers (no I/O):
 :func:`plan_spans` packs the chunk-aligned pieces of many blobs into byte-range reads
 (in place where the buffers sit like the file, staged where small blobs sit apart),
-:func:`coalesce` groups small read tasks that sit back to back in one data file,
-:func:`slice_ranges` cuts a blob's bytes into slices of about ``slice_size_bytes``,
-:func:`check_range` refuses ranges that cannot be checked alone and
+:func:`slice_ranges` cuts a blob's bytes into slices of about ``slice_size_bytes`` and
 :func:`first_bad_chunk` finds the first crc32c chunk that does not match.
 """
 
@@ -35,29 +33,6 @@ many bytes (one crc32c chunk by default), each checked right after its read, whi
 still in cache."""
 
 
-def coalesce(tasks: Sequence[tuple[Item, int, BlobRecord, int, int]],
-              limit: int) -> list[list[int]]:
-    """Group indices of read tasks ``(item, blob, rec, start, n)``: pieces of at most
-    :data:`COALESCE_BLOB_BYTES` that sit back to back in one data file share one request of
-    at most ``limit`` bytes; larger pieces (the slices of big blobs) go alone."""
-    order = sorted(range(len(tasks)), key=lambda i: (tasks[i][2].file,
-                                                    tasks[i][2].offset + tasks[i][3]))
-    groups: list[list[int]] = []
-    end, file, size = -1, "", 0
-    for i in order:
-        _, _, rec, start, n = tasks[i]
-        at = rec.offset + start
-        small = n <= COALESCE_BLOB_BYTES
-        if small and groups and rec.file == file and at == end and size + n <= limit:
-            groups[-1].append(i)
-            size += n
-        else:
-            groups.append([i])
-            size = n if small else limit  # a large piece takes no company
-        end, file = at + n, rec.file
-    return groups
-
-
 def cache_steps(pieces: Sequence["Piece"]) -> list[list["Piece"]]:
     """``pieces`` (adjacent in the file) cut into runs of at most :data:`CACHE_STEP_BYTES`
     (a larger piece is a run of its own)."""
@@ -71,23 +46,6 @@ def cache_steps(pieces: Sequence["Piece"]) -> list[list["Piece"]]:
             steps.append([p])
             size = p.length
     return steps
-
-
-def check_range(rec: BlobRecord, blob_id: int, start: int, length: int) -> None:
-    """Raise unless ``[start, start+length)`` of blob ``rec`` can be read and checked alone."""
-    end = start + length
-    if start < 0 or length < 1 or end > rec.length:
-        raise ValueError(f"range [{start}, {end}) of blob {blob_id} is outside its "
-                         f"{rec.length} bytes (or empty)")
-    if not rec.chunk_crc32c:
-        if (start, length) != (0, rec.length):
-            raise ValueError(f"blob {blob_id} has one crc32c for all its {rec.length} bytes; "
-                             f"it can only be read whole, not [{start}, {end})")
-        return
-    c = rec.chunk_size
-    if start % c or (end % c and end != rec.length):
-        raise ValueError(f"range [{start}, {end}) of blob {blob_id} is not aligned to its "
-                         f"crc32c chunks of {c} bytes")
 
 
 def slice_ranges(rec: BlobRecord, length: int, config: StorageConfig) -> list[tuple[int, int]]:

@@ -80,13 +80,13 @@ def restore(uri: str | Decision, *, dist: Dist | None = None, strategy: str | No
 
     * ``all_ranks`` — every rank reads from storage in parallel; with
       ``host_shared_memory`` (default) the ranks of one host share one read
-      (the ``per_host`` plan: :mod:`xla_ckpt.restore.per_host`);
+      (the ``per_host`` plan: :mod:`xla_ckpt.restore.blobs`);
     * ``per_host`` — each host's leader reads once, the host's ranks map its copy;
     * ``broadcast`` — rank 0 reads, the data plane broadcasts in buckets; ranks
       on one host share one sealed copy in host memory when they can;
     * ``striped`` — every byte fetched once per job, in stripes spread over every
       rank, exchanged through host memory and across hosts
-      (:mod:`xla_ckpt.restore.striped`);
+      (:mod:`xla_ckpt.restore.box_striped`);
     * ``auto`` (default) — the plan the cost model predicts fastest for this job
       (:mod:`xla_ckpt.restore.cost`, ``RestoreConfig.cost_model``).
 

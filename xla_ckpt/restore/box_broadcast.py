@@ -24,6 +24,7 @@ from xla_ckpt.format.chunks import Box
 from xla_ckpt.format.dtypes import dtype_from_name, itemsize
 from xla_ckpt.io import CheckpointReader
 from xla_ckpt.io.chunked import BoxRequest
+from xla_ckpt.restore.box_striped import unit_rows
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.result import RestoreStats
 from xla_ckpt.restore.targets import RankRequests, SavedTensors, describe_requests, read_requests
@@ -49,13 +50,14 @@ class _Piece:
     nbytes: int
 
 
-def _split(index: int, g: int, box: Box, isz: int, budget: int) -> list[_Piece]:
-    """Cut a box into row ranges of at most ``budget`` bytes each (at least one row)."""
+def _split(index: int, g: int, box: Box, isz: int, budget: int, unit: int = 1) -> list[_Piece]:
+    """Cut a box into row ranges of at most ``budget`` bytes each, in whole units of
+    ``unit`` rows (a crc32c chunk's: no chunk is fetched twice; at least one unit)."""
     nbytes = box.numel * isz
     if box.ndim == 0 or nbytes <= budget or box.sizes[0] <= 1:
         return [_Piece(index, g, box, 0, box.sizes[0] if box.ndim else 1, nbytes)]
     row = nbytes // box.sizes[0]
-    step = max(1, budget // max(row, 1))
+    step = max(unit, budget // max(row, 1) // unit * unit)
     out = []
     for lo in range(0, box.sizes[0], step):
         hi = min(lo + step, box.sizes[0])
@@ -92,6 +94,7 @@ class BoxBroadcast:
         self.decision, self.dist, self.saved, self.mine = decision, dist, saved, mine
         self.storage_config, self.what, self.stats = storage_config, what, stats
         self.bucket_size_bytes = bucket_size_bytes
+        self.unit_rows = unit_rows(saved)
         # point to point: each rank's share of a round, so rank 0 holds about one bucket
         self.budget = max(bucket_size_bytes // max(dist.world_size - 1, 1),
                           MIN_ROUND_BYTES_PER_RANK)
@@ -101,7 +104,8 @@ class BoxBroadcast:
         for i, (g, offsets, sizes) in enumerate(desc):
             gt = self.saved.globals[int(g)]
             isz = itemsize(dtype_from_name(gt.dtype, where=gt.key))
-            out.extend(_split(i, int(g), Box(tuple(offsets), tuple(sizes)), isz, self.budget))
+            out.extend(_split(i, int(g), Box(tuple(offsets), tuple(sizes)), isz, self.budget,
+                              self.unit_rows(int(g), tuple(sizes))))
         return out
 
     def run(self) -> None:

@@ -39,6 +39,58 @@ class _Block:
     hi: int
 
 
+@dataclass
+class FlatExchange:
+    """The exchange of boxes that are views of one flat uint8 buffer per member, and that
+    every rank requests alike (the replicated state's blobs, :mod:`xla_ckpt.restore.blobs`).
+
+    Each member of ``group`` (one rank per host when the ranks of a host share one copy in
+    host memory, else every rank) sends, in one all-gather, the rows its ranks read, as few
+    ranges of ``flat`` as they make (ranges apart only by the alignment padding after a
+    box's end travel as one): no staging copy.
+
+    Attributes:
+        group: this rank's exchange group; None on a rank whose member sends and receives
+            for it (a rank of a host other than its leader), or when nothing crosses (one
+            host).
+        member: rank -> its member's index in ``group`` (its host, or itself).
+        flat: the buffer ``group``'s member sends from and receives into (None off the group).
+        offsets: request index -> the byte offset of its ``out`` in ``flat``.
+        align: the alignment of every box's start in ``flat`` (bytes).
+    """
+
+    group: Dist | None
+    member: list[int]
+    flat: torch.Tensor | None
+    offsets: list[int]
+    align: int
+
+
+def flat_ranges(reads: dict[int, list[_Block]], sizes: list[int], ex: FlatExchange,
+                members: int) -> list[list[tuple[int, int]]]:
+    """``[[(start, stop), ...], ...]``: the byte ranges of ``flat`` each member contributes
+    (the blocks its ranks read; ``sizes``: each request's bytes), merged where they touch or
+    are apart only by the padding after a box's end."""
+    spans: list[list[tuple[int, int, bool]]] = [[] for _ in range(members)]
+    for rank, blocks in reads.items():
+        for b in blocks:
+            o = ex.offsets[b.index]
+            spans[ex.member[rank]].append((o + b.lo, o + b.hi, b.hi == sizes[b.index]))
+    out: list[list[tuple[int, int]]] = []
+    for mine in spans:
+        merged: list[tuple[int, int, bool]] = []
+        for lo, hi, ends in sorted(mine):
+            if merged:
+                plo, phi, pends = merged[-1]
+                reach = -(-phi // ex.align) * ex.align if pends else phi
+                if lo <= reach:  # (blocks are disjoint: hi > phi)
+                    merged[-1] = (plo, hi, ends)
+                    continue
+            merged.append((lo, hi, ends))
+        out.append([(lo, hi) for lo, hi, _ in merged])
+    return out
+
+
 def _same_bytes(saved: SavedTensors) -> list[int]:
     """Each global tensor's first twin: the lowest ``g`` whose one saved chunk is the same
     tensor record bytes (keys tied at save, written once, in a version-1 item), else itself;
@@ -125,19 +177,28 @@ def plan_blocks(every: list[list[list[Any]]], unit_rows: Callable[[int, tuple], 
     return reads, sends, copies
 
 
-def _unit_rows(saved: SavedTensors) -> Callable[[int, tuple], int]:
-    """Rows of a box of global tensor ``g`` that one crc32c chunk holds (all of them for a
-    tensor read through its storage span)."""
-    chunk = max((b.chunk_size for it in saved.manifest.items.values() for b in it.blobs
-                 if b.chunk_crc32c), default=0)
+def unit_rows(saved: SavedTensors) -> Callable[[int, tuple], int]:
+    """Rows of a box of global tensor ``g`` that one crc32c chunk of its blobs holds (all of
+    them for a tensor read through its storage span, or whose blob has one crc32c for all
+    its bytes: a range of it is checked only whole)."""
+    manifest = saved.manifest
 
     def rows(g: int, sizes: tuple) -> int:
-        if g in saved.strided or not chunk:
-            return sizes[0] if sizes else 1
-        row = itemsize(dtype_from_name(saved.globals[g].dtype, where=saved.globals[g].key))
+        whole = sizes[0] if sizes else 1
+        gt = saved.globals[g]
+        if g in saved.strided or not gt.chunks:
+            return whole
+        grain = 0
+        for c in gt.chunks:
+            it = manifest.item(c.item)
+            blob = it.blobs[it.tensors[c.tensor].blob]
+            if not blob.chunk_crc32c:
+                return whole
+            grain = max(grain, blob.chunk_size)
+        row = itemsize(dtype_from_name(gt.dtype, where=gt.key))
         for n in sizes[1:]:
             row *= n
-        return -(-chunk // max(row, 1))
+        return -(-grain // max(row, 1))
 
     return rows
 
@@ -160,7 +221,7 @@ def _rows(out: torch.Tensor, block: _Block) -> torch.Tensor:
 
 def striped_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: RankRequests,
                   storage_config: StorageConfig | None, bucket_size_bytes: int, what: str,
-                  stats: RestoreStats) -> None:
+                  stats: RestoreStats, flat: FlatExchange | None = None) -> None:
     """Every rank: fetch each box once per job and exchange rows among the box's holders.
 
     One exchange of every rank's box list; each rank reads the rows :func:`plan_blocks`
@@ -168,10 +229,12 @@ def striped_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: Ran
     one global order of (sender, receiver) pairs the same on every rank, each block goes
     point to point to the other holders of its box (buckets of ``bucket_size_bytes``).  A
     box only one rank holds (a fully sharded FSDP2 shard) is read by it alone, never moved.
+    With ``flat`` (boxes every rank requests alike, views of one flat buffer per member),
+    the members all-gather the ranges their ranks read instead (:class:`FlatExchange`).
     """
     every = dist.exchange(describe_requests(mine.requests))
     twins = _same_bytes(saved)
-    reads, sends, copies = plan_blocks(every, _unit_rows(saved), _row_bytes(saved),
+    reads, sends, copies = plan_blocks(every, unit_rows(saved), _row_bytes(saved),
                                        twins.__getitem__)
     me = dist.rank
 
@@ -191,6 +254,13 @@ def striped_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: Ran
             storage.close()
 
     stats.bytes_read += dist.run_collectively(read_mine, f"{what}: read this rank's rows")
+    if flat is not None:
+        stats.bytes_received += dist.run_collectively(
+            lambda: _exchange_flat(flat, reads, [r.out.numel() for r in mine.requests],
+                                   bucket_size_bytes),
+            f"{what}: exchange rows between " + ("hosts" if flat.group is not dist else
+                                                 "ranks"))
+        return
     pairs: dict[tuple[int, int], list[tuple[_Block, _Block]]] = {}
     for block, others in sends:
         for o in others:
@@ -260,3 +330,19 @@ def _sub_box(box: Box, block: _Block) -> Box:
     return Box((box.offsets[0] + block.lo,) + box.offsets[1:],
                (block.hi - block.lo,) + box.sizes[1:])
 
+
+
+def _exchange_flat(ex: FlatExchange, reads: dict[int, list[_Block]], sizes: list[int],
+                   bucket_size_bytes: int) -> int:
+    """One all-gather of every member's ranges of its flat buffer; returns the box bytes
+    this rank received (the padding between boxes not counted)."""
+    group = ex.group
+    if group is None:
+        return 0
+    assert ex.flat is not None  # every member of the exchange has its buffer
+    flat = ex.flat
+    ranges = flat_ranges(reads, sizes, ex, group.world_size)
+    group.all_gather_tensors([[flat[lo:hi] for lo, hi in spans] for spans in ranges],
+                             bucket_size_bytes=bucket_size_bytes)
+    return sum(b.hi - b.lo for r, blocks in reads.items() for b in blocks
+               if ex.member[r] != group.rank)

@@ -10,40 +10,35 @@ global tensors (DESIGN "one restore engine"):
   flat tensor (:mod:`xla_ckpt.restore.private`).
 
 The plan decides who reads which bytes and how they move; each plan is written once, for
-boxes in :mod:`xla_ckpt.restore.sharded` (:func:`~xla_ckpt.restore.sharded.move_boxes`:
-``all_ranks``, ``striped`` with :mod:`~xla_ckpt.restore.box_striped`, ``broadcast`` with
-:mod:`~xla_ckpt.restore.box_broadcast`) and, for the replicated state's blobs that every
-rank of a host can share, over host shared memory (:mod:`~xla_ckpt.restore.per_host`,
-:mod:`~xla_ckpt.restore.broadcast`, :mod:`~xla_ckpt.restore.striped`: one sealed copy per
-host that every rank maps; the reads balanced by :mod:`xla_ckpt.restore.assign`).  The
-per-rank boxes are read by their own rank (``broadcast``: rank 0 reads and sends each its
-own).  Typed values (non-tensor state) come from the manifest.
+boxes, in :func:`~xla_ckpt.restore.sharded.move_boxes`: ``all_ranks`` (each rank reads its
+own), ``striped`` (:mod:`~xla_ckpt.restore.box_striped`: each box fetched once per job, the
+reads balanced by :mod:`xla_ckpt.restore.assign`, the rows exchanged) and ``broadcast``
+(:mod:`~xla_ckpt.restore.box_broadcast`: rank 0 reads and sends).  The replicated state's
+blobs, which every rank wants alike, are boxes too (:mod:`xla_ckpt.restore.blobs`), with
+host shared memory as an option of the mover: the ranks of a host hold one sealed copy
+that every rank maps (``per_host``: each host's leader reads it).  The per-rank boxes are
+read by their own rank (``broadcast``: rank 0 reads and sends each its own).  Typed values
+(non-tensor state) come from the manifest.
 
 Every figure goes into the one :class:`~xla_ckpt.restore.result.RestoreStats` of the attempt.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 from xla_ckpt.comm.base import Dist
 from xla_ckpt.format.plan import MapLocation
-from xla_ckpt.restore.all_ranks import restore_all_ranks
-from xla_ckpt.restore.broadcast import restore_broadcast
+from xla_ckpt.restore.blobs import restore_blobs
 from xla_ckpt.restore.config import RestoreConfig
 from xla_ckpt.restore.decide import Decision
-from xla_ckpt.restore.per_host import restore_per_host
 from xla_ckpt.restore.plan import RankPlan
 from xla_ckpt.restore.private import add_private, private_requests
 from xla_ckpt.restore.result import Loaded, RestoreStats
-from xla_ckpt.restore.select import ALL_RANKS, BROADCAST, PER_HOST, STRIPED
+from xla_ckpt.restore.select import ALL_RANKS, BROADCAST, STRIPED
 from xla_ckpt.restore.sharded import move_boxes, restore_into
-from xla_ckpt.restore.striped import restore_striped
 from xla_ckpt.restore.targets import RankRequests, SavedTensors, saved_tensors
 from xla_ckpt.storage import StorageConfig
-
-logger = logging.getLogger(__name__)
 
 #: ``fn(saved: {saved rank: per-rank state}, rank, world_size) -> this rank's per-rank state``.
 RankStateRemap = Callable[[dict[int, Any], int, int], Any]
@@ -87,8 +82,10 @@ def run_plan(decision: Decision, dist: Dist, plans: list[RankPlan], name: str,
                              private=mine if any_private else None, private_strategy=how)
         loaded = Loaded(state=state, stats=stats)
     else:
-        loaded = _shared_state(decision, dist, plans, name, cfg, map_location=map_location,
-                               storage_config=storage_config, what=what)
+        loaded = restore_blobs(decision, dist, me.item, name,
+                               host_shared_memory=cfg.host_shared_memory,
+                               map_location=map_location, storage_config=storage_config,
+                               bucket_size_bytes=cfg.bucket_size_bytes, what=what)
         if any_private:
             move_boxes(decision, dist, saved, mine, strategy=how, storage_config=storage_config,
                        bucket_size_bytes=cfg.bucket_size_bytes, what=what, stats=loaded.stats)
@@ -102,39 +99,4 @@ def run_plan(decision: Decision, dist: Dist, plans: list[RankPlan], name: str,
             by_rank = {r: mapped[n] for r, n in me.remap_items.items()}
             loaded.rank_state = dist.run_collectively(
                 lambda: remap(by_rank, dist.rank, dist.world_size), f"{what}: rank_state_remap")
-    return loaded
-
-
-def _shared_state(decision: Decision, dist: Dist, plans: list[RankPlan], name: str,
-                  cfg: RestoreConfig, *, map_location: MapLocation,
-                  storage_config: StorageConfig | None, what: str) -> Loaded:
-    """The replicated item's blobs, which every rank wants whole, moved by plan ``name``
-    (over host shared memory where the ranks of a host can share one copy)."""
-    if name in (ALL_RANKS, PER_HOST) and (name == PER_HOST or cfg.host_shared_memory) \
-            and dist.world_size > 1:
-        # all_ranks with host shared memory: the ranks of a host share one read (per_host)
-        loaded, fallback = restore_per_host(decision, dist, plans, map_location=map_location,
-                                            storage_config=storage_config, what=what,
-                                            host_shared_memory=cfg.host_shared_memory)
-        if fallback and dist.rank == 0:
-            logger.info("rank 0: %s: every rank reads for itself (%s)", what, fallback)
-        return loaded
-    if name in (ALL_RANKS, PER_HOST):
-        loaded = restore_all_ranks(decision, dist, plans[dist.rank], map_location=map_location,
-                                   storage_config=storage_config, what=what)
-        loaded.stats.plan = ALL_RANKS
-        loaded.stats.data_path = ("one process reads for itself" if dist.world_size == 1 else
-                                  "every rank reads for itself (restore.host_shared_memory is "
-                                  "false)")
-        return loaded
-    if name == STRIPED:
-        return restore_striped(decision, dist, plans, map_location=map_location,
-                               storage_config=storage_config,
-                               bucket_size_bytes=cfg.bucket_size_bytes, what=what,
-                               host_shared_memory=cfg.host_shared_memory)
-    loaded = restore_broadcast(decision, dist, plans, map_location=map_location,
-                               storage_config=storage_config,
-                               bucket_size_bytes=cfg.bucket_size_bytes, what=what,
-                               host_shared_memory=cfg.host_shared_memory)
-    loaded.stats.plan = BROADCAST
     return loaded

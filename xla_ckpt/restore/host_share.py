@@ -1,17 +1,15 @@
-"""Whether the broadcast strategy shares one copy per host, agreed by every rank.
+"""Whether the ranks of each host share one copy of the replicated state, agreed by every rank.
 
-:func:`negotiate` is a collective: every rank enters it, the outcome is the
-same on every rank, and whatever goes wrong on any rank (no ``memfd``, a
-segment that cannot be opened from a rank) turns into "use the collective
-broadcast" with the reason, never into an error or a hang.  The mechanism is
-:mod:`xla_ckpt.comm.host_memory`.
+:func:`negotiate` is a collective: every rank enters it, the outcome is the same on every
+rank, and whatever goes wrong on any rank (no ``memfd``, a segment that cannot be opened
+from a rank) turns into "one copy per rank" with the reason, never into an error or a hang.
+The mechanism is :mod:`xla_ckpt.comm.host_memory`; who fills the host's copy is the plan's
+choice (:mod:`xla_ckpt.restore.blobs`).
 
-Hosts are the groups of ranks with the same topology ``host_id`` *and* the
-same :func:`~xla_ckpt.comm.host_memory.host_identity`; each host's leader is
-its lowest rank (so rank 0 leads its host).  With one host, nothing crosses
-the collective: rank 0 reads into its segment and the other ranks map it.
-With several, the leaders form a subgroup and rank 0 broadcasts to the other
-leaders over the data plane, one copy per host.
+Hosts are the groups of ranks with the same topology ``host_id`` *and* the same
+:func:`~xla_ckpt.comm.host_memory.host_identity`; each host's leader is its lowest rank (so
+rank 0 leads its host).  With several hosts, the leaders form a subgroup (the plans that
+move bytes across hosts exchange over it).
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ class HostShare:
         segment: the host's segment, on a leader.
         fd: the leader's segment opened read-only, on a non-leader.
         leaders_dist: the leaders' subgroup (several hosts, on leaders only).
-        leader_pid: the process ID of this rank's leader (its own on a leader).
     """
 
     hosts: list[list[int]]
@@ -50,7 +47,6 @@ class HostShare:
     segment: Segment | None = None
     fd: int | None = None
     leaders_dist: Dist | None = None
-    leader_pid: int = 0
     plan: str = "broadcast"
     closed: bool = field(default=False, repr=False)
 
@@ -104,17 +100,16 @@ def negotiate(dist: Dist, enabled: bool, nbytes: int, what: str, *, writable: bo
         enabled: ``restore.host_shared_memory`` on this rank.
         nbytes: bytes of the replicated state to be shared.
         what: the restore, for log lines.
-        writable: non-leaders open the leader's segment read-write (they ``pwrite`` their
-            part of it before the seal: the striped restore); default read-only.
+        writable: non-leaders open the leader's segment read-write (they fill their part
+            of it before the seal: the striped plan); default read-only.
         leaders_group: with several hosts, make the host leaders' subgroup (the plans that
             move bytes across hosts); False for the per-host plan, which never does.
         plan: the plan sharing the memory (``broadcast``, ``per_host``, ``striped``), for
             :attr:`HostShare.describe`.
 
     Returns:
-        ``(share, reason)``: ``share`` is None on every rank when the
-        collective broadcast must carry the bytes; ``reason`` says why (same
-        on every rank).
+        ``(share, reason)``: ``share`` is None on every rank when each rank must hold its
+        own copy; ``reason`` says why (same on every rank).
     """
     if dist.world_size == 1:
         return None, "one rank: nothing to share"
@@ -160,8 +155,6 @@ def _open(dist: Dist, share: HostShare, what: str, *, writable: bool,
     reports = dist.exchange(report)
     failed = {r: rep["error"] for r, rep in enumerate(reports) if rep["error"]}
     error = None
-    if not failed:
-        share.leader_pid = int(reports[share.leader]["handle"]["pid"])
     if not failed and dist.rank != share.leader:
         try:
             share.fd = open_segment(reports[share.leader]["handle"], writable=writable)

@@ -57,7 +57,7 @@ from xla_ckpt.format import typed
 from xla_ckpt.format.plan import MapLocation
 from xla_ckpt.io import CheckpointReader
 from xla_ckpt.restore.box_broadcast import BoxBroadcast
-from xla_ckpt.restore.box_striped import striped_boxes
+from xla_ckpt.restore.box_striped import FlatExchange, striped_boxes
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.private import place
 from xla_ckpt.restore.result import RestoreStats
@@ -97,12 +97,14 @@ def _state_tree(saved: SavedTensors, mine: RankRequests, map_location: MapLocati
 
 def move_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: RankRequests, *,
                strategy: str, storage_config: StorageConfig | None, bucket_size_bytes: int,
-               what: str, stats: RestoreStats) -> None:
+               what: str, stats: RestoreStats, flat: FlatExchange | None = None) -> None:
     """Every rank: fill ``mine``'s boxes with ``strategy``, adding to ``stats``.
 
     ``all_ranks``: each rank reads its own; ``striped``: each box fetched once per job, the
     reads balanced over its holders, rows exchanged (:mod:`xla_ckpt.restore.box_striped`);
     ``broadcast``: rank 0 reads and sends (:mod:`xla_ckpt.restore.box_broadcast`).
+    ``flat``: striped, for boxes every rank requests alike in one flat buffer per member
+    (the replicated state's blobs, :mod:`xla_ckpt.restore.blobs`).
 
     Raises:
         DistributedError: on every rank when a read or exchange failed somewhere.
@@ -110,7 +112,7 @@ def move_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: RankRe
     t0 = time.perf_counter()
     if strategy == STRIPED:
         striped_boxes(decision, dist, saved, mine, storage_config, bucket_size_bytes, what,
-                      stats)
+                      stats, flat)
     elif strategy == BROADCAST:
         BoxBroadcast(decision, dist, saved, mine, storage_config, bucket_size_bytes, what,
                      stats).run()
