@@ -122,7 +122,7 @@ def _traffic(proxy: FaultProxy) -> dict[str, Any]:
 _RESULTS: dict[tuple, dict[str, Any]] = {}
 
 
-def _run(pools, gcs_emulator, topo: str, label: str, *, zero: str = "none",
+def _run(pools, gcs_emulator, topo: str, label: str, *, zero: str = "os",
          kind: str = "mixed", **kw: Any) -> dict[str, Any]:
     """Restore plan ``label`` on ``topo`` through a fresh proxy (cached per arguments)."""
     key = (topo, label, zero, kind, tuple(sorted(kw.items())))
@@ -174,10 +174,17 @@ def _check_accounting(run: dict[str, Any], topo: str) -> None:
 @pytest.mark.parametrize("topo", list(TOPOLOGIES))
 def test_every_plan_gives_every_rank_the_saved_state_bitwise(pools, gcs_emulator, topo):
     world, hosts = TOPOLOGIES[topo]
-    ref = _run(pools, gcs_emulator, topo, "all_ranks_private")["values"]
+    ref = _run(pools, gcs_emulator, topo, "all_ranks_private", zero="none")["values"]
     assert [v["differs"] for v in ref] == [""] * world
-    for label, _, _ in RUNS:
-        vals = _run(pools, gcs_emulator, topo, label)["values"]
+    for label, _, _ in RUNS:  # zero_sharding="none": every rank gets the whole ZeRO tensor
+        run = _run(pools, gcs_emulator, topo, label, zero="none")
+        vals = run["values"]
+        if label.startswith("striped"):  # ... fetched once per job, like the state
+            m = run["manifest"]
+            items = sum(m.item(n).nbytes for n in m.items if n.startswith("rank/"))
+            flat = sum(m.item(n).nbytes for n in m.items if n.startswith("shard/"))
+            assert flat == SW.FLAT_NUMEL * 4
+            assert sum(run["traffic"]["data"].values()) == m.item("state").nbytes + items + flat
         for r, (v, want) in enumerate(zip(vals, ref, strict=True)):
             assert v["differs"] == "", (label, r, v["differs"])
             assert v["digest"] == want["digest"], (label, r)
@@ -227,7 +234,7 @@ def test_striped_fetches_the_state_once_per_job(pools, gcs_emulator, topo, label
     _check_accounting(run, topo)
     m = run["manifest"]
     state = m.item("state").nbytes
-    private = _private(m, world, "none")
+    private = _private(m, world, "os")
     data = run["traffic"]["data"]
     # 1.00x: the state item's bytes once, plus each rank's own bytes; nothing twice
     assert sum(data.values()) == state + sum(private)
@@ -263,7 +270,7 @@ def test_per_host_fetches_the_state_once_per_host(pools, gcs_emulator, topo, lab
     _check_accounting(run, topo)
     m = run["manifest"]
     state = m.item("state").nbytes
-    private = _private(m, world, "none")
+    private = _private(m, world, "os")
     vals = run["values"]
     for h, ranks in enumerate(_hosts(topo)):
         assert run["traffic"]["data"][host_address(h)] == state + sum(private[r] for r in ranks)
@@ -281,7 +288,7 @@ def test_every_rank_reading_fetches_ranks_per_host_times(pools, gcs_emulator, to
     _check_accounting(run, topo)
     m = run["manifest"]
     state = m.item("state").nbytes
-    private = _private(m, world, "none")
+    private = _private(m, world, "os")
     for h, ranks in enumerate(_hosts(topo)):
         assert run["traffic"]["data"][host_address(h)] == \
             len(ranks) * state + sum(private[r] for r in ranks)
@@ -367,7 +374,7 @@ def test_per_host_falls_back_when_a_rank_cannot_open_the_segment(pools, gcs_emul
     run = _run(pools, gcs_emulator, topo, "per_host", cannot_open_rank=3)
     m = run["manifest"]
     state = m.item("state").nbytes
-    private = _private(m, world, "none")
+    private = _private(m, world, "os")
     ref = _run(pools, gcs_emulator, topo, "all_ranks_private")["values"]
     for r, v in enumerate(run["values"]):
         assert v["differs"] == "" and v["digest"] == ref[r]["digest"]
@@ -385,7 +392,7 @@ def test_striped_without_a_shared_segment_still_fetches_each_byte_once(pools, gc
     run = _run(pools, gcs_emulator, topo, "striped", cannot_open_rank=5)
     m = run["manifest"]
     state = m.item("state").nbytes
-    private = _private(m, world, "none")
+    private = _private(m, world, "os")
     ref = _run(pools, gcs_emulator, topo, "all_ranks_private")["values"]
     for r, v in enumerate(run["values"]):
         assert v["differs"] == "" and v["digest"] == ref[r]["digest"]
@@ -400,7 +407,7 @@ def test_striped_without_host_memory_still_balances_the_host_links(pools, gcs_em
     run = _run(pools, gcs_emulator, topo, "striped_private")
     m = run["manifest"]
     state = m.item("state").nbytes
-    private = _private(m, world, "none")
+    private = _private(m, world, "os")
     per_host = [run["traffic"]["data"].get(host_address(h), 0) - sum(private[r] for r in ranks)
                 for h, ranks in enumerate(_hosts(topo))]
     assert sum(per_host) == state

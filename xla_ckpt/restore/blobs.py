@@ -177,8 +177,8 @@ class _Blobs:
             BoxRequest(b, Box((0,), (n,)), self.flat[o:o + n], fresh=True)
             for b, (o, n) in enumerate(zip(self.offsets, self.sizes, strict=True))]
         mine = RankRequests([], reqs, {}, [], [None] * len(reqs))
-        kw: dict[str, Any] = {"storage_config": self.storage_config, "what": what, "stats": self.stats,
-              "bucket_size_bytes": self.bucket_size_bytes}
+        kw: dict[str, Any] = {"storage_config": self.storage_config, "what": what,
+                              "stats": self.stats, "bucket_size_bytes": self.bucket_size_bytes}
         t0 = time.perf_counter()
         if plan == STRIPED:
             member = list(range(dist.world_size))

@@ -17,7 +17,9 @@ reads balanced by :mod:`xla_ckpt.restore.assign`, the rows exchanged) and ``broa
 blobs, which every rank wants alike, are boxes too (:mod:`xla_ckpt.restore.blobs`), with
 host shared memory as an option of the mover: the ranks of a host hold one sealed copy
 that every rank maps (``per_host``: each host's leader reads it).  The per-rank boxes are
-read by their own rank (``broadcast``: rank 0 reads and sends each its own).  Typed values
+read by their own rank (``broadcast``: rank 0 reads and sends each its own; ``striped``: a
+box several ranks want, a whole ZeRO tensor under ``zero_sharding="none"``, is fetched once
+per job and exchanged).  Typed values
 (non-tensor state) come from the manifest.
 
 Every figure goes into the one :class:`~xla_ckpt.restore.result.RestoreStats` of the attempt.
@@ -73,7 +75,9 @@ def run_plan(decision: Decision, dist: Dist, plans: list[RankPlan], name: str,
     # the same on every rank: the plans come from the manifest alone
     any_private = any(p.rank_item is not None or p.shards or p.remap_items for p in plans)
     mine = RankRequests([], private.requests, {}, [], [None] * len(private.requests))
-    how = BROADCAST if name == BROADCAST else ALL_RANKS  # private boxes: own reads, or rank 0
+    # private boxes: own reads (a box one rank wants), rank 0's (broadcast), or, striped,
+    # read once per job by one of the ranks that want it (zero_sharding="none", remap)
+    how = box_strategy(name)
     if as_boxes:
         stats = RestoreStats(plan=box_strategy(name))
         state = restore_into(decision, dist, saved=saved, into=into, strategy=box_strategy(name),
