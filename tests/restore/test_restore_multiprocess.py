@@ -7,6 +7,7 @@ tests that kill a rank start their own.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import restore_workers as W
@@ -240,6 +241,28 @@ def test_host_shared_memory_two_hosts_leaders_receive_members_map(pool, hs_check
     assert got[1]["received"] < state_bytes and got[3]["received"] < state_bytes
     shard = [v["shards"]["exp_avg"] for v in got]
     assert len(set(shard)) == WORLD  # each rank its own ZeRO partition
+
+
+def test_a_read_error_on_two_hosts_reaches_every_rank_naming_rank_0(pool, hs_checkpoint,
+                                                                    tmp_path):
+    # broadcast through host memory on 2 hosts: rank 0 reads, host 1's leader receives over
+    # the leaders' subgroup.  A corrupt byte fails rank 0's read; the members that wait
+    # outside the subgroup must get the same error at once (not the 62 s collective
+    # timeout), naming the job's rank 0, not a subgroup rank.
+    bad = str(tmp_path / "bad")
+    shutil.copytree(hs_checkpoint, bad)
+    (name,) = [n for n in os.listdir(bad) if n.endswith("-state.safetensors")]
+    path = os.path.join(bad, name)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    got = errors(pool.run(W.host_share_restore, bad, True, 2, timeout_s=45))
+    assert len(got) == WORLD
+    for e in got:
+        assert type(e) is DistributedError and set(e.failures) == {0}, e
+        assert e.failures[0].startswith("IntegrityError: ") and "of 4" in str(e), e
 
 
 def test_host_shared_memory_falls_back_when_a_rank_cannot_open(pool, hs_checkpoint):

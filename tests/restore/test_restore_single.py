@@ -141,6 +141,19 @@ def test_single_process_round_trip(tmp_path, strategy):
     assert torch.equal(r.shards["m"], torch.arange(3.0))
 
 
+@pytest.mark.parametrize("strategy", ["all_ranks", "striped"])
+def test_each_restored_tensor_keeps_only_its_own_blob_alive(tmp_path, strategy):
+    # Without host shared memory every blob has a buffer of its own: keeping the model's
+    # weights must not keep the optimizer state (or anything else) alive.
+    state = {"model": {"w": torch.randn(1000)}, "optim": {"exp_avg": torch.randn(1 << 20)}}
+    save(state, str(tmp_path / "c"))
+    r = restore(str(tmp_path / "c"), dist=SingleProcess(), strategy=strategy)
+    w, exp_avg = r.state["model"]["w"], r.state["optim"]["exp_avg"]
+    assert w.untyped_storage().nbytes() == 4000
+    assert w.untyped_storage().data_ptr() != exp_avg.untyped_storage().data_ptr()
+    assert_state_identical(r.state, state)
+
+
 def test_nothing_to_restore(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint here"):
         restore(str(tmp_path), dist=SingleProcess())

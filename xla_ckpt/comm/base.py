@@ -234,6 +234,45 @@ class Dist(abc.ABC):
         self.agree(error, what)
         return result
 
+    def run_on_subgroup(self, group: "Dist | None", ranks: Sequence[int],
+                        fn: Callable[["Dist"], T], what: str) -> T | None:
+        """Every rank of this job calls it: ``fn(group)`` runs on the members of ``group`` (a
+        subgroup whose rank ``i`` is this job's rank ``ranks[i]``; None on the other ranks,
+        which wait), then one agreement of the whole job.
+
+        A failure reaches every rank of the job naming the job's ranks: an exception on a
+        member, or a :class:`DistributedError` the subgroup raised on its members (its
+        ``failures`` name subgroup ranks: they are mapped to the job's).
+
+        Returns:
+            ``fn``'s value on a member, None elsewhere.
+
+        Raises:
+            DistributedError: on every rank when ``fn`` failed somewhere.
+            CollectiveTimeoutError: the job's agreement did not complete.
+        """
+        failed: dict[int, str] = {}
+        error: BaseException | None = None
+        result: T | None = None
+        if group is not None:
+            try:
+                result = fn(group)
+            except DistributedError as e:  # every member got it: name the job's ranks
+                error = e
+                failed = {int(ranks[int(r)]): c for r, c in e.failures.items()} or \
+                    {self.rank: describe_error(e)}
+            except Exception as e:  # noqa: BLE001 - reported to every rank just below
+                error = e
+                failed = {self.rank: describe_error(e)}
+        failures: dict[int, str] = {}
+        for part in self.exchange({str(r): c for r, c in failed.items()}):
+            failures.update({int(r): c for r, c in part.items()})
+        if failures:
+            shown = ", ".join(str(r) for r in sorted(failures))
+            raise DistributedError(f"{what} failed on rank(s) {shown} of {self.world_size} "
+                                   f"(reported on rank {self.rank})", failures) from error
+        return result
+
     # ---- tensors (data plane) -------------------------------------------------------
     def _check_layout(self, sizes: Sequence[int], src: int, what: str) -> None:
         """Raise on every rank unless every rank passed tensors of ``src``'s byte sizes."""

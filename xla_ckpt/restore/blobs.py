@@ -6,8 +6,9 @@ uint8, shape ``(length,)``, one saved chunk (its own bytes, crc32c-checked as ev
 so every plan moves them with the one box mover,
 :func:`~xla_ckpt.restore.sharded.move_boxes`, and :func:`~xla_ckpt.format.plan.
 materialize_item` rebuilds the tensors from the blobs (aliasing, strides, dtypes and empty
-tensors as saved).  The blobs of a rank's copy are views of one flat buffer in the layout
-of :func:`~xla_ckpt.comm.host_memory.segment_layout`.
+tensors as saved).  Without host memory each blob has a buffer of its own (the tensors of
+one keep no other alive); a host's copy is one memfd segment in the layout of
+:func:`~xla_ckpt.comm.host_memory.segment_layout`.
 
 **Host shared memory** (``restore.host_shared_memory``, the default; negotiated by
 :mod:`xla_ckpt.restore.host_share`, every rank falling back to a copy of its own when any
@@ -48,8 +49,7 @@ from xla_ckpt.comm.host_memory import ALIGN_BYTES, WritableMapping, map_private,
 from xla_ckpt.format.chunks import Box, ChunkRecord, GlobalTensor
 from xla_ckpt.format.manifest import Item, Manifest, TensorRecord
 from xla_ckpt.format.plan import MapLocation, materialize_item
-from xla_ckpt.io.buffers import host_buffer
-from xla_ckpt.io.chunked import BoxRequest
+from xla_ckpt.io.chunked import BoxRequest, fresh_tensor
 from xla_ckpt.restore.box_striped import FlatExchange, plan_blocks, unit_rows
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.host_share import HostShare, negotiate
@@ -148,7 +148,7 @@ class _Blobs:
         self.storage_config, self.bucket_size_bytes = storage_config, bucket_size_bytes
         self.offsets, self.data_bytes = segment_layout(sizes)
         self.mapping: WritableMapping | None = None
-        self.flat: torch.Tensor | None = None
+        self.bufs: list[torch.Tensor] | None = None  # this rank's destination of each blob
         self.leader = share is not None and share.segment is not None
         self._prefault: threading.Thread | None = None
 
@@ -159,7 +159,7 @@ class _Blobs:
 
     def close(self) -> None:
         self._join_prefault()
-        self.flat = None
+        self.bufs = None
         if self.mapping is not None:
             self.mapping.close(strict=False)
             self.mapping = None
@@ -173,39 +173,39 @@ class _Blobs:
             plan == PER_HOST or len(share.hosts) > 1 or dist.rank == 0))
         self._allocate(fills)
         saved = blob_tensors(self.decision.manifest, self.item)
-        reqs = [] if self.flat is None else [
-            BoxRequest(b, Box((0,), (n,)), self.flat[o:o + n], fresh=True)
-            for b, (o, n) in enumerate(zip(self.offsets, self.sizes, strict=True))]
+        reqs = [BoxRequest(b, Box((0,), (int(t.numel()),)), t, fresh=True)
+                for b, t in enumerate(self.bufs or [])]
         mine = RankRequests([], reqs, {}, [], [None] * len(reqs))
         kw: dict[str, Any] = {"storage_config": self.storage_config, "what": what,
                               "stats": self.stats, "bucket_size_bytes": self.bucket_size_bytes}
         t0 = time.perf_counter()
         if plan == STRIPED:
-            member = list(range(dist.world_size))
-            group: Dist | None = dist
-            if share is not None:
+            flat = None  # without host memory: each rank's rows to every other rank
+            if share is not None:  # the leaders all-gather their host's rows of its segment
                 member = [k for r in range(dist.world_size)
                           for k, h in enumerate(share.hosts) if r in h]
                 group = share.leaders_dist  # None off the leaders, or with one host
-            move_boxes(self.decision, dist, saved, mine, strategy=STRIPED,
-                       flat=FlatExchange(group, member, self.flat if group is not None
-                                         else None, self.offsets, ALIGN_BYTES), **kw)
+                flat = FlatExchange(group, member, None if group is None or self.mapping is None
+                                    else self.mapping.data, self.offsets, ALIGN_BYTES,
+                                    share.leaders)
+            move_boxes(self.decision, dist, saved, mine, strategy=STRIPED, flat=flat, **kw)
+            flat = None  # its view of the segment: gone before the seal
         elif plan == BROADCAST and (share is None or len(share.hosts) > 1):
-            leaders = dist if share is None else share.leaders_dist
-            # rank 0 reads and sends; with host memory to the other hosts' leaders only
-            dist.run_collectively(
-                lambda: move_boxes(self.decision, leaders, saved, mine, strategy=BROADCAST,
-                                   **kw) if leaders is not None else None,
-                f"{what}: rank 0 reads and sends the state" +
-                ("" if share is None else " to the hosts' leaders"))
+            if share is None:  # rank 0 reads and sends to every rank
+                move_boxes(self.decision, dist, saved, mine, strategy=BROADCAST, **kw)
+            else:  # ... to the other hosts' leaders; the other ranks wait for the outcome
+                dist.run_on_subgroup(
+                    share.leaders_dist, share.leaders,
+                    lambda leaders: move_boxes(self.decision, leaders, saved, mine,
+                                               strategy=BROADCAST, **kw),
+                    f"{what}: rank 0 reads and sends the state to the hosts' leaders")
         else:  # each rank that fills a copy reads it (per_host, all_ranks, one host)
             move_boxes(self.decision, dist, saved, mine, strategy=ALL_RANKS, **kw)
         self.stats.read_seconds = time.perf_counter() - t0
         if share is None:
-            assert self.flat is not None  # every rank filled its own
-            flat, self.flat = self.flat, None
-            return {b: flat[o:o + n] for b, (o, n) in
-                    enumerate(zip(self.offsets, self.sizes, strict=True))}
+            assert self.bufs is not None  # every rank filled its own
+            bufs, self.bufs = self.bufs, None
+            return dict(enumerate(bufs))
         return self._seal_and_map(share, mine)
 
     def _allocate(self, fills: bool) -> None:
@@ -213,8 +213,8 @@ class _Blobs:
         mapped writable by the ranks that fill it (two steps: sized before any rank maps)."""
         dist, share, what = self.dist, self.share, self.what
         if share is None:
-            def own() -> None:
-                self.flat = host_buffer(self.data_bytes)
+            def own() -> None:  # one buffer per blob: the tensors of one keep no other alive
+                self.bufs = [fresh_tensor((n,), torch.uint8) for n in self.sizes]
 
             dist.run_collectively(own, f"{what}: allocate the state's destination")
             return
@@ -225,7 +225,7 @@ class _Blobs:
             if not fills:
                 return
             self.mapping = WritableMapping(share.copy_fd(), self.sizes)
-            self.flat = self.mapping.data
+            self.bufs = self.mapping.views
             if self.leader and len(share.hosts) > 1:
                 # other hosts' bytes land in it: fault its pages in while the reads wait on
                 # the network (measured: first touches made the exchange 2-3x slower)
@@ -241,7 +241,7 @@ class _Blobs:
 
         def unmap() -> None:
             self._join_prefault()
-            self.flat = None
+            self.bufs = None
             if self.mapping is not None:
                 self.mapping.close()
                 self.mapping = None

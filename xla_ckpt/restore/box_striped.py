@@ -57,6 +57,9 @@ class FlatExchange:
         flat: the buffer ``group``'s member sends from and receives into (None off the group).
         offsets: request index -> the byte offset of its ``out`` in ``flat``.
         align: the alignment of every box's start in ``flat`` (bytes).
+        leaders: when ``group`` is a subgroup (the host leaders'), the job's rank of each of
+            its ranks (a failure there reaches every rank of the job naming them,
+            :meth:`~xla_ckpt.comm.base.Dist.run_on_subgroup`); None when it is the job.
     """
 
     group: Dist | None
@@ -64,6 +67,7 @@ class FlatExchange:
     flat: torch.Tensor | None
     offsets: list[int]
     align: int
+    leaders: list[int] | None = None
 
 
 def flat_ranges(reads: dict[int, list[_Block]], sizes: list[int], ex: FlatExchange,
@@ -255,11 +259,16 @@ def striped_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: Ran
 
     stats.bytes_read += dist.run_collectively(read_mine, f"{what}: read this rank's rows")
     if flat is not None:
-        stats.bytes_received += dist.run_collectively(
-            lambda: _exchange_flat(flat, reads, [r.out.numel() for r in mine.requests],
-                                   bucket_size_bytes),
-            f"{what}: exchange rows between " + ("hosts" if flat.group is not dist else
-                                                 "ranks"))
+        sizes = [r.out.numel() for r in mine.requests]
+        if flat.leaders is None:  # every rank a member: the job's own all-gather
+            stats.bytes_received += dist.run_collectively(
+                lambda: _exchange_flat(flat, reads, sizes, bucket_size_bytes),
+                f"{what}: exchange rows between ranks")
+        else:  # the host leaders' subgroup; the other ranks wait for its outcome
+            stats.bytes_received += dist.run_on_subgroup(
+                flat.group, flat.leaders,
+                lambda _group: _exchange_flat(flat, reads, sizes, bucket_size_bytes),
+                f"{what}: exchange rows between hosts") or 0
         return
     pairs: dict[tuple[int, int], list[tuple[_Block, _Block]]] = {}
     for block, others in sends:
