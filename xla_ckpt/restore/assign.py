@@ -1,9 +1,9 @@
 """Who reads which bytes: the one balanced assignment of every plan that splits a read.
 
-The striped plans (the replicated item's blobs, :mod:`xla_ckpt.restore.striped`; boxes of
-live targets, :mod:`xla_ckpt.restore.box_striped`) cut what the job needs into *pieces* (whole
+The striped plan (:mod:`xla_ckpt.restore.box_striped`: boxes of live targets and the
+replicated item's blobs alike) cuts what the job needs into *pieces* (whole
 crc32c chunks, small whole blobs, or runs of them, so every byte is checked by the rank that
-fetches it) and give each piece to one reader, so each byte is fetched once per job.
+fetches it) and gives each piece to one reader, so each byte is fetched once per job.
 :func:`balance` decides, over the pieces' concatenated byte space, whatever their sizes and
 order:
 
