@@ -305,4 +305,7 @@ def test_every_rank_gets_the_same_note(tmp_path):
         for g in got:  # the restore's own text says which rank reports it; the note is one
             kind, msg = g[what]
             assert kind == "DistributedError" and msg.endswith(hint(root, 10, [12])), msg
-            assert "failed on rank(s) 0, 1 of 2" in msg
+            # one host: its leader (rank 0) reads the one shared copy, so it alone meets the
+            # truncated file, and rank 1 gets rank 0's error, named
+            assert "failed on rank(s) 0 of 2" in msg, msg
+            assert "[rank 0: CheckpointCorruptError:" in msg and "(truncated)" in msg, msg

@@ -285,7 +285,8 @@ class Dist(abc.ABC):
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int = 0,
                           bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES, *,
                           wait_on_src: Callable[[int], None] | None = None,
-                          check_layout: bool = True) -> int:
+                          check_layout: bool = True,
+                          staging: torch.Tensor | None = None) -> int:
         """Copy ``src``'s tensors into the preallocated tensors of every other rank.
 
         Every rank passes the same number of contiguous tensors with the same
@@ -303,6 +304,10 @@ class Dist(abc.ABC):
         are already travelling: before sending a bucket, ``src`` calls
         ``wait_on_src(i)`` with the highest tensor index the bucket needs,
         which returns once tensors ``0..i`` hold their data.
+
+        ``staging`` (uint8, on :attr:`data_device`, at least ``bucket_size_bytes``) is the
+        staging bucket to pack into, for callers that broadcast in several calls: one
+        buffer reused keeps the allocator from holding one freed bucket per call.
 
         Returns:
             Bytes moved (the sum of the tensors' sizes).
@@ -322,7 +327,9 @@ class Dist(abc.ABC):
         plan = plan_buckets(sizes, bucket_size_bytes)
         staged_all = any(v.device != dev for v in views)
         need = max((b.nbytes for b in plan), default=0) if staged_all else max_staging_bytes(plan)
-        staging: torch.Tensor | None = None
+        if staging is not None and (staging.numel() < need or staging.device != dev):
+            raise ValueError(f"broadcast_tensors: the staging buffer has {staging.numel()} "
+                             f"bytes on {staging.device}; this plan needs {need} on {dev}")
         is_src = self.rank == src
         t0 = time.perf_counter()
         for b in plan:

@@ -94,6 +94,7 @@ class BoxBroadcast:
         self.decision, self.dist, self.saved, self.mine = decision, dist, saved, mine
         self.storage_config, self.what, self.stats = storage_config, what, stats
         self.bucket_size_bytes = bucket_size_bytes
+        self._staging: torch.Tensor | None = None  # one staging bucket for every round
         self.unit_rows = unit_rows(saved)
         # point to point: each rank's share of a round, so rank 0 holds about one bucket
         self.budget = max(bucket_size_bytes // max(dist.world_size - 1, 1),
@@ -127,6 +128,8 @@ class BoxBroadcast:
                 batches = _batches(self._pieces(every[0]), self.bucket_size_bytes)
                 staged = [self._outputs(b) for b in batches]
                 rounds = len(batches)
+                self._staging = torch.empty(self.bucket_size_bytes, dtype=torch.uint8,
+                                            device=dist.data_device) if rounds > 1 else None
                 self._pipeline(rounds, reader,
                                lambda k, rd: self._read_into_own(rd, batches[k], staged[k][0]),
                                lambda k, _got: self._broadcast_round(batches[k], staged[k]))
@@ -219,7 +222,8 @@ class BoxBroadcast:
         if self.dist.rank:  # rank 0's own were read in place (_read_into_own)
             self.mine.touch(sorted({p.index for p in batch}))
         n = self.dist.broadcast_tensors(outs, src=0, bucket_size_bytes=self.bucket_size_bytes,
-                                        check_layout=False)  # every rank planned the same batch
+                                        check_layout=False,  # every rank planned the same batch
+                                        staging=self._staging)
         if self.dist.rank:
             self.stats.bytes_received += n
         copy_back()
