@@ -363,6 +363,73 @@ def test_requests_that_do_not_fit_are_refused(tmp_path):
         reader.storage.close()
 
 
+def test_a_file_destination_gets_only_checked_bytes_at_its_offsets(tmp_path):
+    """``BoxRequest.file``: how one reader fills host shared memory (a memfd) with pwrite."""
+    import os
+
+    from xla_ckpt.restore.blobs import blob_tensors
+    from xla_ckpt.restore.targets import read_requests
+
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(1_500_000, generator=g),  # 6 MB: two crc32c chunks
+             "small": [torch.randn(n, generator=g) for n in (1, 7, 300)],
+             "empty": torch.empty(0), "step": 4}
+    uri = str(tmp_path / "ck")
+    xla_ckpt.save(state, uri)
+    m = CheckpointReader.open(uri).manifest
+    saved = blob_tensors(m, STATE_ITEM)
+    sizes = [gt.shape[0] for gt in saved.globals]
+    assert max(sizes) > 4 * 2**20
+    base = 4096  # the data starts past a header, as in a host-memory segment
+    at = [base + sum(sizes[:b]) + 64 * b for b in range(len(sizes))]
+
+    def read(fd: int) -> None:
+        reader = CheckpointReader(open_storage(uri), saved.manifest)
+        try:
+            read_requests(reader, saved, [
+                BoxRequest(b, Box((0,), (n,)), torch.empty(n, dtype=torch.uint8), fresh=True,
+                           file=(fd, at[b])) for b, n in enumerate(sizes)])
+        finally:
+            reader.storage.close()
+
+    fd = os.memfd_create("xla_ckpt-test")
+    try:
+        os.ftruncate(fd, at[-1] + sizes[-1])
+        read(fd)
+        outs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        reader = CheckpointReader(open_storage(uri), saved.manifest)
+        read_requests(reader, saved, [BoxRequest(b, Box((0,), (n,)), o, fresh=True)
+                                      for b, (n, o) in enumerate(zip(sizes, outs, strict=True))])
+        reader.storage.close()
+        for b, n in enumerate(sizes):  # the same bytes as read into tensors, where asked
+            assert os.pread(fd, n, at[b]) == outs[b].numpy().tobytes(), b
+        assert os.pread(fd, 4096, 0) == bytes(4096)  # nothing outside the offsets
+    finally:
+        os.close(fd)
+    big = max(range(len(sizes)), key=lambda b: sizes[b])
+    blob = m.item(STATE_ITEM).blobs[big]
+    _flip(uri, blob.file, blob.offset + 4 * 2**20 + 9)  # the big blob's second crc32c chunk
+    fd = os.memfd_create("xla_ckpt-test")
+    try:
+        os.ftruncate(fd, at[-1] + sizes[-1])
+        with pytest.raises(IntegrityError, match="crc32c mismatch"):
+            read(fd)
+        second = os.pread(fd, sizes[big] - 4 * 2**20, at[big] + 4 * 2**20)
+        assert second == bytes(len(second))  # no unchecked byte reached the file
+    finally:
+        os.close(fd)
+    plain = str(tmp_path / "plain")
+    write_chunked(plain, {"w": torch.ones(4, 4)}, {}, world=1)
+    reader = CheckpointReader.open(plain)
+    try:
+        with pytest.raises(ValueError, match=r"state\['w'\]: a file destination takes a 1-D "
+                                             r"uint8 box \(a blob\), got torch.float32\[2, 4\]"):
+            reader.read_boxes([BoxRequest(0, Box((0, 0), (2, 4)), torch.zeros(2, 4),
+                                          file=(0, 0))])
+    finally:
+        reader.storage.close()
+
+
 def test_inspect_and_verify_show_a_v2_checkpoint(tmp_path, capsys):
     uri = str(tmp_path / "ck")
     write_chunked(uri, model_state(), model_layout(), world=4)

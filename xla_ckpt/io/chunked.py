@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -94,12 +95,19 @@ class BoxRequest:
             assembled), so a crc32c failure in bytes read straight into it is a plain
             :class:`~xla_ckpt.errors.IntegrityError`, not a
             :class:`~xla_ckpt.errors.PartiallyOverwrittenError`.
+        file: ``(fd, offset)``: write the checked bytes into the open file ``fd`` at byte
+            ``offset`` (where ``out``'s first byte would be) with ``os.pwrite``, not into
+            ``out``, which then only gives the shape and dtype (1-D uint8 requests only:
+            blobs).  A memfd or tmpfs file the kernel fills on ``write`` gets its pages
+            without zeroing them first or a page fault each, which is what writing into a
+            fresh mapping of it costs (host shared memory filled by one reader).
     """
 
     tensor: int
     box: Box
     out: torch.Tensor
     fresh: bool = False
+    file: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +186,9 @@ def _check_requests(manifest: Manifest, requests: Sequence[BoxRequest]) -> None:
                    if isinstance(out, torch.Tensor) else type(out).__name__)
             raise ValueError(f"box request for {gt.key}: out must be a strided CPU "
                              f"{gt.dtype} tensor of shape {list(box.sizes)} (the box), got {got}")
+        if r.file is not None and (out.dim() != 1 or out.dtype != torch.uint8):
+            raise ValueError(f"box request for {gt.key}: a file destination takes a 1-D uint8 "
+                             f"box (a blob), got {out.dtype}{list(out.shape)}")
         if len(box.offsets) != len(gt.shape) or len(box.sizes) != len(gt.shape) \
                 or any(o < 0 or s < 0 or o + s > n
                        for o, s, n in zip(box.offsets, box.sizes, gt.shape, strict=True)):
@@ -323,6 +334,8 @@ def _direct_part(rng: _Range, requests: Sequence[BoxRequest], views: dict[int, m
     cp = rng.copies[0]
     req = requests[cp.request]
     out = req.out
+    if req.file is not None:  # written with pwrite from a checked staging buffer
+        return None
     isz = itemsize(out.dtype)
     # A blob without per-chunk crc32c (one no longer than a crc32c chunk) is one chunk: its
     # whole-blob crc32c checks it, so a copy that is the whole blob goes in place too.
@@ -489,7 +502,23 @@ def _copy_out(requests: Sequence[BoxRequest], seg: _Segment, buf: torch.Tensor) 
             src = src.view(sub.sizes)[part.slices(within=sub)]
             glob = Box(tuple(o + c for o, c in zip(part.offsets, chunk.offsets, strict=True)),
                        part.sizes)
+            if req.file is not None:  # 1-D uint8: one contiguous run of the file
+                fd, base = req.file
+                _pwrite_all(fd, src, base + glob.offsets[0] - req.box.offsets[0])
+                continue
             req.out[glob.slices(within=req.box)].copy_(src)
+
+
+def _pwrite_all(fd: int, src: torch.Tensor, offset: int) -> None:
+    """Write contiguous uint8 ``src`` into ``fd`` at byte ``offset`` (short writes resumed).
+
+    Raises:
+        OSError: the write failed (a full tmpfs or memfd: ENOSPC / ENOMEM).
+    """
+    view = tensor_bytes(src.contiguous())
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _strides(sizes: tuple[int, ...]) -> tuple[int, ...]:

@@ -45,7 +45,13 @@ from typing import Any
 import torch
 
 from xla_ckpt.comm.base import Dist
-from xla_ckpt.comm.host_memory import ALIGN_BYTES, WritableMapping, map_private, segment_layout
+from xla_ckpt.comm.host_memory import (
+    ALIGN_BYTES,
+    HEADER_BYTES,
+    WritableMapping,
+    map_private,
+    segment_layout,
+)
 from xla_ckpt.format.chunks import Box, ChunkRecord, GlobalTensor
 from xla_ckpt.format.manifest import Item, Manifest, TensorRecord
 from xla_ckpt.format.plan import MapLocation, materialize_item
@@ -171,9 +177,15 @@ class _Blobs:
         # who fills a copy: every rank (its own, or its share of its host's), or the leaders
         fills = share is None or plan == STRIPED or (self.leader and (
             plan == PER_HOST or len(share.hosts) > 1 or dist.rank == 0))
-        self._allocate(fills)
+        self._allocate(fills, plan)
         saved = blob_tensors(self.decision.manifest, self.item)
-        reqs = [BoxRequest(b, Box((0,), (int(t.numel()),)), t, fresh=True)
+        # one reader fills its host's copy (per_host, all_ranks, broadcast on one host):
+        # checked bytes go in with pwrite, no page of the segment faulted or zeroed first
+        sink = None
+        if self.mapping is not None and share is not None and self._reads_alone(plan, share):
+            sink = share.copy_fd()
+        reqs = [BoxRequest(b, Box((0,), (int(t.numel()),)), t, fresh=True,
+                           file=None if sink is None else (sink, HEADER_BYTES + self.offsets[b]))
                 for b, t in enumerate(self.bufs or [])]
         mine = RankRequests([], reqs, {}, [], [None] * len(reqs))
         kw: dict[str, Any] = {"storage_config": self.storage_config, "what": what,
@@ -208,7 +220,13 @@ class _Blobs:
             return dict(enumerate(bufs))
         return self._seal_and_map(share, mine)
 
-    def _allocate(self, fills: bool) -> None:
+    @staticmethod
+    def _reads_alone(plan: str, share: HostShare) -> bool:
+        """Whether the one rank that fills its host's copy reads all of it from storage (no
+        other rank writes into it, nothing arrives over a collective)."""
+        return plan != STRIPED and not (plan == BROADCAST and len(share.hosts) > 1)
+
+    def _allocate(self, fills: bool, plan: str) -> None:
         """This rank's copy, or (host memory) its host's segment sized by the leader, then
         mapped writable by the ranks that fill it (two steps: sized before any rank maps)."""
         dist, share, what = self.dist, self.share, self.what
@@ -226,7 +244,7 @@ class _Blobs:
                 return
             self.mapping = WritableMapping(share.copy_fd(), self.sizes)
             self.bufs = self.mapping.views
-            if self.leader and len(share.hosts) > 1:
+            if self.leader and len(share.hosts) > 1 and not self._reads_alone(plan, share):
                 # other hosts' bytes land in it: fault its pages in while the reads wait on
                 # the network (measured: first touches made the exchange 2-3x slower)
                 self._prefault = threading.Thread(target=self.mapping.prefault,

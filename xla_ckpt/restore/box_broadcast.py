@@ -37,6 +37,12 @@ MIN_ROUND_BYTES_PER_RANK = 64 * 1024
 ``bucket_size_bytes`` on rank 0) is at least this many bytes (64 KiB), so many ranks do not
 make the rounds tiny."""
 
+REPLICATED_ROUNDS = 8
+"""Broadcast strategy, every rank filling the same boxes: the state moves in about this
+many rounds (each at least ``bucket_size_bytes``).  Rank 0 reads straight into its own
+destinations, so a round's size costs no memory; rounds only overlap rank 0's read of the
+next with the broadcast of this one, and each costs one agreement."""
+
 
 @dataclass(frozen=True)
 class _Piece:
@@ -125,7 +131,10 @@ class BoxBroadcast:
         try:
             reader = dist.run_collectively(open_reader, f"{what}: rank 0 opens the checkpoint")
             if replicated:  # every rank fills the same boxes: one broadcast carries them
-                batches = _batches(self._pieces(every[0]), self.bucket_size_bytes)
+                pieces = self._pieces(every[0])
+                total = sum(p.nbytes for p in pieces)
+                batches = _batches(pieces, max(self.bucket_size_bytes,
+                                               -(-total // REPLICATED_ROUNDS)))
                 staged = [self._outputs(b) for b in batches]
                 rounds = len(batches)
                 self._staging = torch.empty(self.bucket_size_bytes, dtype=torch.uint8,
