@@ -60,6 +60,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -319,6 +320,7 @@ def main() -> None:
         pool.close()
         if emu is not None:
             emu.__exit__(None, None, None)
+        shutil.rmtree(tmp, ignore_errors=True)  # two copies of the state: 1 GiB at 512 MiB
     for m, line in results.items():
         for peer in ("broadcast_object_list", "per_tensor_broadcast", "xla_ckpt_broadcast",
                      "xla_ckpt_broadcast_collective", "floor_gloo_broadcast"):
