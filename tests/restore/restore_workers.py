@@ -395,17 +395,17 @@ def pid() -> int:
 def rank0_cannot_open_storage(uri: str) -> str:
     """Rank 0 decides, then fails to open storage for the read (before any byte is filled)."""
     from xla_ckpt.errors import StorageError
-    from xla_ckpt.restore import sharded
+    from xla_ckpt.restore.decide import Decision
 
     d = get_dist(DistConfig(backend="gloo", timeout_s=120.0))  # far past the launcher's limit
-    real = sharded.open_storage
+    real = Decision.open
     if d.rank == 0:
         def refuse(*a, **kw):  # a fault at this exact point: the storage was fine a moment ago
             raise StorageError(f"{uri}: connection refused")
 
-        sharded.open_storage = refuse
+        Decision.open = refuse  # type: ignore[method-assign]  # a fault a real store cannot give
     try:
         restore(uri, dist=d, strategy="broadcast")
     finally:
-        sharded.open_storage = real
+        Decision.open = real  # type: ignore[method-assign]  # undo the fault above
     return "restored"

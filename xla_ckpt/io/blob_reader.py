@@ -247,6 +247,11 @@ class BlobReader:
             view = out[at:at + piece.length]
             attempt = 0
             while got != piece.crc32c:
+                if self.fall_back(span.file, piece.file_offset, piece.length,
+                                  [t.key for t in item.tensors if t.blob == piece.blob_id]):
+                    self._fetch(span.file, piece.file_offset, view, generation)
+                    got = crc32c(view)
+                    continue
                 if attempt >= self.crc_retries:
                     raise self._integrity_error(item, piece,
                                                 live if span.out is not None else frozenset())
@@ -279,6 +284,14 @@ class BlobReader:
         c = blob.chunk_size
         return [(s, min(c, blob.length - s), blob.chunk_crc32c[s // c])
                 for s in range(start, start + length, c)]
+
+    def fall_back(self, file: str, offset: int, n: int, tensors: Sequence[str]) -> bool:
+        """Bytes ``[offset, offset + n)`` of ``file`` failed their crc32c: True when the
+        storage reads them from another copy from now on (a local tier's bytes, from the
+        durable tier: :meth:`xla_ckpt.storage.tiered.TieredStorage.crc_mismatch`), so the
+        caller re-reads them at once; False for the reader's own re-reads."""
+        hook = getattr(self.storage, "crc_mismatch", None)
+        return bool(hook(file, offset, n, tensors)) if hook is not None else False
 
     def checksum(self, data: memoryview) -> int:
         """The checksum :meth:`range_checks` values are of (crc32c)."""

@@ -566,6 +566,11 @@ def _run_task(reader: BlobReader, requests: Sequence[BoxRequest], task: _Task,
                 got = reader.checksum(piece)
                 attempt = 0
                 while got != want:
+                    if reader.fall_back(task.file, blob.offset + start, n,
+                                        _tensors_of(seg, start, n)):
+                        reader._fetch(task.file, blob.offset + start, piece, generation)
+                        got = reader.checksum(piece)
+                        continue
                     if attempt >= reader.crc_retries:
                         raise _integrity_error(reader, requests, seg, start, n, got, want)
                     attempt += 1
@@ -601,6 +606,9 @@ def _run_in_place(reader: BlobReader, requests: Sequence[BoxRequest], seg: _Segm
             reader._fetch(blob.file, blob.offset + start, piece, generation)
         attempt = 0
         while (got := reader.checksum(piece)) != want:
+            if reader.fall_back(blob.file, blob.offset + start, n, _tensors_of(seg, start, n)):
+                reader._fetch(blob.file, blob.offset + start, piece, generation)
+                continue
             if attempt >= reader.crc_retries:
                 raise _integrity_error(reader, requests, seg, start, n, got, want,
                                        in_place=True)
@@ -612,15 +620,24 @@ def _run_in_place(reader: BlobReader, requests: Sequence[BoxRequest], seg: _Segm
             reader._fetch(blob.file, blob.offset + start, piece, generation)
 
 
+def _hit(seg: _Segment, start: int, n: int) -> list[_Copy]:
+    """The copies of ``seg`` that hold blob bytes ``[start, start + n)`` (all when none)."""
+    return [cp for cp in seg.range.copies
+            if cp.rec.byte_offset < start + n
+            and start < cp.rec.byte_offset + cp.rec.numel * itemsize(dtype_from_name(
+                cp.rec.dtype))] or seg.range.copies
+
+
+def _tensors_of(seg: _Segment, start: int, n: int) -> list[str]:
+    return list(dict.fromkeys(cp.tensor.key for cp in _hit(seg, start, n)))
+
+
 def _integrity_error(reader: BlobReader, requests: Sequence[BoxRequest], seg: _Segment,
                      start: int, n: int, got: int, want: int, *,
                      in_place: bool = False) -> IntegrityError:
     """The reader's error for blob bytes ``[start, start + n)`` of ``seg`` failing their check
     after the re-reads (:meth:`~xla_ckpt.io.blob_reader.BlobReader.range_integrity_error`)."""
-    hit = [cp for cp in seg.range.copies
-           if cp.rec.byte_offset < start + n
-           and start < cp.rec.byte_offset + cp.rec.numel * itemsize(dtype_from_name(
-               cp.rec.dtype))] or seg.range.copies
+    hit = _hit(seg, start, n)
     return reader.range_integrity_error(
         seg.range.read.item, seg.range.blob, start, n, got, want,
         chunks=tuple(dict.fromkeys(cp.rec.key for cp in hit)),

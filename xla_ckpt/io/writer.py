@@ -340,7 +340,7 @@ def write_item(storage: Storage, save_id: str, item_name: str, state: Any, *,
 def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
            metadata: Any = None, world_size: int | None = None,
            cleanup: bool = True, if_generation_match: int | None = None,
-           global_tensors: Sequence[GlobalTensor] = ()) -> Manifest:
+           global_tensors: Sequence[GlobalTensor] = (), check_files: bool = True) -> Manifest:
     """Write the manifest (the commit marker) for ``parts``; called by one rank only.
 
     ``if_generation_match`` goes to the manifest write (``None``: replace whatever is
@@ -361,7 +361,8 @@ def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
     for this process with the size its writer reported (one ``stat`` per file, in parallel
     for several files; :func:`check_files_visible`): a file another rank wrote to storage
     this process does not share (a node-local path on another host, another folder) is
-    never committed as if it were part of the checkpoint.
+    never committed as if it were part of the checkpoint.  ``check_files=False`` skips it:
+    a host's local-tier copy (:mod:`xla_ckpt.run.local_tier`) holds only its own files.
 
     Raises:
         PreconditionFailedError: the condition did not hold; nothing was committed.
@@ -393,7 +394,8 @@ def commit(storage: Storage, save_id: str, parts: Iterable[WrittenItem], *,
             raise ValueError(f"{storage.uri}: not committed: the manifest would not be "
                              f"readable: {e}") from None
         manifest.version = manifest.written_version
-    check_files_visible(storage, files, writers)
+    if check_files:
+        check_files_visible(storage, files, writers)
     body = [manifest.to_json_bytes()]
     order = order_metadata(manifest)  # what the run folder's catalog orders by, unread
     if if_generation_match is None:

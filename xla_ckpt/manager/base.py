@@ -32,6 +32,7 @@ from xla_ckpt.manager.staging import StagingPool
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.restore.owners import ChunkedSavePlan
 from xla_ckpt.run.fencing import Lease, acquire_lease, lease_from_message, lease_message
+from xla_ckpt.run.local_tier import LocalTier
 from xla_ckpt.storage import Storage
 
 # One logger for every part of the manager: its lines keep the name they had as one module.
@@ -63,6 +64,14 @@ class InFlightSave:
     # rank 0's commit job writes the commit marker under ``gate`` only if it is not set.
     abandoned: bool = False
     gate: threading.Lock = field(default_factory=threading.Lock)
+    # The local tier (manager.local_save): the save writes there first; ``durable`` says
+    # whether it is then uploaded (phase "copy") and committed in the run folder.
+    local: bool = False
+    durable: bool = True
+    local_storage: Storage | None = None
+    host_ranks: dict[int, list[int]] = field(default_factory=dict)
+    gathered: list = field(default_factory=list)  # every rank's written items (phase "copy")
+    copy: cf.Future | None = None  # this rank's durable upload of its local files
 
 class ManagerBase:
     """The state the manager's parts share; :class:`~xla_ckpt.manager.CheckpointManager` sets it."""
@@ -91,6 +100,12 @@ class ManagerBase:
     _update_calls: int = 0  # after_update calls so far (its position counts them)
     _collective_broken: bool = False  # an exchange did not complete: close() skips its own
     _metrics_warned: lockstep.Position = None  # the call whose metrics difference was logged
+    _tier: LocalTier | None  # this host's local tier (config.local_dir), None for none
+    _host: int  # this host's index
+    _host_leader: bool  # local rank 0: writes the host's commit marker, prunes
+    _local_started: float  # rank 0: perf_counter() when the last local save began
+    local_committed: list[str]
+    _local_due: bool = False  # rank 0's clock, agreed in _sync: the continuous policy may save
 
     def close(self) -> None:
         """Wait for the in-flight save, release everything (:class:`CheckpointManager`)."""

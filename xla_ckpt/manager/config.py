@@ -52,6 +52,25 @@ class CheckpointConfig:
             it, named in an ERROR line (the previous checkpoint and pointers stay as they
             were).  0: abandon at once (its parts are deleted).
 
+        local_dir: the local tier (:mod:`xla_ckpt.run.local_tier`): a folder on each host
+            that outlives the training process but not the host (``/dev/shm/xla_ckpt`` on
+            a TPU VM, an ``emptyDir`` with ``medium: Memory`` on GKE, a local SSD).  Every
+            save then stages into it and the durable upload reads its bytes; a restore of
+            ``checkpoint_last`` takes the newest step every host holds there when it is
+            not older than the newest durable one.  ``{host}`` in it becomes the host
+            index (emulated hosts on one machine, each with its own folder).  ``""``: no
+            local tier.
+        local_interval_updates: also save to the local tier alone every N updates (0: only
+            the durable schedule's saves go through it).
+        local_policy: ``"interval"`` (``local_interval_updates``) or ``"continuous"``:
+            start the next local save as soon as the last save finished, at most every
+            ``local_min_interval_s`` seconds (rank 0's clock).
+        local_min_interval_s: the continuous policy's minimum interval (seconds).
+        keep_local_checkpoints: committed local steps each host keeps (the newest).
+        local_max_bytes: at most this many bytes in a host's local tier (0: no limit); a
+            local save that would not fit after keep-last pruning is skipped with a
+            WARNING naming the sizes (a durable save then writes straight to durable).
+
     How a restore moves the bytes (every rank reads, or rank 0 broadcasts) is
     :class:`xla_ckpt.restore.RestoreConfig` (section ``restore``).
 
@@ -77,6 +96,12 @@ class CheckpointConfig:
     exit_on_preemption: bool = True
     sync_interval_updates: int = 1
     exit_grace_s: float = 30.0
+    local_dir: str = ""
+    local_interval_updates: int = 0
+    local_policy: str = "interval"
+    local_min_interval_s: float = 0.0
+    keep_local_checkpoints: int = 2
+    local_max_bytes: int = 0
 
     def __post_init__(self) -> None:
         s = "checkpoint"
@@ -90,6 +115,15 @@ class CheckpointConfig:
             check_int(s, name, getattr(self, name), -1)
         check_int(s, "sync_interval_updates", self.sync_interval_updates, 1)
         check_number(s, "exit_grace_s", self.exit_grace_s, positive=False)
+        if not isinstance(self.local_dir, str):
+            raise ConfigError(f"{s}.local_dir must be a folder path or '', got {self.local_dir!r}")
+        check_int(s, "local_interval_updates", self.local_interval_updates, 0)
+        check_int(s, "keep_local_checkpoints", self.keep_local_checkpoints, 1)
+        check_int(s, "local_max_bytes", self.local_max_bytes, 0)
+        check_number(s, "local_min_interval_s", self.local_min_interval_s, positive=False)
+        if self.local_policy not in ("interval", "continuous"):
+            raise ConfigError(f"{s}.local_policy must be 'interval' or 'continuous', got "
+                              f"{self.local_policy!r}")
         for name in ("no_save", "no_epoch_checkpoints", "maximize_best_checkpoint_metric",
                      "async_save", "reuse_staging_buffers", "handle_sigterm",
                      "exit_on_preemption"):

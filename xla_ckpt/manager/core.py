@@ -83,6 +83,7 @@ from xla_ckpt.manager.saving import StateArg
 from xla_ckpt.manager.schedule import SaveSchedule, StepResult
 from xla_ckpt.manager.staging import StagingPool
 from xla_ckpt.restore import RestoreConfig
+from xla_ckpt.run.local_tier import LocalTier
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 
 # Defined in the part modules, importable from here as before the split.
@@ -182,6 +183,16 @@ class CheckpointManager(SaveSchedule, RestorePath):
         newer one of this job committed)."""
         self._lease = None
         self._fenced = None
+        topo = self.dist.topology
+        self._host = topo.host_id
+        self._host_leader = topo.local_rank == 0
+        self._tier = None if not config.local_dir else LocalTier(
+            config.local_dir.replace("{host}", str(topo.host_id)), self.run.uri,
+            host=topo.host_id,
+            keep_last=config.keep_local_checkpoints, max_bytes=config.local_max_bytes)
+        self._local_started = float("-inf")  # rank 0: when the last local save began
+        self.local_committed: list[str] = []
+        """Local-tier saves this host committed (each host's leader; newest last)."""
 
     # ---- lifecycle -----------------------------------------------------------------------
     def take_over(self) -> int:

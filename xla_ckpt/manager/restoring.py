@@ -39,8 +39,10 @@ not exist yet counts, the manager creates it), logged at WARNING.  A named
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,15 +62,16 @@ from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM, Manifest, valid_file_name
 from xla_ckpt.io.reader import CheckpointReader
 from xla_ckpt.kinds.partial import Keys, PartialResult, check_keys, read_partial, select_item
-from xla_ckpt.manager import rank0
+from xla_ckpt.manager import local_restore, rank0
 from xla_ckpt.manager.base import ManagerBase, logger
-from xla_ckpt.restore import Restored
+from xla_ckpt.restore import RestoreConfig, Restored
 from xla_ckpt.restore import restore as restore_checkpoint
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.run.catalog import CheckpointEntry, list_checkpoints, pointer_name
 from xla_ckpt.run.recovery import add_note, is_corruption, recovery_hint
 from xla_ckpt.run.resolve import committed_manifest, resolve
 from xla_ckpt.storage import open_storage, parse_uri
+from xla_ckpt.storage.tiered import TierCounters
 
 _SHOWN_STEPS = 20  # steps listed in a StepNotFoundError message
 
@@ -120,6 +123,21 @@ class RestoreResult:
     num_updates: int | None = None
     restored: Restored | None = None
     partial: PartialResult | None = None
+    tier: dict | None = None
+
+
+#: A restore from the local tier whose copy failed its checks decides again at most this
+#: many times (each time that host's copy of that step is untrusted: no loop).
+MAX_LOCAL_ATTEMPTS = 2
+
+
+class _LocalCopyFailed(Exception):
+    """A restore from the local tier failed on a local copy's bytes (marked untrusted)."""
+
+    def __init__(self, name: str, error: DistributedError) -> None:
+        super().__init__(name)
+        self.name = name
+        self.error = error
 
 
 class RestorePath(ManagerBase):
@@ -192,10 +210,43 @@ class RestorePath(ManagerBase):
                 ``failures`` names the ranks, on every rank.
         """
         self._check_open()
+        t0 = time.perf_counter()
+        tiered = self._tier is not None and self.config.restore_file == "checkpoint_last"
+        for attempt in range(MAX_LOCAL_ATTEMPTS + 1):
+            try:
+                return self._restore_once(init_fn, map_location, into, rank_state_remap,
+                                          tiered=tiered, t0=t0)
+            except _LocalCopyFailed as e:
+                if attempt == MAX_LOCAL_ATTEMPTS:
+                    raise e.error from None
+                if self.rank == 0:
+                    logger.warning("[rank %d] the local copy of %s failed its checks on some "
+                                   "host (%s); it is not trusted again: deciding once more",
+                                   self.rank, e.name, e.error)
+        raise AssertionError("unreachable")
+
+    def _restore_once(self, init_fn: Callable[[], Any] | None, map_location: Any, into: Any,
+                      rank_state_remap: RankStateRemap | None, *, tiered: bool,
+                      t0: float) -> RestoreResult | None:
+        """One decision and one read (:meth:`restore_or_initialize`).  With a local tier,
+        every host's inventory goes to rank 0 first and the read goes through this host's
+        copy (:mod:`xla_ckpt.manager.local_restore`)."""
+        every = self._exchange((self._host, local_restore.inventory_message(
+            self._tier, self._host_leader))) if tiered else None
         decision: Any = None
         if self.rank == 0:
             try:
                 decision = ("ok", *self._resolve_restore())  # no lease: a restore only reads
+                local = None
+                if tiered and decision[1] is not None or tiered and self._nothing_durable(
+                        decision):
+                    assert self._tier is not None and every is not None
+                    local = local_restore.decide_local(
+                        self.run, self._tier, every, world_size=self.world_size,
+                        durable_name=decision[2] if decision[1] is not None else None,
+                        durable_manifest=self._parsed[1] if decision[1] is not None
+                        and self._parsed is not None else None)
+                decision = (*decision, local)
             except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised below
                 decision = rank0.error_message(e)
                 own = e
@@ -204,8 +255,24 @@ class RestorePath(ManagerBase):
             rank0.raise_error(decision, own if self.rank == 0 else None,
                               world_size=self.world_size,
                               what="resolve the checkpoint to restore")
-        _, uri, name, in_run, best, mbytes = decision
+        _, uri, name, in_run, best, mbytes, local = decision
         self._best = best
+        decided_s = time.perf_counter() - t0
+        counters = TierCounters()
+        tier_used: str | None = "durable" if tiered else None
+        if local is not None:
+            assert self._tier is not None
+            name, save_id, in_durable, why, mbytes = local
+            uri, in_run, tier_used = self.run.url(name), True, "local"
+            manifest = Manifest.from_json_bytes(mbytes, where=f"{self._tier.path(name)}/"
+                                                f"manifest.json", require_crc=True)
+            if self.rank == 0:
+                logger.info("[rank %d] restoring %s from the local tier: %s%s", self.rank,
+                            name, why, "" if in_durable else " (not in the durable tier yet)")
+            opener = local_restore.tier_source(self._tier, self.run, name=name,
+                                               save_id=save_id, durable=in_durable,
+                                               files=dict(manifest.files), counters=counters)
+            self._parsed = (uri, manifest)
         if uri is None:
             if self.rank == 0:
                 logger.warning("[rank %d] %s: training starts from scratch", self.rank, name)
@@ -216,21 +283,43 @@ class RestorePath(ManagerBase):
         # restore() decides nothing again.  A named checkpoint restore() resolves itself.
         source: str | Decision = uri if mbytes is None else \
             Decision.from_bytes(uri, mbytes, self._take_parsed(uri))
+        config = None
+        if local is not None:
+            assert isinstance(source, Decision)
+            source = dataclasses.replace(source, source=opener)
+            config = local_restore.own_host_config(self.restore_config)
         try:
             result = self._read_checkpoint(source, name, map_location, into=into,
-                                           rank_state_remap=rank_state_remap)
+                                           rank_state_remap=rank_state_remap, config=config)
         except UncommittedCheckpointError as e:  # a named folder: not a fresh start here
             raise IncompleteCheckpointError(str(e)) from e
         except NothingCommittedError as e:
             raise CheckpointNotFoundError(str(e)) from e
         except DistributedError as e:
+            if local is not None and not isinstance(e, CollectiveTimeoutError) and any(
+                    self._exchange(bool(counters.fallbacks))):
+                raise _LocalCopyFailed(name, e) from e
             self._note_recovery(e, name if in_run else None)
             raise
         if in_run:
             self.restored_from = name
         if result.num_updates is not None:
             self._last_saved = (name, result.num_updates)
+        if tier_used is not None:
+            stats = result.restored.stats if result.restored is not None else None
+            result.tier = {
+                "tier": tier_used, "host": self._host, "local_bytes": counters.local_bytes,
+                "durable_bytes": counters.durable_bytes if tier_used == "local" else
+                (stats.bytes_read if stats is not None else 0),
+                "fallbacks": list(counters.fallbacks), "decide_s": decided_s,
+                "read_s": stats.seconds if stats is not None else 0.0,
+                "total_s": time.perf_counter() - t0}
         return result
+
+    def _nothing_durable(self, decision: tuple) -> bool:
+        """Rank 0: the durable tier had nothing committed (a local tier may still hold a
+        step: a job that crashed before its first durable save)."""
+        return decision[1] is None
 
     # ---- steps (Orbax / torch_xla CheckpointManager parity) -----------------------------
     def all_steps(self) -> list[int]:
@@ -597,8 +686,8 @@ class RestorePath(ManagerBase):
             return None
 
     def _read_checkpoint(self, source: str | Decision, name: str, map_location: Any, *,
-                         into: Any = None,
-                         rank_state_remap: RankStateRemap | None = None) -> RestoreResult:
+                         into: Any = None, rank_state_remap: RankStateRemap | None = None,
+                         config: RestoreConfig | None = None) -> RestoreResult:
         """Every rank restores ``source`` (the decision made, or a URI to resolve) with the
         configured strategy (xla_ckpt.restore.restore), into the live targets ``into`` when
         given."""
@@ -608,7 +697,8 @@ class RestorePath(ManagerBase):
         if rank_state_remap is not None:
             extra["rank_state_remap"] = rank_state_remap
         r = restore_checkpoint(source, dist=self.dist, map_location=map_location,
-                               config=self.restore_config, storage_config=self.run.config,
+                               config=config or self.restore_config,
+                               storage_config=self.run.config,
                                **extra)
         md = r.metadata if isinstance(r.metadata, dict) else {}
         return RestoreResult(state=r.state, rank_state=r.rank_state, checkpoint=name,

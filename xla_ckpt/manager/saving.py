@@ -59,7 +59,7 @@ from typing import Any, SupportsFloat
 
 from xla_ckpt.errors import CheckpointSaveError, FencedError
 from xla_ckpt.io.writer import discard, remove_other_data_files
-from xla_ckpt.manager import lockstep
+from xla_ckpt.manager import local_save, lockstep
 from xla_ckpt.manager.base import InFlightSave, ManagerBase, logger
 from xla_ckpt.manager.best import RESERVED_METADATA
 from xla_ckpt.manager.naming import preemption_name
@@ -68,6 +68,8 @@ from xla_ckpt.manager.staging import stage_dense, stage_to_host
 from xla_ckpt.restore import save_steps as steps
 from xla_ckpt.run.catalog import LEASE_EPOCH_KEY, epoch_of, read_pointer_doc, write_pointer
 from xla_ckpt.run.fencing import Lease, check_lease, fenced_error
+from xla_ckpt.run.local_tier import LocalTier
+from xla_ckpt.storage import Storage
 
 StateArg = Any  # a state, or a zero-argument callable returning it
 MetricValues = Mapping[str, SupportsFloat]  # numbers, numpy scalars, one-element tensors
@@ -330,7 +332,7 @@ class SavePath(ManagerBase):
 
     def _save(self, state: StateArg, rank_state: StateArg, shards: StateArg, *, name: str,
               epoch: int, num_updates: int, end_of_epoch: bool, metrics: MetricValues | None,
-              preempted: bool, block: bool) -> list[str]:
+              preempted: bool, block: bool, durable: bool = True) -> list[str]:
         self._raise_if_fenced()
         committed = list(self._sync(block=True))  # at most one save in flight
         metadata = self._metadata(epoch=epoch, num_updates=num_updates,
@@ -369,11 +371,32 @@ class SavePath(ManagerBase):
         storage = self.run.child(name)
         buffers: list = []
         nbytes = 0
+        # The local tier (manager.local_save): every save writes there first when every host
+        # has room; a local-only save without room is skipped (agreed by every rank).
+        tier = self._tier
+        own_copy = (tier is not None and plan is None and self.rank != 0 and self._host_leader
+                    and not agreed.input_errors)  # this host's own copy of the replicated state
+        local, host_ranks = False, dict[int, list[int]]()
+        if tier is not None:
+            chunk = plan.chunk_item() if plan is not None else None
+            est = local_save.nbytes_of([inputs.state if plan is None and (
+                self.rank == 0 or own_copy) else None, inputs.rank_state, inputs.flat,
+                list(chunk[1]) if chunk is not None else None]) \
+                if not agreed.input_errors else 0
+            local, host_ranks = local_save.agree_on_room(self._exchange, tier, host=self._host,
+                                                         name=name, nbytes=est)
+            if not local and not durable:
+                storage.close()
+                return committed
+        own_copy = own_copy and local
 
         def in_flight(upload: cf.Future) -> InFlightSave:
+            keep_plan = self.rank == 0 or local
             return InFlightSave(name=name, save_id=save_id, metadata=metadata, storage=storage,
                              upload=upload, staged_bytes=nbytes, t0=t0, buffers=buffers,
-                             score=scored[1], plan=plan if self.rank == 0 else None)
+                             score=scored[1], plan=plan if keep_plan else None, local=local,
+                             durable=durable, host_ranks=host_ranks,
+                             local_storage=tier.step_storage(name) if local and tier else None)
 
         started: list[cf.Future] = []  # the upload, once it runs
         try:
@@ -383,7 +406,12 @@ class SavePath(ManagerBase):
                           else _done_future([]))
             else:
                 mine = steps.payload(inputs, agreed, plan, self.rank)
-                if block:
+                if block and local:
+                    assert tier is not None
+                    upload = _done_future(self._write_local(
+                        tier, storage, name, save_id, mine, durable,
+                        inputs.state if own_copy else None))
+                elif block:
                     # The caller waits anyway: write the live state from this thread, no copy.
                     upload = _done_future(steps.write_payload(storage, save_id, mine, self.rank))
                 else:
@@ -398,16 +426,26 @@ class SavePath(ManagerBase):
                     st, rs, sh = [sg.state if sg else None for sg in staged]
                     host = steps.SavePayload(st, rs, sh, mine.chunk_name,
                                              chunks.state if chunks is not None else None)
-                    args = (storage, save_id, host, self.rank)
+                    if local:
+                        assert tier is not None
+                        own = stage_to_host(inputs.state, self._pool) if own_copy else None
+                        if own is not None:
+                            buffers += own.buffers
+                            nbytes += own.nbytes
+                        fn: Any = self._write_local
+                        args: tuple = (tier, storage, name, save_id, host, durable,
+                                       own.state if own is not None else None)
+                    else:
+                        fn, args = steps.write_payload, (storage, save_id, host, self.rank)
                     if not self._exit_hook:  # a save handed off is never lost unsaid
                         _register_exit_hook(_report_at_exit, weakref.ref(self))
                         self._exit_hook = True
                     if storage.lists_in_flight:
                         # Ctrl-C must not wait for the upload (see the module docstring).
                         upload = _on_daemon_thread(f"xla_ckpt-upload-r{self.rank}",
-                                                   steps.write_payload, *args, started=started)
+                                                   fn, *args, started=started)
                     else:
-                        upload = self._executor.submit(steps.write_payload, *args)
+                        upload = self._executor.submit(fn, *args)
                     del staged, chunks, host
                 del mine
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks in _sync
@@ -417,16 +455,68 @@ class SavePath(ManagerBase):
             # way out commits it or names it: _finish_on_exit).
             if started:
                 self._inflight = in_flight(started[0])
-                self._last_saved = (name, num_updates)
+                if durable:
+                    self._last_saved = (name, num_updates)
             raise
         self._inflight = in_flight(upload)
         del inputs
-        self._last_saved = (name, num_updates)
+        if durable:  # a local-only save never stands in for a durable one (preemption)
+            self._last_saved = (name, num_updates)
+        if local and self.rank == 0:
+            self._local_started = t0
         logger.debug("[rank %d] %s %s: %d bytes in %.3f s", self.rank,
                      "wrote" if block else "staged", name, nbytes, time.perf_counter() - t0)
         if block:
             committed += self._sync(block=True)
         return committed
+
+    def _write_local(self, tier: LocalTier, storage: Storage, name: str, save_id: str,
+                     payload: steps.SavePayload, durable: bool,
+                     own_state: Any) -> local_save.LocalPart:
+        """This rank's local write (upload thread, or the caller's on a blocking save); when
+        it fails and the save is durable, the payload goes straight to durable storage."""
+        part = local_save.write_local(tier, name, save_id, payload, self.rank,
+                                      own_state=own_state)
+        if part.error is not None:
+            logger.warning("[rank %d] host %d: the local copy of %s failed (%s)%s", self.rank,
+                           self._host, name, part.error,
+                           "; writing it to durable storage directly" if durable else
+                           "; the previous local step stays")
+            if durable:
+                part.parts = steps.write_payload(storage, save_id, payload, self.rank)
+                part.direct = True
+        return part
+
+    def _commit_local(self, fl: InFlightSave, parts: list, errors: dict[int, str],
+                      own_state: list) -> None:
+        """Each host's leader, once every rank wrote: the host commit (manifest, marker,
+        keep-last-K), or the removal of a failed local save.  Never raises: the local tier
+        is a copy, and the durable schedule goes on."""
+        tier = self._tier
+        if tier is None or not self._host_leader:
+            return
+        if errors:
+            tier.discard(fl.name)
+            logger.warning("[rank %d] host %d: %s not committed in the local tier (rank(s) %s "
+                           "failed: %s)", self.rank, self._host, fl.name,
+                           sorted(errors), "; ".join(sorted(set(errors.values()))))
+            return
+        try:
+            assert self._lease is not None  # _save took it
+            local_save.commit_host(
+                tier, name=fl.name, save_id=fl.save_id, gathered=parts, own_state=own_state,
+                host_ranks=fl.host_ranks.get(self._host, [self.rank]),
+                world_size=self.world_size, plan=fl.plan, metadata=fl.metadata,
+                lease_epoch=self._lease.epoch, single_host=len(fl.host_ranks) == 1)
+        except Exception as e:  # noqa: BLE001 - the local tier is a copy; logged, training goes on
+            tier.discard(fl.name)
+            logger.warning("[rank %d] host %d: the local commit of %s failed: %s: %s",
+                           self.rank, self._host, fl.name, type(e).__name__, e)
+            return
+        self.local_committed.append(fl.name)
+        logger.info("[rank %d] host %d: committed %s in the local tier %s (%.2f s after "
+                    "staging)", self.rank, self._host, fl.name, tier.folder,
+                    time.perf_counter() - fl.t0)
 
     def _commit_job(self, fl: InFlightSave, every: list[bytes]) -> None:
         """Coordinator only: manifest (commit marker), then pointers, then rotation.
@@ -517,10 +607,16 @@ class SavePath(ManagerBase):
                 waiting = fl.upload if fl.phase == "upload" else fl.commit
                 if waiting is not None:
                     cf.wait([waiting])
+            if block and fl is not None and fl.phase == "copy" and fl.copy is not None:
+                cf.wait([fl.copy])
             msg = (self._notice.requested,
-                   _status(fl.upload) if fl is not None and fl.phase == "upload" else "",
-                   _status(fl.commit) if fl is not None and fl.phase == "commit" else "")
+                   _status(fl.upload) if fl is not None and fl.phase == "upload" else
+                   _status(fl.copy) if fl is not None and fl.phase == "copy" else "",
+                   _status(fl.commit) if fl is not None and fl.phase == "commit" else "",
+                   self.rank == 0 and time.perf_counter() - self._local_started
+                   >= self.config.local_min_interval_s)
             msgs = self._exchange(msg)
+            self._local_due = bool(msgs[0][3])
             if any(m[0] for m in msgs):
                 self._preempt_agreed = True
             if fl is not None:
@@ -529,7 +625,13 @@ class SavePath(ManagerBase):
                     failures[0] = msgs[0][2][6:]
                 if failures:
                     self._fail(fl, failures)
-                if fl.phase == "upload" and all(m[1] == "done" for m in msgs):
+                if fl.phase == "upload" and fl.local and all(m[1] == "done" for m in msgs):
+                    self._local_written(fl)  # local-only saves end here
+                elif fl.phase == "copy" and all(m[1] == "done" for m in msgs):
+                    fl.phase = "commit"
+                    if self.rank == 0:
+                        fl.commit = self._executor.submit(self._commit_job, fl, fl.gathered)
+                elif fl.phase == "upload" and all(m[1] == "done" for m in msgs):
                     gathered = self._exchange(steps.parts_json(fl.upload.result()))
                     fl.phase = "commit"
                     if self.rank == 0:
@@ -548,6 +650,31 @@ class SavePath(ManagerBase):
             if not block or self._inflight is None:
                 return committed
 
+    def _local_written(self, fl: InFlightSave) -> bool:
+        """Every rank wrote its local part (collective): gather the parts, commit each
+        host's copy, then start the durable upload from the local bytes (phase "copy"), or
+        finish a local-only save.  True when the save is over."""
+        part: local_save.LocalPart = fl.upload.result()
+        every = self._exchange((steps.parts_json(part.parts), part.error))
+        errors = {r: e for r, (_, e) in enumerate(every) if e is not None}
+        parts = steps.parts_from_json([b for b, _ in every], fl.save_id)
+        self._commit_local(fl, parts, errors, part.own_state)
+        self._recycle(fl)  # the durable upload reads the local files, not the staged copy
+        if not fl.durable:
+            self._inflight = None
+            fl.storage.close()
+            if fl.local_storage is not None:
+                fl.local_storage.close()
+            return True
+        fl.gathered = [b for b, _ in every]
+        fl.phase = "copy"
+        if part.direct or part.error is not None or fl.local_storage is None:
+            fl.copy = _done_future(None)  # written to durable storage directly
+        else:
+            fl.copy = self._executor.submit(local_save.copy_to_durable, fl.local_storage,
+                                            fl.storage, part.parts)
+        return False
+
     def _recycle(self, fl: InFlightSave) -> None:
         """Hand an uploaded snapshot's host buffers to the pool for the next save."""
         if self._pool is not None and fl.buffers:
@@ -556,6 +683,16 @@ class SavePath(ManagerBase):
 
     def _fail(self, fl: InFlightSave, failures: dict[int, str]) -> None:
         self._inflight = None
+        if not fl.durable:  # a local-only save: dropped, training goes on (manager.local_save)
+            cf.wait([f for f in (fl.upload,) if f is not None])
+            self._recycle(fl)
+            if self._tier is not None and self._host_leader:
+                self._tier.discard(fl.name)
+            logger.warning("[rank %d] the local save of %s failed on rank(s) %s (%s); the "
+                           "previous local step stays", self.rank, fl.name, sorted(failures),
+                           "; ".join(sorted(set(failures.values()))))
+            fl.storage.close()
+            return
         if self._last_saved is not None and self._last_saved[0] == fl.name:
             self._last_saved = None
         # Every rank lets its own upload finish, then rank 0 removes the uncommitted data files.

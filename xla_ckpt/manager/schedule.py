@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from xla_ckpt.manager import lockstep
 from xla_ckpt.manager.base import logger
-from xla_ckpt.manager.naming import preemption_name, scheduled_name
+from xla_ckpt.manager.naming import preemption_name, scheduled_name, update_checkpoint_name
 from xla_ckpt.manager.saving import MetricValues, SavePath, StateArg
 
 
@@ -117,7 +117,8 @@ class SaveSchedule(SavePath):
         cfg = self.config
         name = self.should_save(epoch=epoch, num_updates=num_updates, end_of_epoch=end_of_epoch)
         committed: list[str] = []
-        if self._inflight is not None or name is not None \
+        continuous = self._tier is not None and cfg.local_policy == "continuous"
+        if self._inflight is not None or name is not None or continuous \
                 or num_updates % cfg.sync_interval_updates == 0:
             committed += self._sync(block=False)
         preempted = self._preempt_agreed
@@ -126,6 +127,20 @@ class SaveSchedule(SavePath):
             name = preemption_name(cfg, epoch=epoch, num_updates=num_updates,
                                    end_of_epoch=end_of_epoch)
         saved = None
+        local_name = None
+        if name is None and not preempted and self._tier is not None and not cfg.no_save:
+            due = (self._local_due and self._inflight is None) if continuous else \
+                bool(cfg.local_interval_updates) and num_updates % cfg.local_interval_updates == 0
+            if due:
+                local_name = update_checkpoint_name(epoch, num_updates)
+        if local_name is not None:
+            # The local tier alone (manager.local_save); at most one save in flight, so a
+            # local save waits for the one before it, as a durable save does.
+            committed += self._save(state, rank_state, shards, name=local_name, epoch=epoch,
+                                    num_updates=num_updates, end_of_epoch=end_of_epoch,
+                                    metrics=metrics, preempted=False,
+                                    block=not cfg.async_save, durable=False)
+            saved = local_name
         if name is not None and (self._last_saved is None or self._last_saved[0] != name):
             committed += self._save(state, rank_state, shards, name=name, epoch=epoch,
                                     num_updates=num_updates, end_of_epoch=end_of_epoch,

@@ -28,7 +28,7 @@ from xla_ckpt.restore.box_striped import unit_rows
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.result import RestoreStats
 from xla_ckpt.restore.targets import RankRequests, SavedTensors, describe_requests, read_requests
-from xla_ckpt.storage import StorageConfig, open_storage
+from xla_ckpt.storage import StorageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class BoxBroadcast:
         def open_reader() -> CheckpointReader | None:
             if dist.rank != 0:
                 return None
-            return CheckpointReader(open_storage(self.decision.checkpoint, self.storage_config),
+            return CheckpointReader(self.decision.open(self.storage_config),
                                     self.saved.manifest)
 
         try:

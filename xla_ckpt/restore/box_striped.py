@@ -26,7 +26,7 @@ from xla_ckpt.restore.assign import balance
 from xla_ckpt.restore.decide import Decision
 from xla_ckpt.restore.result import RestoreStats
 from xla_ckpt.restore.targets import RankRequests, SavedTensors, describe_requests, read_requests
-from xla_ckpt.storage import StorageConfig, open_storage
+from xla_ckpt.storage import StorageConfig
 
 
 @dataclass(frozen=True)
@@ -249,7 +249,7 @@ def striped_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: Ran
                 for b in reads[me]]
         if not reqs:
             return 0
-        storage = open_storage(decision.checkpoint, storage_config)
+        storage = decision.open(storage_config)
         try:
             reader = CheckpointReader(storage, saved.manifest)
             mine.touch([b.index for b in reads[me]])

@@ -13,8 +13,8 @@ that manifest, and every rank raises the same error class when there is none.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from xla_ckpt.comm.base import Dist, decode_object, describe_error, encode_object
 from xla_ckpt.errors import (
@@ -27,7 +27,7 @@ from xla_ckpt.errors import (
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
 from xla_ckpt.run.resolve import resolve
 from xla_ckpt.run.sniff import XLA_CKPT
-from xla_ckpt.storage import StorageConfig
+from xla_ckpt.storage import Storage, StorageConfig, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,17 @@ class Decision:
     checkpoint: str
     manifest: Manifest
     manifest_bytes: int
+    #: Where the bytes come from when not ``checkpoint`` itself: ``source(config)`` opens
+    #: this rank's storage for the checkpoint folder (a restore from the local tier: this
+    #: host's copy, the durable one behind it; :mod:`xla_ckpt.storage.tiered`).
+    source: Callable[[StorageConfig | None], Storage] | None = field(default=None,
+                                                                       compare=False)
+
+    def open(self, config: StorageConfig | None) -> Storage:
+        """This rank's storage rooted at the checkpoint folder (every reader opens it here)."""
+        if self.source is not None:
+            return self.source(config)
+        return open_storage(self.checkpoint, config)
 
     @property
     def name(self) -> str:

@@ -479,7 +479,7 @@ class SaveFence:
 def commit_save(storage: Storage, save_id: str, parts: Sequence[WrittenItem], *, name: str,
                 plan: ChunkedSavePlan | None = None, metadata: Any = None,
                 world_size: int | None = None, fence: SaveFence | None = None,
-                cleanup: bool = True,
+                cleanup: bool = True, check_files: bool = True,
                 guard: Callable[[], ContextManager[Any]] | None = None) -> Manifest:
     """Rank 0: write the commit marker of a save from every rank.
 
@@ -516,7 +516,8 @@ def commit_save(storage: Storage, save_id: str, parts: Sequence[WrittenItem], *,
     with guard() if guard is not None else contextlib.nullcontext():
         try:
             return commit(storage, save_id, parts, metadata=metadata, world_size=world_size,
-                          cleanup=cleanup, if_generation_match=expected, **extra)
+                          cleanup=cleanup, if_generation_match=expected,
+                          check_files=check_files, **extra)
         except PreconditionFailedError:
             if fence is not None:  # created meanwhile: by a newer incarnation (say so), or ours
                 fence.check(what=f"to commit {name}")

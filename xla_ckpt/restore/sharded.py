@@ -70,7 +70,7 @@ from xla_ckpt.restore.targets import (
     raise_agreed_mismatches,
     read_requests,
 )
-from xla_ckpt.storage import StorageConfig, open_storage
+from xla_ckpt.storage import StorageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def move_boxes(decision: Decision, dist: Dist, saved: SavedTensors, mine: RankRe
         def read_mine() -> int:
             if not mine.requests:
                 return 0
-            storage = open_storage(decision.checkpoint, storage_config)
+            storage = decision.open(storage_config)
             try:
                 reader = CheckpointReader(storage, saved.manifest)
                 mine.touch()  # the boxes go straight into the live targets

@@ -1,0 +1,201 @@
+"""The manager's saves into the local tier (:mod:`xla_ckpt.run.local_tier`): what each rank
+writes there, the host commit, and the durable upload that reads the local bytes.
+
+A save with a local tier runs these steps (``SavePath._save`` / ``_sync`` call them):
+
+1. **Room** (every rank, collective, :func:`agree_on_room`): every rank sends its host and
+   the bytes it will write; each host checks ``local_max_bytes`` against what keep-last-K
+   leaves; when any host lacks room the local copy is skipped on every host with a
+   WARNING naming the sizes (a durable save then writes to durable storage directly).
+2. **Local write** (every rank, the upload thread, :func:`write_local`): this rank's data
+   file into its host's tier, from the staged host copy (the one device-to-host copy of the
+   save).  On the plain (replicated) path rank 0 writes the replicated state as a file of
+   its own, and every other host's leader writes the same file from its own copy, so each
+   host holds every byte its ranks restore; a copy whose records differ from rank 0's (the
+   replicas were not equal) is dropped, and that host reads the state from durable storage.
+3. **Host commit** (each host's leader, after every rank's write, :func:`commit_host`): the
+   manifest, then the host's commit marker, then keep-last-K.
+4. **Durable upload** (every rank, when the durable schedule asks, :func:`copy_to_durable`):
+   this rank's files, read from the local tier, never from the live state; then rank 0
+   commits the durable manifest as without a local tier.
+
+Failures: a local write that fails (ENOSPC) removes what it wrote; a durable save then
+writes its staged copy to durable storage directly, and a local-only save is dropped with
+a WARNING (the previous local step stays).  Training goes on either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from xla_ckpt.format.manifest import STATE_ITEM
+from xla_ckpt.io.writer import WrittenItem, writer_rank
+from xla_ckpt.restore import save_steps as steps
+from xla_ckpt.run.local_tier import LocalStep, LocalTier
+from xla_ckpt.storage import Storage
+from xla_ckpt.storage.local import LocalStorage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalPart:
+    """What one rank wrote into its host's local tier for one save.
+
+    Attributes:
+        parts: the items in the checkpoint (sent to every rank, as a durable save's).
+        own_state: a host leader's own copy of the replicated state (not rank 0's), kept
+            only when its records equal rank 0's.
+        error: why the local write failed (then nothing of it is left).
+        direct: ``parts`` were written to durable storage instead (a durable save).
+    """
+
+    parts: list[WrittenItem] = field(default_factory=list)
+    own_state: list[WrittenItem] = field(default_factory=list)
+    error: str | None = None
+    direct: bool = False  # the local write failed and ``parts`` went to durable storage
+
+
+def nbytes_of(payload: Any) -> int:
+    """Tensor bytes of a payload tree (what a write puts in the local tier, near enough)."""
+    total = 0
+
+    def walk(v: Any) -> None:
+        nonlocal total
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+    walk(payload)
+    return total
+
+
+def agree_on_room(exchange: Callable[[Any], list[Any]], tier: LocalTier, *, host: int,
+                  name: str, nbytes: int) -> tuple[bool, dict[int, list[int]]]:
+    """Every rank (two small exchanges): whether every host has room for its part of save
+    ``name`` (``local_max_bytes`` once keep-last-K pruned), and the ranks of each host.
+
+    Logs a WARNING naming each host short of room, the bytes it would hold and the limit,
+    when the local copy is skipped (on every host: a step some host lacks is no use).
+    """
+    every = exchange((host, nbytes))
+    hosts: dict[int, list[int]] = {}
+    for r, (h, _) in enumerate(every):
+        hosts.setdefault(h, []).append(r)
+    mine = sum(n for h, n in every if h == host)
+    fits, held = tier.room_for(mine, name)
+    verdicts = exchange((host, fits, mine, held))
+    short = sorted({(h, n, k) for h, ok, n, k in verdicts if not ok})
+    if short:
+        logger.warning("local tier: skipping the local copy of %s (%s); training and the "
+                       "durable schedule go on", name, "; ".join(
+                           f"host {h}: {n} bytes new + {k} bytes kept > local_max_bytes "
+                           f"{tier.max_bytes}" for h, n, k in short))
+    return not short, hosts
+
+
+def write_local(tier: LocalTier, name: str, save_id: str, payload: steps.SavePayload,
+                rank: int, *, own_state: Any = None) -> LocalPart:
+    """One rank, the upload thread: write ``payload`` (staged host copies) into this host's
+    tier; rank 0's replicated ``state`` goes in a file of its own; ``own_state``: a host
+    leader's own staged copy of it (hosts other than rank 0's).  A failure (ENOSPC) removes
+    this rank's files and is returned, not raised."""
+    storage = tier.step_storage(name)
+    out = LocalPart()
+    try:
+        if payload.state is not None:
+            out.parts += steps.write_payload(storage, save_id,
+                                             steps.SavePayload(state=payload.state), rank)
+        rest = steps.SavePayload(None, payload.rank_state, payload.shards, payload.chunk_name,
+                                 payload.chunks)
+        out.parts += steps.write_payload(storage, save_id, rest, rank)
+        if own_state is not None:
+            out.own_state = steps.write_payload(storage, save_id,
+                                                steps.SavePayload(state=own_state), rank)
+    except Exception as e:  # noqa: BLE001 - the local copy is best effort; reported, not raised
+        for p in [*out.parts, *out.own_state]:
+            for f in p.files:
+                _unlink(os.path.join(storage.root, f))
+        out = LocalPart(error=f"{type(e).__name__}: {e}")
+    return out
+
+
+def copy_to_durable(local: Storage, durable: Storage, parts: list[WrittenItem]) -> None:
+    """One rank: upload the data files it wrote, reading the local tier's bytes (one mapped
+    view each, no copy into this process's heap)."""
+    for f in sorted({f for p in parts for f in p.files}):
+        assert isinstance(local, LocalStorage)  # the tier's own folder
+        path = os.path.join(local.root, f)
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size == 0:
+                durable.write_atomic(f, [b""])
+                continue
+            with mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    durable.write_atomic(f, [view])
+                finally:
+                    view.release()
+
+
+def commit_host(tier: LocalTier, *, name: str, save_id: str, gathered: list[WrittenItem],
+                own_state: list[WrittenItem], host_ranks: list[int], world_size: int,
+                plan: Any, metadata: dict, lease_epoch: int, single_host: bool) -> LocalStep:
+    """A host's leader, after every rank's local write: the manifest, then the host's commit
+    marker (last), then keep-last-K.
+
+    Raises:
+        OSError / StorageError / ValueError: the commit failed (the marker is absent).
+    """
+    storage = tier.step_storage(name)
+    held: dict[str, int] = {}
+    for p in gathered:
+        r = writer_rank(p.name)
+        mine = r in host_ranks or (r is None and 0 in host_ranks)
+        if mine:
+            held.update(p.files)
+    complete = plan is None
+    state = [p for p in gathered if p.name == STATE_ITEM]
+    if state and 0 not in host_ranks:
+        if own_state and [p.to_json() for p in own_state] == [p.to_json() for p in state]:
+            held.update(state[0].files)
+        else:
+            complete = False
+            for p in own_state:
+                for f in p.files:
+                    _unlink(os.path.join(storage.root, f))
+            if own_state:
+                logger.warning("host %d: its copy of the replicated state of %s differs from "
+                               "rank 0's; that host reads it from the durable tier", tier.host,
+                               name)
+    if plan is not None and single_host:
+        complete = True
+    steps.commit_save(storage, save_id, gathered, name=name, plan=plan,
+                      metadata=metadata, world_size=world_size, cleanup=False,
+                      check_files=False)
+    step = LocalStep(name=name, save_id=save_id, host=tier.host, ranks=tuple(host_ranks),
+                     world_size=world_size, lease_epoch=lease_epoch,
+                     epoch=int(metadata.get("epoch", 0)),
+                     num_updates=int(metadata.get("num_updates", 0)), files=held,
+                     complete=complete)
+    tier.commit(step, None)  # the manifest is there: the marker, last
+    tier.prune(protect=[name])
+    return step
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

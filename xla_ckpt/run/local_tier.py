@@ -1,0 +1,399 @@
+"""The local tier: each host's own part of the newest checkpoints, in a folder that outlives
+the training process (``/dev/shm`` on a TPU VM, an ``emptyDir`` with ``medium: Memory`` on
+GKE, a local SSD), saved far more often than the durable run folder (DESIGN "tiers").
+
+Layout, under ``local_dir`` (the same path on every host; each host sees its own)::
+
+    <local_dir>/<run key>/                   one folder per durable run folder (two jobs on
+                                             one host with different save_dir never meet)
+        checkpoint_E_U/
+            data-<save id>-*.safetensors     this host's data files: the bytes its ranks
+                                             wrote, the same bytes the durable copy holds
+            manifest.json                    the checkpoint's manifest (every host's files)
+            host-<h>.commit.json             host h's commit marker, written LAST
+            untrusted-<h>.json               a check of host h's copy failed: never chosen
+
+The format is the durable one (:mod:`xla_ckpt.io.writer`): every blob has its crc32c
+chunks in the manifest, so every local byte is checked when read.  A host's part of a step
+is committed when its marker is there; the marker names the save id, the lease epoch of
+the incarnation that wrote it (:mod:`xla_ckpt.run.fencing`), ``num_updates``, the ranks of
+the host and every file it holds with its size.
+
+:func:`choose_local` is the decision across tiers (rank 0, from every host's
+:meth:`LocalTier.inventory`): the newest step that every host committed under this job's
+lineage, never older than the newest durable step.  Which rank calls what: the host leader
+(local rank 0) writes the marker, lists the inventory and prunes; any rank of the host may
+mark a step untrusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from xla_ckpt.errors import ConfigError
+from xla_ckpt.format.manifest import MANIFEST_NAME
+from xla_ckpt.storage.local import LocalStorage
+
+logger = logging.getLogger(__name__)
+
+MARKER_FORMAT = "xla_ckpt-local-tier"
+MARKER_VERSION = 1
+_MARKER_RE = re.compile(r"^host-(\d+)\.commit\.json$")
+_TMP_MARK = ".tmp-"
+
+
+def run_key(run_uri: str) -> str:
+    """The folder name of a durable run folder's local tier: its last path segment (readable)
+    and a digest of the whole URI (two runs named alike on one host never share a folder)."""
+    tail = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_uri.rstrip("/").rsplit("/", 1)[-1])[:40]
+    digest = hashlib.sha256(run_uri.rstrip("/").encode("utf-8")).hexdigest()[:12]
+    return f"{tail or 'run'}-{digest}"
+
+
+def marker_name(host: int) -> str:
+    return f"host-{host}.commit.json"
+
+
+def untrusted_name(host: int) -> str:
+    return f"untrusted-{host}.json"
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """One host's committed part of a checkpoint in its local tier (its marker's fields).
+
+    Attributes:
+        name: checkpoint folder name (``checkpoint_1_12``).
+        save_id: the save's id (its data files carry it).
+        host: host index (``Topology.host_id``).
+        ranks: the ranks of that host when it was written.
+        world_size: the job's world size then.
+        lease_epoch: the writing incarnation's lease epoch (0: none taken).
+        epoch / num_updates: the training position.
+        files: every data file the host holds, with its size in bytes.
+        complete: the host holds every file its ranks need for a restore on the same mesh.
+        missing: files of ``files`` that are gone or have another size now.
+    """
+
+    name: str
+    save_id: str
+    host: int
+    ranks: tuple[int, ...]
+    world_size: int
+    lease_epoch: int
+    epoch: int
+    num_updates: int
+    files: Mapping[str, int]
+    complete: bool
+    missing: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": MARKER_FORMAT, "version": MARKER_VERSION, "name": self.name,
+                "save_id": self.save_id, "host": self.host, "ranks": list(self.ranks),
+                "world_size": self.world_size, "lease_epoch": self.lease_epoch,
+                "epoch": self.epoch, "num_updates": self.num_updates,
+                "files": dict(self.files), "complete": self.complete,
+                "missing": list(self.missing)}
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> LocalStep:
+        """Raises ValueError naming ``where`` and the field when ``doc`` is not a marker."""
+        if not isinstance(doc, dict) or doc.get("format") != MARKER_FORMAT:
+            raise ValueError(f"{where}: not a local-tier commit marker")
+
+        def get(k: str, t: type | tuple[type, ...]) -> Any:
+            v = doc.get(k)
+            if not isinstance(v, t) or isinstance(v, bool) and t is not bool:
+                raise ValueError(f"{where}: field {k!r} must be {t}, got {v!r}")
+            return v
+        files = get("files", dict)
+        if not all(isinstance(k, str) and isinstance(v, int) for k, v in files.items()):
+            raise ValueError(f"{where}: field 'files' must map names to sizes")
+        return cls(name=get("name", str), save_id=get("save_id", str), host=get("host", int),
+                   ranks=tuple(get("ranks", list)), world_size=get("world_size", int),
+                   lease_epoch=get("lease_epoch", int), epoch=get("epoch", int),
+                   num_updates=get("num_updates", int), files=files,
+                   complete=bool(doc.get("complete")),
+                   missing=tuple(doc.get("missing") or ()))
+
+
+@dataclass
+class LocalTier:
+    """One host's local tier of one run folder (see the module docstring).
+
+    Args:
+        root: ``local_dir`` (a folder on this host; created when missing).
+        run_uri: the durable run folder's URI (``save_dir``); names the run key.
+        host: this host's index.
+        keep_last: committed steps kept (the newest; at least 1).
+        max_bytes: at most this many bytes in this run's local folder (0: no limit).
+
+    Raises:
+        ConfigError: ``root`` is not a usable folder (names it).
+    """
+
+    root: str
+    run_uri: str
+    host: int = 0
+    keep_last: int = 2
+    max_bytes: int = 0
+    folder: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.folder = os.path.join(os.path.abspath(self.root), run_key(self.run_uri))
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"checkpoint.local_dir {self.root!r}: cannot create "
+                              f"{self.folder}: {e.strerror or e}; pass a writable folder on "
+                              "this host (/dev/shm/..., an emptyDir, a local SSD)") from None
+
+    # ---- paths -------------------------------------------------------------------------
+    def path(self, name: str) -> str:
+        """The folder of checkpoint ``name`` in this host's tier."""
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"local tier: bad checkpoint name {name!r}")
+        return os.path.join(self.folder, name)
+
+    def step_storage(self, name: str) -> LocalStorage:
+        """A :class:`LocalStorage` rooted at checkpoint ``name``'s folder (created)."""
+        p = self.path(name)
+        os.makedirs(p, exist_ok=True)
+        return LocalStorage(p)
+
+    # ---- commit ------------------------------------------------------------------------
+    def commit(self, step: LocalStep, manifest_bytes: bytes | None) -> None:
+        """Host leader: write the manifest (None: it is there already), then this host's
+        commit marker (last).  Each is written to a temporary name and renamed, so a crash
+        leaves no marker half written.
+
+        Raises:
+            OSError: the write failed (ENOSPC); the marker is absent, so the step does not
+                count, and nothing earlier is touched.
+        """
+        p = self.path(step.name)
+        if manifest_bytes is not None:
+            _write_file(os.path.join(p, MANIFEST_NAME), manifest_bytes)
+        _write_file(os.path.join(p, marker_name(step.host)),
+                    json.dumps(step.to_json(), sort_keys=True).encode("utf-8"))
+
+    def untrust(self, name: str, save_id: str, reason: str) -> None:
+        """Any rank of this host: never choose this host's copy of ``name`` again (a check of
+        its bytes failed).  Logged at WARNING; a failure to write it is logged too."""
+        try:
+            doc = {"save_id": save_id, "reason": reason, "unix_s": time.time()}
+            _write_file(os.path.join(self.path(name), untrusted_name(self.host)),
+                        json.dumps(doc).encode("utf-8"))
+            logger.warning("host %d: local copy of %s (save %s) is not trusted from now on: %s",
+                           self.host, name, save_id, reason)
+        except OSError as e:
+            logger.warning("host %d: could not mark the local copy of %s untrusted (%s); %s",
+                           self.host, name, e, reason)
+
+    # ---- what is here --------------------------------------------------------------------
+    def inventory(self) -> list[LocalStep]:
+        """This host's committed, trusted steps of this run, oldest first (by num_updates).
+
+        A marker that is unreadable is skipped with a WARNING; a file that vanished or
+        changed size is listed in ``missing`` (its bytes then come from durable storage).
+        """
+        out: list[LocalStep] = []
+        for name in self._folders():
+            p = os.path.join(self.folder, name)
+            mp = os.path.join(p, marker_name(self.host))
+            if not os.path.exists(mp) or os.path.exists(os.path.join(p, untrusted_name(self.host))):
+                continue
+            try:
+                with open(mp, "rb") as f:
+                    step = LocalStep.from_json(json.loads(f.read()), where=mp)
+            except (OSError, ValueError) as e:
+                logger.warning("host %d: skipping local checkpoint %s: %s", self.host, p, e)
+                continue
+            missing = []
+            for fn, size in step.files.items():
+                try:
+                    if os.stat(os.path.join(p, fn)).st_size != size:
+                        missing.append(fn)
+                except OSError:
+                    missing.append(fn)
+            if not os.path.exists(os.path.join(p, MANIFEST_NAME)):
+                continue
+            out.append(LocalStep(**{**step.__dict__, "missing": tuple(missing),
+                                    "complete": step.complete and not missing}))
+        out.sort(key=lambda s: (s.lease_epoch, s.num_updates, s.name))
+        return out
+
+    def manifest_bytes(self, name: str) -> bytes:
+        with open(os.path.join(self.path(name), MANIFEST_NAME), "rb") as f:
+            return f.read()
+
+    def used_bytes(self, exclude: Iterable[str] = ()) -> int:
+        """Bytes under this run's local folder (every file), except folders ``exclude``."""
+        skip = set(exclude)
+        total = 0
+        for name in self._folders():
+            if name in skip:
+                continue
+            for dirpath, _, files in os.walk(os.path.join(self.folder, name)):
+                for fn in files:
+                    try:
+                        total += os.stat(os.path.join(dirpath, fn)).st_size
+                    except OSError:
+                        pass
+        return total
+
+    def room_for(self, nbytes: int, name: str) -> tuple[bool, int]:
+        """Whether a new step of ``nbytes`` on this host fits ``max_bytes`` once pruning keeps
+        ``keep_last - 1`` older steps: ``(fits, bytes those older steps hold)``."""
+        if self.max_bytes <= 0:
+            return True, 0
+        older = [s for s in self.inventory() if s.name != name]
+        kept = older[-(self.keep_last - 1):] if self.keep_last > 1 else []
+        held = sum(s.nbytes for s in kept)
+        return held + nbytes <= self.max_bytes, held
+
+    def prune(self, *, protect: Sequence[str] = ()) -> list[str]:
+        """Host leader: delete every folder but the newest ``keep_last`` committed steps and
+        ``protect`` (a save in flight); uncommitted leftovers of earlier saves go too."""
+        keep = {s.name for s in self.inventory()[-self.keep_last:]} | set(protect)
+        gone = []
+        for name in self._folders():
+            if name not in keep:
+                shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+                gone.append(name)
+        return gone
+
+    def discard(self, name: str) -> None:
+        """Remove checkpoint ``name``'s local folder (a failed or skipped save)."""
+        shutil.rmtree(self.path(name), ignore_errors=True)
+
+    def _folders(self) -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self.folder) if e.is_dir())
+        except FileNotFoundError:
+            return []
+
+
+def _write_file(path: str, data: bytes) -> None:
+    tmp = f"{path}{_TMP_MARK}{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# ---- the decision across tiers (rank 0) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DurableLatest:
+    """The newest committed durable checkpoint, as the decision compares it: its folder name,
+    save id, lease epoch and num_updates."""
+
+    name: str
+    save_id: str
+    lease_epoch: int
+    num_updates: int
+
+
+@dataclass(frozen=True)
+class LocalChoice:
+    """The local step a restore reads: ``name`` / ``save_id``, and whether the durable run
+    folder holds the same save (then a bad or missing local byte comes from there)."""
+
+    name: str
+    save_id: str
+    num_updates: int
+    durable: bool
+    reason: str
+
+
+def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: int,
+                 lease_epoch: int, durable: DurableLatest | None,
+                 durable_save_id: Callable[[str], str | None]) -> tuple[LocalChoice | None, str]:
+    """Rank 0: the newest local step to restore, or None, with the reason (logged).
+
+    Args:
+        inventories: every host's :meth:`LocalTier.inventory`, by host index (every host of
+            the job must be there: a host without the step makes it unusable).
+        world_size: the job's world size now.
+        lease_epoch: the run folder's lease epoch now (0: none).
+        durable: the newest committed durable checkpoint (None: none).
+        durable_save_id: the save id of the durable run folder's committed checkpoint of a
+            folder name, None when it has none (asked only of candidates).
+
+    The rules (DESIGN "tiers"):
+
+    * lineage: only steps of the newest incarnation that wrote anything: the highest lease
+      epoch among the markers and the run folder's lease.  A step of an older epoch is
+      a fenced incarnation's (or one a successor has since moved past), never chosen;
+    * every host committed the step, with the same save id, at this world size;
+    * a host that lacks a file its ranks need is acceptable only if the durable tier
+      holds the same save (the missing bytes come from there, by byte range);
+    * never older than the newest durable step (same step and save: the local tier).
+    """
+    if not inventories:
+        return None, "no host has a local tier"
+    lineage = max([lease_epoch, *(s.lease_epoch for inv in inventories.values() for s in inv)])
+    by_name: dict[str, dict[int, LocalStep]] = {}
+    for host, inv in inventories.items():
+        for s in inv:
+            by_name.setdefault(s.name, {})[host] = s
+    candidates = []
+    skipped: list[str] = []
+    for name, hosts in by_name.items():
+        ss = list(hosts.values())
+        first = ss[0]
+        if len(hosts) != len(inventories):
+            skipped.append(f"{name}: committed on hosts {sorted(hosts)} of "
+                           f"{sorted(inventories)}")
+            continue
+        if any(s.save_id != first.save_id for s in ss):
+            skipped.append(f"{name}: hosts hold different saves")
+            continue
+        if any(s.lease_epoch != lineage for s in ss):
+            skipped.append(f"{name}: written by lease epoch {first.lease_epoch}, the lineage "
+                           f"is epoch {lineage} (a stale incarnation's copy)")
+            continue
+        if first.world_size != world_size:
+            skipped.append(f"{name}: saved by {first.world_size} ranks, the job has "
+                           f"{world_size}")
+            continue
+        in_durable = durable_save_id(name) == first.save_id
+        if not in_durable and not all(s.complete for s in ss):
+            bad = [s.host for s in ss if not s.complete]
+            skipped.append(f"{name}: hosts {bad} lack files and the durable tier does not "
+                           "hold this save")
+            continue
+        candidates.append((first.num_updates, name, first, in_durable))
+    if durable is not None and durable.lease_epoch > lineage:
+        return None, (f"the durable {durable.name} is of a newer lease epoch "
+                      f"({durable.lease_epoch})")
+    if not candidates:
+        return None, "; ".join(skipped) or "no committed local step"
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    n, name, first, in_durable = candidates[-1]
+    if durable is not None and durable.num_updates > n and durable.lease_epoch >= lineage:
+        return None, (f"the durable {durable.name} (update {durable.num_updates}) is newer "
+                      f"than every local step (newest {name}, update {n})")
+    return LocalChoice(name=name, save_id=first.save_id, num_updates=n, durable=in_durable,
+                       reason=f"every host committed {name} (update {n}, lease epoch "
+                              f"{lineage}) in its local tier"), ""
