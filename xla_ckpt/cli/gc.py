@@ -20,6 +20,9 @@ checkpoint, a folder copied from another run) is left alone, and so is such an
 object inside a checkpoint folder.  On a local disk a checkpoint folder that gc
 emptied is removed too; a folder still holding anything stays.  ``--dry-run`` only
 prints what would happen.
+
+``--local-dir DIR`` (on a host of the job) applies ``--keep-last`` to this host's local tier
+of the run too, and ``--incomplete`` removes its uncommitted folders (:mod:`xla_ckpt.cli.local`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 
 from xla_ckpt.cli.common import EXIT_OK, Parents, Subparsers, UsageError, plain
+from xla_ckpt.cli.local import add_local_options, collect_local, open_tier
 from xla_ckpt.cli.rm import add_grace_option, print_result
 from xla_ckpt.run.prune import collect_garbage
 from xla_ckpt.run.retention import RetentionPolicy
@@ -52,6 +56,7 @@ def register(sub: Subparsers, parents: Parents) -> None:
                    help="delete in-flight objects of interrupted uploads older than --grace")
     add_grace_option(p)
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted")
+    add_local_options(p)
     p.set_defaults(func=run)
 
 
@@ -71,5 +76,13 @@ def run(args: argparse.Namespace) -> int:
         result = collect_garbage(st, policy, delete_incomplete=args.incomplete,
                                  delete_in_flight=args.incomplete or args.in_flight,
                                  grace_s=args.grace, dry_run=args.dry_run, now=now)
+        uri = st.uri
     print_result(result, now)
+    tier = open_tier(args, uri)
+    if tier is not None:
+        gone = collect_local(tier, keep_last=keep_last if keep_last >= 0 else 1 << 30,
+                             incomplete=args.incomplete, dry_run=args.dry_run)
+        print(f"local tier of host {tier.host} ({tier.folder}): "
+              f"{'would delete' if args.dry_run else 'deleted'} {len(gone)} folder(s)"
+              + (f": {', '.join(gone)}" if gone else ""))
     return EXIT_OK

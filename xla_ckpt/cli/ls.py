@@ -25,6 +25,9 @@ listed under "in flight", one line per interrupted upload with its objects,
 bytes and age, once the newest of them is older than ``--grace`` (default 1h;
 younger ones may be a save still writing and are only counted).
 ``xla-ckpt gc RUN --in-flight`` deletes them.
+
+``--local-dir DIR`` (on a host of the job) lists this host's local tier of the run too
+(:mod:`xla_ckpt.cli.local`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from xla_ckpt.cli.common import (
     table,
     utc_time,
 )
+from xla_ckpt.cli.local import add_local_options, listing, open_tier, print_listing
 from xla_ckpt.cli.rm import add_grace_option, describe_upload, exact_bytes, human_age
 from xla_ckpt.errors import CheckpointNotFoundError
 from xla_ckpt.io.names import name_fields
@@ -62,6 +66,7 @@ def register(sub: Subparsers, parents: Parents) -> None:
     p.add_argument("uri", metavar="RUN", help="run folder: local path or gs://bucket/prefix")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     add_grace_option(p)
+    add_local_options(p)
     p.set_defaults(func=run)
 
 
@@ -107,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         uploads = in_flight_uploads(st)
         now = st.now_unix_s() if uploads else time.time()  # ages by the store's own clock
         uri = st.uri
+    tier = open_tier(args, uri)
+    local_rows = listing(tier) if tier is not None else None
     stale = [u for u in uploads if u.stale(grace_s, now)]
     young = [u for u in uploads if not u.stale(grace_s, now)]
     named: dict[str, list[str]] = {}
@@ -123,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         doc["other_kinds"] = [{"name": n, "kind": kind} for n, kind in others]
         doc["in_flight_grace_s"] = grace_s
         doc["in_flight"] = [_upload_json(u, now, grace_s) for u in uploads]
+        if tier is not None:
+            doc["local"] = {"host": tier.host, "folder": tier.folder, "checkpoints": local_rows}
         print(json.dumps(jsonable(doc), indent=2, sort_keys=True))
         return EXIT_OK
     n_stale = sum(len(u.objects) for u in stale)
@@ -166,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"in flight for less than {human_age(grace_s)} (a save may still be writing "
               f"them): {sum(len(u.objects) for u in young)} objects, "
               f"{exact_bytes(sum(u.nbytes for u in young))}")
+    if tier is not None and local_rows is not None:
+        print_listing(tier, local_rows)
     return EXIT_OK
 
 

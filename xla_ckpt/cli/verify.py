@@ -17,6 +17,10 @@ be read (error null), or {"uri", "ok": false, "error": {"type", "message"}}
 when the command failed before a report (nothing there, unreadable manifest,
 storage or URI error, interrupted).  The exit code is the same as without
 --json, and the one-line error message still goes to stderr.
+
+``--local-dir DIR`` (on a host of the job) verifies this host's copy of the newest committed
+local step of run URI instead (``--step N``: that step), only the files this host holds
+(:mod:`xla_ckpt.cli.local`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from xla_ckpt.cli.common import (
     progress_bar,
     resolve_checkpoint,
 )
+from xla_ckpt.cli.local import add_local_options, chosen_step, open_tier, verify_local
 from xla_ckpt.io.manifest_file import read_manifest
 from xla_ckpt.io.verify import VerifyReport, verify_checkpoint
 
@@ -46,15 +51,33 @@ def register(sub: Subparsers, parents: Parents) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("uri", metavar="URI", help="checkpoint folder or run folder (-> latest)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_local_options(p)
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="with --local-dir: the local step of N updates (default: the newest)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     # A failure propagates: main() prints the failure document (with --json), the one-line
     # reason on stderr, and picks the exit code.
-    target = resolve_checkpoint(args.uri)
-    args.json_uri = target.uri  # the failure document names the resolved checkpoint from here
-    report = _verify(target, progress=not args.no_progress)
+    if args.local_dir is not None:
+        from xla_ckpt.storage import open_storage  # noqa: PLC0415 - torch-free start-up
+
+        with open_storage(args.uri) as st:
+            tier = open_tier(args, st.uri)
+        step = chosen_step(tier, args.step)
+        target = Target(tier.step_storage(step.name), tier.path(step.name))
+        args.json_uri = target.uri
+        bar = progress_bar(step.nbytes, "verify", enabled=None if not args.no_progress
+                           else False)
+        try:
+            report = verify_local(tier, step, progress=bar.update)
+        finally:
+            bar.close()
+    else:
+        target = resolve_checkpoint(args.uri)
+        args.json_uri = target.uri  # the failure document names the resolved checkpoint now
+        report = _verify(target, progress=not args.no_progress)
     if args.json:
         print_json(report_document(target.uri, report))
         return EXIT_OK if report.ok else EXIT_FAILED

@@ -150,10 +150,16 @@ class SaveSchedule(SavePath):
         if preempted:
             committed += self.wait()
             if self.rank == 0:
-                logger.warning("[rank %d] preemption: every rank saved at update %d (%s); %s",
-                               self.rank, num_updates, self._last_saved[0] if self._last_saved
-                               else "nothing to save", "exiting" if cfg.exit_on_preemption
-                               else "stopping")
+                last = self._last_saved[0] if self._last_saved else None
+                tiers = ""
+                if self._tier is not None and last is not None:
+                    # The local commit comes first (manager.local_save), then the durable one.
+                    done = {True: "committed", False: "not committed"}
+                    tiers = (f"; local tier: {done[last in self.local_committed]}, "
+                             f"durable: {done[last in committed]}")
+                logger.warning("[rank %d] preemption: every rank saved at update %d (%s%s); %s",
+                               self.rank, num_updates, last or "nothing to save", tiers,
+                               "exiting" if cfg.exit_on_preemption else "stopping")
             if cfg.exit_on_preemption:
                 self.close()
                 raise SystemExit(0)

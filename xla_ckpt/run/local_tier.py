@@ -279,6 +279,10 @@ class LocalTier:
         """Remove checkpoint ``name``'s local folder (a failed or skipped save)."""
         shutil.rmtree(self.path(name), ignore_errors=True)
 
+    def folders(self) -> list[str]:
+        """Every checkpoint folder name in this run's local folder (committed or not)."""
+        return self._folders()
+
     def _folders(self) -> list[str]:
         try:
             return sorted(e.name for e in os.scandir(self.folder) if e.is_dir())
