@@ -115,7 +115,8 @@ def test_overrides_do_not_mutate_input():
       "keep_local_checkpoints, local_dir, local_interval_updates, local_max_bytes, "
       "local_min_interval_s, local_policy, "
       "maximize_best_checkpoint_metric, no_epoch_checkpoints, no_save, restore_file, "
-      "reuse_staging_buffers, save_dir, save_interval_epochs, save_interval_updates, "
+      "reuse_staging_buffers, save_dir, save_interval_epochs, save_interval_seconds, "
+      "save_interval_updates, "
       "sync_interval_updates")),
     ("chekpoint.save_dir=x",
      ("override 'chekpoint.save_dir=x': unknown key 'chekpoint.save_dir'; valid keys under the "

@@ -106,6 +106,8 @@ class ManagerBase:
     _local_started: float  # rank 0: perf_counter() when the last local save began
     local_committed: list[str]
     _local_due: bool = False  # rank 0's clock, agreed in _sync: the continuous policy may save
+    _durable_started: float = 0.0  # rank 0: perf_counter() when the last durable save began
+    _durable_due: bool = False  # rank 0's clock, agreed in _sync: save_interval_seconds passed
 
     def close(self) -> None:
         """Wait for the in-flight save, release everything (:class:`CheckpointManager`)."""

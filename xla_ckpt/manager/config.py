@@ -26,6 +26,10 @@ class CheckpointConfig:
         save_interval_epochs: save ``checkpoint<epoch>`` at the end of every N-th epoch
             (fairseq ``save_interval``); 0 = no end-of-epoch saves.
         save_interval_updates: save ``checkpoint_<epoch>_<updates>`` every N updates; 0 = off.
+        save_interval_seconds: also save ``checkpoint_<epoch>_<updates>`` at the first update
+            boundary at least this many seconds after the last durable save began (rank 0's
+            clock, agreed by every rank); 0 = off.  With a local tier, the durable schedule
+            in time while the local tier saves every few updates.
         no_epoch_checkpoints: do not save end-of-epoch checkpoints at all.
         keep_interval_updates: keep the newest N update checkpoints (``checkpoint_E_U``).
         keep_last_epochs: keep the newest N epoch checkpoints (``checkpointE``).
@@ -84,6 +88,7 @@ class CheckpointConfig:
     no_save: bool = False
     save_interval_epochs: int = 1
     save_interval_updates: int = 0
+    save_interval_seconds: float = 0.0
     no_epoch_checkpoints: bool = False
     keep_interval_updates: int = -1
     keep_last_epochs: int = -1
@@ -121,6 +126,7 @@ class CheckpointConfig:
         check_int(s, "keep_local_checkpoints", self.keep_local_checkpoints, 1)
         check_int(s, "local_max_bytes", self.local_max_bytes, 0)
         check_number(s, "local_min_interval_s", self.local_min_interval_s, positive=False)
+        check_number(s, "save_interval_seconds", self.save_interval_seconds, positive=False)
         if self.local_policy not in ("interval", "continuous"):
             raise ConfigError(f"{s}.local_policy must be 'interval' or 'continuous', got "
                               f"{self.local_policy!r}")

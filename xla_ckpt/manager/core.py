@@ -72,6 +72,7 @@ they share.  This module holds the constructor and the lifecycle.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from types import TracebackType
 
 from xla_ckpt.comm import Dist, get_dist
@@ -191,6 +192,7 @@ class CheckpointManager(SaveSchedule, RestorePath):
             host=topo.host_id,
             keep_last=config.keep_local_checkpoints, max_bytes=config.local_max_bytes)
         self._local_started = float("-inf")  # rank 0: when the last local save began
+        self._durable_started = time.perf_counter()  # save_interval_seconds counts from here
         self.local_committed: list[str] = []
         """Local-tier saves this host committed (each host's leader; newest last)."""
 

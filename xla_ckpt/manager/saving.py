@@ -464,6 +464,8 @@ class SavePath(ManagerBase):
             self._last_saved = (name, num_updates)
         if local and self.rank == 0:
             self._local_started = t0
+        if durable and self.rank == 0:
+            self._durable_started = t0
         logger.debug("[rank %d] %s %s: %d bytes in %.3f s", self.rank,
                      "wrote" if block else "staged", name, nbytes, time.perf_counter() - t0)
         if block:
@@ -614,9 +616,12 @@ class SavePath(ManagerBase):
                    _status(fl.copy) if fl is not None and fl.phase == "copy" else "",
                    _status(fl.commit) if fl is not None and fl.phase == "commit" else "",
                    self.rank == 0 and time.perf_counter() - self._local_started
-                   >= self.config.local_min_interval_s)
+                   >= self.config.local_min_interval_s,
+                   self.rank == 0 and self.config.save_interval_seconds > 0
+                   and time.perf_counter() - self._durable_started
+                   >= self.config.save_interval_seconds)
             msgs = self._exchange(msg)
-            self._local_due = bool(msgs[0][3])
+            self._local_due, self._durable_due = bool(msgs[0][3]), bool(msgs[0][4])
             if any(m[0] for m in msgs):
                 self._preempt_agreed = True
             if fl is not None:

@@ -118,9 +118,12 @@ class SaveSchedule(SavePath):
         name = self.should_save(epoch=epoch, num_updates=num_updates, end_of_epoch=end_of_epoch)
         committed: list[str] = []
         continuous = self._tier is not None and cfg.local_policy == "continuous"
-        if self._inflight is not None or name is not None or continuous \
+        timed = cfg.save_interval_seconds > 0 and not cfg.no_save
+        if self._inflight is not None or name is not None or continuous or timed \
                 or num_updates % cfg.sync_interval_updates == 0:
             committed += self._sync(block=False)
+        if name is None and timed and self._durable_due and self._inflight is None:
+            name = update_checkpoint_name(epoch, num_updates)  # the durable schedule in time
         preempted = self._preempt_agreed
         already = self._last_saved is not None and self._last_saved[1] == num_updates
         if preempted and name is None and not already and not cfg.no_save:
