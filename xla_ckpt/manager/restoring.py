@@ -311,6 +311,8 @@ class RestorePath(ManagerBase):
                 "tier": tier_used, "host": self._host, "local_bytes": counters.local_bytes,
                 "durable_bytes": counters.durable_bytes if tier_used == "local" else
                 (stats.bytes_read if stats is not None else 0),
+                "local_read_s": counters.local_seconds,
+                "durable_read_s": counters.durable_seconds if tier_used == "local" else None,
                 "fallbacks": list(counters.fallbacks), "decide_s": decided_s,
                 "read_s": stats.seconds if stats is not None else 0.0,
                 "total_s": time.perf_counter() - t0}

@@ -346,17 +346,20 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
 
     The rules (DESIGN "tiers"):
 
-    * lineage: only steps of the newest incarnation that wrote anything: the highest lease
-      epoch among the markers and the run folder's lease.  A step of an older epoch is
-      a fenced incarnation's (or one a successor has since moved past), never chosen;
-    * every host committed the step, with the same save id, at this world size;
-    * a host that lacks a file its ranks need is acceptable only if the durable tier
-      holds the same save (the missing bytes come from there, by byte range);
+    * lineage: only steps of the run folder's lease epoch (the newest incarnation that
+      saved).  A step of an older epoch is a fenced incarnation's (or one a successor has
+      since moved past), never chosen; a step of a newer epoch than the run folder's lease
+      (or of any epoch when it has none) is another job's, whose run folder at the same URI
+      was deleted and made anew (a lease epoch never goes down), never chosen;
+    * every host committed the step, with the same save id;
+    * a host that lacks a file its ranks need, or another world size (a restore onto
+      another mesh on the same hosts), is acceptable only if the durable tier holds the
+      same save: what a host lacks comes from there, by byte range;
     * never older than the newest durable step (same step and save: the local tier).
     """
     if not inventories:
         return None, "no host has a local tier"
-    lineage = max([lease_epoch, *(s.lease_epoch for inv in inventories.values() for s in inv)])
+    lineage = lease_epoch
     by_name: dict[str, dict[int, LocalStep]] = {}
     for host, inv in inventories.items():
         for s in inv:
@@ -373,15 +376,22 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
         if any(s.save_id != first.save_id for s in ss):
             skipped.append(f"{name}: hosts hold different saves")
             continue
+        if any(s.lease_epoch > lineage for s in ss):
+            skipped.append(f"{name}: written by lease epoch {max(s.lease_epoch for s in ss)}, "
+                           f"the run folder's lease is at epoch {lineage} (the run folder was "
+                           "made anew: another job's copy)")
+            continue
         if any(s.lease_epoch != lineage for s in ss):
             skipped.append(f"{name}: written by lease epoch {first.lease_epoch}, the lineage "
                            f"is epoch {lineage} (a stale incarnation's copy)")
             continue
-        if first.world_size != world_size:
-            skipped.append(f"{name}: saved by {first.world_size} ranks, the job has "
-                           f"{world_size}")
-            continue
         in_durable = durable_save_id(name) == first.save_id
+        if first.world_size != world_size and not in_durable:
+            # Another mesh on the same hosts reads the saved boxes its ranks need by byte
+            # range: what its host holds locally, the rest from the durable copy.
+            skipped.append(f"{name}: saved by {first.world_size} ranks, the job has "
+                           f"{world_size}, and the durable tier does not hold this save")
+            continue
         if not in_durable and not all(s.complete for s in ss):
             bad = [s.host for s in ss if not s.complete]
             skipped.append(f"{name}: hosts {bad} lack files and the durable tier does not "
