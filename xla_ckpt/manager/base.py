@@ -151,6 +151,10 @@ class ManagerBase:
             raise CheckpointSaveError(f"could not take the lease of run folder {self.run.uri}",
                                       {0: msg[1]}) from own
         self._lease = lease_from_message(msg[1:])
+        if self._tier is not None and self._host_leader:
+            # No incarnation of this run folder wrote a step of this epoch or later: such a
+            # step is another job's (the run folder was deleted and made anew).
+            self._tier.discard_foreign(self._lease.epoch)
         return self._lease
 
     def _raise_if_fenced(self) -> None:

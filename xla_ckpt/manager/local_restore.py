@@ -13,6 +13,7 @@ import dataclasses
 import logging
 from typing import Any, Callable
 
+from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import Manifest
 from xla_ckpt.restore import RestoreConfig
@@ -57,7 +58,12 @@ def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size:
     hosts = {h for h, _ in every}
     for h in hosts - set(invs):
         invs[h] = []
-    lease = read_lease(run)
+    try:
+        lease = read_lease(run)
+    except CheckpointCorruptError as e:  # a restore only reads: the durable choice stands
+        logger.warning("rank 0: restoring from the durable tier: the run folder's lease is "
+                       "unreadable, so no local step's lineage can be checked (%s)", e)
+        return None
     latest = None
     if durable_name is not None and durable_manifest is not None:
         latest = DurableLatest(durable_name, durable_manifest.save_id,
@@ -71,14 +77,27 @@ def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size:
             found = committed_manifest(st)
         return found[0].save_id if found is not None else None
 
-    choice, why = choose_local(invs, world_size=world_size,
-                               lease_epoch=lease.epoch if lease is not None else 0,
-                               durable=latest, durable_save_id=durable_save_id)
-    if choice is None:
-        logger.info("rank 0: restoring from the durable tier: %s", why)
-        return None
-    return (choice.name, choice.save_id, choice.durable, choice.reason,
-            tier.manifest_bytes(choice.name))
+    while True:
+        choice, why = choose_local(invs, world_size=world_size,
+                                   lease_epoch=lease.epoch if lease is not None else 0,
+                                   durable=latest, durable_save_id=durable_save_id)
+        if choice is None:
+            logger.info("rank 0: restoring from the durable tier: %s", why)
+            return None
+        # Every rank parses these bytes: a damaged manifest is this step's failure (never
+        # trusted again, decide once more), not the restore's.
+        try:
+            mbytes = tier.manifest_bytes(choice.name)
+            parsed = Manifest.from_json_bytes(mbytes, where=f"{tier.path(choice.name)}/"
+                                              "manifest.json", require_crc=True)
+            if parsed.save_id != choice.save_id:
+                raise ValueError(f"its manifest is of save {parsed.save_id}, the host commit "
+                                 f"markers of save {choice.save_id}")
+        except (OSError, ValueError) as e:
+            tier.untrust(choice.name, choice.save_id, f"unusable manifest: {e}")
+            invs = {h: [s for s in inv if s.name != choice.name] for h, inv in invs.items()}
+            continue
+        return choice.name, choice.save_id, choice.durable, choice.reason, mbytes
 
 
 def tier_source(tier: LocalTier, run: Storage, *, name: str, save_id: str, durable: bool,

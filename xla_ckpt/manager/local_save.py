@@ -81,9 +81,13 @@ def nbytes_of(payload: Any) -> int:
 
 
 def agree_on_room(exchange: Callable[[Any], list[Any]], tier: LocalTier, *, host: int,
-                  name: str, nbytes: int) -> tuple[bool, dict[int, list[int]]]:
+                  name: str, nbytes: int, leader: bool = False
+                  ) -> tuple[bool, dict[int, list[int]]]:
     """Every rank (two small exchanges): whether every host has room for its part of save
     ``name`` (``local_max_bytes`` once keep-last-K pruned), and the ranks of each host.
+    A host's ``leader`` then makes that room before any rank writes
+    (:meth:`LocalTier.make_room`: the oldest steps go first when the tier or its
+    filesystem is full).
 
     Logs a WARNING naming each host short of room, the bytes it would hold and the limit,
     when the local copy is skipped (on every host: a step some host lacks is no use).
@@ -94,6 +98,8 @@ def agree_on_room(exchange: Callable[[Any], list[Any]], tier: LocalTier, *, host
         hosts.setdefault(h, []).append(r)
     mine = sum(n for h, n in every if h == host)
     fits, held = tier.room_for(mine, name)
+    if fits and leader:
+        tier.make_room(mine)  # before the verdicts: no rank of this host writes until then
     verdicts = exchange((host, fits, mine, held))
     short = sorted({(h, n, k) for h, ok, n, k in verdicts if not ok})
     if short:
@@ -168,7 +174,7 @@ def commit_host(tier: LocalTier, *, name: str, save_id: str, gathered: list[Writ
     complete = plan is None
     state = [p for p in gathered if p.name == STATE_ITEM]
     if state and 0 not in host_ranks:
-        if own_state and [p.to_json() for p in own_state] == [p.to_json() for p in state]:
+        if own_state and _same_bytes(own_state, state):
             held.update(state[0].files)
         else:
             complete = False
@@ -192,6 +198,18 @@ def commit_host(tier: LocalTier, *, name: str, save_id: str, gathered: list[Writ
     tier.commit(step, None)  # the manifest is there: the marker, last
     tier.prune(protect=[name])
     return step
+
+
+def _same_bytes(own: list[WrittenItem], state: list[WrittenItem]) -> bool:
+    """Whether a host's own copy of the replicated state holds rank 0's bytes where the
+    manifest (rank 0's records) points: the same files and sizes, blobs (offsets, lengths,
+    crc32c) and tensor records.  The typed tree's other values are not compared: the
+    manifest carries rank 0's, and a replica may differ there harmlessly (fairseq's
+    ``previous_training_time`` is each rank's own wall clock)."""
+    def key(items: list[WrittenItem]) -> list[Any]:
+        return [(p.name, p.files, [t.to_json() for t in p.item.tensors],
+                 [b.to_json() for b in p.item.blobs]) for p in items]
+    return key(own) == key(state)
 
 
 def _unlink(path: str) -> None:

@@ -384,7 +384,8 @@ class SavePath(ManagerBase):
                 list(chunk[1]) if chunk is not None else None]) \
                 if not agreed.input_errors else 0
             local, host_ranks = local_save.agree_on_room(self._exchange, tier, host=self._host,
-                                                         name=name, nbytes=est)
+                                                         name=name, nbytes=est,
+                                                         leader=self._host_leader)
             if not local and not durable:
                 storage.close()
                 return committed
@@ -497,8 +498,12 @@ class SavePath(ManagerBase):
         tier = self._tier
         if tier is None or not self._host_leader:
             return
+        # A durable save's copy (phase "copy") still reads the local files of the ranks whose
+        # write succeeded: an uncommitted folder is removed once every rank copied
+        # (_drop_uncommitted_local), not here.
         if errors:
-            tier.discard(fl.name)
+            if not fl.durable:
+                tier.discard(fl.name)
             logger.warning("[rank %d] host %d: %s not committed in the local tier (rank(s) %s "
                            "failed: %s)", self.rank, self._host, fl.name,
                            sorted(errors), "; ".join(sorted(set(errors.values()))))
@@ -511,7 +516,8 @@ class SavePath(ManagerBase):
                 world_size=self.world_size, plan=fl.plan, metadata=fl.metadata,
                 lease_epoch=self._lease.epoch, single_host=len(fl.host_ranks) == 1)
         except Exception as e:  # noqa: BLE001 - the local tier is a copy; logged, training goes on
-            tier.discard(fl.name)
+            if not fl.durable:
+                tier.discard(fl.name)
             logger.warning("[rank %d] host %d: the local commit of %s failed: %s: %s",
                            self.rank, self._host, fl.name, type(e).__name__, e)
             return
@@ -519,6 +525,13 @@ class SavePath(ManagerBase):
         logger.info("[rank %d] host %d: committed %s in the local tier %s (%.2f s after "
                     "staging)", self.rank, self._host, fl.name, tier.folder,
                     time.perf_counter() - fl.t0)
+
+    def _drop_uncommitted_local(self, fl: InFlightSave) -> None:
+        """Each host's leader, once every rank's durable copy is over (collective point):
+        remove the save's local folder if this host did not commit it."""
+        if self._tier is not None and self._host_leader and fl.local \
+                and fl.name not in self.local_committed:
+            self._tier.discard(fl.name)
 
     def _commit_job(self, fl: InFlightSave, every: list[bytes]) -> None:
         """Coordinator only: manifest (commit marker), then pointers, then rotation.
@@ -634,6 +647,7 @@ class SavePath(ManagerBase):
                     self._local_written(fl)  # local-only saves end here
                 elif fl.phase == "copy" and all(m[1] == "done" for m in msgs):
                     fl.phase = "commit"
+                    self._drop_uncommitted_local(fl)
                     if self.rank == 0:
                         fl.commit = self._executor.submit(self._commit_job, fl, fl.gathered)
                 elif fl.phase == "upload" and all(m[1] == "done" for m in msgs):
@@ -701,9 +715,9 @@ class SavePath(ManagerBase):
         if self._last_saved is not None and self._last_saved[0] == fl.name:
             self._last_saved = None
         # Every rank lets its own upload finish, then rank 0 removes the uncommitted data files.
-        cf.wait([f for f in (fl.upload, fl.commit) if f is not None])
+        cf.wait([f for f in (fl.upload, fl.copy, fl.commit) if f is not None])
         own = None
-        for fut in (fl.upload, fl.commit):
+        for fut in (fl.upload, fl.copy, fl.commit):
             if fut is not None and fut.exception() is not None:
                 own = fut.exception()
         self._recycle(fl)
@@ -716,6 +730,7 @@ class SavePath(ManagerBase):
         if self.rank == 0 and not fl.manifest_written:
             discard(fl.storage, fl.save_id)
         fence = self._exchange(fence)[0]
+        self._drop_uncommitted_local(fl)
         fl.storage.close()
         if fence is not None:
             self._fenced = FencedError(fence[0], own_epoch=fence[1], current_epoch=fence[2],

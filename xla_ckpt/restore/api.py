@@ -222,8 +222,8 @@ def restore(uri: str | Decision, *, dist: Dist | None = None, strategy: str | No
         except DistributedError as e:
             if e.args and isinstance(e.args[0], str) and f"strategy {name}" not in e.args[0]:
                 e.args = (f"{what}: {e.args[0]}",) + e.args[1:]  # a broken collective: say where
-            if not _may_have_raced(e):
-                raise
+            if not _may_have_raced(e) or decision.source is not None:
+                raise  # a tiered source (a host's local copy): its failures are its own
             again = _decide_again(uri, dist, decision, e, storage_config, context)
             if again is None:
                 raise  # not replaced: the read's own error

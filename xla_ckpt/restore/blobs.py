@@ -77,7 +77,13 @@ def blob_tensors(manifest: Manifest, item: str) -> SavedTensors:
         CheckpointCorruptError: no item ``item`` (names it).
     """
     it = manifest.item(item)
-    records = [TensorRecord(f"{item}/blob/{b}", b, 0, "uint8", (blob.length,), (1,))
+    # Each blob is named after the first tensor it holds (what a crc32c failure or a local
+    # tier's fallback reports); a tensor lies in one blob, so the names stay unique.
+    first: dict[int, str] = {}
+    for t in it.tensors:
+        first.setdefault(t.blob, t.key)
+    records = [TensorRecord(first.get(b, f"{item}/blob/{b}"), b, 0, "uint8", (blob.length,),
+                            (1,))
                for b, blob in enumerate(it.blobs)]
     gts = [GlobalTensor(rec.key, "uint8", rec.shape,
                         (ChunkRecord(item, b, (0,), rec.shape),) if rec.shape[0] else ())

@@ -48,6 +48,9 @@ MARKER_FORMAT = "xla_ckpt-local-tier"
 MARKER_VERSION = 1
 _MARKER_RE = re.compile(r"^host-(\d+)\.commit\.json$")
 _TMP_MARK = ".tmp-"
+#: What a step takes beyond its tensor bytes, as :meth:`LocalTier.make_room` counts it (file
+#: headers, the manifest and marker, filesystem pages).
+ROOM_SLACK_BYTES = 64 * 1024
 
 
 def run_key(run_uri: str) -> str:
@@ -264,6 +267,36 @@ class LocalTier:
         held = sum(s.nbytes for s in kept)
         return held + nbytes <= self.max_bytes, held
 
+    def make_room(self, nbytes: int) -> list[str]:
+        """Host leader, before the writes of a new step of about ``nbytes``: when it would
+        not fit next to everything held now (over ``max_bytes``, or more than the free space
+        of the folder's filesystem: a full tmpfs), delete the oldest committed steps down to
+        the ``keep_last - 1`` that :meth:`room_for` counts, and uncommitted leftovers, if
+        that makes the room.  Pruning otherwise follows a commit only, so a tier without
+        room for ``keep_last + 1`` steps would never commit again.  Returns the folders
+        removed."""
+        need = nbytes + ROOM_SLACK_BYTES
+        older = self.inventory()
+        keep = {s.name for s in older[max(len(older) - (self.keep_last - 1), 0):]}
+        gone = [name for name in self._folders() if name not in keep]
+        # Over max_bytes: room_for found that it fits once only ``keep`` is left.
+        if not (self.max_bytes > 0 and self.used_bytes() + need > self.max_bytes):
+            try:
+                st = os.statvfs(self.folder)
+            except OSError:
+                return []
+            free = st.f_bavail * st.f_frsize
+            # Nothing is removed unless that makes the room (a step larger than the whole
+            # filesystem fails its write with ENOSPC, and the kept steps stay).
+            if free >= need or free + self.used_bytes(exclude=keep) < need:
+                return []
+        for name in gone:
+            shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        if gone:
+            logger.info("host %d: made room for a new local step of %d bytes in %s: removed %s",
+                        self.host, nbytes, self.folder, ", ".join(gone))
+        return gone
+
     def prune(self, *, protect: Sequence[str] = ()) -> list[str]:
         """Host leader: delete every folder but the newest ``keep_last`` committed steps and
         ``protect`` (a save in flight); uncommitted leftovers of earlier saves go too."""
@@ -278,6 +311,21 @@ class LocalTier:
     def discard(self, name: str) -> None:
         """Remove checkpoint ``name``'s local folder (a failed or skipped save)."""
         shutil.rmtree(self.path(name), ignore_errors=True)
+
+    def discard_foreign(self, lease_epoch: int) -> list[str]:
+        """Host leader, when this job takes lease epoch ``lease_epoch`` of the run folder:
+        remove every step of that epoch or later.  The epoch is new, so no incarnation of
+        this run folder wrote them: they are another job's, whose run folder at the same URI
+        was deleted and made anew (logged at WARNING)."""
+        gone = [s.name for s in self.inventory() if s.lease_epoch >= lease_epoch]
+        for name in gone:
+            self.discard(name)
+        if gone:
+            logger.warning("host %d: removed %s from the local tier %s: written under lease "
+                           "epoch %d or later, which this job has just taken (another job's, "
+                           "from before the run folder was made anew)", self.host,
+                           ", ".join(gone), self.folder, lease_epoch)
+        return gone
 
     def folders(self) -> list[str]:
         """Every checkpoint folder name in this run's local folder (committed or not)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -37,17 +38,21 @@ class TierCounters:
     durable_bytes: int = 0
     local_requests: int = 0
     durable_requests: int = 0
+    local_seconds: float = 0.0  # summed over the reading threads (not wall time)
+    durable_seconds: float = 0.0
     fallbacks: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, local: bool, n: int) -> None:
+    def add(self, local: bool, n: int, seconds: float = 0.0) -> None:
         with self.lock:
             if local:
                 self.local_bytes += n
                 self.local_requests += 1
+                self.local_seconds += seconds
             else:
                 self.durable_bytes += n
                 self.durable_requests += 1
+                self.durable_seconds += seconds
 
 
 class TieredStorage(Storage):
@@ -80,6 +85,7 @@ class TieredStorage(Storage):
         self._failed_once = False
         self._not_local: set[str] = set()
         self._bad: dict[str, list[tuple[int, int]]] = {}
+        self._reported: set[object] = set()  # failures without a durable copy, reported
         self._lock = threading.Lock()
 
     @property
@@ -105,6 +111,13 @@ class TieredStorage(Storage):
             except Exception as e:  # noqa: BLE001 - a report must not fail the read
                 logger.warning("host %d: could not record the failure: %s", self.host, e)
 
+    def _report_once(self, key: object, reason: str) -> None:
+        with self._lock:
+            seen = key in self._reported
+            self._reported.add(key)
+        if not seen:
+            self._report(reason)
+
     # ---- reads -------------------------------------------------------------------------
     def stat(self, name: str) -> ObjectInfo:
         if name not in self._not_local:
@@ -115,15 +128,19 @@ class TieredStorage(Storage):
                     return ObjectInfo(name=name, size=info.size)
                 why = f"has {info.size} bytes, the manifest says {want}"
             except CheckpointNotFoundError:
+                if not self.has_durable:
+                    self._report_once(name, f"local file {self.local.url(name)} is missing, "
+                                      "and the durable tier does not hold this save")
+                    raise  # the reader's own error (DataFileMissingError names the file)
                 why = "is missing"
+            if not self.has_durable:
+                self._report_once(name, f"local file {self.local.url(name)} {why}, and the "
+                                  "durable tier does not hold this save")
+                return ObjectInfo(name=name, size=info.size)  # the reader names the sizes
             with self._lock:
                 self._not_local.add(name)
-            if self.has_durable:
-                self._report(f"local file {self.local.url(name)} {why}; its bytes come from "
-                             "the durable tier")
-            else:
-                self._report(f"local file {self.local.url(name)} {why}, and the durable tier "
-                             "does not hold this save")
+            self._report(f"local file {self.local.url(name)} {why}; its bytes come from "
+                         "the durable tier")
         info = self.durable().stat(name)
         return ObjectInfo(name=name, size=info.size)
 
@@ -138,28 +155,32 @@ class TieredStorage(Storage):
     def read_range(self, name: str, offset: int, out: memoryview,
                    generation: int | None = None) -> None:
         if self._local_ok(name, offset, len(out)):
+            t0 = time.perf_counter()
             self.local.read_range(name, offset, out)
-            self.counters.add(True, len(out))
+            self.counters.add(True, len(out), time.perf_counter() - t0)
         else:
+            t0 = time.perf_counter()
             self.durable().read_range(name, offset, out)
-            self.counters.add(False, len(out))
+            self.counters.add(False, len(out), time.perf_counter() - t0)
 
     def crc_mismatch(self, name: str, offset: int, n: int, tensors: Sequence[str]) -> bool:
         """The chunk reader: bytes ``[offset, offset + n)`` of ``name`` failed their crc32c.
         Returns True when a re-read will come from the durable tier (it holds this save)."""
         if not self._local_ok(name, offset, n):
             return False  # the durable bytes failed: the reader's own retries and error
-        with self._lock:
-            self._bad.setdefault(name, []).append((offset, offset + n))
         what = ", ".join(tensors[:3]) or "?"
         if self.has_durable:
+            with self._lock:
+                self._bad.setdefault(name, []).append((offset, offset + n))
             self._report(f"crc32c mismatch in local file {self.local.url(name)} bytes "
                          f"[{offset}, {offset + n}) (tensor {what}); those bytes come from "
                          "the durable tier")
             return True
-        self._report(f"crc32c mismatch in local file {self.local.url(name)} bytes "
-                     f"[{offset}, {offset + n}) (tensor {what}), and the durable tier does "
-                     "not hold this save")
+        # Nothing to fall back to: the reader re-reads the local bytes, then raises its
+        # IntegrityError naming the tensor (each range reported once, not per re-read).
+        self._report_once((name, offset, n), f"crc32c mismatch in local file "
+                          f"{self.local.url(name)} bytes [{offset}, {offset + n}) (tensor "
+                          f"{what}), and the durable tier does not hold this save")
         return False
 
     # ---- a restore only reads ------------------------------------------------------------

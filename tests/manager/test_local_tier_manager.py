@@ -1,0 +1,474 @@
+"""The manager with a local tier, in one process (SingleProcess dist, temp folders): what each
+save leaves in the local and durable tiers, and which tier a restore of ``checkpoint_last``
+reads, with which values, when the local copy is damaged, full or foreign.
+
+Every test asserts the restored tensors bitwise, the chosen checkpoint and tier
+(``RestoreResult.tier``), and the folders on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import uuid
+from typing import Any
+
+import pytest
+import torch
+from manager_helpers import committed, make_cfg
+
+import xla_ckpt
+from xla_ckpt.format.manifest import MANIFEST_NAME, STATE_ITEM
+from xla_ckpt.io.manifest_file import read_manifest
+from xla_ckpt.manager import CheckpointManager
+from xla_ckpt.run.local_tier import LocalTier, marker_name, untrusted_name
+from xla_ckpt.storage.local import LocalStorage
+
+W_KEY = "state['model']['w']"
+TENSOR_BYTES = 2048 * 4 + 300 * 8 + 8  # w, b and the rank state's tensor
+B_KEY = "state['model']['b']"
+
+
+def w_at(n: int, numel: int = 2048) -> torch.Tensor:
+    return torch.arange(numel, dtype=torch.float32) * 0.5 + n
+
+
+def b_at(n: int) -> torch.Tensor:
+    return torch.full((300,), float(n), dtype=torch.float64)
+
+
+def state_at(n: int, numel: int = 2048) -> dict:
+    return {"model": {"w": w_at(n, numel), "b": b_at(n)}, "num_updates": n}
+
+
+def train(mgr: CheckpointManager, first: int, last: int, *, numel=None, hook=None) -> list:
+    """after_update for updates ``first..last``; ``numel(n)``: w's size at update n."""
+    results = []
+    for n in range(first, last + 1):
+        size = numel(n) if numel is not None else 2048
+
+        def state(n=n, size=size):
+            if hook is not None:
+                hook(n)
+            return state_at(n, size)
+        results.append(mgr.after_update(epoch=1, num_updates=n, state=state,
+                                        rank_state={"seen": torch.tensor([n])}))
+    return results
+
+
+def assert_restored(res, n: int, *, numel: int = 2048) -> None:
+    assert res is not None
+    assert res.checkpoint == f"checkpoint_1_{n}" and res.num_updates == n
+    assert torch.equal(res.state["model"]["w"], w_at(n, numel))
+    assert torch.equal(res.state["model"]["b"], b_at(n))
+    assert res.state["num_updates"] == n
+    assert torch.equal(res.rank_state["seen"], torch.tensor([n]))
+
+
+def restore(cfg):
+    mgr = CheckpointManager(cfg)
+    try:
+        return mgr.restore_or_initialize()
+    finally:
+        mgr.close()
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    run = tmp_path / "run"
+    local = tmp_path / "local"
+    run.mkdir()
+    return str(run), str(local)
+
+
+def tier_of(run: str, local: str) -> LocalTier:
+    return LocalTier(local, os.path.abspath(run))
+
+
+def local_steps(run: str, local: str) -> list[str]:
+    """Checkpoint folders in the run's local folder (committed or not), sorted by update."""
+    tier = tier_of(run, local)
+    names = [n for n in os.listdir(tier.folder)] if os.path.isdir(tier.folder) else []
+    return sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]))
+
+
+def flip_in(folder: str, key: str, item_name: str = STATE_ITEM) -> None:
+    """Flip one byte in the middle of tensor ``key``'s blob in a checkpoint folder."""
+    m = read_manifest(LocalStorage(folder))
+    item = m.item(item_name)
+    (rec,) = [t for t in item.tensors if t.key == key]
+    blob = item.blobs[rec.blob]
+    path = os.path.join(folder, blob.file)
+    at = blob.offset + blob.length // 2
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def state_bytes(folder: str) -> int:
+    m = read_manifest(LocalStorage(folder))
+    return sum(m.files.values())
+
+
+def test_local_every_update_durable_every_4(dirs):
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=4,
+                   keep_local_checkpoints=3)
+    mgr = CheckpointManager(cfg)
+    results = train(mgr, 1, 10)
+    mgr.close()
+    assert [r.saved for r in results] == [f"checkpoint_1_{n}" for n in range(1, 11)]
+    assert mgr.local_committed == [f"checkpoint_1_{n}" for n in range(1, 11)]
+    assert committed(run) == ["checkpoint_1_4", "checkpoint_1_8"]
+    assert local_steps(run, local) == ["checkpoint_1_8", "checkpoint_1_9", "checkpoint_1_10"]
+    tier = tier_of(run, local)
+    assert [s.name for s in tier.inventory()] == local_steps(run, local)
+    for s in tier.inventory():
+        assert s.complete and s.missing == () and s.lease_epoch == 1
+        assert sorted(os.listdir(tier.path(s.name))) == sorted(
+            [*s.files, MANIFEST_NAME, marker_name(0)])
+    # The durable copy of 8 is the same save as the local one (uploaded from its bytes).
+    assert read_manifest(LocalStorage(os.path.join(run, "checkpoint_1_8"))).save_id == \
+        read_manifest(LocalStorage(tier.path("checkpoint_1_8"))).save_id
+    res = restore(cfg)
+    assert_restored(res, 10)
+    assert res.tier["tier"] == "local" and res.tier["host"] == 0
+    assert res.tier["durable_bytes"] == 0 and res.tier["fallbacks"] == []
+    assert res.tier["local_bytes"] == TENSOR_BYTES  # every tensor byte, from the local copy
+    # keep_local_checkpoints=1: one step on disk after each commit.
+    run1, local1 = run + "-k1", local + "-k1"
+    cfg1 = make_cfg(run1, local_dir=local1, local_interval_updates=1, save_interval_updates=4,
+                    keep_local_checkpoints=1)
+    mgr = CheckpointManager(cfg1)
+    train(mgr, 1, 6)
+    mgr.close()
+    assert local_steps(run1, local1) == ["checkpoint_1_6"]
+    assert_restored(restore(cfg1), 6)
+
+
+def test_durable_only_restore_reports_the_durable_tier(dirs):
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=4)
+    mgr = CheckpointManager(cfg)
+    train(mgr, 1, 8)
+    mgr.close()
+    shutil.rmtree(local)  # the host was replaced: its memory is gone
+    res = restore(cfg)
+    assert_restored(res, 8)
+    assert res.tier["tier"] == "durable" and res.tier["local_bytes"] == 0
+    assert res.tier["durable_bytes"] > 0
+
+
+@pytest.mark.parametrize("where", ["state", "state into=", "rank state"])
+def test_flipped_byte_in_a_step_also_durable_reads_that_range_from_durable(dirs, caplog,
+                                                                           where):
+    caplog.set_level(logging.ERROR, logger="xla_ckpt.io.blob_reader")
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=4)
+    mgr = CheckpointManager(cfg)
+    train(mgr, 1, 8)
+    mgr.close()
+    tier = tier_of(run, local)
+    folder = tier.path("checkpoint_1_8")
+    total = state_bytes(folder)
+    key = "rank/00000 blob 0" if where == "rank state" else B_KEY
+    if where == "rank state":
+        flip_in(folder, "state['seen']", "rank/00000")
+    else:
+        flip_in(folder, B_KEY)
+    into: Any = {"model": {"w": torch.zeros(2048), "b": torch.zeros(300, dtype=torch.float64)},
+                 "num_updates": 0} if where == "state into=" else None
+    with caplog.at_level(logging.WARNING, logger="xla_ckpt.storage.tiered"):
+        mgr = CheckpointManager(cfg)
+        res: Any = mgr.restore_or_initialize(into=into)
+        mgr.close()
+    assert_restored(res, 8)
+    if into is not None:  # read in place, the bad range again from durable storage
+        assert res.state["model"]["b"] is into["model"]["b"]
+    t = res.tier
+    assert t["tier"] == "local"
+    # Every tensor byte read locally once; the failed blob (one crc32c chunk) again from
+    # durable storage, nothing else.
+    assert t["local_bytes"] == TENSOR_BYTES
+    assert t["durable_bytes"] == (8 if where == "rank state" else 300 * 8) < total
+    (why,) = t["fallbacks"]
+    assert why.startswith(f"crc32c mismatch in local file {folder}/") and f"(tensor {key})" in why
+    assert "come from the durable tier" in why
+    assert f"host 0: {why}" in caplog.text
+    # Never trusted again: the next restore reads the durable 8 (the local 7 is older).
+    assert os.path.exists(os.path.join(folder, untrusted_name(0)))
+    assert [s.name for s in tier.inventory()] == ["checkpoint_1_7"]
+    res = restore(cfg)
+    assert_restored(res, 8)
+    assert res.tier["tier"] == "durable" and res.tier["local_bytes"] == 0
+
+
+@pytest.mark.parametrize("bad,want,tier_name", [
+    ((10,), 9, "local"),  # decides again: the older local step
+    ((10, 9), 8, "durable"),  # twice: the durable step
+])
+def test_flipped_byte_in_a_local_only_step_decides_again(dirs, caplog, bad, want, tier_name):
+    caplog.set_level(logging.CRITICAL, logger="xla_ckpt.io.blob_reader")
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=4)
+    mgr = CheckpointManager(cfg)
+    train(mgr, 1, 10)
+    mgr.close()
+    assert committed(run) == ["checkpoint_1_4", "checkpoint_1_8"]
+    tier = tier_of(run, local)
+    assert [s.name for s in tier.inventory()] == ["checkpoint_1_9", "checkpoint_1_10"]
+    for n in bad:
+        flip_in(tier.path(f"checkpoint_1_{n}"), W_KEY)
+    with caplog.at_level(logging.WARNING, logger="xla_ckpt.manager"):
+        res = restore(cfg)
+    assert_restored(res, want)  # never a fresh start, never damaged values
+    assert res.tier["tier"] == tier_name
+    again = [r.getMessage() for r in caplog.records if "deciding once more" in r.getMessage()]
+    assert len(again) == len(bad)
+    for n, msg in zip(bad, again, strict=True):
+        assert msg.startswith(f"[rank 0] the local copy of checkpoint_1_{n} failed its checks")
+        assert f"IntegrityError: {tier.path(f'checkpoint_1_{n}')}/" in msg
+        assert "replaced while reading" not in msg  # the local copy's own failure
+    for n in bad:
+        assert os.path.exists(os.path.join(tier.path(f"checkpoint_1_{n}"), untrusted_name(0)))
+    assert [s.name for s in tier.inventory()] == [
+        f"checkpoint_1_{n}" for n in (9, 10) if n not in bad]
+
+
+@pytest.mark.parametrize("damage", ["not json", "flipped byte"])
+def test_a_damaged_local_manifest_is_skipped_and_untrusted(dirs, caplog, damage):
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=4)
+    mgr = CheckpointManager(cfg)
+    train(mgr, 1, 10)
+    mgr.close()
+    tier = tier_of(run, local)
+    path = os.path.join(tier.path("checkpoint_1_10"), MANIFEST_NAME)
+    with open(path, "rb") as f:
+        body = bytearray(f.read())
+    if damage == "not json":
+        body[:1] = b"#"
+    else:
+        at = body.index(b'"num_updates"') + 3
+        body[at] ^= 0x01
+    with open(path, "wb") as f:
+        f.write(bytes(body))
+    with caplog.at_level(logging.WARNING, logger="xla_ckpt.run.local_tier"):
+        res = restore(cfg)
+    assert_restored(res, 9)
+    assert res.tier["tier"] == "local"
+    assert f"unusable manifest: {path}" in caplog.text
+    assert [s.name for s in tier.inventory()] == ["checkpoint_1_9"]
+
+
+def test_local_max_bytes_too_small_skips_the_local_copy(dirs, caplog):
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=3,
+                   local_max_bytes=1000)
+    mgr = CheckpointManager(cfg)
+    with caplog.at_level(logging.WARNING, logger="xla_ckpt.manager"):
+        results = train(mgr, 1, 7)
+    mgr.close()
+    assert [r.saved for r in results][2::3] == ["checkpoint_1_3", "checkpoint_1_6"]
+    assert mgr.local_committed == []
+    assert committed(run) == ["checkpoint_1_3", "checkpoint_1_6"]
+    assert local_steps(run, local) == []
+    skips = [r.getMessage() for r in caplog.records
+             if "skipping the local copy of" in r.getMessage()]
+    assert len(skips) == 7
+    nbytes = TENSOR_BYTES
+    assert skips[0] == ("local tier: skipping the local copy of checkpoint_1_1 (host 0: "
+                        f"{nbytes} bytes new + 0 bytes kept > local_max_bytes 1000); training "
+                        "and the durable schedule go on")
+    res = restore(cfg)
+    assert_restored(res, 6)
+    assert res.tier["tier"] == "durable"
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: str, size: str):
+    os.makedirs(path, exist_ok=True)
+    try:
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot mount a tmpfs at {path}: {e}")
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs at {path}: {out.stderr.strip() or out.returncode}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_enospc_mid_write_keeps_the_previous_local_step(tmp_path, async_save, caplog):
+    run = str(tmp_path / "run")
+    mount = str(tmp_path / f"shm-{uuid.uuid4().hex[:6]}")
+    with small_tmpfs(mount, "256k"):
+        cfg = make_cfg(run, local_dir=mount, local_interval_updates=1, save_interval_updates=2,
+                       keep_local_checkpoints=2, async_save=async_save)
+        mgr = CheckpointManager(cfg)
+        # Updates 1..2: 10 KiB states; 3..6: 400 KiB (w), more than the whole tmpfs.
+        with caplog.at_level(logging.WARNING, logger="xla_ckpt.manager"):
+            results = train(mgr, 1, 6, numel=lambda n: 2048 if n <= 2 else 100_000)
+            mgr.close()
+        assert [r.saved for r in results] == [f"checkpoint_1_{n}" for n in range(1, 7)]
+        assert mgr.local_committed == ["checkpoint_1_1", "checkpoint_1_2"]
+        assert committed(run) == ["checkpoint_1_2", "checkpoint_1_4", "checkpoint_1_6"]
+        assert "the local copy of checkpoint_1_3 failed" in caplog.text
+        assert "No space left on device" in caplog.text or "ENOSPC" in caplog.text
+        # The previous local step is intact; nothing of the failed ones is left (every
+        # folder is a committed step; no temporary file).
+        tier = tier_of(run, mount)
+        steps = tier.inventory()
+        assert local_steps(run, mount) == [s.name for s in steps]
+        assert steps[-1].name == "checkpoint_1_2" and steps[-1].complete
+        everything = [f for _, _, files in os.walk(mount) for f in files]
+        assert not [f for f in everything if ".tmp-" in f]
+        got = xla_ckpt.load(tier.path("checkpoint_1_2"))
+        assert torch.equal(got["model"]["w"], w_at(2))
+        # Durable 4 and 6 hold the big states, written directly; 6 is restored from there.
+        for n in (4, 6):
+            got = xla_ckpt.load(os.path.join(run, f"checkpoint_1_{n}"))
+            assert torch.equal(got["model"]["w"], w_at(n, 100_000))
+        res = restore(cfg)
+        assert_restored(res, 6, numel=100_000)
+        assert res.tier["tier"] == "durable"
+
+
+def test_continuous_policy_saves_at_every_update_when_idle(dirs):
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_policy="continuous", local_min_interval_s=0,
+                   save_interval_updates=0, keep_local_checkpoints=2)
+    mgr = CheckpointManager(cfg)
+    results = train(mgr, 1, 6)
+    mgr.close()
+    names = [f"checkpoint_1_{n}" for n in range(1, 7)]
+    assert [r.saved for r in results] == names
+    assert mgr.local_committed == names
+    assert committed(run) == []  # local only
+    assert local_steps(run, local) == names[-2:]
+    res = restore(cfg)
+    assert_restored(res, 6)
+    assert res.tier["tier"] == "local"
+
+
+def test_continuous_policy_with_a_long_interval_saves_the_first_only(dirs):
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_policy="continuous",
+                   local_min_interval_s=1e9, save_interval_updates=0)
+    mgr = CheckpointManager(cfg)
+    results = train(mgr, 1, 5)
+    mgr.close()
+    assert [r.saved for r in results] == ["checkpoint_1_1", None, None, None, None]
+    assert mgr.local_committed == ["checkpoint_1_1"]
+    assert_restored(restore(cfg), 1)
+
+
+def test_continuous_policy_async_never_overlaps_saves(dirs):
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_policy="continuous", local_min_interval_s=0,
+                   save_interval_updates=0, async_save=True, keep_local_checkpoints=1)
+    mgr = CheckpointManager(cfg)
+    results = train(mgr, 1, 8)
+    mgr.close()
+    saved = [r.saved for r in results if r.saved is not None]
+    assert saved[0] == "checkpoint_1_1"
+    assert mgr.local_committed == saved  # every save started was committed, in order
+    n = int(saved[-1].rsplit("_", 1)[1])
+    assert local_steps(run, local) == [saved[-1]]
+    res = restore(cfg)
+    assert_restored(res, n)
+    assert res.tier["tier"] == "local"
+
+
+def test_local_only_save_does_not_count_as_the_preemption_save(dirs):
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=100,
+                   exit_on_preemption=False)
+    mgr = CheckpointManager(cfg)
+    train(mgr, 1, 2)
+    # SIGTERM lands while update 3's local-only save gathers its state: the ranks agree on
+    # it in that save; the next boundary must still write a durable checkpoint.
+    results = train(mgr, 3, 4, hook=lambda n: mgr.request_preemption() if n == 3 else None)
+    assert results[0].saved == "checkpoint_1_3" and not results[0].preempted
+    assert results[1].preempted and results[1].saved == "checkpoint_1_4"
+    assert results[1].committed == ("checkpoint_1_4",)
+    # Asked before update 5, a local-due update: the durable preemption save at 5.
+    mgr.request_preemption()
+    (r5,) = train(mgr, 5, 5)
+    assert r5.preempted and r5.committed == ("checkpoint_1_5",)
+    mgr.close()
+    assert committed(run) == ["checkpoint_1_4", "checkpoint_1_5"]
+    assert mgr.local_committed == [f"checkpoint_1_{n}" for n in (1, 2, 3, 4, 5)]
+    for n in (4, 5):
+        got = xla_ckpt.load(os.path.join(run, f"checkpoint_1_{n}"))
+        assert torch.equal(got["model"]["w"], w_at(n)) and got["num_updates"] == n
+    assert_restored(restore(cfg), 5)
+
+
+def test_another_jobs_local_folder_is_never_used(tmp_path):
+    local = str(tmp_path / "local")
+    other_run = str(tmp_path / "other" / "run")
+    cfg = make_cfg(other_run, local_dir=local, local_interval_updates=1,
+                   save_interval_updates=0)
+    mgr = CheckpointManager(cfg)
+    train(mgr, 1, 5)
+    mgr.close()
+    assert tier_of(other_run, local).inventory()[-1].name == "checkpoint_1_5"
+    # A fresh job whose run folder has the same last segment, on the same host.
+    run = str(tmp_path / "mine" / "run")
+    os.makedirs(run)
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=0)
+    mgr = CheckpointManager(cfg)
+    assert mgr.restore_or_initialize() is None
+    train(mgr, 1, 2)
+    mgr.close()
+    assert local_steps(run, local) == ["checkpoint_1_1", "checkpoint_1_2"]
+    assert local_steps(other_run, local) == ["checkpoint_1_4", "checkpoint_1_5"]  # untouched
+    assert_restored(restore(cfg), 2)
+
+
+def test_a_run_folder_made_anew_does_not_restore_the_old_jobs_local_copy(tmp_path,
+                                                                         caplog):
+    """The same run URI, deleted and started again (the host's local tier still holds the
+    old job's steps): a fresh start, not the old job's state."""
+    local = str(tmp_path / "local")
+    run = str(tmp_path / "run")
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=0)
+    mgr = CheckpointManager(cfg)
+    train(mgr, 1, 5)
+    mgr.close()
+    assert local_steps(run, local) == ["checkpoint_1_4", "checkpoint_1_5"]
+    shutil.rmtree(run)
+    mgr = CheckpointManager(cfg)
+    assert mgr.restore_or_initialize() is None
+    with caplog.at_level(logging.WARNING, logger="xla_ckpt.run.local_tier"):
+        train(mgr, 1, 2)  # its first save takes lease epoch 1 anew: the old steps go
+    mgr.close()
+    assert "removed checkpoint_1_4, checkpoint_1_5 from the local tier" in caplog.text
+    assert local_steps(run, local) == ["checkpoint_1_1", "checkpoint_1_2"]
+    res = restore(cfg)
+    assert_restored(res, 2)
+    assert res.tier["tier"] == "local"
+
+
+def test_an_unreadable_lease_restores_from_durable(dirs, caplog):
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=2)
+    mgr = CheckpointManager(cfg)
+    train(mgr, 1, 5)
+    mgr.close()
+    with open(os.path.join(run, "lease.json"), "w") as f:
+        f.write("not json")
+    with caplog.at_level(logging.WARNING, logger="xla_ckpt.manager"):
+        res = restore(cfg)  # a restore only reads: never fails on the lease
+    assert_restored(res, 4)
+    assert res.tier["tier"] == "durable"
+    assert "the run folder's lease is unreadable" in caplog.text
