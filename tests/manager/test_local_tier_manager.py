@@ -21,7 +21,7 @@ import torch
 from manager_helpers import committed, make_cfg
 
 import xla_ckpt
-from xla_ckpt.format.manifest import MANIFEST_NAME, STATE_ITEM
+from xla_ckpt.format.manifest import DEFAULT_CHUNK_SIZE_BYTES, MANIFEST_NAME, STATE_ITEM
 from xla_ckpt.io.manifest_file import read_manifest
 from xla_ckpt.manager import CheckpointManager
 from xla_ckpt.run.local_tier import LocalTier, marker_name, untrusted_name
@@ -176,7 +176,7 @@ def test_flipped_byte_in_a_step_also_durable_reads_that_range_from_durable(dirs,
     tier = tier_of(run, local)
     folder = tier.path("checkpoint_1_8")
     total = state_bytes(folder)
-    key = "rank/00000 blob 0" if where == "rank state" else B_KEY
+    key = "rank/00000:state['seen']" if where == "rank state" else B_KEY
     if where == "rank state":
         flip_in(folder, "state['seen']", "rank/00000")
     else:
@@ -472,3 +472,33 @@ def test_an_unreadable_lease_restores_from_durable(dirs, caplog):
     assert_restored(res, 4)
     assert res.tier["tier"] == "durable"
     assert "the run folder's lease is unreadable" in caplog.text
+
+
+def test_a_fallback_names_the_tensor_inside_a_blob_of_several(dirs):
+    """Views of one storage are saved as one blob; a flipped byte in the second view's crc32c
+    chunk is reported as that tensor (from the manifest's byte ranges), not the blob's
+    first one.  (Within one crc32c chunk, every tensor the chunk holds is named.)"""
+    run, local = dirs
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=1)
+    half = DEFAULT_CHUNK_SIZE_BYTES // 4  # float32 elements: one crc32c chunk each
+    flat = torch.arange(2 * half, dtype=torch.float32)
+    mgr = CheckpointManager(cfg)
+    mgr.after_update(epoch=1, num_updates=1, state={"a": flat[:half], "b": flat[half:]})
+    mgr.close()
+    folder = tier_of(run, local).path("checkpoint_1_1")
+    m = read_manifest(LocalStorage(folder))
+    item = m.item(STATE_ITEM)
+    assert len(item.blobs) == 1  # both views in one blob
+    (rec,) = [t for t in item.tensors if t.key == "state['b']"]
+    blob = item.blobs[rec.blob]
+    at = blob.offset + rec.byte_offset + 100 * 4
+    with open(os.path.join(folder, blob.file), "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    res = restore(cfg)
+    assert res is not None and res.tier["tier"] == "local"
+    assert torch.equal(res.state["a"], flat[:half]) and torch.equal(res.state["b"], flat[half:])
+    (why,) = res.tier["fallbacks"]
+    assert "(tensor state['b'])" in why, why

@@ -246,8 +246,8 @@ def test_crc_mismatch_without_durable_returns_false_and_reports_once(tiers):
         assert st.crc_mismatch(name, 64, 64, ["t1"]) is False
         assert read(st, name, 0, 64) == file_bytes(tiers.path(name))[:64]  # still local
     assert tiers.failures == [(
-        f"crc32c mismatch in local file {tiers.path(name)} bytes [0, 64) (tensor t1, t2, t3), "
-        "and the durable tier does not hold this save")]
+        f"crc32c mismatch in local file {tiers.path(name)} bytes [0, 64) (tensor t1, t2, t3 "
+        "(+1 more)), and the durable tier does not hold this save")]
     assert len(tiers.counters.fallbacks) == 2  # every failed range, once
     assert tiers.opened == 0 and tiers.counters.durable_bytes == 0
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from xla_ckpt.errors import CheckpointCorruptError
 from xla_ckpt.format import typed
-from xla_ckpt.format.manifest import Manifest
+from xla_ckpt.format.manifest import STATE_ITEM, Manifest
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.restore.select import ALL_RANKS, PER_HOST
 from xla_ckpt.run.catalog import LEASE_EPOCH_KEY
@@ -100,19 +100,40 @@ def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size:
         return choice.name, choice.save_id, choice.durable, choice.reason, mbytes
 
 
+def tensors_in_range(manifest: Manifest) -> Callable[[str, int, int], list[str]]:
+    """``(file, offset, n) -> keys`` of every tensor whose bytes overlap that byte range of
+    that data file (item-qualified for per-rank and sharded items: ``rank/00001:rng``)."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for iname, item in manifest.items.items():
+        for t in item.tensors:
+            if not 0 <= t.blob < len(item.blobs):
+                continue
+            blob = item.blobs[t.blob]
+            start = blob.offset + t.byte_offset
+            key = t.key if iname == STATE_ITEM else f"{iname}:{t.key}"
+            spans.setdefault(blob.file, []).append((start, start + t.span_bytes(), key))
+
+    def at(file: str, offset: int, n: int) -> list[str]:
+        return [k for a, b, k in spans.get(file, ()) if a < offset + n and offset < b]
+    return at
+
+
 def tier_source(tier: LocalTier, run: Storage, *, name: str, save_id: str, durable: bool,
-                files: dict[str, int], counters: TierCounters
+                manifest: Manifest, counters: TierCounters
                 ) -> Callable[[StorageConfig | None], Storage]:
     """This rank's opener for the chosen local step: its host's copy first, the durable
     folder behind it when it holds the same save; a failed check marks the host's copy
     untrusted (:meth:`LocalTier.untrust`)."""
     url = run.url(name)
+    files = dict(manifest.files)
+    tensors_at = tensors_in_range(manifest)
 
     def open_(config: StorageConfig | None) -> Storage:
         def durable_storage() -> Storage:
             return open_storage(url, config or run.config)
         return TieredStorage(tier.step_storage(name), durable_storage if durable else None,
                              files=files, host=tier.host, counters=counters,
+                             tensors_at=tensors_at,
                              on_failure=lambda why: tier.untrust(name, save_id, why),
                              config=config)
     return open_

@@ -271,7 +271,7 @@ class RestorePath(ManagerBase):
                             name, why, "" if in_durable else " (not in the durable tier yet)")
             opener = local_restore.tier_source(self._tier, self.run, name=name,
                                                save_id=save_id, durable=in_durable,
-                                               files=dict(manifest.files), counters=counters)
+                                               manifest=manifest, counters=counters)
             self._parsed = (uri, manifest)
         if uri is None:
             if self.rank == 0:

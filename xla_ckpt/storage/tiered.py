@@ -66,6 +66,9 @@ class TieredStorage(Storage):
         host: this host's index (in messages).
         counters: where byte counts go (shared by a restore's storages).
         on_failure: called with a reason the first time a local byte fails a check.
+        tensors_at: ``(file, offset, n) -> names`` of the tensors whose bytes lie in that
+            byte range of ``file`` (from the manifest); the reader's own names otherwise
+            (a blob of several tensors reads as one).
     """
 
     memory_bound_reads = True
@@ -73,7 +76,8 @@ class TieredStorage(Storage):
     def __init__(self, local: LocalStorage, durable: Callable[[], Storage] | None, *,
                  files: Mapping[str, int], host: int, counters: TierCounters,
                  on_failure: Callable[[str], None] | None = None,
-                 config: StorageConfig | None = None) -> None:
+                 config: StorageConfig | None = None,
+                 tensors_at: Callable[[str, int, int], list[str]] | None = None) -> None:
         super().__init__(local.uri, config or local.config)
         self.local = local
         self._durable_factory = durable
@@ -82,6 +86,7 @@ class TieredStorage(Storage):
         self.host = host
         self.counters = counters
         self._on_failure = on_failure
+        self._tensors_at = tensors_at
         self._failed_once = False
         self._not_local: set[str] = set()
         self._bad: dict[str, list[tuple[int, int]]] = {}
@@ -168,7 +173,10 @@ class TieredStorage(Storage):
         Returns True when a re-read will come from the durable tier (it holds this save)."""
         if not self._local_ok(name, offset, n):
             return False  # the durable bytes failed: the reader's own retries and error
-        what = ", ".join(tensors[:3]) or "?"
+        names = self._tensors_at(name, offset, n) if self._tensors_at is not None else []
+        names = names or list(tensors)
+        what = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+        what = what or "?"
         if self.has_durable:
             with self._lock:
                 self._bad.setdefault(name, []).append((offset, offset + n))
