@@ -147,12 +147,21 @@ def copy_to_durable(local: Storage, durable: Storage, parts: list[WrittenItem]) 
             if size == 0:
                 durable.write_atomic(f, [b""])
                 continue
-            with mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as mm:
+            mm = mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ)
+            try:
                 view = memoryview(mm)
                 try:
                     durable.write_atomic(f, [view])
                 finally:
                     view.release()
+            finally:
+                try:
+                    mm.close()
+                except BufferError:
+                    # A slice of the view is still referenced (an upload pool thread that
+                    # has not dropped its finished work item yet): the mapping goes when
+                    # the last slice does.  Closing is only an early unmap.
+                    pass
 
 
 def commit_host(tier: LocalTier, *, name: str, save_id: str, gathered: list[WrittenItem],
