@@ -24,6 +24,7 @@ def test_demo_tiny_resumes_bitwise_with_every_plan():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, "-m", "xla_ckpt.cli.main", "demo", "--model", "tiny", "--workers", "2",
+         "--legs", "ddp,fsdp",  # the local leg has a test of its own (below)
          "--json", "train.max_updates=8", "checkpoint.save_interval_updates=2"],
         capture_output=True, text=True, env=env, timeout=580)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -466,9 +467,150 @@ def test_demo_legs_option():
     from xla_ckpt.cli.demo import _legs
     from xla_ckpt.demo.run import LEGS
 
-    assert LEGS == ("ddp", "fsdp")
-    assert _legs("ddp,fsdp") == ["ddp", "fsdp"] and _legs(" fsdp ") == ["fsdp"]
+    assert LEGS == ("ddp", "fsdp", "local")
+    assert _legs("ddp,fsdp") == ["ddp", "fsdp"] and _legs(" local ") == ["local"]
     for bad in ("", ",", "ddp,zero3"):
         with pytest.raises(argparse.ArgumentTypeError) as e:
             _legs(bad)
-        assert str(e.value) == f"expected a comma-separated subset of ddp,fsdp, got {bad!r}"
+        assert str(e.value) == ("expected a comma-separated subset of ddp,fsdp,local, got "
+                                f"{bad!r}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_tiny_local_leg_restores_a_crash_from_host_memory():
+    """`xla-ckpt demo --legs local`: SIGKILL, a relaunch from every host's local folder with no
+    checkpoint byte from GCS, then a flipped byte whose tensor alone comes from GCS."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "xla_ckpt.cli.main", "demo", "--model", "tiny", "--workers", "2",
+         "--legs", "local", "--json", "train.max_updates=10"],
+        capture_output=True, text=True, env=env, timeout=580)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["verdict"].startswith(
+        "PASS: every restore bitwise identical: local (crash, flipped); 2 restores in ")
+    loc = report["local"]
+    assert (loc["hosts"], loc["local_interval_updates"], loc["save_interval_updates"]) == (2, 1, 4)
+    assert not os.path.exists(loc["local_dir"].rsplit("/", 1)[0])  # removed at the end
+    crash, flipped = loc["restores"]
+    # Killed mid-epoch after update 5's local commit: restored from host memory, newer than GCS.
+    assert crash["restored"] == crash["newest_local"] == "checkpoint_1_5"
+    assert crash["newest_durable"] == "checkpoint_1_4" and crash["stopped_at_update"] == 8
+    for h in crash["hosts"]:
+        assert (h["tier"], h["gcs_data_bytes"], h["durable_bytes"], h["fallbacks"]) == \
+            ("local", 0, 0, [])
+        assert h["local_bytes"] > 0
+        t = h["times"]
+        assert 0 <= t["process_start_s"] <= t["dist_init_s"] <= t["restore_start_s"] \
+            <= t["restore_end_s"] <= t["first_step_s"]
+        assert 0 < t["decide_s"] + t["read_s"] <= t["restore_s"]
+    # Only rank 0's decision reads GCS: the listing, pointers, lease and manifest.
+    assert crash["hosts"][1]["gcs_bytes"] == 0 and crash["hosts"][0]["gcs_metadata_bytes"] > 0
+    # The byte flipped in host 1's copy of checkpoint_1_8: that tensor's chunk from GCS.
+    f = flipped["flipped"]
+    assert (f["host"], f["checkpoint"], flipped["restored"]) == (1, "checkpoint_1_8",
+                                                                "checkpoint_1_8")
+    h0, h1 = flipped["hosts"]
+    assert h0["fallbacks"] == [] and h0["gcs_data_bytes"] == 0
+    assert len(h1["fallbacks"]) == 1 and f"(tensor {f['tensor']});" in h1["fallbacks"][0]
+    assert h1["gcs_data_bytes"] == h1["durable_bytes"] == f["chunk"][1] - f["chunk"][0]
+    for r in (crash, flipped):
+        assert all(r["checks"].values()) and r["failed_checks"] == []
+
+
+def _local_run(*, tier=("local", "local"), restored="checkpoint_1_6", losses=None, digest="d8",
+               fallbacks=((), ())):
+    from xla_ckpt.demo.phase import PhaseResult
+
+    start = int(restored.rsplit("_", 1)[1])
+    if losses is None:  # the reference's, of the updates trained (to 8)
+        losses = {u: v for u, v in {"7": "0x1p+0", "8": "0x1p-1"}.items() if int(u) > start}
+    reports = []
+    for rank in range(4):
+        h = rank // 2
+        reports.append({
+            "restore": {"checkpoint": restored, "num_updates": start,
+                        "tier": {"tier": tier[h], "host": h, "local_bytes": 100,
+                                 "durable_bytes": 0, "decide_s": 0.5, "read_s": 1.0,
+                                 "total_s": 1.75,
+                                 "fallbacks": list(fallbacks[h]) if rank % 2 == 0 else []}},
+            "timeline": {"process_start": 100.01, "dist_init": 105.0 + rank,
+                         "restore_start": 110.0, "restore_end": 112.0,
+                         "count_wait_s": 0.5 if rank == 0 else 0.0, "first_step": 114.0},
+            "losses": losses, "num_updates": 8,
+            "digest": digest})
+    return PhaseResult("resume", reports, [0] * 4, 20.0, started_unix=100.0)
+
+
+def test_local_verdict_fails_each_broken_promise():
+    from xla_ckpt.demo.phase import PhaseResult
+    from xla_ckpt.demo.report import local_verdict
+
+    ref = PhaseResult("reference", [{"losses": {"6": "0x1p+1", "7": "0x1p+0", "8": "0x1p-1"},
+                                     "num_updates": 12, "digest": "d12",
+                                     "digests": {"4": "d4", "8": "d8"}}] * 4, [0] * 4, 30.0)
+
+    def judge(res, kind="crash", gcs=(0, 0), expect="checkpoint_1_6", durable=4, flipped=None):
+        served = {"served_bytes_per_host": [50_000 + gcs[0], gcs[1]], "served_bytes_other": 0,
+                  "served_data_bytes_per_host": list(gcs)}
+        return local_verdict(kind, res, ref, served=served, hosts=2, expect=expect,
+                             expect_updates=int(expect.rsplit("_", 1)[1]),
+                             newest_durable=f"checkpoint_1_{durable}",
+                             newest_durable_updates=durable, flipped=flipped)
+
+    ok = judge(_local_run())
+    assert ok["bitwise_identical"] and ok["failed_checks"] == [], ok["checks"]
+    h0, h1 = ok["hosts"]
+    assert (h0["ranks"], h0["local_bytes"], h0["gcs_metadata_bytes"]) == ([0, 1], 200, 50_000)
+    # Seconds from the relaunch, the host's slowest rank; rank 0's wait for the count is out.
+    assert (h1["times"]["dist_init_s"], h1["times"]["first_step_s"]) == (8.0, 13.5)
+    assert (h1["times"]["decide_s"], h1["times"]["restore_s"]) == (0.5, 1.75)
+    assert judge(_local_run(tier=("local", "durable")))["failed_checks"] == [
+        "tier_local_on_every_host"]
+    assert judge(_local_run(), gcs=(0, 4096))["failed_checks"] == ["no_gcs_data_bytes"]
+    assert judge(_local_run(restored="checkpoint_1_5"),  # not the newest local step
+                 expect="checkpoint_1_6")["failed_checks"][0] == "restored_newest_local"
+    assert judge(_local_run(restored="checkpoint_1_4"), expect="checkpoint_1_4")[
+        "failed_checks"][0] == "restored_newest_local"  # not newer than the durable step
+    assert judge(_local_run(losses={"7": "0x1p+0", "8": "0x1p-2"}))["failed_checks"] == [
+        "losses_identical"]
+    assert judge(_local_run(digest="d9"))["failed_checks"] == ["params_identical"]
+
+    t = "state['model']['w']"
+    msg = ("crc32c mismatch in local file /x/data-1-state.safetensors bytes [0, 4) (tensor "
+           "{}); those bytes come from the durable tier")
+    flip = {"host": 1, "tensor": t}
+
+    def flipped(fallbacks, gcs=(0, 4096)):
+        return judge(_local_run(restored="checkpoint_1_8", fallbacks=fallbacks), "flipped",
+                     gcs=gcs, expect="checkpoint_1_8", durable=8, flipped=flip)["failed_checks"]
+    assert flipped(((), (msg.format(t),))) == []
+    assert flipped(((), (msg.format("state['model']['v']"),))) == ["fallback_names_the_tensor"]
+    assert flipped(((msg.format(t),), (msg.format(t),))) == ["fallback_names_the_tensor"]
+    assert flipped(((), (msg.format(t),)), gcs=(0, 0)) == ["gcs_data_bytes_only_for_it"]
+    assert flipped(((), (msg.format(t),)), gcs=(8, 4096)) == ["gcs_data_bytes_only_for_it"]
+
+
+def test_flip_one_byte_damages_one_chunk_of_the_biggest_tensor(tmp_path):
+    import torch
+
+    import xla_ckpt
+    from xla_ckpt.demo.local_leg import flip_one_byte
+    from xla_ckpt.errors import XlaCkptError
+    from xla_ckpt.io.writer import write_checkpoint
+
+    folder = tmp_path / "host-1" / "run-0123" / "checkpoint_1_8"
+    big = torch.arange(3 * 2**20, dtype=torch.float32)  # 12 MiB: whole 4 MiB chunks of its own
+    write_checkpoint({"model": {"w": big, "b": torch.ones(3)}}, str(folder))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    where = flip_one_byte(str(tmp_path), 1, "checkpoint_1_8")
+    after = {p.name: p.read_bytes() for p in folder.iterdir()}
+    diff = [(n, i) for n in before for i in range(len(before[n]))
+            if n.endswith(".safetensors") and before[n][i] != after[n][i]]
+    assert diff == [(where["file"], where["file_offset"])]
+    assert where["tensor"] == "state['model']['w']"
+    lo, hi = where["chunk"]
+    assert lo < where["file_offset"] < hi and hi - lo == 4 * 2**20
+    with pytest.raises(XlaCkptError, match=r"state\['model'\]\['w'\]"):
+        xla_ckpt.load(str(folder))

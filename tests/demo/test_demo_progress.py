@@ -87,6 +87,9 @@ def test_verdict_line_passes_only_when_every_restore_is_bitwise_identical():
         "FAIL: not bitwise identical: fsdp (same_size); 1 of 2 restores passed in 10 s")
     assert verdict_line({"bitwise_identical": {}, "legs": ["ddp"]}, 1.0) == (
         "FAIL: no restore was checked (legs ddp) in 1 s")
+    local = dict(ALL_OK, local_crash=True, local_flipped=False)
+    assert verdict_line({"bitwise_identical": local}, 5.0) == (
+        "FAIL: not bitwise identical: local (flipped); 8 of 9 restores passed in 5 s")
 
 
 def test_failure_line_names_the_leg_that_did_not_finish():

@@ -13,6 +13,12 @@ the same number of workers and resharded onto half as many (each rank reads only
 ranges of its new shards), and checks every restored shard against the saved global tensors
 and against PyTorch DCP's restore of the same state; the same-size resume must also continue
 bit for bit like an uninterrupted FSDP2 run.
+
+The local leg saves the replicated run to a local tier in host memory (a folder per emulated
+host) after every update and to GCS every 4, kills every worker with SIGKILL mid-epoch, and
+relaunches: every host must restore the newest local step from its own folder with no
+checkpoint byte from GCS and train on bit for bit; then one byte of one host's local copy is
+flipped, and the next relaunch must read just that tensor's damaged chunk from GCS.
 Progress goes to stderr: a line when each leg, phase and step starts and ends, and a
 "still running, N s" line about every 15 s while one runs (every line prefixed by the time
 since the demo started).  The last line on stdout is the verdict: exactly one
@@ -31,7 +37,7 @@ import time
 
 from xla_ckpt.cli.common import Parents, Subparsers, failure_document, plain
 
-LEGS = ("ddp", "fsdp")  # xla_ckpt.demo.run.LEGS (not imported here: the demo loads lazily)
+LEGS = ("ddp", "fsdp", "local")  # xla_ckpt.demo.run.LEGS (not imported here: the demo loads lazily)
 
 
 def _legs(text: str) -> list[str]:
@@ -59,12 +65,13 @@ def register(sub: Subparsers, parents: Parents) -> None:
     p.add_argument("--device", choices=("cpu", "xla"), default="cpu",
                    help="where workers train: cpu (fast emulation; restores still land on each "
                         "worker's XLA device) or xla (each worker's XLA device, as on a TPU)")
-    p.add_argument("--legs", default=["ddp", "fsdp"], type=_legs,
+    p.add_argument("--legs", default=list(LEGS), type=_legs,
                    help="comma-separated: ddp (replicated model on train.hosts emulated "
                         "hosts: all_ranks and broadcast resumes, per_host / striped / auto "
                         "restores), "
-                        "fsdp (FSDP2-sharded model, same-size and resharded restores); "
-                        "default both")
+                        "fsdp (FSDP2-sharded model, same-size and resharded restores), "
+                        "local (the local tier in host memory: SIGKILL, restore from it, a "
+                        "flipped byte read from GCS); default all three")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--keep", action="store_true", help="keep worker logs (path is printed)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",

@@ -39,33 +39,45 @@ class ServedCounter:
         self.proxy = proxy
         self.hosts = hosts
         self.counts: list[dict[str, int]] = []
+        self.data_counts: list[dict[str, int]] = []
 
     def reset(self) -> None:
         self.proxy.reset_log()
         self.counts = []
+        self.data_counts = []
 
     def poll(self, out: str) -> None:
         k = len(self.counts)
         if os.path.exists(os.path.join(out, f"restored{k}")):
             self.counts.append(self.proxy.bytes_served_by_address())
+            data: dict[str, int] = {}
+            for rec in self.proxy.records():
+                if rec.object_name.rsplit("/", 1)[-1].startswith("data-"):
+                    data[rec.client_address] = data.get(rec.client_address, 0) + rec.body_bytes
+            self.data_counts.append(data)
             self.proxy.reset_log()
             with open(os.path.join(out, f"counted{k}"), "w") as f:
                 f.write(str(k))
 
     def served(self, k: int) -> dict[str, Any]:
         """Restore ``k``: ``served_bytes_per_host`` (host ``h``: bytes sent to its address
-        ``127.0.0.(10+h)``; one host: every byte) and ``served_bytes_other`` (to any other
-        address: a client that did not bind its host's address)."""
+        ``127.0.0.(10+h)``; one host: every byte), ``served_bytes_other`` (to any other
+        address: a client that did not bind its host's address) and
+        ``served_data_bytes_per_host`` (of those, the bodies of checkpoint data files,
+        ``data-*``: tensor bytes, not manifests, pointers or listings)."""
         if k >= len(self.counts):
             raise DemoError(f"restore {k} was not counted (the workers did not sync)")
-        by = self.counts[k]
+        by, data = self.counts[k], self.data_counts[k]
         total = sum(by.values())
         if self.hosts == 1:
-            return {"served_bytes_per_host": [total], "served_bytes_other": 0}
+            return {"served_bytes_per_host": [total], "served_bytes_other": 0,
+                    "served_data_bytes_per_host": [sum(data.values())]}
         from xla_ckpt.testing.fault_proxy import host_address  # noqa: PLC0415 - light
 
         per = [by.get(host_address(h), 0) for h in range(self.hosts)]
-        return {"served_bytes_per_host": per, "served_bytes_other": total - sum(per)}
+        return {"served_bytes_per_host": per, "served_bytes_other": total - sum(per),
+                "served_data_bytes_per_host": [data.get(host_address(h), 0)
+                                               for h in range(self.hosts)]}
 
 
 

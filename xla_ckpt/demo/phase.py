@@ -29,10 +29,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PhaseResult:
+    """One phase: every rank's report (none after a crash), exit codes, its wall time;
+    ``started_unix``: ``time.time()`` when the first worker was launched; ``crashed_after``:
+    rank 0's last finished update when the workers were killed (``crash_when``)."""
+
     phase: str
     reports: list[dict]
     exitcodes: list[int]
     seconds: float
+    started_unix: float = 0.0
+    crashed_after: int | None = None
 
 
 class DemoError(XlaCkptError, RuntimeError):
@@ -80,7 +86,8 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
               workdir: str, device: str = "cpu", preempt_after_update: int | None = None,
               timeout_s: float = 1200.0, module: str = "xla_ckpt.demo.worker",
               args: list[str] | None = None, label: str | None = None, hosts: int = 1,
-              poll: Callable[[str], None] | None = None) -> PhaseResult:
+              poll: Callable[[str], None] | None = None,
+              crash_when: Callable[[int | None], bool] | None = None) -> PhaseResult:
     """Launch ``workers`` worker processes (torchrun-style env) and collect their reports.
 
     ``module`` is the worker program (:mod:`xla_ckpt.demo.worker`, or :mod:`xla_ckpt.demo.fsdp`
@@ -89,7 +96,11 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
     hosts the workers are spread over (:func:`host_env`).  ``poll(out)`` is called about every
     50 ms while the workers run (``out``: the phase's folder).  With
     ``preempt_after_update``, SIGTERM goes to every worker once rank 0 has finished that
-    update.  Raises :class:`DemoError` if a worker fails or the phase outlives ``timeout_s``.
+    update.  ``crash_when(update)`` (rank 0's last finished update, None before the first)
+    is asked about every 50 ms; once it says True every worker gets SIGKILL (a crash: no
+    save, no report) and the phase returns with no reports and ``crashed_after`` set (a
+    phase that ends before that raises).  Raises :class:`DemoError` if a worker fails or the
+    phase outlives ``timeout_s``.
     """
     name = label or phase
     out = os.path.join(workdir, name)
@@ -99,6 +110,8 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
     procs = []
     logs = []
     t0 = time.perf_counter()
+    started_unix = time.time()
+    crashed_after: int | None = None
     for rank in range(workers):
         wenv = dict(os.environ)
         wenv.update(env)
@@ -139,6 +152,16 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
                         if p.poll() is None:
                             p.send_signal(signal.SIGTERM)
                     sent = True
+            if crash_when is not None and crashed_after is None and crash_when(done):
+                logger.info("phase %s: rank 0 finished update %s; SIGKILL to every worker "
+                            "(a crash)", name, done)
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                for p in procs:
+                    p.wait()
+                crashed_after = done if done is not None else 0
+                break
             if poll is not None:
                 poll(out)
             if any(p.poll() not in (None, 0) for p in procs):
@@ -153,10 +176,17 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
         for log in logs:
             log.close()
     codes = [p.returncode for p in procs]
+    if crashed_after is not None:
+        hb.done()
+        return PhaseResult(name, [], codes, time.perf_counter() - t0, started_unix,
+                           crashed_after)
     if any(codes):
         bad = next(r for r, c in enumerate(codes) if c)
         raise DemoError(f"{name}: rank {bad} exited with {codes[bad]} ({_last_error(out, bad)}); "
                         f"exit codes {codes}; logs in {out}", _tails(out, workers))
+    if crash_when is not None:
+        raise DemoError(f"{name}: the job ended before the crash; logs in {out}",
+                        _tails(out, workers))
     reports = []
     for rank in range(workers):
         path = os.path.join(out, f"rank{rank}.json")
@@ -169,7 +199,7 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
         raise DemoError(f"{name}: the job ended before the preemption at update "
                         f"{preempt_after_update}; lower train.preempt_at_update")
     hb.done()
-    return PhaseResult(name, reports, codes, time.perf_counter() - t0)
+    return PhaseResult(name, reports, codes, time.perf_counter() - t0, started_unix)
 
 
 def _read_int(path: str) -> int | None:

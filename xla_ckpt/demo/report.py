@@ -11,6 +11,7 @@ give the one PASS/FAIL line the CLI ends with.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 from xla_ckpt.demo.phase import DemoError, PhaseResult
@@ -159,6 +160,137 @@ def check_states(rows: list[dict]) -> None:
         r["verdict"] = "bitwise identical" if ok else "MISMATCH"
 
 
+# ---- the local-tier leg ----------------------------------------------------------------------
+_TENSOR_RE = re.compile(r"\(tensor (.*)\); those bytes come from the durable tier$")
+
+
+def _ref_digest(ref: list[dict], at: int) -> str | None:
+    """The reference's parameter digest after update ``at`` (its final one, or one it
+    recorded with ``--digest-every``); None when it has none there."""
+    r = ref[0]
+    if r.get("num_updates") == at:
+        return r.get("digest")
+    return (r.get("digests") or {}).get(str(at))
+
+
+def local_hosts(res: PhaseResult, hosts: int, served: dict | None) -> list[dict]:
+    """Per emulated host of a relaunch: the tier its ranks restored from, local and durable
+    bytes (the library's counters, summed over the host's ranks), the bytes the proxy served
+    to the host's address from the relaunch to the end of the restore (``gcs_bytes``: every
+    body; ``gcs_data_bytes``: data files' only, the checkpoint's tensor bytes;
+    ``gcs_metadata_bytes``: the rest, the listing, pointers, lease and manifest the decision
+    reads), the fallbacks, and the times in seconds from the relaunch (the
+    slowest rank of the host; ``decide_s``, ``read_s`` (``local_read_s`` / ``durable_read_s``
+    of it spent reading each tier) and ``restore_s`` are durations)."""
+    reports = res.reports
+    n = len(reports)
+    t0 = res.started_unix
+    wait = float(reports[0].get("timeline", {}).get("count_wait_s") or 0.0)
+    by_host: dict[int, list[tuple[int, dict]]] = {}
+    for rank, r in enumerate(reports):
+        tier = (r.get("restore") or {}).get("tier") or {}
+        by_host.setdefault(int(tier.get("host", rank * hosts // max(n, 1))), []).append(
+            (rank, r))
+    rows = []
+    for h in sorted(by_host):
+        ranks = by_host[h]
+        tls = [r.get("timeline", {}) for _, r in ranks]
+        trs = [(r.get("restore") or {}).get("tier") or {} for _, r in ranks]
+
+        def after(key: str, tls: list[dict] = tls, minus: float = 0.0) -> float | None:
+            if not all(t.get(key) for t in tls):
+                return None
+            # >= 0: the kernel's process start time has a 10 ms resolution
+            return round(max(0.0, max(t[key] for t in tls) - t0 - minus), 3)
+
+        tiers = sorted({t.get("tier") or "none" for t in trs})
+        rows.append({
+            "host": h, "ranks": [rank for rank, _ in ranks],
+            "tier": "/".join(tiers), "restored": ranks[0][1]["restore"]["checkpoint"],
+            "local_bytes": sum(int(t.get("local_bytes") or 0) for t in trs),
+            "durable_bytes": sum(int(t.get("durable_bytes") or 0) for t in trs),
+            "gcs_bytes": served["served_bytes_per_host"][h] if served else None,
+            "gcs_data_bytes": (served["served_data_bytes_per_host"][h] if served else None),
+            "gcs_metadata_bytes": (served["served_bytes_per_host"][h]
+                                   - served["served_data_bytes_per_host"][h] if served
+                                   else None),
+            "fallbacks": [f for t in trs for f in t.get("fallbacks") or []],
+            "times": {
+                "process_start_s": after("process_start"), "dist_init_s": after("dist_init"),
+                "restore_start_s": after("restore_start"),
+                "decide_s": round(max(float(t.get("decide_s") or 0.0) for t in trs), 3),
+                "read_s": round(max(float(t.get("read_s") or 0.0) for t in trs), 3),
+                "local_read_s": round(max(float(t.get("local_read_s") or 0.0) for t in trs), 3),
+                "durable_read_s": round(max(float(t.get("durable_read_s") or 0.0)
+                                            for t in trs), 3),
+                "restore_s": round(max(float(t.get("total_s") or 0.0) for t in trs), 3),
+                "restore_end_s": after("restore_end"),
+                "first_step_s": after("first_step", minus=wait)}})
+    return rows
+
+
+def local_verdict(kind: str, res: PhaseResult, ref: PhaseResult, *, served: dict | None,
+                  hosts: int, expect: str, expect_updates: int, newest_durable: str | None,
+                  newest_durable_updates: int, flipped: dict | None) -> dict:
+    """One relaunch of the local-tier leg, judged (every check must hold).
+
+    ``kind`` ``"crash"`` (after SIGKILL): every host restored ``expect``, the newest local
+    step, newer than the newest durable one, from tier ``local``, with no fallback and no
+    byte of a checkpoint data file from GCS (the proxy's count per host; without a proxy the
+    library's ``durable_bytes``).  ``"flipped"`` (one byte of ``flipped["tensor"]`` flipped
+    in host ``flipped["host"]``'s local copy of ``expect``): every host restored ``expect``
+    from tier ``local``; that host's fallbacks are one, naming exactly that tensor, and it
+    fetched data bytes from GCS while reading the rest locally; no other host fell back or
+    fetched data bytes.  Both: the losses the relaunch trained equal the reference's and
+    so do the parameters where it stopped (``ref``: the uninterrupted run, with digests
+    every durable step)."""
+    reports = res.reports
+    restores = [r["restore"] for r in reports]
+    start = restores[0]["num_updates"]
+    last = reports[0]["num_updates"]
+    resumed = global_losses(reports)
+    ref_losses = global_losses(ref.reports)
+    digests = {r["digest"] for r in reports}
+    want = _ref_digest(ref.reports, last)
+    per_host = local_hosts(res, hosts, served)
+    by_proxy = served is not None
+    data = [h["gcs_data_bytes"] if by_proxy else h["durable_bytes"] for h in per_host]
+    checks: dict[str, bool] = {
+        "tier_local_on_every_host": all(h["tier"] == "local" for h in per_host),
+        "restored_newest_local": all(r["checkpoint"] == expect for r in restores)
+        and start == expect_updates and (
+            expect_updates > newest_durable_updates if kind == "crash"
+            else expect_updates >= newest_durable_updates),
+    }
+    if flipped is None:
+        checks["no_fallback"] = not any(h["fallbacks"] for h in per_host)
+        checks["no_gcs_data_bytes"] = all(b == 0 for b in data)
+    else:
+        fh = flipped["host"]
+        named = [m.group(1) for f in next(
+            (h["fallbacks"] for h in per_host if h["host"] == fh), [])
+            if (m := _TENSOR_RE.search(f))]
+        checks["fallback_names_the_tensor"] = (
+            named == [flipped["tensor"]]
+            and all(not h["fallbacks"] for h in per_host if h["host"] != fh))
+        checks["gcs_data_bytes_only_for_it"] = all(
+            (b > 0 and h["local_bytes"] > 0) if h["host"] == fh else b == 0
+            for h, b in zip(per_host, data, strict=True))
+    checks["losses_identical"] = (sorted(resumed) == list(range(start + 1, last + 1))
+                                  and all(ref_losses.get(u) == v for u, v in resumed.items()))
+    checks["params_identical"] = want is not None and digests == {want}
+    ok = all(checks.values())
+    return {"restore": kind, "restored": restores[0]["checkpoint"], "resumed_at_update": start,
+            "stopped_at_update": last, "newest_local": expect,
+            "newest_local_update": expect_updates, "newest_durable": newest_durable,
+            "newest_durable_update": newest_durable_updates, "flipped": flipped,
+            "gcs_counted_by": "proxy" if by_proxy else "library (durable_bytes)",
+            "gcs_bytes_other": served.get("served_bytes_other") if served else None,
+            "hosts": per_host, "checks": checks,
+            "failed_checks": [k for k, v in checks.items() if not v],
+            "bitwise_identical": ok, "verdict": "bitwise identical" if ok else "MISMATCH"}
+
+
 def _grid(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
@@ -230,14 +362,55 @@ def format_table(report: dict) -> str:
                          f"{r['seconds']:.2f}", "yes" if r["shards_equal_saved"] else "NO",
                          "yes" if r["shards_equal_dcp"] else "NO", resume, r["verdict"]))
         out += _grid(cols, rows)
+    loc = report.get("local")
+    if loc:
+        if report.get("restores") or sh:
+            out += "\n\n"
+        out += _local_table(loc)
     return out
+
+
+def _local_table(loc: dict) -> str:
+    """The local-tier leg's table: one row per relaunch and emulated host."""
+    crash = loc["restores"][0]
+    out = (f"local tier ({loc['hosts']} emulated host(s) x "
+           f"{loc['workers'] // max(loc['hosts'], 1)} workers, a folder each; local saves every "
+           f"update, durable every {loc['save_interval_updates']}): SIGKILL after update "
+           f"{loc['crashed_after_update']}; newest local {crash['newest_local']}, newest "
+           f"durable {crash['newest_durable'] or '-'}\n")
+    cols = ("relaunch", "host", "tier", "restored", "MiB local", "MiB GCS data", "KiB GCS all",
+            "fallback", "dist init s", "decide s", "read s", "1st step s", "verdict")
+    rows = []
+    for r in loc["restores"]:
+        for h in r["hosts"]:
+            t = h["times"]
+            fb = "-"
+            if h["fallbacks"]:
+                m = _TENSOR_RE.search(h["fallbacks"][0])
+                fb = (m.group(1) if m else h["fallbacks"][0][:40]) + (
+                    f" (+{len(h['fallbacks']) - 1})" if len(h["fallbacks"]) > 1 else "")
+            gcs = h["gcs_data_bytes"] if h["gcs_data_bytes"] is not None else h["durable_bytes"]
+
+            def sec(v: float | None) -> str:
+                return "-" if v is None else f"{v:.2f}"
+            rows.append((r["restore"] if h is r["hosts"][0] else "", str(h["host"]), h["tier"],
+                         h["restored"], f"{h['local_bytes'] / 2**20:.0f}",
+                         f"{gcs / 2**20:.1f}",
+                         "-" if h["gcs_bytes"] is None else f"{h['gcs_bytes'] / 1024:.0f}", fb,
+                         sec(t["dist_init_s"]), sec(t["decide_s"]), sec(t["read_s"]),
+                         sec(t["first_step_s"]),
+                         r["verdict"] if not r["failed_checks"] else
+                         "FAIL: " + ", ".join(r["failed_checks"])))
+    return out + _grid(cols, rows)
 
 
 def restore_leg(key: str) -> tuple[str, str]:
     """``(leg, restore)`` of a ``report["bitwise_identical"]`` key: ``"fsdp_resharded"`` ->
-    ``("fsdp", "resharded")``, ``"striped"`` -> ``("ddp", "striped")``."""
-    if key.startswith("fsdp_"):
-        return "fsdp", key.removeprefix("fsdp_")
+    ``("fsdp", "resharded")``, ``"local_crash"`` -> ``("local", "crash")``, ``"striped"`` ->
+    ``("ddp", "striped")``."""
+    for leg in ("fsdp", "local"):
+        if key.startswith(f"{leg}_"):
+            return leg, key.removeprefix(f"{leg}_")
     return "ddp", key
 
 

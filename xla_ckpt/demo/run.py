@@ -29,6 +29,12 @@
    restore resharded onto half as many.  Verdict per restore: every restored local shard
    equals its box of the saved global tensors and DCP's restore of the same state; the
    same-size resume also reproduces the FSDP2 reference bit for bit.
+7. **The local-tier leg** (:mod:`xla_ckpt.demo.local_leg`): the replicated run with a local
+   tier in host memory (a folder per emulated host), local saves every update and durable
+   ones every 4; SIGKILL mid-epoch; the relaunch must restore the newest local step on every
+   host with no checkpoint byte from GCS and train on bit for bit; then one byte of one
+   host's local copy is flipped and the next relaunch must read that tensor's chunk from GCS
+   and the rest locally, again bit for bit (:func:`~xla_ckpt.demo.report.local_verdict`).
 
 Progress goes to the ``xla_ckpt.demo`` loggers at INFO (``xla-ckpt demo`` prints them on
 stderr): a start and a done line for every leg, worker phase and long step of the
@@ -54,9 +60,9 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from xla_ckpt.config import load_config
-from xla_ckpt.demo import corpus
+from xla_ckpt.demo import corpus, local_leg
 from xla_ckpt.demo.link import ServedCounter, open_demo_storage
-from xla_ckpt.demo.phase import DemoError, run_phase
+from xla_ckpt.demo.phase import DemoError, PhaseResult, run_phase
 from xla_ckpt.demo.progress import Heartbeat, step
 from xla_ckpt.demo.report import (
     check_states,
@@ -77,7 +83,10 @@ with ``restore.host_shared_memory=false`` (every rank reads everything)."""
 RESTORE_ONLY = ("per_host", "striped", "auto")
 """Restores of the replicated leg without training of their own (done by the ``all_ranks``
 resume's workers before they train on), checked against that resume's restored state."""
-LEGS = ("ddp", "fsdp")
+LEGS = ("ddp", "fsdp", "local")
+"""The legs, in the order they run: ``ddp`` (replicated, SIGTERM, five restore plans),
+``fsdp`` (FSDP2-sharded), ``local`` (the local tier: SIGKILL, restore from host memory, a
+flipped byte; :mod:`xla_ckpt.demo.local_leg`)."""
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -114,10 +123,16 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
     ``legs``: ``"ddp"`` (the replicated run: every worker holds the whole model; resumed with
     ``all_ranks`` and ``broadcast``, then restored with ``per_host``, ``striped`` and
     ``auto``) and/or ``"fsdp"`` (the same run sharded with FSDP2; restored on the same
-    number of workers and resharded onto half as many, checked against DCP).  ``hosts``:
-    emulated hosts of the ddp leg (``train.hosts``; the demo config says 2); the fsdp leg
-    runs on one host.  ``report["bitwise_identical"]`` has one entry per restore;
-    the CLI exits 0 only when all are true.
+    number of workers and resharded onto half as many, checked against DCP) and/or
+    ``"local"`` (the local tier: a crash restored from host memory, then a flipped byte;
+    ``report["local"]``).  ``hosts``: emulated hosts of the ddp and local legs
+    (``train.hosts``; the demo config says 2); the fsdp leg runs on one host.
+    ``report["bitwise_identical"]`` has one entry per restore (``local_crash`` and
+    ``local_flipped``: true only when every check of
+    :func:`~xla_ckpt.demo.report.local_verdict` holds); the CLI exits 0 only when all are
+    true.  The local tiers live in
+    ``/dev/shm/xla-ckpt-demo-*`` (else the work folder) and are removed at the end
+    unless ``keep``.
 
     Raises:
         DemoError: a phase failed (names the phase and the ranks' log tails).
@@ -154,12 +169,15 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
         base = overrides + [f"checkpoint.save_dir={uri}", f"train.max_updates={total}"]
         logger.info("%d workers (%d emulated host(s)), model %s, %d updates, checkpoints "
                     "to %s (%s)", n, hosts, cfg.train.model, total, uri, storage_kind)
+        ref: list[PhaseResult] = []  # the ddp leg's reference, for the local leg
+        ref_args = ["--digest-every", str(local_leg.DURABLE_EVERY)] if "local" in legs else []
         if "ddp" in legs:
             with _leg("ddp"):
                 report.update(_replicated_leg(n, config, base, env, workdir, device, preempt,
                                               uri, hosts=hosts,
                                               restore_env=where.restore_env or env,
-                                              counter=where.counter))
+                                              counter=where.counter, ref_args=ref_args,
+                                              ref_out=ref))
             report["bitwise_identical"].update(
                 {r["strategy"]: r["bitwise_identical"] for r in report["restores"]})
         if "fsdp" in legs:
@@ -170,7 +188,29 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
             report["sharded"] = sharded
             report["bitwise_identical"].update(
                 {f"fsdp_{r['restore']}": r["bitwise_identical"] for r in sharded["restores"]})
+        if "local" in legs:
+            root = local_leg.make_local_root(workdir)
+            if not keep:  # host memory: removed whatever the outcome
+                stack.callback(local_leg.remove_local_root, root)
+            save_dir = f"{uri.rstrip('/')}-local"
+            with _leg("local"):
+                loc = local_leg.run_local_leg(
+                    n, config=config, overrides=base, env=env,
+                    restore_env=where.restore_env or env, counter=where.counter,
+                    workdir=workdir, device=device, hosts=hosts, preempt=preempt, total=total,
+                    save_dir=save_dir, local_root=root, ref=ref[0] if ref else None,
+                    durable_latest=lambda: _latest(save_dir, env))
+            report["local"] = loc
+            report["bitwise_identical"].update(
+                {f"local_{r['restore']}": r["bitwise_identical"] for r in loc["restores"]})
     return report
+
+
+def _latest(uri: str, env: dict) -> str | None:
+    """The newest committed checkpoint of run folder ``uri`` (storage reached through
+    ``env``), or None."""
+    with _env(env), open_storage(uri) as st:
+        return resolve_latest(st)
 
 
 @contextlib.contextmanager
@@ -190,17 +230,21 @@ def _leg(leg: str) -> Iterator[None]:
 def _replicated_leg(n: int, config: str, base: list[str], env: dict, workdir: str,
                     device: str, preempt: int, uri: str, *, hosts: int = 1,
                     restore_env: dict | None = None,
-                    counter: ServedCounter | None = None) -> dict:
+                    counter: ServedCounter | None = None, ref_args: Sequence[str] = (),
+                    ref_out: list[PhaseResult] | None = None) -> dict:
     """Reference, preempted run, the two resumes and the restore-only plans of the replicated
     (DDP-style) model, on ``hosts`` emulated hosts.
 
     Saves go to storage through ``env``, restores through ``restore_env`` (the shaped proxy,
-    whose bytes per host ``counter`` counts; None: not counted).
+    whose bytes per host ``counter`` counts; None: not counted).  ``ref_args``: extra worker
+    arguments of the reference run (``--digest-every``); it is appended to ``ref_out``.
     """
     renv = restore_env if restore_env is not None else env
     sync = ["--sync-restores"] if counter is not None else []
     ref = run_phase("reference", workers=n, config=config, overrides=base, env=env,
-                    workdir=workdir, device=device, hosts=hosts)
+                    workdir=workdir, device=device, hosts=hosts, args=list(ref_args))
+    if ref_out is not None:
+        ref_out.append(ref)
     ref_losses = global_losses(ref.reports)
     ref_digest = {r["digest"] for r in ref.reports}
     pre = run_phase("train", workers=n, config=config, overrides=base, env=env,

@@ -14,7 +14,10 @@ SIGTERM preemption).  Per-rank state (the CPU RNG that drives dropout, this rank
 position) is saved in the rank's own item (CASES C12), the replicated state by rank 0.
 
 Each worker writes ``<out>/rank<r>.json``: the global mean loss of every update it ran (as
-float hex, exact), a sha256 digest of the final parameters, and the restore figures.
+float hex, exact), a sha256 digest of the final parameters (and, with ``--digest-every``, of
+the parameters at those updates), the restore figures (with ``RestoreResult.tier`` when a local
+tier is configured) and a ``timeline`` of wall-clock milestones (process start, dist init,
+restore start and end, first update done).
 """
 
 from __future__ import annotations
@@ -77,6 +80,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="after each restore, every rank waits while the orchestrator counts "
                         "the bytes storage served (rank 0 writes <out>/restored<k> and waits "
                         "for <out>/counted<k>)")
+    p.add_argument("--stop-after-update", type=int, default=0, metavar="N",
+                   help="end the run cleanly after update N (its saves committed), as if the "
+                        "job were done; the report's digest is the parameters' at N")
+    p.add_argument("--no-state-digest", action="store_true",
+                   help="skip the restored state's digest (the local leg times the relaunch "
+                        "to its first training step; nothing compares that digest there)")
+    p.add_argument("--digest-every", type=int, default=0, metavar="N",
+                   help="also record the parameters' digest after every N-th update "
+                        "(report 'digests')")
     return p.parse_args(argv)
 
 
@@ -171,6 +183,10 @@ def _grad_average(params: list[torch.nn.Parameter], loss: torch.Tensor, world: i
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    # Wall-clock seconds (time.time()) of this rank's milestones: the process's start (the
+    # kernel's), main() reached (imports done), the process group up, the restore, the
+    # first update done.
+    timeline = {"process_start": _process_start(), "main": time.time()}
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
@@ -179,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides + args.resume_overrides)
     tc = cfg.train
     dist = get_dist(cfg.dist)
+    timeline["dist_init"] = time.time()
     world = dist.world_size
     device = torch.device("cpu")
     on_tpu = False
@@ -223,12 +240,16 @@ def main(argv: list[str] | None = None) -> int:
         ck.handle_sigterm = False
     mgr = CheckpointManager(ck, dist=dist, storage_config=cfg.storage, restore_config=cfg.restore)
     report: dict = {"rank": rank, "phase": args.phase, "losses": {}, "restore": None,
-                    "preempted": False}
+                    "preempted": False, "timeline": timeline, "digests": {}}
     epoch, start_i = 1, 0
     if args.phase != "reference":
-        res = _restore(mgr, rank, args.device)
+        timeline["restore_start"] = time.time()
+        res = _restore(mgr, rank, args.device, digest=not args.no_state_digest)
+        timeline["restore_end"] = time.time()
         if res is not None and args.sync_restores:
-            _sync(dist, args.out, 0)
+            # The orchestrator's count (not the job's): rank 0's wait is left out of the
+            # time to the first training step.
+            timeline["count_wait_s"] = _sync(dist, args.out, 0)
         if res is not None and args.also_restore:
             report["restores"] = _also_restore(load_config(args.config, args.overrides), dist,
                                                args)
@@ -244,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_rng_state(extra["rng_state"].cpu())
             report["restore"] = dict(res.figures, num_updates=ckpt.get_num_updates())
     params = ckpt.live_parameters()
+    stop = False
     try:
-        while ckpt.get_num_updates() < total:
+        while ckpt.get_num_updates() < total and not stop:
             for i in range(start_i, data.updates_per_epoch):
                 if ckpt.get_num_updates() >= total:
                     break
@@ -268,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
 
                     xm.mark_step()
                 u = ckpt.get_num_updates()
+                timeline.setdefault("first_step", time.time())
                 report["losses"][u] = mean_loss.hex()
+                if args.digest_every and u % args.digest_every == 0:
+                    report["digests"][u] = param_digest([model, criterion])
                 _progress(args.out, rank, u)
                 last = i == data.updates_per_epoch - 1
                 next_pos = {"epoch": epoch + 1 if last else epoch,
@@ -279,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                     state=lambda pos=next_pos: ckpt.state_dict({"train_iterator": pos}),
                     rank_state=lambda: {"rng_state": torch.get_rng_state()},
                     metrics={"loss": mean_loss} if last else None)
+                if u == args.stop_after_update:
+                    stop = True  # this run is done: close() below waits for its saves
+                    break
             epoch, start_i = epoch + 1, 0
     except SystemExit as e:
         # The manager ends a preempted run with SystemExit(0) once the preemption save committed.
@@ -293,6 +321,18 @@ def main(argv: list[str] | None = None) -> int:
     _write(args.out, rank, report)
     _shut_down(dist)
     return 0
+
+
+def _process_start() -> float:
+    """When the kernel started this process (wall clock, 10 ms resolution; Linux
+    ``/proc/self/stat``), or now where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
 
 
 def _shut_down(dist: Dist) -> None:
@@ -317,9 +357,11 @@ class _Restore:
     figures: dict
 
 
-def _restore(mgr: CheckpointManager, rank: int, device: str) -> "_Restore | None":
+def _restore(mgr: CheckpointManager, rank: int, device: str, *,
+             digest: bool = True) -> "_Restore | None":
     """``restore_or_initialize`` onto this worker's own XLA device (C2), with its figures
-    (bytes, plan, predicted and measured seconds, :func:`state_digest` of what came back)."""
+    (bytes, plan, predicted and measured seconds, :func:`state_digest` of what came back
+    unless not ``digest``: ``""``)."""
     map_location = _map_location(device)
     t0 = time.perf_counter()
     res = mgr.restore_or_initialize(map_location=map_location)
@@ -338,7 +380,9 @@ def _restore(mgr: CheckpointManager, rank: int, device: str) -> "_Restore | None
         "predictions": dict(st.predictions) if st else {},
         "restore_seconds": st.seconds if st else seconds,
         "host_shared_memory": mgr.restore_config.host_shared_memory,
-        "state_digest": state_digest({"state": res.state, "rank_state": res.rank_state}),
+        "tier": res.tier,
+        "state_digest": state_digest({"state": res.state, "rank_state": res.rank_state})
+        if digest else "",
         "state_devices": sorted({str(t.device) for t in _tensors(res.state)}),
     })
 
@@ -385,16 +429,19 @@ def _also_restore(cfg: Any, dist: Dist, args: argparse.Namespace) -> list[dict]:
     return out
 
 
-def _sync(dist: Dist, out: str, k: int) -> None:
+def _sync(dist: Dist, out: str, k: int) -> float:
     """Every rank: hold here until the orchestrator has counted restore ``k``'s bytes.
 
     All ranks finish the restore (barrier); rank 0 writes ``<out>/restored<k>`` and waits
     for ``<out>/counted<k>`` (the orchestrator read and reset the proxy's counters);
-    another barrier releases the others.
+    another barrier releases the others.  Returns rank 0's wait for the count in seconds
+    (0.0 on the other ranks).
     """
     if dist.world_size > 1:
         dist.barrier()
+    waited = 0.0
     if dist.rank == 0:
+        t0 = time.perf_counter()
         with open(os.path.join(out, f"restored{k}"), "w") as f:
             f.write(str(k))
         deadline = time.monotonic() + SYNC_TIMEOUT_S
@@ -403,8 +450,10 @@ def _sync(dist: Dist, out: str, k: int) -> None:
                 raise TimeoutError(f"rank 0: the orchestrator did not count restore {k} "
                                    f"within {SYNC_TIMEOUT_S:.0f} s (no {out}/counted{k})")
             time.sleep(0.02)
+        waited = time.perf_counter() - t0
     if dist.world_size > 1:
         dist.barrier()
+    return waited
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
