@@ -1389,6 +1389,27 @@ def sharded_diff(state: Any, n: int, mesh: Any, placements: dict[str, Any] | Non
     return shard_diff(state, sharded_full_state(n), mesh, placements or sharded_placements())
 
 
+class ForkGate:
+    """A pipe children forked from here wait on until :meth:`open` (EOF once the parent's
+    write end and every child's copy of it are closed)."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe()
+
+    def wait(self) -> None:
+        """In a child: close the inherited write end, then block until the gate opens."""
+        os.close(self.w)
+        while os.read(self.r, 1):
+            pass
+        os.close(self.r)
+
+    def open(self) -> None:
+        """In the parent, after forking: let every child go."""
+        for fd in (self.w, self.r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 class _Job:
     """The rendezvous store of one forked gloo job, held by the zygote (it outlives any rank:
     survivors still read their peers' heartbeats after a rank died)."""
@@ -1414,14 +1435,27 @@ class _Job:
                 "LOCAL_WORLD_SIZE": str(self.world), "GROUP_RANK": "0",
                 "TORCHELASTIC_USE_AGENT_STORE": "True", "GLOO_SOCKET_IFNAME": "lo"}
 
-    def fork(self, body: Callable[[int, int], None]) -> list[tuple[int, int]]:
-        """Fork one process per rank running ``body(rank, write_fd)``: [(pid, read fd)]."""
+    def fork(self, body: Callable[[int, int], None], gate: ForkGate | None = None
+             ) -> list[tuple[int, int]]:
+        """Fork one process per rank running ``body(rank, write_fd)``: [(pid, read fd)].
+
+        No rank starts before every rank is forked (``gate``: one shared by several jobs,
+        opened by the caller once all are forked; by default this job's own): the store's
+        server thread in this process then serves nobody while it forks, so no child
+        inherits a lock that thread held (a rank that hung before its rendezvous)."""
+        own = gate is None
+        g = ForkGate() if gate is None else gate
         out = []
-        for rank in range(self.world):
-            def child(w: int, rank: int = rank) -> None:
-                os.environ.update(self.env(rank))
-                body(rank, w)
-            out.append(_fork(child))
+        try:
+            for rank in range(self.world):
+                def child(w: int, rank: int = rank) -> None:
+                    g.wait()
+                    os.environ.update(self.env(rank))
+                    body(rank, w)
+                out.append(_fork(child))
+        finally:
+            if own:
+                g.open()
         return out
 
     def close(self) -> None:

@@ -46,6 +46,7 @@ WORLD = 4
 HOSTS = 2
 DURABLE_EVERY = 4
 COLLECTIVE_TIMEOUT_S = 60.0   # inside a job; a job is killed by the harness long before
+RENDEZVOUS_TIMEOUT_S = 100.0  # the ranks' first meeting (under the tests' 120 s job timeout)
 MARKER_WAIT_S = 60.0          # a victim waiting for another host's marker gives up after this
 N = 16 * 1024                 # elements of the largest tensor (64 KiB of float32)
 TORN_AT_BYTES = 64 * 1024     # a torn data-file write stops after this much of its body
@@ -306,10 +307,15 @@ def install_kill_point(spec: dict, run_uri: str, wfd: int) -> None:
 def train_main(spec: dict, rank: int, wfd: int) -> None:
     """One rank of a job (see the module docstring); sends JSON lines to the harness."""
     from xla_ckpt.comm import TorchDist
+    from xla_ckpt.comm.torch_dist import init_process_group
     from xla_ckpt.manager import CheckpointManager
 
     torch.set_num_threads(1)
     seed = spec.get("seed", 24)
+    H._send(wfd, {"kind": "started", "rank": rank, "pid": os.getpid()})
+    # The ranks meet with a longer timeout (a fork slow to start on a loaded 2-core machine
+    # is not the failure under test), then every collective of the job gets the short one.
+    init_process_group("gloo", "env://", RENDEZVOUS_TIMEOUT_S)
     d = TorchDist(backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
     m = CheckpointManager(config(spec), dist=d)
     if spec.get("point") is not None and rank == spec["victim"]:
@@ -407,8 +413,12 @@ def run_jobs(specs: list[dict], timeout_s: float = 120.0) -> list[dict]:
     """
     t0 = time.perf_counter()
     jobs = [HostJob(WORLD) for _ in specs]
-    procs = [job.fork(lambda rank, w, spec=spec: _rank_entry(spec, rank, w))
-             for job, spec in zip(jobs, specs, strict=True)]
+    gate = H.ForkGate()  # no rank of any job starts before every rank of every job is forked
+    try:
+        procs = [job.fork(lambda rank, w, spec=spec: _rank_entry(spec, rank, w), gate)
+                 for job, spec in zip(jobs, specs, strict=True)]
+    finally:
+        gate.open()
     pipes = [[_Pipe(r) for _pid, r in ps] for ps in procs]
     outs: list[dict[str, Any]] = [{"killed": False, "paused": None, "ranks": {}} for _ in specs]
     open_jobs = set(range(len(specs)))
@@ -518,14 +528,22 @@ def lines_of(result: dict, kind: str) -> dict[int, dict]:
 
 
 def errors_of(result: dict) -> list[str]:
-    """Every rank that failed or hung, and why ('' entries left out)."""
+    """Every rank that failed, hung, never started or died without a word, and why."""
     bad = []
     for r, row in result["ranks"].items():
+        kinds = [msg.get("kind") for msg in row["lines"]]
         for msg in row["lines"]:
             if msg.get("kind") == "error":
                 bad.append(f"rank {r}: {msg['error']}: {msg['message']}\n{msg['traceback']}")
+            elif "error" in msg and "kind" not in msg:  # the fork's own report (crash_harness)
+                bad.append(f"rank {r}: {msg['error']}")
         if row["hang"]:
-            bad.append(f"rank {r} hung")
+            bad.append(f"rank {r} hung (its last message: {kinds[-1:] or 'none'})")
+        if "started" not in kinds:
+            bad.append(f"rank {r} never started (exit status {row['exitcode']})")
+        elif not row["hang"] and row["exitcode"] not in (0, -9) and "error" not in kinds:
+            bad.append(f"rank {r} died without a message (exit status {row['exitcode']}, "
+                       f"messages {kinds})")
     return bad
 
 
