@@ -20,6 +20,11 @@ ORDER_METADATA = ("xla_ckpt-lease-epoch", "xla_ckpt-num-updates", "xla_ckpt-crea
 """Custom metadata keys the commit stores with ``manifest.json`` (:func:`order_metadata`):
 what a run folder's catalog orders its checkpoints by, read from one listing."""
 
+SAVE_ID_METADATA = "xla_ckpt-save-id"
+"""Custom metadata key of the manifest's save id, stored beside :data:`ORDER_METADATA`: a
+local-tier restore learns from the same listing whether the durable tier holds the very save
+a host holds (:func:`xla_ckpt.manager.local_restore.decide_local_fast`)."""
+
 Order = tuple[int, int, float]
 """``(lease_epoch, num_updates, created_unix_s)`` of a committed checkpoint (module
 :mod:`xla_ckpt.run.catalog`, "Order")."""
@@ -44,7 +49,17 @@ def order_of(manifest: Manifest) -> Order:
 def order_metadata(manifest: Manifest) -> dict[str, str]:
     """:func:`order_of` as the custom metadata the commit stores with the manifest."""
     epoch, updates, created = order_of(manifest)
-    return dict(zip(ORDER_METADATA, (str(epoch), str(updates), repr(created)), strict=True))
+    out = dict(zip(ORDER_METADATA, (str(epoch), str(updates), repr(created)), strict=True))
+    if manifest.save_id:
+        out[SAVE_ID_METADATA] = manifest.save_id
+    return out
+
+
+def save_id_from_metadata(metadata: Mapping[str, str] | None) -> str | None:
+    """The save id :func:`order_metadata` stored, or None (committed by an earlier
+    xla_ckpt, or a backend that keeps no metadata: read the manifest to learn it)."""
+    v = (metadata or {}).get(SAVE_ID_METADATA)
+    return v if isinstance(v, str) and v else None
 
 
 def order_from_metadata(metadata: Mapping[str, str] | None) -> Order | None:

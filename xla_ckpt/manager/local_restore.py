@@ -9,17 +9,17 @@ opens its own host's copy (:func:`tier_source`).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
 from typing import Any, Callable
 
 from xla_ckpt.errors import CheckpointCorruptError
-from xla_ckpt.format import typed
 from xla_ckpt.format.manifest import STATE_ITEM, Manifest
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.restore.select import ALL_RANKS, PER_HOST
-from xla_ckpt.run.catalog import LEASE_EPOCH_KEY
-from xla_ckpt.run.fencing import read_lease
+from xla_ckpt.run.catalog import committed_markers
+from xla_ckpt.run.fencing import peek_lease
 from xla_ckpt.run.local_tier import DurableLatest, LocalStep, LocalTier, choose_local
 from xla_ckpt.run.resolve import committed_manifest
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
@@ -35,21 +35,24 @@ def inventory_message(tier: LocalTier | None, leader: bool) -> Any:
     return [s.to_json() for s in tier.inventory()]
 
 
-def _md_int(manifest: Manifest | None, key: str) -> int:
-    md = typed.decode(manifest.metadata) if manifest is not None and \
-        manifest.metadata is not None else None
-    v = md.get(key) if isinstance(md, dict) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) else 0
-
-
-def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size: int,
-                 durable_name: str | None, durable_manifest: Manifest | None
+def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size: int
                  ) -> tuple[str, str, bool, str, bytes] | None:
     """Rank 0: ``(name, save id, durable holds it, reason, manifest bytes)`` of the local step
-    to restore, or None (the durable choice stands; the reason is logged).
+    to restore, or None (the caller then decides from the durable tier alone; the reason is
+    logged).
 
-    ``every``: each rank's ``(host, inventory_message)``; ``durable_name`` /
-    ``durable_manifest``: the durable tier's choice (None: nothing committed there).
+    ``every``: each rank's ``(host, inventory_message)``.  What the durable tier must say
+    comes from two requests made at once, whatever the number of checkpoints: one read of
+    the run folder's lease (the lineage) and one listing of its commit markers, whose
+    metadata carries each committed checkpoint's lease epoch, ``num_updates`` and save id
+    (:func:`~xla_ckpt.run.catalog.committed_markers`).  Only a candidate the durable tier
+    committed without its save id in that metadata (an earlier xla_ckpt) costs one more
+    read, of its manifest.  On the emulator with 30 ms of first-byte latency this decision
+    takes one round trip, not the seven of resolving ``checkpoint_last`` first
+    (``benchmarks/time_to_resume.py``).
+
+    Raises:
+        StorageError and its kinds: the listing failed (the durable decision would too).
     """
     invs: dict[int, list[LocalStep]] = {}
     for host, inv in every:
@@ -58,21 +61,32 @@ def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size:
     hosts = {h for h, _ in every}
     for h in hosts - set(invs):
         invs[h] = []
-    try:
-        lease = read_lease(run)
-    except CheckpointCorruptError as e:  # a restore only reads: the durable choice stands
-        logger.warning("rank 0: restoring from the durable tier: the run folder's lease is "
-                       "unreadable, so no local step's lineage can be checked (%s)", e)
+    if not any(invs.values()):
+        logger.info("rank 0: restoring from the durable tier: no host holds a committed "
+                    "local step")
         return None
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="xla_ckpt-lease") as pool:
+        leased = pool.submit(peek_lease, run)
+        markers = committed_markers(run)
+        try:
+            lease = leased.result()
+        except CheckpointCorruptError as e:  # a restore only reads: the durable choice stands
+            logger.warning("rank 0: restoring from the durable tier: the run folder's lease "
+                           "is unreadable, so no local step's lineage can be checked (%s)", e)
+            return None
     latest = None
-    if durable_name is not None and durable_manifest is not None:
-        latest = DurableLatest(durable_name, durable_manifest.save_id,
-                               _md_int(durable_manifest, LEASE_EPOCH_KEY),
-                               _md_int(durable_manifest, "num_updates"))
+    if markers:
+        name, m = max(markers.items(), key=lambda kv: (*kv[1].order, kv[0]))
+        latest = DurableLatest(name, m.save_id or "", m.order[0], m.order[1])
 
     def durable_save_id(name: str) -> str | None:
-        if latest is not None and name == latest.name:
-            return latest.save_id
+        m = markers.get(name)
+        if m is None:
+            return None  # not committed in the durable tier (as of the listing)
+        if m.save_id is not None:
+            return m.save_id
+        if m.read is not None:
+            return m.read[0].save_id
         with run.child(name) as st:
             found = committed_manifest(st)
         return found[0].save_id if found is not None else None

@@ -39,6 +39,7 @@ not exist yet counts, the manager creates it), logged at WARNING.  A named
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import json
 import math
@@ -236,17 +237,22 @@ class RestorePath(ManagerBase):
         decision: Any = None
         if self.rank == 0:
             try:
-                decision = ("ok", *self._resolve_restore())  # no lease: a restore only reads
+                # The local tier decides first (one round trip to the durable tier: its lease
+                # and its commit markers, read at once); only when no local step wins is
+                # checkpoint_last resolved in the durable tier.  No lease is taken: a restore
+                # only reads.
                 local = None
-                if tiered and decision[1] is not None or tiered and self._nothing_durable(
-                        decision):
+                if tiered:
                     assert self._tier is not None and every is not None
-                    local = local_restore.decide_local(
-                        self.run, self._tier, every, world_size=self.world_size,
-                        durable_name=decision[2] if decision[1] is not None else None,
-                        durable_manifest=self._parsed[1] if decision[1] is not None
-                        and self._parsed is not None else None)
-                decision = (*decision, local)
+                    with cf.ThreadPoolExecutor(1, thread_name_prefix="xla_ckpt-best") as pool:
+                        best_read = pool.submit(self._read_best_value)
+                        local = local_restore.decide_local(self.run, self._tier, every,
+                                                           world_size=self.world_size)
+                        best = best_read.result()
+                if local is not None:
+                    decision = ("ok", None, local[0], True, best, None, local)
+                else:
+                    decision = ("ok", *self._resolve_restore(), None)
             except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised below
                 decision = rank0.error_message(e)
                 own = e
@@ -317,11 +323,6 @@ class RestorePath(ManagerBase):
                 "read_s": stats.seconds if stats is not None else 0.0,
                 "total_s": time.perf_counter() - t0}
         return result
-
-    def _nothing_durable(self, decision: tuple) -> bool:
-        """Rank 0: the durable tier had nothing committed (a local tier may still hold a
-        step: a job that crashed before its first durable save)."""
-        return decision[1] is None
 
     # ---- steps (Orbax / torch_xla CheckpointManager parity) -----------------------------
     def all_steps(self) -> list[int]:

@@ -84,7 +84,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from xla_ckpt.errors import CheckpointCorruptError, FencedError, PreconditionFailedError
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    FencedError,
+    PreconditionFailedError,
+)
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
 from xla_ckpt.run.catalog import (
     LEASE_EPOCH_KEY,
@@ -106,7 +111,7 @@ LEASE_ATTEMPTS = 32
 
 __all__ = ["LEASE_EPOCH_KEY", "LEASE_NAME", "Lease", "acquire_lease", "check_lease",
            "describe_owner", "fenced_error", "lease_from_message", "lease_message",
-           "manifest_precondition", "read_lease"]
+           "manifest_precondition", "peek_lease", "read_lease"]
 
 
 def owner_info() -> dict[str, Any]:
@@ -171,7 +176,25 @@ def read_lease(run: Storage) -> Lease | None:
     got = read_versioned(run, LEASE_NAME)
     if got is None:
         return None
-    data, generation = got
+    return _parse_lease(run, *got)
+
+
+def peek_lease(run: Storage) -> Lease | None:
+    """The run folder's lease as one plain read (one GET on GCS), without its generation:
+    what a restore checks a local step's lineage against (it writes nothing, so it needs no
+    compare-and-swap version).  None when the run folder has no lease.
+
+    Raises:
+        CheckpointCorruptError: ``lease.json`` is there but is not a lease document.
+    """
+    try:
+        data = run.read_bytes(LEASE_NAME)
+    except CheckpointNotFoundError:
+        return None
+    return _parse_lease(run, data, None)
+
+
+def _parse_lease(run: Storage, data: bytes, generation: int | None) -> Lease:
     try:
         doc = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
