@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
 
 from xla_ckpt.errors import StorageError
+from xla_ckpt.format.manifest import MANIFEST_NAME
 from xla_ckpt.manager import CheckpointConfig
 from xla_ckpt.storage.local import LocalStorage
 
@@ -107,3 +109,20 @@ def wait_for_files(paths: list[str], proc_alive=lambda: True, timeout_s: float =
         if time.monotonic() > deadline:
             raise AssertionError(f"{paths} did not all appear within {timeout_s} s")
         time.sleep(0.02)
+
+
+_LIST = re.compile(r"^/storage/v1/b/[^/]+/o/?$")
+_BUCKET = re.compile(r"^/storage/v1/b/[^/]+/?$")
+
+
+def kind(rec) -> str:
+    """list / bucket / stat / manifest / pointer / lease / data / write (from the request)."""
+    base = rec.object_name.rsplit("/", 1)[-1]
+    if rec.method == "GET" and not rec.object_name:
+        return "list" if _LIST.match(rec.path) else "bucket" if _BUCKET.match(rec.path) else "?"
+    if base == "lease.json":
+        return "lease"
+    if rec.info.is_download:
+        return {MANIFEST_NAME: "manifest", "checkpoint_last.json": "pointer",
+                "checkpoint_best.json": "pointer"}.get(base, "data")
+    return "stat" if rec.method == "GET" else "write"

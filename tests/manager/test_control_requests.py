@@ -12,11 +12,11 @@ carry no order metadata (committed by an earlier xla_ckpt) is still ordered righ
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import pytest
 import torch
+from manager_helpers import kind
 
 import xla_ckpt
 from xla_ckpt.format.manifest import MANIFEST_NAME
@@ -24,22 +24,6 @@ from xla_ckpt.manager import CheckpointConfig, CheckpointManager
 from xla_ckpt.run.catalog import write_pointer
 from xla_ckpt.storage import open_storage
 from xla_ckpt.trainer import Checkpointer
-
-_LIST = re.compile(r"^/storage/v1/b/[^/]+/o/?$")
-_BUCKET = re.compile(r"^/storage/v1/b/[^/]+/?$")
-
-
-def kind(rec) -> str:
-    """list / bucket / stat / manifest / pointer / lease / data / write (from the request)."""
-    base = rec.object_name.rsplit("/", 1)[-1]
-    if rec.method == "GET" and not rec.object_name:
-        return "list" if _LIST.match(rec.path) else "bucket" if _BUCKET.match(rec.path) else "?"
-    if base == "lease.json":
-        return "lease"
-    if rec.info.is_download:
-        return {MANIFEST_NAME: "manifest", "checkpoint_last.json": "pointer",
-                "checkpoint_best.json": "pointer"}.get(base, "data")
-    return "stat" if rec.method == "GET" else "write"
 
 
 def trainer() -> Checkpointer:

@@ -1,6 +1,7 @@
 """The manager with a local tier, in one process (SingleProcess dist, temp folders): what each
 save leaves in the local and durable tiers, and which tier a restore of ``checkpoint_last``
-reads, with which values, when the local copy is damaged, full or foreign.
+reads, with which values, when the local copy is damaged, full or foreign; and, counted in
+GCS requests on the emulator, what a restore and a local-only save ask of the durable tier.
 
 Every test asserts the restored tensors bitwise, the chosen checkpoint and tier
 (``RestoreResult.tier``), and the folders on disk.
@@ -9,22 +10,26 @@ Every test asserts the restored tensors bitwise, the chosen checkpoint and tier
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
 import subprocess
 import uuid
+from collections import Counter
 from typing import Any
 
 import pytest
 import torch
-from manager_helpers import committed, make_cfg
+from manager_helpers import committed, kind, make_cfg
 
 import xla_ckpt
+from xla_ckpt.errors import FencedError
 from xla_ckpt.format.manifest import DEFAULT_CHUNK_SIZE_BYTES, MANIFEST_NAME, STATE_ITEM
-from xla_ckpt.io.manifest_file import read_manifest
+from xla_ckpt.io.manifest_file import SAVE_ID_METADATA, read_manifest
 from xla_ckpt.manager import CheckpointManager
 from xla_ckpt.run.local_tier import LocalTier, marker_name, untrusted_name
+from xla_ckpt.storage import open_storage
 from xla_ckpt.storage.local import LocalStorage
 
 W_KEY = "state['model']['w']"
@@ -502,3 +507,170 @@ def test_a_fallback_names_the_tensor_inside_a_blob_of_several(dirs):
     assert torch.equal(res.state["a"], flat[:half]) and torch.equal(res.state["b"], flat[half:])
     (why,) = res.tier["fallbacks"]
     assert "(tensor state['b'])" in why, why
+
+
+# ---- time to resume, counted in requests (never seconds) --------------------------------
+# A restore that a local step wins asks the durable tier for its lease, its best pointer and
+# one listing of its commit markers, at once, and nothing else; a local-only save asks nothing
+# of it on the training thread, and a fenced incarnation is still stopped (the background
+# lease read, or on its own host the newer incarnation's local steps).  GCS cases on the
+# emulator through the fault proxy's request log.
+
+
+def gcs_tier_of(run: str, local: str) -> LocalTier:
+    """The host's tier the manager of run folder ``run`` (a gs:// URI) uses."""
+    with open_storage(run) as st:
+        return LocalTier(local, st.uri)
+
+
+def restore_counted(cfg, proxy, monkeypatch):
+    """A fresh manager's ``restore_or_initialize()`` through ``proxy``: the result and its
+    control requests by kind (data ranges left out)."""
+    with monkeypatch.context() as m:
+        m.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        proxy.reset_log()
+        mgr = CheckpointManager(cfg)
+        try:
+            res = mgr.restore_or_initialize()
+        finally:
+            mgr.close()
+    return res, Counter(kind(r) for r in proxy.records() if kind(r) != "data")
+
+
+def test_a_local_win_asks_gcs_for_the_lease_the_best_pointer_and_one_listing(
+        gcs_uri, fault_proxy, monkeypatch, tmp_path):
+    run, local = f"{gcs_uri}/run", str(tmp_path / "local")
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=4)
+    with CheckpointManager(cfg) as mgr:
+        train(mgr, 1, 6)
+    res, c = restore_counted(cfg, fault_proxy, monkeypatch)
+    assert_restored(res, 6)
+    assert res.tier["tier"] == "local" and res.tier["durable_bytes"] == 0
+    # checkpoint_1_4 (durable) is older: no manifest, no checkpoint_last chase, no stat.
+    assert c == Counter({"lease": 1, "pointer": 1, "list": 1}), c
+
+
+def test_the_listing_tells_which_local_step_gcs_holds_too(gcs_uri, fault_proxy, monkeypatch,
+                                                          tmp_path):
+    """checkpoint_1_4 is in both tiers: the save id in its marker's listed metadata says so
+    without reading its manifest, so a flipped byte in the host's copy is read back from GCS
+    (that byte range only)."""
+    run, local = f"{gcs_uri}/run", str(tmp_path / "local")
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=4)
+    with CheckpointManager(cfg) as mgr:
+        train(mgr, 1, 4)
+    with open_storage(run) as st:
+        (marker,) = st.list_in_subfolders("", MANIFEST_NAME)
+    assert marker.metadata is not None
+    assert marker.metadata[SAVE_ID_METADATA] == gcs_tier_of(run, local).inventory()[-1].save_id
+    flip_in(gcs_tier_of(run, local).path("checkpoint_1_4"), "state['model']['w']")
+    res, c = restore_counted(cfg, fault_proxy, monkeypatch)
+    assert_restored(res, 4)
+    assert res.tier["tier"] == "local"
+    (why,) = res.tier["fallbacks"]
+    assert why.startswith("crc32c mismatch") and "(tensor state['model']['w'])" in why
+    assert res.tier["durable_bytes"] == 2048 * 4  # that blob's one crc32c chunk, nothing else
+    assert c == Counter({"lease": 1, "pointer": 1, "list": 1}), c
+
+
+def test_markers_without_the_save_id_are_read_once(gcs_uri, fault_proxy, monkeypatch,
+                                                   tmp_path):
+    """Durable checkpoints committed by an earlier xla_ckpt (no order or save id in the
+    markers' metadata): each listed marker is read once to learn them, and the local step
+    still wins when it is the newest."""
+    run, local = f"{gcs_uri}/run", str(tmp_path / "local")
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=2,
+                   keep_interval_updates=10)
+    with CheckpointManager(cfg) as mgr:
+        train(mgr, 1, 5)
+    with open_storage(run) as st:
+        for n in (2, 4):
+            name = f"checkpoint_1_{n}/{MANIFEST_NAME}"
+            st.write_atomic(name, [st.read_bytes(name)])
+        assert [o.metadata for o in st.list_in_subfolders("", MANIFEST_NAME)] == [None] * 2
+    res, c = restore_counted(cfg, fault_proxy, monkeypatch)
+    assert_restored(res, 5)
+    assert res.tier["tier"] == "local"
+    assert c == Counter({"lease": 1, "pointer": 1, "list": 1, "manifest": 2}), c
+
+
+def test_a_durable_step_newer_than_every_local_one_wins(gcs_uri, fault_proxy, monkeypatch,
+                                                        tmp_path):
+    """Host memory lost its newest steps (the tier folder replaced by an older copy): the
+    durable checkpoint_1_6 is newer than the local 1_5, so the restore resolves it in GCS."""
+    run, local = f"{gcs_uri}/run", str(tmp_path / "local")
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=3)
+    with CheckpointManager(cfg) as mgr:
+        train(mgr, 1, 5)
+        tier = gcs_tier_of(run, local)
+        os.rename(tier.folder, tier.folder + ".kept")
+        train(mgr, 6, 6)
+    os.rename(tier.folder, tier.folder + ".newer")
+    os.rename(tier.folder + ".kept", tier.folder)
+    assert [s.name for s in tier.inventory()] == ["checkpoint_1_4", "checkpoint_1_5"]
+    res, _ = restore_counted(cfg, fault_proxy, monkeypatch)
+    assert_restored(res, 6)
+    assert res.tier["tier"] == "durable"
+
+
+def test_local_only_saves_read_no_lease_yet_a_fenced_incarnation_is_stopped(tmp_path):
+    """Incarnation A saves locally only; B takes the run folder's lease.  A's next local-only
+    saves do not wait for the lease, but the read one of them starts in the background
+    reaches every rank at the following save: FencedError names both epochs."""
+    run, local = str(tmp_path / "run"), str(tmp_path / "local")
+    os.makedirs(run)
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=0)
+    a = CheckpointManager(cfg)
+    train(a, 1, 3)
+    b = CheckpointManager(make_cfg(run, save_interval_updates=0))
+    assert b.take_over() == 2
+    with pytest.raises(FencedError) as err:
+        for n in range(4, 40):
+            train(a, n, n)
+            a.wait()
+            if a._lease_check is not None:
+                a._lease_check.result(timeout=30)  # let the background read finish
+    assert (err.value.own_epoch, err.value.current_epoch) == (1, 2)
+    assert n <= 6, f"fenced only at update {n}"
+    a._shutdown()
+    b.close()
+
+
+def test_a_fenced_incarnation_on_the_same_host_never_commits_over_the_newer_one(tmp_path,
+                                                                                 caplog):
+    """B restored A's checkpoint_1_3 and saved its own 1_4 (lease epoch 2) while A, not yet
+    told, saves 1_4 too in the same host folder: A's commit is refused by B's marker there,
+    only A's own data files are removed, and B's 1_4 restores bitwise."""
+    run, local = str(tmp_path / "run"), str(tmp_path / "local")
+    os.makedirs(run)
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=0)
+    a = CheckpointManager(cfg)
+    train(a, 1, 3)
+    b = CheckpointManager(cfg)
+    assert_restored(b.restore_or_initialize(), 3)
+
+    def b_state(n):
+        st = state_at(n)
+        st["model"]["w"] = w_at(n + 100)
+        return st
+    b.after_update(epoch=1, num_updates=4, state=b_state(4), rank_state={"seen":
+                                                                          torch.tensor([4])})
+    b.wait()
+    tier = tier_of(run, local)
+    b_marker = open(os.path.join(tier.path("checkpoint_1_4"), marker_name(0))).read()
+    with caplog.at_level(logging.WARNING, logger="xla_ckpt"):
+        train(a, 4, 4)
+        a.wait()
+    assert "newer than this incarnation's 1" in caplog.text
+    assert open(os.path.join(tier.path("checkpoint_1_4"), marker_name(0))).read() == b_marker
+    b_save = json.loads(b_marker)["save_id"]
+    data = [f for f in os.listdir(tier.path("checkpoint_1_4")) if f.startswith("data-")]
+    assert data and all(b_save in f for f in data), (b_save, data)  # A's own files went
+    a._shutdown()
+    b.close()
+    res = CheckpointManager(cfg)
+    got = res.restore_or_initialize()
+    res.close()
+    assert got is not None and got.tier is not None
+    assert got.checkpoint == "checkpoint_1_4" and got.tier["tier"] == "local"
+    assert torch.equal(got.state["model"]["w"], w_at(104))

@@ -96,6 +96,7 @@ class ManagerBase:
     _lease: Lease | None  # this incarnation's lease (every rank; rank 0 takes it at the first
     # save or take_over(), never on a restore or a query)
     _fenced: FencedError | None  # set once a newer incarnation was seen: no more saves
+    _lease_check: cf.Future | None  # rank 0: the background lease read of local-only saves
     _where: lockstep.Position = None  # this rank's schedule position (manager.lockstep)
     _update_calls: int = 0  # after_update calls so far (its position counts them)
     _collective_broken: bool = False  # an exchange did not complete: close() skips its own

@@ -184,6 +184,7 @@ class CheckpointManager(SaveSchedule, RestorePath):
         newer one of this job committed)."""
         self._lease = None
         self._fenced = None
+        self._lease_check = None
         topo = self.dist.topology
         self._host = topo.host_id
         self._host_leader = topo.local_rank == 0

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from xla_ckpt.errors import FencedError
 from xla_ckpt.format.manifest import STATE_ITEM
 from xla_ckpt.io.writer import WrittenItem, writer_rank
 from xla_ckpt.restore import save_steps as steps
@@ -170,9 +171,22 @@ def commit_host(tier: LocalTier, *, name: str, save_id: str, gathered: list[Writ
     """A host's leader, after every rank's local write: the manifest, then the host's commit
     marker (last), then keep-last-K.
 
+    A step of a newer lease epoch already committed in this host's tier means a newer
+    incarnation runs on this host: nothing is committed (a local-only save reads the run
+    folder's lease only in the background, so this host-local check is what stops a fenced
+    incarnation on the same host first).
+
     Raises:
+        FencedError: a newer incarnation committed a step in this host's tier.
         OSError / StorageError / ValueError: the commit failed (the marker is absent).
     """
+    newer = [s for s in tier.inventory() if s.lease_epoch > lease_epoch]
+    if newer:
+        raise FencedError(
+            f"host {tier.host}: not committing {name} in the local tier {tier.folder}: "
+            f"{newer[-1].name} there was committed by lease epoch {newer[-1].lease_epoch}, "
+            f"newer than this incarnation's {lease_epoch}; this job was replaced: stop it",
+            own_epoch=lease_epoch, current_epoch=newer[-1].lease_epoch, run=tier.run_uri)
     storage = tier.step_storage(name)
     held: dict[str, int] = {}
     for p in gathered:

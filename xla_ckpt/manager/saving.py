@@ -330,6 +330,36 @@ class SavePath(ManagerBase):
                 raise ValueError(f"metric {k!r} must be a number, got {v!r}") from None
         return md
 
+    def _check_lease_later(self, fence: steps.SaveFence) -> None:
+        """Rank 0, after a local-only save's agreement: read the run folder's lease on a
+        background thread (:meth:`SaveFence.newer`), unless such a read is still running; the
+        next local-only save's agreement carries its answer to every rank."""
+        if self._lease_check is not None:
+            return
+        fut: cf.Future = cf.Future()
+
+        def check() -> None:
+            try:
+                fut.set_result(fence.newer())  # logs and answers None when unreadable
+            except BaseException as e:  # noqa: BLE001 - handed to the next save
+                fut.set_exception(e)
+        self._lease_check = fut
+        threading.Thread(target=check, name="xla_ckpt-lease-check", daemon=True).start()
+
+    def _lease_checked(self) -> tuple[int, dict] | None:
+        """Rank 0: the background lease read's answer once it is in (then a new one may
+        start), else None (still running, or none started)."""
+        fut = self._lease_check
+        if fut is None or not fut.done():
+            return None
+        self._lease_check = None
+        try:
+            return fut.result()
+        except Exception as e:  # noqa: BLE001 - the durable saves check the lease anyway
+            logger.warning("[rank 0] the background read of the lease of %s failed: %s",
+                           self.run.uri, e)
+            return None
+
     def _save(self, state: StateArg, rank_state: StateArg, shards: StateArg, *, name: str,
               epoch: int, num_updates: int, end_of_epoch: bool, metrics: MetricValues | None,
               preempted: bool, block: bool, durable: bool = True) -> list[str]:
@@ -352,10 +382,17 @@ class SavePath(ManagerBase):
         fence = steps.SaveFence(self.run, lease)
 
         def head() -> dict[str, Any]:  # rank 0's, in the agreement exchange
-            return {"newer": fence.newer(), "score": self._score(name, metadata)}
+            # A durable save reads the lease now; a local-only save does not wait for GCS on
+            # the training thread: it takes the answer of the read the previous local-only
+            # save started in the background (a fenced incarnation's local steps are never
+            # restored anyway: their lease epoch is not the run folder's).
+            newer = fence.newer() if durable else self._lease_checked()
+            return {"newer": newer, "score": self._score(name, metadata)}
 
         got, agreed = steps.agree_on_save(self._exchange, self.rank, inputs, url, head=head)
         save_id, newer, scored = got["save_id"], got["newer"], got["score"]
+        if self.rank == 0 and not durable and newer is None:
+            self._check_lease_later(fence)
         if newer is not None:
             self._fenced = fenced_error(self.run, lease, newer[0], newer[1],
                                         what=f"to save {name}")
@@ -503,7 +540,7 @@ class SavePath(ManagerBase):
         # (_drop_uncommitted_local), not here.
         if errors:
             if not fl.durable:
-                tier.discard(fl.name)
+                tier.discard(fl.name, fl.save_id)
             logger.warning("[rank %d] host %d: %s not committed in the local tier (rank(s) %s "
                            "failed: %s)", self.rank, self._host, fl.name,
                            sorted(errors), "; ".join(sorted(set(errors.values()))))
@@ -517,7 +554,7 @@ class SavePath(ManagerBase):
                 lease_epoch=self._lease.epoch, single_host=len(fl.host_ranks) == 1)
         except Exception as e:  # noqa: BLE001 - the local tier is a copy; logged, training goes on
             if not fl.durable:
-                tier.discard(fl.name)
+                tier.discard(fl.name, fl.save_id)
             logger.warning("[rank %d] host %d: the local commit of %s failed: %s: %s",
                            self.rank, self._host, fl.name, type(e).__name__, e)
             return
@@ -531,7 +568,7 @@ class SavePath(ManagerBase):
         remove the save's local folder if this host did not commit it."""
         if self._tier is not None and self._host_leader and fl.local \
                 and fl.name not in self.local_committed:
-            self._tier.discard(fl.name)
+            self._tier.discard(fl.name, fl.save_id)
 
     def _commit_job(self, fl: InFlightSave, every: list[bytes]) -> None:
         """Coordinator only: manifest (commit marker), then pointers, then rotation.
@@ -706,7 +743,7 @@ class SavePath(ManagerBase):
             cf.wait([f for f in (fl.upload,) if f is not None])
             self._recycle(fl)
             if self._tier is not None and self._host_leader:
-                self._tier.discard(fl.name)
+                self._tier.discard(fl.name, fl.save_id)
             logger.warning("[rank %d] the local save of %s failed on rank(s) %s (%s); the "
                            "previous local step stays", self.rank, fl.name, sorted(failures),
                            "; ".join(sorted(set(failures.values()))))

@@ -28,6 +28,7 @@ mark a step untrusted.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -308,9 +309,27 @@ class LocalTier:
                 gone.append(name)
         return gone
 
-    def discard(self, name: str) -> None:
-        """Remove checkpoint ``name``'s local folder (a failed or skipped save)."""
-        shutil.rmtree(self.path(name), ignore_errors=True)
+    def discard(self, name: str, save_id: str | None = None) -> None:
+        """Remove checkpoint ``name``'s local folder (a failed or skipped save).
+
+        With ``save_id`` (the failed save's): when this host committed another save in that
+        folder (an incarnation that trained to the same update: a successor, or a fenced
+        predecessor still running), only the failed save's data files go, never the
+        committed step."""
+        p = self.path(name)
+        if save_id is not None:
+            try:
+                with open(os.path.join(p, marker_name(self.host)), "rb") as f:
+                    other = json.loads(f.read()).get("save_id")
+            except (OSError, ValueError, AttributeError):
+                other = None
+            if isinstance(other, str) and other != save_id:
+                for fn in _listdir(p):
+                    if save_id in fn:
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(p, fn))
+                return
+        shutil.rmtree(p, ignore_errors=True)
 
     def discard_foreign(self, lease_epoch: int) -> list[str]:
         """Host leader, when this job takes lease epoch ``lease_epoch`` of the run folder:
@@ -376,6 +395,13 @@ class LocalChoice:
     num_updates: int
     durable: bool
     reason: str
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: int,
