@@ -391,8 +391,6 @@ class SavePath(ManagerBase):
 
         got, agreed = steps.agree_on_save(self._exchange, self.rank, inputs, url, head=head)
         save_id, newer, scored = got["save_id"], got["newer"], got["score"]
-        if self.rank == 0 and not durable and newer is None:
-            self._check_lease_later(fence)
         if newer is not None:
             self._fenced = fenced_error(self.run, lease, newer[0], newer[1],
                                         what=f"to save {name}")
@@ -498,6 +496,10 @@ class SavePath(ManagerBase):
             raise
         self._inflight = in_flight(upload)
         del inputs
+        if self.rank == 0 and not durable:
+            # Once the staging copy is over (the read and the emulator's or network's work
+            # never share the CPU with the training thread's copy).
+            self._check_lease_later(fence)
         if durable:  # a local-only save never stands in for a durable one (preemption)
             self._last_saved = (name, num_updates)
         if local and self.rank == 0:
