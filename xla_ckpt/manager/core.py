@@ -72,6 +72,7 @@ they share.  This module holds the constructor and the lifecycle.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import time
 from types import TracebackType
 
@@ -86,6 +87,10 @@ from xla_ckpt.manager.staging import StagingPool
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.run.local_tier import LocalTier
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
+
+LEASE_CHECK_WAIT_S = 30.0
+"""Seconds ``close()`` waits for a background lease read of a local-only save still running
+(one GCS request; then the storage is closed under it and its answer dropped)."""
 
 # Defined in the part modules, importable from here as before the split.
 __all__ = ["CheckpointManager", "RESERVED_METADATA", "RestoreResult", "StateArg", "StepResult"]
@@ -236,6 +241,10 @@ class CheckpointManager(SaveSchedule, RestorePath):
     def _shutdown(self) -> None:
         self._closed = True
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._lease_check is not None:  # one lease read at most, before the storage closes
+            with contextlib.suppress(cf.TimeoutError):
+                self._lease_check.exception(timeout=LEASE_CHECK_WAIT_S)
+            self._lease_check = None
         if self._inflight is not None:
             self._inflight.storage.close()
             self._inflight = None
