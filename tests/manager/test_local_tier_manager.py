@@ -608,9 +608,13 @@ def test_a_durable_step_newer_than_every_local_one_wins(gcs_uri, fault_proxy, mo
     os.rename(tier.folder, tier.folder + ".newer")
     os.rename(tier.folder + ".kept", tier.folder)
     assert [s.name for s in tier.inventory()] == ["checkpoint_1_4", "checkpoint_1_5"]
-    res, _ = restore_counted(cfg, fault_proxy, monkeypatch)
+    res, c = restore_counted(cfg, fault_proxy, monkeypatch)
     assert_restored(res, 6)
     assert res.tier["tier"] == "durable"
+    # Then checkpoint_last is resolved in GCS; the best pointer is not read a second time.
+    best = [r for r in fault_proxy.records() if r.object_name.endswith("checkpoint_best.json")]
+    assert len(best) == 1, [(r.method, r.query) for r in best]
+    assert c["lease"] == 1 and c["list"] == 2, c
 
 
 def test_local_only_saves_read_no_lease_yet_a_fenced_incarnation_is_stopped(tmp_path):

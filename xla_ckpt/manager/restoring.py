@@ -131,6 +131,8 @@ class RestoreResult:
 #: many times (each time that host's copy of that step is untrusted: no loop).
 MAX_LOCAL_ATTEMPTS = 2
 
+_UNREAD: Any = object()  # _resolve_restore: the best score is still to be read
+
 
 class _LocalCopyFailed(Exception):
     """A restore from the local tier failed on a local copy's bytes (marked untrusted)."""
@@ -241,7 +243,7 @@ class RestorePath(ManagerBase):
                 # and its commit markers, read at once); only when no local step wins is
                 # checkpoint_last resolved in the durable tier.  No lease is taken: a restore
                 # only reads.
-                local = None
+                local, best = None, _UNREAD
                 if tiered:
                     assert self._tier is not None and every is not None
                     with cf.ThreadPoolExecutor(1, thread_name_prefix="xla_ckpt-best") as pool:
@@ -252,7 +254,7 @@ class RestorePath(ManagerBase):
                 if local is not None:
                     decision = ("ok", None, local[0], True, best, None, local)
                 else:
-                    decision = ("ok", *self._resolve_restore(), None)
+                    decision = ("ok", *self._resolve_restore(best), None)
             except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised below
                 decision = rank0.error_message(e)
                 own = e
@@ -620,14 +622,17 @@ class RestorePath(ManagerBase):
         hint = self._exchange(hint)[0]
         add_note(err, hint)
 
-    def _resolve_restore(self) -> tuple[str | None, str, bool, float | None, bytes | None]:
+    def _resolve_restore(self, best: Any = _UNREAD
+                         ) -> tuple[str | None, str, bool, float | None, bytes | None]:
         """Rank 0: (checkpoint URI or None, folder name, is it in the run folder, best metric,
         the manifest bytes it read or None when ``restore()`` is to resolve the URI itself).
 
         ``checkpoint_last`` with nothing committed gives ``(None, why, True, best, None)``.
+        ``best``: the best score when already read (default: read it here).
         """
         rf = self.config.restore_file
-        best = self._read_best_value()
+        if best is _UNREAD:  # else read already, beside the local tier's decision
+            best = self._read_best_value()
         if rf in ("checkpoint_last", "checkpoint_best"):
             which = rf.rsplit("_", 1)[1]
             try:
