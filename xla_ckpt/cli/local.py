@@ -107,10 +107,9 @@ def verify_local(tier: Any, step: Any, *, progress: Any = None) -> Any:
     try:
         manifest = Manifest.from_json_bytes(tier.manifest_bytes(step.name),
                                             where=f"{st.uri}/manifest.json", require_crc=True)
-        report = verify_checkpoint(st, manifest, progress=progress)
+        report = verify_checkpoint(st, manifest, progress=progress, files=step.files)
     finally:
         st.close()
-    report.problems = [p for p in report.problems if not p.file or p.file in step.files]
     return report
 
 

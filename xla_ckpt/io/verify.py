@@ -34,7 +34,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 from xla_ckpt.format import typed
@@ -116,13 +116,16 @@ class VerifyReport:
 
 
 def verify_checkpoint(storage: Storage, manifest: Manifest | None = None, *,
-                      progress: Progress | None = None) -> VerifyReport:
+                      progress: Progress | None = None,
+                      files: Collection[str] | None = None) -> VerifyReport:
     """Check every byte of the committed checkpoint rooted at ``storage``.
 
     Args:
         storage: storage rooted at the checkpoint folder.
         manifest: an already-read manifest; read (and validated) when None.
         progress: called with the byte count of each verified slice.
+        files: check only these data files (None: every file the manifest lists); a local
+            tier's host holds only its own part (:mod:`xla_ckpt.run.local_tier`).
 
     Returns:
         A :class:`VerifyReport` listing every problem (empty when intact).
@@ -140,7 +143,7 @@ def verify_checkpoint(storage: Storage, manifest: Manifest | None = None, *,
         report.blobs += len(item.blobs)
         report.tensors += len(item.tensors)
         _check_state(name, item, report, len(m.global_tensors) if item.chunked else None)
-    sizes = _check_files(storage, m, report)
+    sizes = _check_files(storage, m, report, files)
     tasks: list[_Task] = []
     for iname, item in m.items.items():
         for b, rec in enumerate(item.blobs):
@@ -196,13 +199,16 @@ def _check_state(name: str, item: Item, report: VerifyReport, n_global: int | No
         report.problems.append(Problem("state", "", name, (), str(e)))
 
 
-def _check_files(storage: Storage, m: Manifest, report: VerifyReport) -> dict[str, ObjectInfo]:
+def _check_files(storage: Storage, m: Manifest, report: VerifyReport,
+                 only: Collection[str] | None = None) -> dict[str, ObjectInfo]:
     sizes: dict[str, ObjectInfo] = {}
     by_file: dict[str, list[tuple[str, Item, int]]] = {}
     for iname, item in m.items.items():
         for b, rec in enumerate(item.blobs):
             by_file.setdefault(rec.file, []).append((iname, item, b))
     for name, expected in m.files.items():
+        if only is not None and name not in only:
+            continue
         users = by_file.get(name, [])
         try:
             info = storage.stat(name)

@@ -12,6 +12,10 @@ Layout, under ``local_dir`` (the same path on every host; each host sees its own
             manifest.json                    the checkpoint's manifest (every host's files)
             host-<h>.commit.json             host h's commit marker, written LAST
             untrusted-<h>.json               a check of host h's copy failed: never chosen
+            replica-<g>.commit.json          a replica of host g's part (its data files are
+                                             here too), written LAST once every byte of
+                                             them was received and checked (issue 26)
+            untrusted-replica-<g>.json       a check of that replica failed: never chosen
 
 The format is the durable one (:mod:`xla_ckpt.io.writer`): every blob has its crc32c
 chunks in the manifest, so every local byte is checked when read.  A host's part of a step
@@ -48,6 +52,7 @@ logger = logging.getLogger(__name__)
 MARKER_FORMAT = "xla_ckpt-local-tier"
 MARKER_VERSION = 1
 _MARKER_RE = re.compile(r"^host-(\d+)\.commit\.json$")
+_REPLICA_RE = re.compile(r"^replica-(\d+)\.commit\.json$")
 _TMP_MARK = ".tmp-"
 #: What a step takes beyond its tensor bytes, as :meth:`LocalTier.make_room` counts it (file
 #: headers, the manifest and marker, filesystem pages).
@@ -64,6 +69,15 @@ def run_key(run_uri: str) -> str:
 
 def marker_name(host: int) -> str:
     return f"host-{host}.commit.json"
+
+
+def replica_marker_name(source: int) -> str:
+    """The marker of a replica of host ``source``'s part, in the holding host's step folder."""
+    return f"replica-{source}.commit.json"
+
+
+def untrusted_replica_name(source: int) -> str:
+    return f"untrusted-replica-{source}.json"
 
 
 def untrusted_name(host: int) -> str:
@@ -154,6 +168,8 @@ class LocalTier:
     keep_last: int = 2
     max_bytes: int = 0
     folder: str = field(init=False)
+    protected: set[str] = field(default_factory=set, init=False)
+    """Checkpoint folders that pruning never removes (a replica being received into)."""
 
     def __post_init__(self) -> None:
         self.folder = os.path.join(os.path.abspath(self.root), run_key(self.run_uri))
@@ -206,6 +222,37 @@ class LocalTier:
             logger.warning("host %d: could not mark the local copy of %s untrusted (%s); %s",
                            self.host, name, e, reason)
 
+    def commit_replica(self, step: LocalStep, manifest_bytes: bytes | None = None) -> None:
+        """This host's leader, once every data file of ``step`` (another host's part,
+        ``step.host``) is in ``name``'s folder here and checked: the manifest (when given and
+        this host has none there yet), then the replica's marker (last).
+
+        Raises:
+            ValueError: ``step`` is this host's own part.
+            OSError: the write failed; the marker is absent, so the replica does not count.
+        """
+        if step.host == self.host:
+            raise ValueError(f"host {self.host}: a replica of its own part of {step.name}")
+        p = self.path(step.name)
+        if manifest_bytes is not None and not os.path.exists(os.path.join(p, MANIFEST_NAME)):
+            _write_file(os.path.join(p, MANIFEST_NAME), manifest_bytes)
+        doc = {**step.to_json(), "missing": []}
+        _write_file(os.path.join(p, replica_marker_name(step.host)),
+                    json.dumps(doc, sort_keys=True).encode("utf-8"))
+
+    def untrust_replica(self, name: str, source: int, save_id: str, reason: str) -> None:
+        """Never choose the replica of host ``source``'s part of ``name`` held here again (a
+        check of its bytes failed).  Logged at WARNING, as :meth:`untrust`."""
+        try:
+            doc = {"save_id": save_id, "reason": reason, "unix_s": time.time()}
+            _write_file(os.path.join(self.path(name), untrusted_replica_name(source)),
+                        json.dumps(doc).encode("utf-8"))
+            logger.warning("host %d: replica of host %d's part of %s (save %s) is not trusted "
+                           "from now on: %s", self.host, source, name, save_id, reason)
+        except OSError as e:
+            logger.warning("host %d: could not mark the replica of host %d's part of %s "
+                           "untrusted (%s); %s", self.host, source, name, e, reason)
+
     # ---- what is here --------------------------------------------------------------------
     def inventory(self) -> list[LocalStep]:
         """This host's committed, trusted steps of this run, oldest first (by num_updates).
@@ -213,15 +260,41 @@ class LocalTier:
         A marker that is unreadable is skipped with a WARNING; a file that vanished or
         changed size is listed in ``missing`` (its bytes then come from durable storage).
         """
+        return self._steps(marker_name(self.host), untrusted_name(self.host))
+
+    def replicas(self) -> list[LocalStep]:
+        """The replicas of other hosts' parts held here, committed and trusted, oldest first;
+        each :class:`LocalStep` is the source host's (``host`` is the source's index), with
+        ``missing`` and ``complete`` as :meth:`inventory` judges them here."""
+        out: list[LocalStep] = []
+        for source in sorted(self._replica_sources()):
+            out += self._steps(replica_marker_name(source), untrusted_replica_name(source),
+                               source=source)
+        out.sort(key=lambda s: (s.lease_epoch, s.num_updates, s.name, s.host))
+        return out
+
+    def _replica_sources(self) -> set[int]:
+        found: set[int] = set()
+        for name in self._folders():
+            for fn in _listdir(os.path.join(self.folder, name)):
+                m = _REPLICA_RE.match(fn)
+                if m:
+                    found.add(int(m.group(1)))
+        return found
+
+    def _steps(self, marker: str, untrusted: str, source: int | None = None
+               ) -> list[LocalStep]:
         out: list[LocalStep] = []
         for name in self._folders():
             p = os.path.join(self.folder, name)
-            mp = os.path.join(p, marker_name(self.host))
-            if not os.path.exists(mp) or os.path.exists(os.path.join(p, untrusted_name(self.host))):
+            mp = os.path.join(p, marker)
+            if not os.path.exists(mp) or os.path.exists(os.path.join(p, untrusted)):
                 continue
             try:
                 with open(mp, "rb") as f:
                     step = LocalStep.from_json(json.loads(f.read()), where=mp)
+                if source is not None and step.host != source:
+                    raise ValueError(f"{mp}: names host {step.host}, not {source}")
             except (OSError, ValueError) as e:
                 logger.warning("host %d: skipping local checkpoint %s: %s", self.host, p, e)
                 continue
@@ -263,10 +336,23 @@ class LocalTier:
         ``keep_last - 1`` older steps: ``(fits, bytes those older steps hold)``."""
         if self.max_bytes <= 0:
             return True, 0
-        older = [s for s in self.inventory() if s.name != name]
-        kept = older[-(self.keep_last - 1):] if self.keep_last > 1 else []
-        held = sum(s.nbytes for s in kept)
+        keep = self._newest(self.keep_last - 1, exclude=name)
+        files = {(s.name, f): n for s in [*self.inventory(), *self.replicas()]
+                 if s.name in keep for f, n in s.files.items()}
+        held = sum(files.values())
         return held + nbytes <= self.max_bytes, held
+
+    def _newest(self, k: int, exclude: str | None = None) -> set[str]:
+        """Folder names of the newest ``k`` own steps and of the newest ``k`` steps held as
+        replicas (other hosts' parts): what keep-last-K keeps."""
+        if k <= 0:
+            return set()
+        own = [s.name for s in self.inventory() if s.name != exclude]
+        held: list[str] = []
+        for s in self.replicas():
+            if s.name != exclude and s.name not in held:
+                held.append(s.name)
+        return set(own[-k:]) | set(held[-k:])
 
     def make_room(self, nbytes: int) -> list[str]:
         """Host leader, before the writes of a new step of about ``nbytes``: when it would
@@ -277,8 +363,7 @@ class LocalTier:
         room for ``keep_last + 1`` steps would never commit again.  Returns the folders
         removed."""
         need = nbytes + ROOM_SLACK_BYTES
-        older = self.inventory()
-        keep = {s.name for s in older[max(len(older) - (self.keep_last - 1), 0):]}
+        keep = self._newest(self.keep_last - 1) | self.protected
         gone = [name for name in self._folders() if name not in keep]
         # Over max_bytes: room_for found that it fits once only ``keep`` is left.
         if not (self.max_bytes > 0 and self.used_bytes() + need > self.max_bytes):
@@ -301,7 +386,7 @@ class LocalTier:
     def prune(self, *, protect: Sequence[str] = ()) -> list[str]:
         """Host leader: delete every folder but the newest ``keep_last`` committed steps and
         ``protect`` (a save in flight); uncommitted leftovers of earlier saves go too."""
-        keep = {s.name for s in self.inventory()[-self.keep_last:]} | set(protect)
+        keep = self._newest(self.keep_last) | set(protect) | self.protected
         gone = []
         for name in self._folders():
             if name not in keep:
@@ -315,30 +400,48 @@ class LocalTier:
         With ``save_id`` (the failed save's): when this host committed another save in that
         folder (an incarnation that trained to the same update: a successor, or a fenced
         predecessor still running), only the failed save's data files go, never the
-        committed step."""
+        committed step.  Replicas of other hosts' parts committed there stay (with the
+        manifest): only this host's own files of that save go."""
         p = self.path(name)
-        if save_id is not None:
-            try:
-                with open(os.path.join(p, marker_name(self.host)), "rb") as f:
-                    other = json.loads(f.read()).get("save_id")
-            except (OSError, ValueError, AttributeError):
-                other = None
-            if isinstance(other, str) and other != save_id:
-                for fn in _listdir(p):
-                    if save_id in fn:
-                        with contextlib.suppress(OSError):
-                            os.unlink(os.path.join(p, fn))
-                return
-        shutil.rmtree(p, ignore_errors=True)
+        held: set[str] = set()  # files a committed replica of another host's part lists
+        for fn in _listdir(p):
+            if _REPLICA_RE.match(fn):
+                try:
+                    with open(os.path.join(p, fn), "rb") as f:
+                        held |= set(json.loads(f.read()).get("files") or ())
+                except (OSError, ValueError, AttributeError, TypeError):
+                    pass
+        if save_id is None and not held:
+            shutil.rmtree(p, ignore_errors=True)
+            return
+        try:
+            with open(os.path.join(p, marker_name(self.host)), "rb") as f:
+                other = json.loads(f.read()).get("save_id")
+        except (OSError, ValueError, AttributeError):
+            other = None
+        if not held and not (isinstance(other, str) and other != save_id):
+            shutil.rmtree(p, ignore_errors=True)
+            return
+        # Something committed stays here: only the failed save's own files go (and this
+        # host's marker, when it is that save's).
+        for fn in _listdir(p):
+            mine = save_id in fn if save_id is not None else fn.startswith("data-")
+            if mine and fn not in held:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(p, fn))
+        if other is not None and (save_id is None or other == save_id):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(p, marker_name(self.host)))
 
     def discard_foreign(self, lease_epoch: int) -> list[str]:
         """Host leader, when this job takes lease epoch ``lease_epoch`` of the run folder:
         remove every step of that epoch or later.  The epoch is new, so no incarnation of
         this run folder wrote them: they are another job's, whose run folder at the same URI
         was deleted and made anew (logged at WARNING)."""
-        gone = [s.name for s in self.inventory() if s.lease_epoch >= lease_epoch]
-        for name in gone:
-            self.discard(name)
+        gone = sorted({s.name for s in [*self.inventory(), *self.replicas()]
+                       if s.lease_epoch >= lease_epoch})
+        for name in gone:  # replicas of such steps too: the whole folder
+            shutil.rmtree(self.path(name), ignore_errors=True)
         if gone:
             logger.warning("host %d: removed %s from the local tier %s: written under lease "
                            "epoch %d or later, which this job has just taken (another job's, "
@@ -395,6 +498,9 @@ class LocalChoice:
     num_updates: int
     durable: bool
     reason: str
+    heal: tuple[tuple[int, int], ...] = ()
+    """``(host, holder)`` pairs: ``host`` has no copy of its part (a replaced host), and the
+    replica that ``holder`` keeps is sent to it over the data plane before the read."""
 
 
 def _listdir(path: str) -> list[str]:
@@ -406,7 +512,9 @@ def _listdir(path: str) -> list[str]:
 
 def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: int,
                  lease_epoch: int, durable: DurableLatest | None,
-                 durable_save_id: Callable[[str], str | None]) -> tuple[LocalChoice | None, str]:
+                 durable_save_id: Callable[[str], str | None],
+                 replicas: Mapping[int, Sequence[LocalStep]] | None = None,
+                 ) -> tuple[LocalChoice | None, str]:
     """Rank 0: the newest local step to restore, or None, with the reason (logged).
 
     Args:
@@ -417,6 +525,8 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
         durable: the newest committed durable checkpoint (None: none).
         durable_save_id: the save id of the durable run folder's committed checkpoint of a
             folder name, None when it has none (asked only of candidates).
+        replicas: every host's :meth:`LocalTier.replicas` (other hosts' parts it holds), by
+            the holding host's index.
 
     The rules (DESIGN "tiers"):
 
@@ -425,7 +535,9 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
       since moved past), never chosen; a step of a newer epoch than the run folder's lease
       (or of any epoch when it has none) is another job's, whose run folder at the same URI
       was deleted and made anew (a lease epoch never goes down), never chosen;
-    * every host committed the step, with the same save id;
+    * every host committed the step, with the same save id, or a host of the job now holds
+      a committed replica of that host's part with every file there (issue 26: a replaced
+      host; the lowest such holder sends it, :attr:`LocalChoice.heal`);
     * a host that lacks a file its ranks need, or another world size (a restore onto
       another mesh on the same hosts), is acceptable only if the durable tier holds the
       same save: what a host lacks comes from there, by byte range;
@@ -438,9 +550,24 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
     for host, inv in inventories.items():
         for s in inv:
             by_name.setdefault(s.name, {})[host] = s
+    held: dict[tuple[str, int], list[tuple[int, LocalStep]]] = {}  # (name, source): holders
+    for holder, inv in (replicas or {}).items():
+        for s in inv:
+            if holder in inventories and s.host in inventories and s.host != holder \
+                    and not s.missing:
+                held.setdefault((s.name, s.host), []).append((holder, s))
     candidates = []
     skipped: list[str] = []
-    for name, hosts in by_name.items():
+    for name in sorted(set(by_name) | {n for n, _ in held}):
+        hosts = dict(by_name.get(name, {}))
+        heal: list[tuple[int, int]] = []
+        for g in sorted(set(inventories) - set(hosts)):
+            ref = next(iter(hosts.values()), None)
+            ok = sorted(((h, s) for h, s in held.get((name, g), ())
+                         if ref is None or s.save_id == ref.save_id), key=lambda x: x[0])
+            if ok:
+                hosts[g] = ok[0][1]
+                heal.append((g, ok[0][0]))
         ss = list(hosts.values())
         first = ss[0]
         if len(hosts) != len(inventories):
@@ -471,17 +598,18 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
             skipped.append(f"{name}: hosts {bad} lack files and the durable tier does not "
                            "hold this save")
             continue
-        candidates.append((first.num_updates, name, first, in_durable))
+        candidates.append((first.num_updates, name, first, in_durable, tuple(heal)))
     if durable is not None and durable.lease_epoch > lineage:
         return None, (f"the durable {durable.name} is of a newer lease epoch "
                       f"({durable.lease_epoch})")
     if not candidates:
         return None, "; ".join(skipped) or "no committed local step"
     candidates.sort(key=lambda c: (c[0], c[1]))
-    n, name, first, in_durable = candidates[-1]
+    n, name, first, in_durable, heals = candidates[-1]
     if durable is not None and durable.num_updates > n and durable.lease_epoch >= lineage:
         return None, (f"the durable {durable.name} (update {durable.num_updates}) is newer "
                       f"than every local step (newest {name}, update {n})")
+    via = "".join(f"; host {g}'s part from host {h}'s replica" for g, h in heals)
     return LocalChoice(name=name, save_id=first.save_id, num_updates=n, durable=in_durable,
                        reason=f"every host committed {name} (update {n}, lease epoch "
-                              f"{lineage}) in its local tier"), ""
+                              f"{lineage}) in its local tier{via}", heal=heals), ""
