@@ -494,9 +494,18 @@ class Dist(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot make subgroups")
 
+    def own_subgroup(self, ranks: Sequence[int]) -> "Dist | None":
+        """As :meth:`subgroup`, but a new group each call that nothing else shares (a
+        background thread's own).
+
+        Raises:
+            NotImplementedError: as :meth:`subgroup`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot make subgroups")
+
     @property
     def supports_subgroups(self) -> bool:
-        """Whether :meth:`subgroup` works on this backend."""
+        """Whether :meth:`subgroup` and :meth:`own_subgroup` work on this backend."""
         return False
 
     def close(self) -> None:  # noqa: B027 - a deliberate no-op default, not an abstract method

@@ -194,17 +194,30 @@ class TorchDist(Dist):
     def subgroup(self, ranks: Sequence[int]) -> "TorchDist | None":
         key = tuple(sorted(int(r) for r in ranks))
         if key not in self._subgroups:
-            if not self.supports_subgroups:
-                raise NotImplementedError("subgroups need a TorchDist over every process of "
-                                          "the job")
-            td = datetime.timedelta(seconds=self.timeout_s)
-            global_ranks = [self._global(r, self._group) for r in key]
-            data = tdist.new_group(ranks=global_ranks, timeout=td, backend=self._backend)
-            ctrl = tdist.new_group(ranks=global_ranks, backend="gloo", timeout=td)
-            member = self.rank in key
-            self._subgroups[key] = (TorchDist(backend=self._backend, timeout_s=self.timeout_s,
-                                              group=data, _ctrl_group=ctrl) if member else None)
+            self._subgroups[key] = self.own_subgroup(key)
         return self._subgroups[key]
+
+    def own_subgroup(self, ranks: Sequence[int]) -> "TorchDist | None":
+        """A new subgroup over ``ranks`` that nothing else uses: a background thread's own,
+        so its collectives never interleave with this Dist's (the local tier's replication,
+        :mod:`xla_ckpt.manager.replication`).  A collective of every rank of this Dist, as
+        :meth:`subgroup`, but never cached: each call makes new process groups.
+
+        Raises:
+            NotImplementedError: this Dist does not span every process of the job.
+        """
+        key = tuple(sorted(int(r) for r in ranks))
+        if not self.supports_subgroups:
+            raise NotImplementedError("subgroups need a TorchDist over every process of "
+                                      "the job")
+        td = datetime.timedelta(seconds=self.timeout_s)
+        global_ranks = [self._global(r, self._group) for r in key]
+        data = tdist.new_group(ranks=global_ranks, timeout=td, backend=self._backend)
+        ctrl = tdist.new_group(ranks=global_ranks, backend="gloo", timeout=td)
+        if self.rank not in key:
+            return None
+        return TorchDist(backend=self._backend, timeout_s=self.timeout_s, group=data,
+                         _ctrl_group=ctrl)
 
     # ---- properties -------------------------------------------------------------------
     @property
