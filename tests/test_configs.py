@@ -113,7 +113,7 @@ def test_overrides_do_not_mutate_input():
       "handle_sigterm, "
       "keep_best_checkpoints, keep_interval_updates, keep_last_epochs, "
       "keep_local_checkpoints, local_dir, local_interval_updates, local_max_bytes, "
-      "local_min_interval_s, local_policy, "
+      "local_min_interval_s, local_policy, local_replica_domains, local_replicas, "
       "maximize_best_checkpoint_metric, no_epoch_checkpoints, no_save, restore_file, "
       "reuse_staging_buffers, save_dir, save_interval_epochs, save_interval_seconds, "
       "save_interval_updates, "

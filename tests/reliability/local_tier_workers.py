@@ -148,7 +148,8 @@ def config(spec: dict):
                             save_interval_updates=spec.get("durable_every", DURABLE_EVERY),
                             save_interval_epochs=0, handle_sigterm=False,
                             keep_local_checkpoints=2, keep_interval_updates=3,
-                            local_max_bytes=spec.get("local_max_bytes", 0))
+                            local_max_bytes=spec.get("local_max_bytes", 0),
+                            local_replicas=spec.get("replicas", 0))
 
 
 class HostJob(H._Job):
@@ -341,8 +342,11 @@ def train_main(spec: dict, rank: int, wfd: int) -> None:
     end = spec.get("end", "close")
     if end == "die":
         m.wait()
+        replication = m.wait_for_replicas(COLLECTIVE_TIMEOUT_S) if spec.get("wait_replicas") \
+            else None
         H._send(wfd, {"kind": "dying", "rank": rank, "at": spec["upto"],
-                      "local_committed": list(m.local_committed)})
+                      "local_committed": list(m.local_committed),
+                      "replication": replication})
         while True:  # killed here by the harness, mid-epoch, the manager open
             time.sleep(3600)
     m.close()

@@ -28,11 +28,12 @@ from xla_ckpt.manager import lockstep
 from xla_ckpt.manager.best import BestScore
 from xla_ckpt.manager.config import CheckpointConfig
 from xla_ckpt.manager.preemption import PreemptionNotice
+from xla_ckpt.manager.replication import Replicator
 from xla_ckpt.manager.staging import StagingPool
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.restore.owners import ChunkedSavePlan
 from xla_ckpt.run.fencing import Lease, acquire_lease, lease_from_message, lease_message
-from xla_ckpt.run.local_tier import LocalTier
+from xla_ckpt.run.local_tier import LocalStep, LocalTier
 from xla_ckpt.storage import Storage
 
 # One logger for every part of the manager: its lines keep the name they had as one module.
@@ -109,6 +110,8 @@ class ManagerBase:
     _local_due: bool = False  # rank 0's clock, agreed in _sync: the continuous policy may save
     _durable_started: float = 0.0  # rank 0: perf_counter() when the last durable save began
     _durable_due: bool = False  # rank 0's clock, agreed in _sync: save_interval_seconds passed
+    _replicator: Replicator | None = None  # host leaders: the background replication
+    _replication_set_up: bool = False  # every rank: the replication group was made (or not)
 
     def close(self) -> None:
         """Wait for the in-flight save, release everything (:class:`CheckpointManager`)."""
@@ -157,6 +160,32 @@ class ManagerBase:
             # step is another job's (the run folder was deleted and made anew).
             self._tier.discard_foreign(self._lease.epoch)
         return self._lease
+
+    def _replicate(self, name: str, step: LocalStep | None,
+                   host_ranks: dict[int, list[int]]) -> None:
+        """Every rank, where a local save ends (``SavePath._local_written``, collective):
+        hand this host's committed part of ``name`` (None: not committed here) to the
+        background replication (:mod:`xla_ckpt.manager.replication`).  The first call makes
+        the host leaders' own process group (a collective of every rank)."""
+        cfg = self.config
+        if self._tier is None or cfg.local_replicas <= 0 or len(host_ranks) < 2:
+            return
+        if not self._replication_set_up:
+            self._replication_set_up = True
+            if not self.dist.supports_subgroups:
+                if self.rank == 0:
+                    logger.warning("local_replicas=%d: %r cannot make a process group of the "
+                                   "host leaders; no replicas are made", cfg.local_replicas,
+                                   self.dist)
+                return
+            leaders = [r for r, lead in enumerate(self._exchange(self._host_leader)) if lead]
+            group = self.dist.own_subgroup(leaders)
+            if group is not None:
+                self._replicator = Replicator(group, self._tier, host=self._host,
+                                              replicas=cfg.local_replicas,
+                                              domains=cfg.local_replica_domains)
+        if self._replicator is not None:
+            self._replicator.submit(name, step)
 
     def _raise_if_fenced(self) -> None:
         """A fenced manager refuses every save at once, writing nothing (no collective)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xla_ckpt.checks import check_int, check_number
 from xla_ckpt.errors import ConfigError
@@ -74,6 +74,14 @@ class CheckpointConfig:
         local_max_bytes: at most this many bytes in a host's local tier (0: no limit); a
             local save that would not fit after keep-last pruning is skipped with a
             WARNING naming the sizes (a durable save then writes straight to durable).
+            Replicas of other hosts' parts count against it too.
+        local_replicas: after each local commit, copy each host's part to this many other
+            hosts' local tiers in the background (issue 26; :mod:`xla_ckpt.manager.
+            replication`), so a replaced host resumes from its peers' memory; 0: none.
+            Needs more than one host (and a Dist over every process of the job).
+        local_replica_domains: each host's failure domain, ``{host index: name}`` (one TPU
+            slice, one GKE node pool); a replica never lands in its source's domain.  Hosts
+            not named are each a domain of their own (the default).
 
     How a restore moves the bytes (every rank reads, or rank 0 broadcasts) is
     :class:`xla_ckpt.restore.RestoreConfig` (section ``restore``).
@@ -107,6 +115,8 @@ class CheckpointConfig:
     local_min_interval_s: float = 0.0
     keep_local_checkpoints: int = 2
     local_max_bytes: int = 0
+    local_replicas: int = 1
+    local_replica_domains: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         s = "checkpoint"
@@ -125,6 +135,13 @@ class CheckpointConfig:
         check_int(s, "local_interval_updates", self.local_interval_updates, 0)
         check_int(s, "keep_local_checkpoints", self.keep_local_checkpoints, 1)
         check_int(s, "local_max_bytes", self.local_max_bytes, 0)
+        check_int(s, "local_replicas", self.local_replicas, 0)
+        domains = self.local_replica_domains
+        if not isinstance(domains, dict) or not all(
+                isinstance(v, str) and str(k).lstrip("-").isdigit() for k, v in domains.items()):
+            raise ConfigError(f"{s}.local_replica_domains must map host indices to domain "
+                              f"names ({{0: slice-a, 1: slice-b}}), got {domains!r}")
+        self.local_replica_domains = {int(k): v for k, v in domains.items()}
         check_number(s, "local_min_interval_s", self.local_min_interval_s, positive=False)
         check_number(s, "save_interval_seconds", self.save_interval_seconds, positive=False)
         if self.local_policy not in ("interval", "continuous"):

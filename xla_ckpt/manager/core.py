@@ -238,9 +238,29 @@ class CheckpointManager(SaveSchedule, RestorePath):
         finally:
             self._shutdown()
 
+    def wait_for_replicas(self, timeout_s: float | None = None) -> dict[str, dict] | None:
+        """This host's leader: wait (at most ``timeout_s`` seconds) until every replication
+        round queued so far has ended, and return :attr:`replication`.  Not collective;
+        None (at once) on other ranks and without replicas."""
+        if self._replicator is None:
+            return None
+        self._replicator.wait(timeout_s)
+        return self.replication
+
+    @property
+    def replication(self) -> dict[str, dict] | None:
+        """This host's leader: per local checkpoint, how its replication went
+        (:attr:`xla_ckpt.manager.replication.Replicator.status`: ``state`` is
+        ``"replicated"`` once every part's holders committed); None elsewhere."""
+        if self._replicator is None:
+            return None
+        return {k: dict(v) for k, v in self._replicator.status.items()}
+
     def _shutdown(self) -> None:
         self._closed = True
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._replicator is not None:  # rounds already queued end (bounded by the timeout)
+            self._replicator.close(timeout_s=self.dist.timeout_s + LEASE_CHECK_WAIT_S)
         if self._lease_check is not None:  # one lease read at most, before the storage closes
             with contextlib.suppress(cf.TimeoutError):
                 self._lease_check.exception(timeout=LEASE_CHECK_WAIT_S)

@@ -14,13 +14,15 @@ import dataclasses
 import logging
 from typing import Any, Callable
 
-from xla_ckpt.errors import CheckpointCorruptError
+from xla_ckpt.comm.base import Dist
+from xla_ckpt.errors import CheckpointCorruptError, DistributedError
 from xla_ckpt.format.manifest import STATE_ITEM, Manifest
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.restore.select import ALL_RANKS, PER_HOST
 from xla_ckpt.run.catalog import committed_markers
 from xla_ckpt.run.fencing import peek_lease
 from xla_ckpt.run.local_tier import DurableLatest, LocalStep, LocalTier, choose_local
+from xla_ckpt.run.replicas import transfer_part
 from xla_ckpt.run.resolve import committed_manifest
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 from xla_ckpt.storage.tiered import TierCounters, TieredStorage
@@ -29,17 +31,27 @@ logger = logging.getLogger(__name__)
 
 
 def inventory_message(tier: LocalTier | None, leader: bool) -> Any:
-    """What this rank sends: its host's committed local steps (the host leader), else None."""
+    """What this rank sends: its host's committed local steps and the replicas of other
+    hosts' parts it holds (the host leader), else None."""
     if tier is None or not leader:
         return None
-    return [s.to_json() for s in tier.inventory()]
+    return {"own": [s.to_json() for s in tier.inventory()],
+            "replicas": [s.to_json() for s in tier.replicas()]}
+
+
+def host_leaders(every: list[Any]) -> dict[int, int]:
+    """``{host: rank of its leader}`` from every rank's ``(host, inventory_message)``."""
+    return {h: r for r, (h, inv) in reversed(list(enumerate(every))) if inv is not None}
 
 
 def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size: int
-                 ) -> tuple[str, str, bool, str, bytes] | None:
-    """Rank 0: ``(name, save id, durable holds it, reason, manifest bytes)`` of the local step
-    to restore, or None (the caller then decides from the durable tier alone; the reason is
-    logged).
+                 ) -> tuple[str, str, bool, str, bytes | None, list[tuple[int, int, dict]]
+                            ] | None:
+    """Rank 0: ``(name, save id, durable holds it, reason, manifest bytes, heal)`` of the
+    local step to restore, or None (the caller then decides from the durable tier alone; the
+    reason is logged).  ``heal``: ``(host, holder, that host's marker as JSON)`` for each
+    host whose part comes from a replica (:func:`heal_hosts`); the manifest bytes are None
+    when rank 0's own host is one of them (:func:`manifest_after_heal`).
 
     ``every``: each rank's ``(host, inventory_message)``.  What the durable tier must say
     comes from two requests made at once, whatever the number of checkpoints: one read of
@@ -55,13 +67,16 @@ def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size:
         StorageError and its kinds: the listing failed (the durable decision would too).
     """
     invs: dict[int, list[LocalStep]] = {}
+    held: dict[int, list[LocalStep]] = {}
     for host, inv in every:
         if inv is not None:
-            invs[host] = [LocalStep.from_json(d, where=f"host {host}'s inventory") for d in inv]
+            where = f"host {host}'s inventory"
+            invs[host] = [LocalStep.from_json(d, where=where) for d in inv["own"]]
+            held[host] = [LocalStep.from_json(d, where=where) for d in inv["replicas"]]
     hosts = {h for h, _ in every}
     for h in hosts - set(invs):
         invs[h] = []
-    if not any(invs.values()):
+    if not any(invs.values()) and not any(held.values()):
         logger.info("rank 0: restoring from the durable tier: no host holds a committed "
                     "local step")
         return None
@@ -94,10 +109,17 @@ def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size:
     while True:
         choice, why = choose_local(invs, world_size=world_size,
                                    lease_epoch=lease.epoch if lease is not None else 0,
-                                   durable=latest, durable_save_id=durable_save_id)
+                                   durable=latest, durable_save_id=durable_save_id,
+                                   replicas=held)
         if choice is None:
             logger.info("rank 0: restoring from the durable tier: %s", why)
             return None
+        heal = [(g, h, next(r for r in held[h] if r.name == choice.name and r.host == g
+                            ).to_json()) for g, h in choice.heal]
+        if tier.host in {g for g, _ in choice.heal}:
+            # This host was replaced: the manifest arrives with its part (heal_hosts), and
+            # every rank gets it from rank 0 after that (manifest_after_heal).
+            return choice.name, choice.save_id, choice.durable, choice.reason, None, heal
         # Every rank parses these bytes: a damaged manifest is this step's failure (never
         # trusted again, decide once more), not the restore's.
         try:
@@ -111,7 +133,7 @@ def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size:
             tier.untrust(choice.name, choice.save_id, f"unusable manifest: {e}")
             invs = {h: [s for s in inv if s.name != choice.name] for h, inv in invs.items()}
             continue
-        return choice.name, choice.save_id, choice.durable, choice.reason, mbytes
+        return choice.name, choice.save_id, choice.durable, choice.reason, mbytes, heal
 
 
 def tensors_in_range(manifest: Manifest) -> Callable[[str, int, int], list[str]]:
@@ -160,3 +182,74 @@ def own_host_config(config: RestoreConfig) -> RestoreConfig:
     if config.strategy in (ALL_RANKS, PER_HOST):
         return config
     return dataclasses.replace(config, strategy=ALL_RANKS)
+
+
+def heal_hosts(dist: Dist, tier: LocalTier, name: str, heal: list[tuple[int, int, dict]],
+               leaders: dict[int, int], exchange: Callable[[Any], list[Any]]) -> dict[int, str]:
+    """Every rank, before the read: each replaced host's leader receives its part of ``name``
+    from the leader of the host holding its replica (issue 26; :func:`~xla_ckpt.run.replicas.
+    transfer_part`: each byte sent once, checked on arrival), then commits it as its own.
+
+    Returns ``{host: why}`` of the hosts whose part did not arrive intact, the same on every
+    rank (an exchange); the holder of each such replica marks it untrusted.  Their bytes then
+    come from the durable tier if it holds the save, or the caller decides again.
+
+    Raises:
+        DistributedError: a peer died or timed out during a transfer (every rank, naming it).
+    """
+    failed: dict[int, str] = {}
+    for g, h, doc in heal:
+        step = LocalStep.from_json(doc, where=f"host {h}'s replica of host {g}'s part")
+        src, dst = leaders[h], leaders[g]
+        if dist.rank not in (src, dst):
+            continue
+        try:
+            res = transfer_part(dist, tier, step, list(step.files), src=src, dst=dst)
+        except DistributedError:
+            raise
+        except (OSError, ValueError) as e:  # this rank's own files (a full tmpfs)
+            failed[g] = f"{type(e).__name__}: {e}"
+            continue
+        if dist.rank != dst:
+            continue
+        if res.ok:
+            try:
+                tier.commit(step, None)
+            except OSError as e:
+                failed[g] = f"committing it failed: {e}"
+                continue
+            logger.info("host %d: received its part of %s (%d bytes) from host %d's replica, "
+                        "every crc32c checked", g, name, res.nbytes, h)
+        else:
+            failed[g] = "; ".join(f"{p.file} {list(p.keys)[:3]}: {p.detail}"
+                                  for p in res.problems[:5])
+    agreed: dict[int, str] = {}
+    for part in exchange(failed):
+        agreed.update(part)
+    for g, h, doc in heal:
+        if g in agreed:
+            if dist.rank == leaders[h]:
+                tier.untrust_replica(name, g, str(doc.get("save_id")), agreed[g])
+            if dist.rank == 0:
+                logger.warning("host %d's part of %s did not arrive intact from host %d's "
+                               "replica: %s", g, name, h, agreed[g])
+    return agreed
+
+
+def manifest_after_heal(tier: LocalTier, run: Storage, name: str, *, durable: bool) -> bytes:
+    """Rank 0, after :func:`heal_hosts` when its own host was replaced: the manifest of
+    ``name`` from its host's tier (the transfer wrote it), else from the durable copy.
+
+    Raises:
+        CheckpointCorruptError: neither holds it (the caller decides again).
+    """
+    try:
+        return tier.manifest_bytes(name)
+    except OSError as e:
+        if durable:
+            with run.child(name) as st:
+                found = committed_manifest(st)
+            if found is not None:
+                return found[1]
+        raise CheckpointCorruptError(f"host {tier.host}: no manifest of {name} arrived with "
+                                     f"its part ({e}) and the durable tier holds none") from e

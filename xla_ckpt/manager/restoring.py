@@ -269,8 +269,10 @@ class RestorePath(ManagerBase):
         counters = TierCounters()
         tier_used: str | None = "durable" if tiered else None
         if local is not None:
-            assert self._tier is not None
-            name, save_id, in_durable, why, mbytes = local
+            assert self._tier is not None and every is not None
+            name, save_id, in_durable, why, mbytes, heal = local
+            if heal:
+                mbytes = self._heal(name, heal, every, mbytes, durable=in_durable)
             uri, in_run, tier_used = self.run.url(name), True, "local"
             manifest = Manifest.from_json_bytes(mbytes, where=f"{self._tier.path(name)}/"
                                                 f"manifest.json", require_crc=True)
@@ -325,6 +327,39 @@ class RestorePath(ManagerBase):
                 "read_s": stats.seconds if stats is not None else 0.0,
                 "total_s": time.perf_counter() - t0}
         return result
+
+    def _heal(self, name: str, heal: list, every: list, mbytes: bytes | None, *,
+              durable: bool) -> bytes:
+        """Every rank: replaced hosts get their part of ``name`` from their replicas
+        (:func:`~xla_ckpt.manager.local_restore.heal_hosts`); the manifest bytes every rank
+        reads (from rank 0, when its own host was one of them)."""
+        assert self._tier is not None
+        leaders = local_restore.host_leaders(every)
+        failed = local_restore.heal_hosts(self.dist, self._tier, name, heal, leaders,
+                                          self._exchange)
+        if failed and not durable:
+            raise _LocalCopyFailed(name, DistributedError(
+                f"restoring {name} from the local tier: a replaced host's part did not arrive "
+                "intact and the durable tier does not hold this save",
+                {leaders[g]: f"host {g}: {why}" for g, why in failed.items()}))
+        if mbytes is None:
+            if self.rank == 0:
+                try:
+                    mbytes = local_restore.manifest_after_heal(self._tier, self.run, name,
+                                                               durable=durable)
+                    got: Any = ("ok", mbytes)
+                except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised below
+                    got = rank0.error_message(e)
+                    own = e
+            else:
+                got = None
+            got = self._exchange(got)[0]
+            if got[0] == "error":
+                rank0.raise_error(got, own if self.rank == 0 else None,
+                                  world_size=self.world_size,
+                                  what=f"read the manifest of {name} after healing")
+            mbytes = got[1]
+        return mbytes
 
     # ---- steps (Orbax / torch_xla CheckpointManager parity) -----------------------------
     def all_steps(self) -> list[int]:

@@ -68,7 +68,7 @@ from xla_ckpt.manager.staging import stage_dense, stage_to_host
 from xla_ckpt.restore import save_steps as steps
 from xla_ckpt.run.catalog import LEASE_EPOCH_KEY, epoch_of, read_pointer_doc, write_pointer
 from xla_ckpt.run.fencing import Lease, check_lease, fenced_error
-from xla_ckpt.run.local_tier import LocalTier
+from xla_ckpt.run.local_tier import LocalStep, LocalTier
 from xla_ckpt.storage import Storage
 
 StateArg = Any  # a state, or a zero-argument callable returning it
@@ -530,13 +530,13 @@ class SavePath(ManagerBase):
         return part
 
     def _commit_local(self, fl: InFlightSave, parts: list, errors: dict[int, str],
-                      own_state: list) -> None:
+                      own_state: list) -> LocalStep | None:
         """Each host's leader, once every rank wrote: the host commit (manifest, marker,
         keep-last-K), or the removal of a failed local save.  Never raises: the local tier
-        is a copy, and the durable schedule goes on."""
+        is a copy, and the durable schedule goes on.  Returns the step committed here."""
         tier = self._tier
         if tier is None or not self._host_leader:
-            return
+            return None
         # A durable save's copy (phase "copy") still reads the local files of the ranks whose
         # write succeeded: an uncommitted folder is removed once every rank copied
         # (_drop_uncommitted_local), not here.
@@ -546,10 +546,10 @@ class SavePath(ManagerBase):
             logger.warning("[rank %d] host %d: %s not committed in the local tier (rank(s) %s "
                            "failed: %s)", self.rank, self._host, fl.name,
                            sorted(errors), "; ".join(sorted(set(errors.values()))))
-            return
+            return None
         try:
             assert self._lease is not None  # _save took it
-            local_save.commit_host(
+            step = local_save.commit_host(
                 tier, name=fl.name, save_id=fl.save_id, gathered=parts, own_state=own_state,
                 host_ranks=fl.host_ranks.get(self._host, [self.rank]),
                 world_size=self.world_size, plan=fl.plan, metadata=fl.metadata,
@@ -559,11 +559,12 @@ class SavePath(ManagerBase):
                 tier.discard(fl.name, fl.save_id)
             logger.warning("[rank %d] host %d: the local commit of %s failed: %s: %s",
                            self.rank, self._host, fl.name, type(e).__name__, e)
-            return
+            return None
         self.local_committed.append(fl.name)
         logger.info("[rank %d] host %d: committed %s in the local tier %s (%.2f s after "
                     "staging)", self.rank, self._host, fl.name, tier.folder,
                     time.perf_counter() - fl.t0)
+        return step
 
     def _drop_uncommitted_local(self, fl: InFlightSave) -> None:
         """Each host's leader, once every rank's durable copy is over (collective point):
@@ -716,7 +717,8 @@ class SavePath(ManagerBase):
         every = self._exchange((steps.parts_json(part.parts), part.error))
         errors = {r: e for r, (_, e) in enumerate(every) if e is not None}
         parts = steps.parts_from_json([b for b, _ in every], fl.save_id)
-        self._commit_local(fl, parts, errors, part.own_state)
+        self._replicate(fl.name, self._commit_local(fl, parts, errors, part.own_state),
+                        fl.host_ranks)
         self._recycle(fl)  # the durable upload reads the local files, not the staged copy
         if not fl.durable:
             self._inflight = None

@@ -1,0 +1,153 @@
+"""Peer replicas of the local tier (issue 26) with real worker processes: 2 emulated hosts x 2
+gloo workers (``local_tier_workers``), each host with its own local folder (on ``/dev/shm``),
+local saves every update, durable saves every 4 (to a run folder on local disk),
+``local_replicas=1``: after each local commit, each host's leader copies its host's part to
+the other host's tier in the background, over the job's gloo data plane.
+
+* **a replaced host resumes from its peer**: every worker is SIGKILLed after update 10 (its
+  replicas committed: ``replicated`` on both leaders), host 1's local folder is deleted (a
+  replaced VM); the relaunch restores update 10 (newer than durable 8) from the local tier:
+  host 1's part comes from host 0's replica over the data plane, checked on arrival, with 0
+  bytes from the durable tier, and training goes on bitwise against an uninterrupted run.
+* **a corrupt replica is never used**: the same, but one byte of host 1's file in host 0's
+  replica of update 10 is flipped: the transfer's check rejects it (naming host 1, the file
+  and the tensor), host 0 marks that replica untrusted, the manager decides again and restores
+  update 9 the same way (host 0's replica of it), bitwise; the next relaunch does not offer
+  the bad replica again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import local_tier_workers as W
+import pytest
+
+from xla_ckpt.testing.launcher import WorkerPool
+
+pytestmark = [pytest.mark.slow]
+
+JOB_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    """One clean worker process; every job's ranks are forked from it."""
+    pool = WorkerPool(1, xla=False)
+    (ok,) = pool.run(W.warm, "local", timeout_s=120)
+    ok.unwrap()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def base(tmp_path):
+    root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    d = tempfile.mkdtemp(prefix="xla-ckpt-replica-test-", dir=root)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _job(zygote, spec: dict) -> dict:
+    (res,) = zygote.run(W.run_jobs, [spec], JOB_TIMEOUT_S, timeout_s=JOB_TIMEOUT_S + 60)
+    (out,) = res.unwrap()
+    assert W.errors_of(out) == [], W.errors_of(out)
+    return out
+
+
+def _spec(run: str, local: str, upto: int, end: str = "close", **kw) -> dict:
+    return {"run": run, "local": local, "upto": upto, "end": end, "replicas": 1, **kw}
+
+
+def _die_replicated(zygote, run: str, local: str, upto: int) -> None:
+    """Train to ``upto`` with replicas, wait for them, SIGKILL every rank."""
+    out = _job(zygote, _spec(run, local, upto, "die", wait_replicas=True))
+    assert out["killed"]
+    dying = W.lines_of(out, "dying")
+    for r in (0, 2):  # the host leaders
+        status = dying[r]["replication"]
+        for u in (upto - 1, upto):
+            st = status[f"checkpoint_1_{u}"]
+            assert st["state"] == "replicated", (r, u, st)
+            assert st["holders"] == {"0": [1], "1": [0]}, (r, u, st)  # JSON keys
+        assert status[f"checkpoint_1_{upto}"]["bytes_sent"] > 0
+    for r in (1, 3):
+        assert dying[r]["replication"] is None
+
+
+def _replica_marker(local: str, holder: int, run: str, name: str, source: int) -> dict:
+    p = os.path.join(W.tier_folder(local, holder, run), name,
+                     f"replica-{source}.commit.json")
+    with open(p) as f:
+        return json.load(f)
+
+
+def _restored(out: dict, name: str) -> dict[int, dict]:
+    got = W.lines_of(out, "restored")
+    assert sorted(got) == list(range(W.WORLD))
+    for r, msg in got.items():
+        assert msg["checkpoint"] == name, (r, msg)
+        assert msg["diff"] == "" and msg["rank_diff"] == "", (r, msg)
+        assert msg["tier"]["tier"] == "local", (r, msg["tier"])
+        assert msg["tier"]["durable_bytes"] == 0 and msg["tier"]["fallbacks"] == [], msg["tier"]
+    return got
+
+
+def _bitwise_at_end(out: dict, upto: int) -> None:
+    done = W.lines_of(out, "done")
+    assert sorted(done) == list(range(W.WORLD))
+    for r, msg in done.items():
+        assert msg["at"] == upto and msg["diff"] == "", (r, msg)
+
+
+@pytest.mark.timeout(300)
+def test_a_replaced_host_resumes_from_its_peers_replica(zygote, base):
+    run, local = os.path.join(base, "run"), W.local_template(base)
+    _die_replicated(zygote, run, local, 10)
+    marker = _replica_marker(local, 0, run, "checkpoint_1_10", 1)
+    assert marker["host"] == 1 and marker["ranks"] == [2, 3] and marker["num_updates"] == 10
+    for f, size in marker["files"].items():  # host 1's files, every one, in host 0's folder
+        assert W.step_files(local, 0, run, "checkpoint_1_10")[f] == size
+    with open(os.path.join(W.tier_folder(local, 1, run), "checkpoint_1_10",
+                           "host-1.commit.json")) as fh:
+        own1 = json.load(fh)["files"]  # host 1's own part (its folder holds host 0's too)
+    assert own1 == marker["files"]
+    shutil.rmtree(W.host_folder(local, 1))  # host 1 is replaced: its memory is gone
+    out = _job(zygote, _spec(run, local, 11))
+    got = _restored(out, "checkpoint_1_10")
+    assert got[2]["tier"]["local_bytes"] > 0  # host 1 read its part from its own tier again
+    # Host 1's part came back whole: the same files, the same sizes, its own marker.
+    healed = W.step_files(local, 1, run, "checkpoint_1_10")
+    assert {f: n for f, n in healed.items() if f.startswith("data-")} == own1
+    assert "host-1.commit.json" in healed
+    _bitwise_at_end(out, 11)
+
+
+@pytest.mark.timeout(300)
+def test_a_corrupt_replica_is_rejected_and_an_older_replica_restores(zygote, base):
+    run, local = os.path.join(base, "run"), W.local_template(base)
+    _die_replicated(zygote, run, local, 10)
+    marker = _replica_marker(local, 0, run, "checkpoint_1_10", 1)
+    (f,) = [f for f in marker["files"] if f.endswith("rank-00002.safetensors")]
+    path = os.path.join(W.tier_folder(local, 0, run), "checkpoint_1_10", f)
+    with open(path, "r+b") as fh:  # one byte near the end: tensor bytes, not the header
+        fh.seek(-5, os.SEEK_END)
+        b = fh.read(1)
+        fh.seek(-5, os.SEEK_END)
+        fh.write(bytes([b[0] ^ 0x01]))
+    shutil.rmtree(W.host_folder(local, 1))
+    out = _job(zygote, _spec(run, local, 9))  # restore only: no save moves the folders
+    _restored(out, "checkpoint_1_9")  # newer than durable 8: the previous step's replica
+    untrusted = os.path.join(W.tier_folder(local, 0, run), "checkpoint_1_10",
+                             "untrusted-replica-1.json")
+    with open(untrusted) as fh:
+        why = json.load(fh)["reason"]
+    assert f in why and "crc32c" in why and "state['rng']" in why, why
+    assert not os.path.exists(os.path.join(W.tier_folder(local, 1, run), "checkpoint_1_10",
+                                           "host-1.commit.json"))  # nothing bad committed
+    out = _job(zygote, _spec(run, local, 12))  # 10's replica is not offered again
+    _restored(out, "checkpoint_1_9")
+    _bitwise_at_end(out, 12)
