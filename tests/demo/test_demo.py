@@ -480,7 +480,8 @@ def test_demo_legs_option():
 @pytest.mark.timeout(600)
 def test_demo_tiny_local_leg_restores_a_crash_from_host_memory():
     """`xla-ckpt demo --legs local`: SIGKILL, a relaunch from every host's local folder with no
-    checkpoint byte from GCS, then a flipped byte whose tensor alone comes from GCS."""
+    checkpoint byte from GCS, then a flipped byte whose tensor alone comes from GCS, then a
+    replaced host whose part comes from its peer's replica, again with no byte from GCS."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, "-m", "xla_ckpt.cli.main", "demo", "--model", "tiny", "--workers", "2",
@@ -489,11 +490,12 @@ def test_demo_tiny_local_leg_restores_a_crash_from_host_memory():
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["verdict"].startswith(
-        "PASS: every restore bitwise identical: local (crash, flipped); 2 restores in ")
+        "PASS: every restore bitwise identical: local (crash, flipped, replaced); 3 restores "
+        "in ")
     loc = report["local"]
     assert (loc["hosts"], loc["local_interval_updates"], loc["save_interval_updates"]) == (2, 1, 4)
     assert not os.path.exists(loc["local_dir"].rsplit("/", 1)[0])  # removed at the end
-    crash, flipped = loc["restores"]
+    crash, flipped, replaced = loc["restores"]
     # Killed mid-epoch after update 5's local commit: restored from host memory, newer than GCS.
     assert crash["restored"] == crash["newest_local"] == "checkpoint_1_5"
     assert crash["newest_durable"] == "checkpoint_1_4" and crash["stopped_at_update"] == 8
@@ -515,7 +517,15 @@ def test_demo_tiny_local_leg_restores_a_crash_from_host_memory():
     assert h0["fallbacks"] == [] and h0["gcs_data_bytes"] == 0
     assert len(h1["fallbacks"]) == 1 and f"(tensor {f['tensor']});" in h1["fallbacks"][0]
     assert h1["gcs_data_bytes"] == h1["durable_bytes"] == f["chunk"][1] - f["chunk"][0]
-    for r in (crash, flipped):
+    # Host 1's tier deleted after the run ended at update 10: its part from host 0's replica.
+    assert replaced["replaced_host"] == 1 and replaced["restored"] == "checkpoint_1_10"
+    h0, h1 = replaced["hosts"]
+    assert (h0["healed_from"], h0["peer_bytes"], h1["healed_from"]) == (None, 0, 0)
+    assert h1["peer_bytes"] > 0 and h1["local_bytes"] > 0
+    for h in (h0, h1):
+        assert (h["tier"], h["gcs_data_bytes"], h["durable_bytes"], h["fallbacks"]) == \
+            ("local", 0, 0, [])
+    for r in (crash, flipped, replaced):
         assert all(r["checks"].values()) and r["failed_checks"] == []
 
 
@@ -551,13 +561,15 @@ def test_local_verdict_fails_each_broken_promise():
                                      "num_updates": 12, "digest": "d12",
                                      "digests": {"4": "d4", "8": "d8"}}] * 4, [0] * 4, 30.0)
 
-    def judge(res, kind="crash", gcs=(0, 0), expect="checkpoint_1_6", durable=4, flipped=None):
+    def judge(res, kind="crash", gcs=(0, 0), expect="checkpoint_1_6", durable=4, flipped=None,
+              replaced=None):
         served = {"served_bytes_per_host": [50_000 + gcs[0], gcs[1]], "served_bytes_other": 0,
                   "served_data_bytes_per_host": list(gcs)}
         return local_verdict(kind, res, ref, served=served, hosts=2, expect=expect,
                              expect_updates=int(expect.rsplit("_", 1)[1]),
                              newest_durable=f"checkpoint_1_{durable}",
-                             newest_durable_updates=durable, flipped=flipped)
+                             newest_durable_updates=durable, flipped=flipped,
+                             replaced=replaced)
 
     ok = judge(_local_run())
     assert ok["bitwise_identical"] and ok["failed_checks"] == [], ok["checks"]
@@ -576,6 +588,14 @@ def test_local_verdict_fails_each_broken_promise():
     assert judge(_local_run(losses={"7": "0x1p+0", "8": "0x1p-2"}))["failed_checks"] == [
         "losses_identical"]
     assert judge(_local_run(digest="d9"))["failed_checks"] == ["params_identical"]
+    # A replaced host: its part must have come from another host's replica, and only its.
+    healed = _local_run()
+    for rank in (2, 3):
+        healed.reports[rank]["restore"]["tier"].update(healed_from=0, peer_bytes=512 * rank)
+    assert judge(healed, "replaced", replaced=1)["failed_checks"] == []
+    assert judge(_local_run(), "replaced", replaced=1)["failed_checks"] == [
+        "healed_from_a_replica"]  # read from its own tier: it was not replaced after all
+    assert judge(healed, "replaced", replaced=0)["failed_checks"] == ["healed_from_a_replica"]
 
     t = "state['model']['w']"
     msg = ("crc32c mismatch in local file /x/data-1-state.safetensors bytes [0, 4) (tensor "
@@ -603,6 +623,9 @@ def test_flip_one_byte_damages_one_chunk_of_the_biggest_tensor(tmp_path):
     folder = tmp_path / "host-1" / "run-0123" / "checkpoint_1_8"
     big = torch.arange(3 * 2**20, dtype=torch.float32)  # 12 MiB: whole 4 MiB chunks of its own
     write_checkpoint({"model": {"w": big, "b": torch.ones(3)}}, str(folder))
+    own = {p.name: p.stat().st_size for p in folder.iterdir() if p.name.startswith("data-")}
+    # Host 1's marker lists its own files (only those are damaged, never a replica's).
+    (folder / "host-1.commit.json").write_text(json.dumps({"files": own}))
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     where = flip_one_byte(str(tmp_path), 1, "checkpoint_1_8")
     after = {p.name: p.read_bytes() for p in folder.iterdir()}

@@ -17,6 +17,11 @@ under ``/dev/shm`` when there is one, host memory as on a TPU VM):
    that step (now the newest step of both tiers) is flipped; the next relaunch must read that
    tensor's damaged crc32c chunk from GCS and every other byte from the local tier, then train
    to the end bit for bit like the reference.
+4. **Replaced host** (issue 26): the last host's local folder is deleted (a preempted VM, a
+   rescheduled node, comes back with empty memory); the relaunch must restore the newest step
+   anyway: that host's part comes from the replica another host keeps
+   (``checkpoint.local_replicas``, default 1), sent over the data plane and checked on
+   arrival, with no checkpoint byte from GCS, bitwise like the reference.
 
 Every relaunch's figures per host: the tier it restored from, local and durable bytes (the
 library's counters), the bytes the proxy served to the host's address (all of them, and the
@@ -107,11 +112,13 @@ def flip_one_byte(root: str, host: int, name: str) -> dict[str, Any]:
     folder = folders[0]
     with open(os.path.join(folder, MANIFEST_NAME), "rb") as f:
         manifest = Manifest.from_json_bytes(f.read(), where=folder, require_crc=True)
+    with open(os.path.join(folder, marker_name(host)), "rb") as f:
+        own = set(json.loads(f.read())["files"])  # not the replicas of other hosts' parts
     best: tuple[int, str, Any, Any] | None = None
     for item in manifest.items.values():
         for t in item.tensors:
             blob = item.blobs[t.blob]
-            if not os.path.exists(os.path.join(folder, blob.file)):
+            if blob.file not in own:
                 continue  # not this host's file
             shared = [u for u in item.tensors if u.blob == t.blob and u is not t]
             if shared:
@@ -204,18 +211,35 @@ def run_local_leg(n: int, *, config: str, overrides: list[str], env: dict,
                          ref=ref, args=[], expect=step.name, newest_durable=durable2,
                          flipped=flipped)
     phase_seconds["flipped"] = flip_row.pop("phase_seconds")
+
+    # A replaced host: the last host's memory is gone; its part comes back from the replica
+    # another host keeps (checkpoint.local_replicas, default 1), over the data plane.
+    last = newest_everywhere(local_root, hosts)
+    durable3 = durable_latest()
+    if last is None:
+        raise DemoError("local leg: the run after the flipped byte left no local step that "
+                        "every host committed")
+    replaced = hosts - 1
+    shutil.rmtree(host_folder(local_root, replaced))
+    logger.info("local leg: deleted host %d's local tier (a replaced host) before relaunching",
+                replaced)
+    replaced_row = _relaunch("replaced", n, config=config, overrides=base, env=restore_env,
+                             counter=counter, workdir=workdir, device=device, hosts=hosts,
+                             ref=ref, args=[], expect=last.name, newest_durable=durable3,
+                             flipped=None, replaced=replaced)
+    phase_seconds["replaced"] = replaced_row.pop("phase_seconds")
     return {"workers": n, "hosts": hosts, "save_dir": save_dir, "local_dir": local_dir,
             "local_interval_updates": 1, "save_interval_updates": d,
             "keep_local_checkpoints": KEEP_LOCAL, "crash_at_update": crash_at,
             "crashed_after_update": crash.crashed_after, "phase_seconds": phase_seconds,
-            "restores": [crash_row, flip_row]}
+            "restores": [crash_row, flip_row, replaced_row]}
 
 
 def _relaunch(kind: str, n: int, *, config: str, overrides: list[str], env: dict,
               counter: ServedCounter | None, workdir: str, device: str, hosts: int,
               ref: PhaseResult, args: list[str], expect: str, newest_durable: str | None,
-              flipped: dict | None) -> dict:
-    """One relaunch of the leg (``kind``: ``crash`` or ``flipped``), judged."""
+              flipped: dict | None, replaced: int | None = None) -> dict:
+    """One relaunch of the leg (``kind``: ``crash``, ``flipped`` or ``replaced``), judged."""
     if counter is not None:
         counter.reset()
     res = run_phase("resume", workers=n, config=config, overrides=overrides, env=env,
@@ -226,7 +250,8 @@ def _relaunch(kind: str, n: int, *, config: str, overrides: list[str], env: dict
     served = counter.served(0) if counter is not None else None
     row = local_verdict(kind, res, ref, served=served, hosts=hosts, expect=expect,
                         expect_updates=_updates_of(expect), newest_durable=newest_durable,
-                        newest_durable_updates=_updates_of(newest_durable), flipped=flipped)
+                        newest_durable_updates=_updates_of(newest_durable), flipped=flipped,
+                        replaced=replaced)
     row["phase_seconds"] = round(res.seconds, 2)
     return row
 

@@ -209,6 +209,9 @@ def local_hosts(res: PhaseResult, hosts: int, served: dict | None) -> list[dict]
             "tier": "/".join(tiers), "restored": ranks[0][1]["restore"]["checkpoint"],
             "local_bytes": sum(int(t.get("local_bytes") or 0) for t in trs),
             "durable_bytes": sum(int(t.get("durable_bytes") or 0) for t in trs),
+            "peer_bytes": sum(int(t.get("peer_bytes") or 0) for t in trs),
+            "healed_from": next((t["healed_from"] for t in trs
+                                 if t.get("healed_from") is not None), None),
             "gcs_bytes": served["served_bytes_per_host"][h] if served else None,
             "gcs_data_bytes": (served["served_data_bytes_per_host"][h] if served else None),
             "gcs_metadata_bytes": (served["served_bytes_per_host"][h]
@@ -231,7 +234,8 @@ def local_hosts(res: PhaseResult, hosts: int, served: dict | None) -> list[dict]
 
 def local_verdict(kind: str, res: PhaseResult, ref: PhaseResult, *, served: dict | None,
                   hosts: int, expect: str, expect_updates: int, newest_durable: str | None,
-                  newest_durable_updates: int, flipped: dict | None) -> dict:
+                  newest_durable_updates: int, flipped: dict | None,
+                  replaced: int | None = None) -> dict:
     """One relaunch of the local-tier leg, judged (every check must hold).
 
     ``kind`` ``"crash"`` (after SIGKILL): every host restored ``expect``, the newest local
@@ -241,9 +245,11 @@ def local_verdict(kind: str, res: PhaseResult, ref: PhaseResult, *, served: dict
     in host ``flipped["host"]``'s local copy of ``expect``): every host restored ``expect``
     from tier ``local``; that host's fallbacks are one, naming exactly that tensor, and it
     fetched data bytes from GCS while reading the rest locally; no other host fell back or
-    fetched data bytes.  Both: the losses the relaunch trained equal the reference's and
-    so do the parameters where it stopped (``ref``: the uninterrupted run, with digests
-    every durable step)."""
+    fetched data bytes.  ``"replaced"`` (host ``replaced``'s local folder deleted): as
+    ``"crash"``, and that host's part came from another host's replica (``healed_from``,
+    ``peer_bytes`` > 0), no other host's.  All: the losses the relaunch trained equal the
+    reference's and so do the parameters where it stopped (``ref``: the uninterrupted run,
+    with digests every durable step)."""
     reports = res.reports
     restores = [r["restore"] for r in reports]
     start = restores[0]["num_updates"]
@@ -276,6 +282,11 @@ def local_verdict(kind: str, res: PhaseResult, ref: PhaseResult, *, served: dict
         checks["gcs_data_bytes_only_for_it"] = all(
             (b > 0 and h["local_bytes"] > 0) if h["host"] == fh else b == 0
             for h, b in zip(per_host, data, strict=True))
+    if replaced is not None:
+        checks["healed_from_a_replica"] = all(
+            (h["healed_from"] is not None and h["healed_from"] != replaced
+             and h["peer_bytes"] > 0) if h["host"] == replaced
+            else (h["healed_from"] is None and h["peer_bytes"] == 0) for h in per_host)
     checks["losses_identical"] = (sorted(resumed) == list(range(start + 1, last + 1))
                                   and all(ref_losses.get(u) == v for u, v in resumed.items()))
     checks["params_identical"] = want is not None and digests == {want}
@@ -284,6 +295,7 @@ def local_verdict(kind: str, res: PhaseResult, ref: PhaseResult, *, served: dict
             "stopped_at_update": last, "newest_local": expect,
             "newest_local_update": expect_updates, "newest_durable": newest_durable,
             "newest_durable_update": newest_durable_updates, "flipped": flipped,
+            "replaced_host": replaced,
             "gcs_counted_by": "proxy" if by_proxy else "library (durable_bytes)",
             "gcs_bytes_other": served.get("served_bytes_other") if served else None,
             "hosts": per_host, "checks": checks,
@@ -378,7 +390,8 @@ def _local_table(loc: dict) -> str:
            f"update, durable every {loc['save_interval_updates']}): SIGKILL after update "
            f"{loc['crashed_after_update']}; newest local {crash['newest_local']}, newest "
            f"durable {crash['newest_durable'] or '-'}\n")
-    cols = ("relaunch", "host", "tier", "restored", "MiB local", "MiB GCS data", "KiB GCS all",
+    cols = ("relaunch", "host", "tier", "restored", "MiB local", "MiB peer", "MiB GCS data",
+            "KiB GCS all",
             "fallback", "dist init s", "decide s", "read s", "1st step s", "verdict")
     rows = []
     for r in loc["restores"]:
@@ -395,6 +408,9 @@ def _local_table(loc: dict) -> str:
                 return "-" if v is None else f"{v:.2f}"
             rows.append((r["restore"] if h is r["hosts"][0] else "", str(h["host"]), h["tier"],
                          h["restored"], f"{h['local_bytes'] / 2**20:.0f}",
+                         f"{h.get('peer_bytes', 0) / 2**20:.1f}"
+                         + (f" (host {h['healed_from']})" if h.get("healed_from") is not None
+                            else ""),
                          f"{gcs / 2**20:.1f}",
                          "-" if h["gcs_bytes"] is None else f"{h['gcs_bytes'] / 1024:.0f}", fb,
                          sec(t["dist_init_s"]), sec(t["decide_s"]), sec(t["read_s"]),

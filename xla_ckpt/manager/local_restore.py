@@ -185,19 +185,22 @@ def own_host_config(config: RestoreConfig) -> RestoreConfig:
 
 
 def heal_hosts(dist: Dist, tier: LocalTier, name: str, heal: list[tuple[int, int, dict]],
-               leaders: dict[int, int], exchange: Callable[[Any], list[Any]]) -> dict[int, str]:
+               leaders: dict[int, int], exchange: Callable[[Any], list[Any]]
+               ) -> tuple[dict[int, str], int]:
     """Every rank, before the read: each replaced host's leader receives its part of ``name``
     from the leader of the host holding its replica (issue 26; :func:`~xla_ckpt.run.replicas.
     transfer_part`: each byte sent once, checked on arrival), then commits it as its own.
 
-    Returns ``{host: why}`` of the hosts whose part did not arrive intact, the same on every
-    rank (an exchange); the holder of each such replica marks it untrusted.  Their bytes then
-    come from the durable tier if it holds the save, or the caller decides again.
+    Returns ``({host: why}, bytes)``: the hosts whose part did not arrive intact, the same on
+    every rank (an exchange; the holder of each such replica marks it untrusted: their bytes
+    then come from the durable tier if it holds the save, or the caller decides again), and
+    the bytes this rank received from a peer.
 
     Raises:
         DistributedError: a peer died or timed out during a transfer (every rank, naming it).
     """
     failed: dict[int, str] = {}
+    received = 0
     for g, h, doc in heal:
         step = LocalStep.from_json(doc, where=f"host {h}'s replica of host {g}'s part")
         src, dst = leaders[h], leaders[g]
@@ -212,6 +215,7 @@ def heal_hosts(dist: Dist, tier: LocalTier, name: str, heal: list[tuple[int, int
             continue
         if dist.rank != dst:
             continue
+        received += res.nbytes
         if res.ok:
             try:
                 tier.commit(step, None)
@@ -233,7 +237,7 @@ def heal_hosts(dist: Dist, tier: LocalTier, name: str, heal: list[tuple[int, int
             if dist.rank == 0:
                 logger.warning("host %d's part of %s did not arrive intact from host %d's "
                                "replica: %s", g, name, h, agreed[g])
-    return agreed
+    return agreed, received
 
 
 def manifest_after_heal(tier: LocalTier, run: Storage, name: str, *, durable: bool) -> bytes:

@@ -113,6 +113,12 @@ class RestoreResult:
         partial: for :meth:`CheckpointManager.restore` with ``keys``: the
             :class:`~xla_ckpt.kinds.partial.PartialResult` of this rank's read (selection,
             bytes read, seconds); None otherwise.
+        tier: with a local tier (``checkpoint.local_dir``): ``tier`` (``"local"`` or
+            ``"durable"``), ``host``, ``local_bytes`` / ``durable_bytes`` this rank read from
+            each, ``peer_bytes`` it received from a peer's replica before the read (a
+            replaced host's leader) and ``healed_from`` (the host that sent this host's part,
+            or None), ``fallbacks``, and the phase times in seconds (``decide_s``, ``read_s``,
+            ``local_read_s`` / ``durable_read_s``, ``total_s``); None without a local tier.
     """
 
     state: Any
@@ -267,12 +273,14 @@ class RestorePath(ManagerBase):
         self._best = best
         decided_s = time.perf_counter() - t0
         counters = TierCounters()
+        peer_bytes, healed_from = 0, None  # a replaced host's part received from a peer
         tier_used: str | None = "durable" if tiered else None
         if local is not None:
             assert self._tier is not None and every is not None
             name, save_id, in_durable, why, mbytes, heal = local
             if heal:
-                mbytes = self._heal(name, heal, every, mbytes, durable=in_durable)
+                mbytes, peer_bytes = self._heal(name, heal, every, mbytes, durable=in_durable)
+                healed_from = next((h for g, h, _ in heal if g == self._host), None)
             uri, in_run, tier_used = self.run.url(name), True, "local"
             manifest = Manifest.from_json_bytes(mbytes, where=f"{self._tier.path(name)}/"
                                                 f"manifest.json", require_crc=True)
@@ -324,19 +332,21 @@ class RestorePath(ManagerBase):
                 "local_read_s": counters.local_seconds,
                 "durable_read_s": counters.durable_seconds if tier_used == "local" else None,
                 "fallbacks": list(counters.fallbacks), "decide_s": decided_s,
+                "peer_bytes": peer_bytes, "healed_from": healed_from,
                 "read_s": stats.seconds if stats is not None else 0.0,
                 "total_s": time.perf_counter() - t0}
         return result
 
     def _heal(self, name: str, heal: list, every: list, mbytes: bytes | None, *,
-              durable: bool) -> bytes:
+              durable: bool) -> tuple[bytes, int]:
         """Every rank: replaced hosts get their part of ``name`` from their replicas
         (:func:`~xla_ckpt.manager.local_restore.heal_hosts`); the manifest bytes every rank
-        reads (from rank 0, when its own host was one of them)."""
+        reads (from rank 0, when its own host was one of them), and the bytes this rank
+        received from a peer."""
         assert self._tier is not None
         leaders = local_restore.host_leaders(every)
-        failed = local_restore.heal_hosts(self.dist, self._tier, name, heal, leaders,
-                                          self._exchange)
+        failed, received = local_restore.heal_hosts(self.dist, self._tier, name, heal, leaders,
+                                                    self._exchange)
         if failed and not durable:
             raise _LocalCopyFailed(name, DistributedError(
                 f"restoring {name} from the local tier: a replaced host's part did not arrive "
@@ -359,7 +369,7 @@ class RestorePath(ManagerBase):
                                   world_size=self.world_size,
                                   what=f"read the manifest of {name} after healing")
             mbytes = got[1]
-        return mbytes
+        return mbytes, received
 
     # ---- steps (Orbax / torch_xla CheckpointManager parity) -----------------------------
     def all_steps(self) -> list[int]:
