@@ -301,8 +301,62 @@ def install_kill_point(spec: dict, run_uri: str, wfd: int) -> None:
             return real_rotate(run, cfg, protect=protect, **kw)
 
         saving.rotate = rotate  # type: ignore[assignment]  # the kill point, on purpose
+    elif point in REPLICA_POINTS:
+        _replica_kill_point(point, spec["at"], pause)
     else:
         raise ValueError(f"unknown kill point {point!r}")
+
+
+#: Kill points of the background replication (issue 26), in the replication round of the first
+#: local step at or after ``spec["at"]`` (the thread of the victim's host leader pauses).
+REPLICA_POINTS = {
+    "replica-send": "host 1's leader, before it sends its part (nothing sent)",
+    "replica-mid-send": "host 1's leader, the manifest sent, no data file yet",
+    "replica-received": "host 0's leader, host 1's files received and checked, no marker",
+    "replica-committed": "host 0's leader, right after host 1's replica marker",
+    "heal-mid-send": "a restore: host 0's leader sending host 1's part, the manifest sent",
+}
+
+
+def _replica_kill_point(point: str, at: int, pause: Any) -> None:
+    from xla_ckpt.manager import local_restore, replication
+    from xla_ckpt.run import replicas
+    from xla_ckpt.run.local_tier import LocalTier
+
+    if point in ("replica-send", "replica-mid-send", "heal-mid-send"):
+        where = local_restore if point == "heal-mid-send" else replication
+        real_transfer = where.transfer_part
+        real_mapped = replicas._mapped_for_sending
+        armed = threading.Event()
+
+        def transfer_part(group, tier, step, files, *, src, dst):
+            if step.num_updates >= at and group.rank == src:
+                if point == "replica-send":
+                    pause(step=step.name)
+                armed.set()
+            try:
+                return real_transfer(group, tier, step, files, src=src, dst=dst)
+            finally:
+                armed.clear()
+
+        def mapped_for_sending(*a, **kw):
+            if armed.is_set():
+                pause()
+            return real_mapped(*a, **kw)
+
+        where.transfer_part = transfer_part  # type: ignore[attr-defined]  # on purpose
+        replicas._mapped_for_sending = mapped_for_sending  # the kill point, on purpose
+    else:
+        real_commit = LocalTier.commit_replica
+
+        def commit_replica(self, step, manifest_bytes=None):
+            if step.num_updates >= at and point == "replica-received":
+                pause(step=step.name)
+            real_commit(self, step, manifest_bytes)
+            if step.num_updates >= at:
+                pause(step=step.name)
+
+        LocalTier.commit_replica = commit_replica  # type: ignore[method-assign]  # on purpose
 
 
 def train_main(spec: dict, rank: int, wfd: int) -> None:

@@ -151,3 +151,83 @@ def test_a_corrupt_replica_is_rejected_and_an_older_replica_restores(zygote, bas
     out = _job(zygote, _spec(run, local, 12))  # 10's replica is not offered again
     _restored(out, "checkpoint_1_9")
     _bitwise_at_end(out, 12)
+
+
+# ---- SIGKILL at each step of a replication ----------------------------------------------------
+def _newest_intact_after_wipe(local: str, run: str) -> tuple[str, str]:
+    """What a relaunch with host 1's folder gone must restore: the newest step host 0 holds
+    both its own part and a committed, complete replica of host 1's part of, when not older
+    than the newest durable step; else the newest durable step.  ``(name, tier)``."""
+    folder = W.tier_folder(local, 0, run)
+    local_best = None
+    for name in os.listdir(folder):
+        p = os.path.join(folder, name)
+        if not os.path.exists(os.path.join(p, "host-0.commit.json")):
+            continue
+        try:
+            with open(os.path.join(p, "replica-1.commit.json")) as fh:
+                files = json.load(fh)["files"]
+        except FileNotFoundError:
+            continue
+        if all(os.path.exists(os.path.join(p, f)) and os.path.getsize(os.path.join(p, f)) == n
+               for f, n in files.items()):
+            u = int(name.rsplit("_", 1)[1])
+            local_best = max(local_best or (0, ""), (u, name))
+    durable = [int(n.rsplit("_", 1)[1]) for n in W.catalog(run)["committed"]]
+    if local_best is not None and local_best[0] >= max(durable, default=0):
+        return local_best[1], "local"
+    return f"checkpoint_1_{max(durable)}", "durable"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("point,victim", [("replica-send", 2), ("replica-mid-send", 2),
+                                          ("replica-received", 0),
+                                          ("replica-committed", 0)])
+def test_sigkill_at_each_step_of_a_replication_then_a_replaced_host(zygote, base, point,
+                                                                     victim):
+    """The job is SIGKILLed while a host leader's background thread is at ``point`` of the
+    replication of update 10 (or the first one after it), host 1's folder is then deleted:
+    the relaunch restores the newest step whose replica had committed (a replica in flight is
+    never chosen), or the newest durable one, bitwise; never from scratch."""
+    run, local = os.path.join(base, "run"), W.local_template(base)
+    out = _job(zygote, _spec(run, local, 14, point=point, victim=victim, at=10))
+    assert out["killed"] and out["paused"]["point"] == point, out["paused"]
+    want, tier = _newest_intact_after_wipe(local, run)
+    assert int(want.rsplit("_", 1)[1]) >= 8  # replicas of the steps before 10 had committed
+    if point in ("replica-send", "replica-mid-send", "replica-received"):
+        step = out["paused"].get("step")
+        if step is not None:  # the replica in flight was never committed, so never chosen
+            assert not os.path.exists(os.path.join(W.tier_folder(local, 0, run), step,
+                                                   "replica-1.commit.json"))
+    print(f"{point}: paused at {out['paused'].get('step')}; restoring {want} from {tier}")
+    shutil.rmtree(W.host_folder(local, 1))
+    relaunch = _job(zygote, _spec(run, local, 14))
+    got = W.lines_of(relaunch, "restored")
+    assert sorted(got) == list(range(W.WORLD))
+    for r, msg in got.items():
+        assert msg["checkpoint"] == want, (r, msg, point)
+        assert msg["diff"] == "" and msg["rank_diff"] == "", (r, msg)
+        assert msg["tier"]["tier"] == tier, (r, msg["tier"])
+    _bitwise_at_end(relaunch, 14)
+
+
+@pytest.mark.timeout(300)
+def test_a_restore_killed_while_a_peer_sends_a_replaced_hosts_part_heals_next_time(zygote,
+                                                                                  base):
+    """Every worker is SIGKILLed while host 0's leader is sending host 1's part to host 1 (the
+    manifest sent, no data file): host 1 commits nothing of it; the next relaunch heals host 1
+    again and restores update 10, bitwise."""
+    run, local = os.path.join(base, "run"), W.local_template(base)
+    _die_replicated(zygote, run, local, 10)
+    shutil.rmtree(W.host_folder(local, 1))
+    out = _job(zygote, _spec(run, local, 11, point="heal-mid-send", victim=0, at=10))
+    assert out["killed"] and out["paused"]["point"] == "heal-mid-send", out["paused"]
+    assert W.lines_of(out, "restored") == {}  # nobody restored, nobody started fresh
+    left = W.step_files(local, 1, run, "checkpoint_1_10")
+    assert "host-1.commit.json" not in left and not any(f.endswith(".safetensors")
+                                                        for f in left), left
+    relaunch = _job(zygote, _spec(run, local, 11))
+    _restored(relaunch, "checkpoint_1_10")
+    _bitwise_at_end(relaunch, 11)
+    healed = W.step_files(local, 1, run, "checkpoint_1_10")
+    assert "host-1.commit.json" in healed and not any(".recv-" in f for f in healed), healed

@@ -151,6 +151,9 @@ def transfer_part(dist: Dist, tier: LocalTier, step: LocalStep, files: Sequence[
         dist.recv_tensors([mbuf], src)
     tag = uuid.uuid4().hex[:12]
     temps = {f: os.path.join(folder, f"{f}{_RECV_MARK}{tag}") for f in names}
+    for leftover in _listdir(folder):  # an earlier transfer of these files killed half way
+        if leftover.split(_RECV_MARK)[0] in temps and _RECV_MARK in leftover:
+            _remove([os.path.join(folder, leftover)])
     n = 0
     failed: OSError | None = None  # a temporary file could not be made (a full tmpfs)
     try:
@@ -293,6 +296,13 @@ def _write(path: str, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def _listdir(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
 
 
 def _remove(paths: Iterable[str]) -> None:
