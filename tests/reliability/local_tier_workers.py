@@ -19,7 +19,8 @@ How a job ends (``spec["end"]``):
   rank there (a job lost mid-epoch, between two updates);
 * a kill point (``spec["point"]``, :data:`POINTS`): one rank (``spec["victim"]``) pauses at
   that place of the save of update ``spec["at"]``, reports, and the harness SIGKILLs it, then
-  every other rank wherever it is (the job died).
+  every other rank wherever it is (the job died); with ``spec["kill"] == "victim"`` only the
+  victim, and the job ends when every other rank has ended on its own (a peer died).
 
 The kill points wrap one library function in the victim's own process (the rest is the real
 library); each names a place of the save's sequence (``manager.local_save``): the rank's
@@ -550,10 +551,19 @@ def _job_over(spec: dict, pipes: list[_Pipe], out: dict, procs: list[tuple[int, 
     ends = [p.end() for p in pipes]
     victim = spec.get("victim") if spec.get("point") is not None else None
     if victim is not None and ends[victim] is not None:
-        if ends[victim]["kind"] == "paused":
+        alone = spec.get("kill") == "victim"  # the victim dies, the other ranks go on
+        if ends[victim]["kind"] == "paused" and not out.get("killed"):
             out["paused"] = ends[victim]
             out["killed"] = True
-            _kill(procs, victim)
+            if alone:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(procs[victim][0], signal.SIGKILL)
+            else:
+                _kill(procs, victim)
+        if alone and ends[victim]["kind"] == "paused":
+            return all(e is not None or p.eof for r, (e, p) in enumerate(zip(ends, pipes,
+                                                                                strict=True))
+                       if r != victim)
         return True
     if victim is None and all(e is not None or p.eof for e, p in zip(ends, pipes, strict=True)):
         if spec.get("end") == "die":

@@ -231,3 +231,33 @@ def test_a_restore_killed_while_a_peer_sends_a_replaced_hosts_part_heals_next_ti
     _bitwise_at_end(relaunch, 11)
     healed = W.step_files(local, 1, run, "checkpoint_1_10")
     assert "host-1.commit.json" in healed and not any(".recv-" in f for f in healed), healed
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_dying_alone_while_it_sends_fails_every_survivor_naming_it(zygote, base):
+    """Host 0's leader (rank 0, the holder of host 1's replica) is SIGKILLed alone while it
+    sends host 1's part during a restore: the three survivors each raise a DistributedError
+    naming rank 0 (never a hang, never a restore of a mix, never a fresh start), host 1
+    commits nothing; relaunched whole, the job heals host 1 and restores update 10 bitwise."""
+    run, local = os.path.join(base, "run"), W.local_template(base)
+    _die_replicated(zygote, run, local, 10)
+    shutil.rmtree(W.host_folder(local, 1))
+    (res,) = zygote.run(W.run_jobs, [_spec(run, local, 11, point="heal-mid-send", victim=0,
+                                           at=10, kill="victim")], JOB_TIMEOUT_S,
+                        timeout_s=JOB_TIMEOUT_S + 60)
+    (out,) = res.unwrap()
+    assert out["paused"]["point"] == "heal-mid-send"
+    assert W.lines_of(out, "restored") == {}
+    errors = W.lines_of(out, "error")
+    assert sorted(errors) == [1, 2, 3], W.errors_of(out)
+    rows = {int(k): v for k, v in out["ranks"].items()}
+    for r, e in errors.items():
+        print(f"rank {r}: {e['error']}: {e['message'][:300]}")
+        assert not rows[r]["hang"], r
+        assert e["error"] in ("DistributedError", "CollectiveTimeoutError"), (r, e)
+        assert "rank 0" in e["message"], (r, e["message"][:500])
+    left = W.step_files(local, 1, run, "checkpoint_1_10")
+    assert "host-1.commit.json" not in left, left
+    relaunch = _job(zygote, _spec(run, local, 11))
+    _restored(relaunch, "checkpoint_1_10")
+    _bitwise_at_end(relaunch, 11)
