@@ -38,7 +38,7 @@ from typing import Callable, Collection
 
 from xla_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 from xla_ckpt.format import typed
-from xla_ckpt.format.crc import crc32c, crc32c_combine
+from xla_ckpt.format.crc import crc32c, crc32c_chunks, crc32c_combine
 from xla_ckpt.format.manifest import BlobRecord, Item, Manifest
 from xla_ckpt.format.safetensors_layout import parse_header_length
 from xla_ckpt.io.manifest_file import read_manifest
@@ -338,6 +338,49 @@ def _judge(m: Manifest, tasks: list[_Task], results: list, report: VerifyReport)
                       f"{whole:#010x}, "
                       f"manifest says {rec.crc32c:#010x}")
             report.problems.append(Problem("crc32c", rec.file, iname, _keys(item, b), detail))
+
+
+def check_file_bytes(m: Manifest, name: str, data: memoryview) -> list[Problem]:
+    """Every blob of data file ``name`` against its crc32c records, from the file's bytes
+    ``data`` already in memory (a replica received over the data plane: checked where it
+    landed, not read back); the same problems :func:`verify_checkpoint` reports for them
+    (size, crc32c with the bad byte ranges and the tensors there).  The safetensors header is
+    not checked (nothing reads tensors through it)."""
+    problems: list[Problem] = []
+    want = m.files.get(name)
+    if want is not None and want != len(data):
+        problems.append(Problem("size", name, "", (), f"expected {want} bytes, found "
+                                f"{len(data)} bytes"))
+    for iname, item in m.items.items():
+        for b, rec in enumerate(item.blobs):
+            if rec.file != name:
+                continue
+            if rec.offset + rec.length > len(data):
+                problems.append(Problem(
+                    "size", name, iname, _keys(item, b),
+                    f"bytes [{rec.offset}, {rec.offset + rec.length}) lie beyond the end of "
+                    f"the {len(data)}-byte file (truncated)"))
+                continue
+            blob = data[rec.offset:rec.offset + rec.length]
+            bad: list[tuple[int, int]] = []
+            if rec.chunk_crc32c and rec.length:
+                whole, chunks = crc32c_chunks(blob, rec.chunk_size)
+                for k, (got, expect) in enumerate(zip(chunks, rec.chunk_crc32c, strict=False)):
+                    if got != expect:
+                        bad.append((k * rec.chunk_size,
+                                    min((k + 1) * rec.chunk_size, rec.length)))
+            else:
+                whole = crc32c(blob)
+            for lo, hi in _merge(bad):
+                problems.append(Problem(
+                    "crc32c", name, iname, _keys(item, b, lo, hi),
+                    f"crc32c mismatch in bytes [{rec.offset + lo}, {rec.offset + hi})"))
+            if whole != rec.crc32c and not bad:
+                problems.append(Problem(
+                    "crc32c", name, iname, _keys(item, b),
+                    f"crc32c of bytes [{rec.offset}, {rec.offset + rec.length}) is "
+                    f"{whole:#010x}, manifest says {rec.crc32c:#010x}"))
+    return problems
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -117,8 +117,9 @@ class RestoreResult:
             ``"durable"``), ``host``, ``local_bytes`` / ``durable_bytes`` this rank read from
             each, ``peer_bytes`` it received from a peer's replica before the read (a
             replaced host's leader) and ``healed_from`` (the host that sent this host's part,
-            or None), ``fallbacks``, and the phase times in seconds (``decide_s``, ``read_s``,
-            ``local_read_s`` / ``durable_read_s``, ``total_s``); None without a local tier.
+            or None), ``fallbacks``, and the phase times in seconds (``decide_s``, ``heal_s``:
+            the transfers from peers and their checks, ``read_s``, ``local_read_s`` /
+            ``durable_read_s``, ``total_s``); None without a local tier.
     """
 
     state: Any
@@ -273,13 +274,15 @@ class RestorePath(ManagerBase):
         self._best = best
         decided_s = time.perf_counter() - t0
         counters = TierCounters()
-        peer_bytes, healed_from = 0, None  # a replaced host's part received from a peer
+        peer_bytes, healed_from, heal_s = 0, None, 0.0  # a replaced host's part, from a peer
         tier_used: str | None = "durable" if tiered else None
         if local is not None:
             assert self._tier is not None and every is not None
             name, save_id, in_durable, why, mbytes, heal = local
             if heal:
+                th = time.perf_counter()
                 mbytes, peer_bytes = self._heal(name, heal, every, mbytes, durable=in_durable)
+                heal_s = time.perf_counter() - th
                 healed_from = next((h for g, h, _ in heal if g == self._host), None)
             uri, in_run, tier_used = self.run.url(name), True, "local"
             manifest = Manifest.from_json_bytes(mbytes, where=f"{self._tier.path(name)}/"
@@ -332,7 +335,7 @@ class RestorePath(ManagerBase):
                 "local_read_s": counters.local_seconds,
                 "durable_read_s": counters.durable_seconds if tier_used == "local" else None,
                 "fallbacks": list(counters.fallbacks), "decide_s": decided_s,
-                "peer_bytes": peer_bytes, "healed_from": healed_from,
+                "peer_bytes": peer_bytes, "healed_from": healed_from, "heal_s": heal_s,
                 "read_s": stats.seconds if stats is not None else 0.0,
                 "total_s": time.perf_counter() - t0}
         return result

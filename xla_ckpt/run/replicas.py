@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import mmap
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -37,13 +38,14 @@ import torch
 
 from xla_ckpt.comm.base import Dist
 from xla_ckpt.format.manifest import MANIFEST_NAME, Manifest
-from xla_ckpt.io.verify import Problem, verify_checkpoint
+from xla_ckpt.format.plan import tensor_bytes
+from xla_ckpt.io.verify import Problem, check_file_bytes
 from xla_ckpt.run.local_tier import LocalStep, LocalTier
-from xla_ckpt.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
 
 _RECV_MARK = ".recv-"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # page tables filled in one call (Linux)
 
 
 def place_replicas(hosts: Sequence[int], *, replicas: int = 1,
@@ -89,10 +91,13 @@ class TransferResult:
         nbytes: bytes sent (sender) or received (receiver).
         problems: the receiver's failed checks (host, file and tensor in each), empty when
             every byte matched its crc32c; the received files are then removed.
+        transfer_s / check_s: seconds on the wire and in the receiver's check.
     """
 
     nbytes: int = 0
     problems: list[Problem] = field(default_factory=list)
+    transfer_s: float = 0.0  # the bytes on the wire (the receiver: into its files)
+    check_s: float = 0.0  # the receiver's crc32c check of what arrived
 
     @property
     def ok(self) -> bool:
@@ -108,13 +113,14 @@ def transfer_part(dist: Dist, tier: LocalTier, step: LocalStep, files: Sequence[
     sizes must be the same on both.  The sender streams the manifest, then each file from its
     step folder (mapped, no copy into the heap); a file that vanished or shrank there is sent
     as zeros beyond what is left, so the transfer stays in step and the receiver's check
-    fails.  The receiver writes into ``<file>.recv-<id>`` files of the final size in
-    ``step.name``'s folder (mapped, received in place), renames them to their names once
-    every byte arrived (no marker names them yet, so nothing counts them), writes the
-    manifest when it has none there, and checks every blob of the received files against the
-    manifest's crc32c (:func:`~xla_ckpt.io.verify.verify_checkpoint`); on a failed check it
-    removes them and returns the problems.  Committing (a replica marker, or a healed host's
-    own marker) is the caller's step, after a clean check.
+    fails.  The receiver writes each file into a ``<file>.recv-<id>`` file of its final size
+    in ``step.name``'s folder (reserved, mapped, received in place) and checks every blob of it
+    against the manifest's crc32c right there, while its pages are hot
+    (:func:`~xla_ckpt.io.verify.check_file_bytes`: nothing is read back); only when every
+    file is intact does it rename them to their names (no marker names them yet, so nothing
+    counts them) and write the manifest when it has none there; otherwise it removes them
+    and returns the problems.  Committing (a replica marker, or a healed host's own marker)
+    is the caller's step, after a clean check.
 
     Raises:
         DistributedError: the peer died or the transfer timed out (the receiver's partial
@@ -154,8 +160,22 @@ def transfer_part(dist: Dist, tier: LocalTier, step: LocalStep, files: Sequence[
     for leftover in _listdir(folder):  # an earlier transfer of these files killed half way
         if leftover.split(_RECV_MARK)[0] in temps and _RECV_MARK in leftover:
             _remove([os.path.join(folder, leftover)])
+    mbytes = mbuf.numpy().tobytes()
+    manifest: Manifest | None = None
+    problems: list[Problem] = []
+    try:
+        manifest = Manifest.from_json_bytes(mbytes, where=f"{folder}/{MANIFEST_NAME} "
+                                            f"(received)", require_crc=True)
+        if manifest.save_id != step.save_id:
+            raise ValueError(f"it is of save {manifest.save_id}, not {step.save_id}")
+    except ValueError as e:  # CheckpointCorruptError is one; the files are drained all the same
+        manifest = None
+        problems.append(Problem("header", MANIFEST_NAME, "", (),
+                                f"the manifest is unusable: {e}"))
     n = 0
     failed: OSError | None = None  # a temporary file could not be made (a full tmpfs)
+    t0 = time.perf_counter()
+    check_s = 0.0
     try:
         for f in names:
             try:
@@ -171,54 +191,41 @@ def transfer_part(dist: Dist, tier: LocalTier, step: LocalStep, files: Sequence[
                 continue
             try:
                 n += dist.recv_tensors([t], src)
+                if manifest is not None:  # checked where it landed, while the pages are hot
+                    tc = time.perf_counter()
+                    problems += check_file_bytes(manifest, f, tensor_bytes(t) if t.numel()
+                                                 else memoryview(b""))
+                    check_s += time.perf_counter() - tc
             finally:
                 del t
                 ctx.__exit__(None, None, None)
         if failed is not None:
             raise failed
+        if problems:
+            raise _Rejected([dataclasses.replace(
+                p, detail=f"host {step.host}'s part as received: {p.detail}") for p in problems])
         for f, tmp in temps.items():  # no marker names them yet: not a committed part
             os.replace(tmp, os.path.join(folder, f))
         temps = {f: os.path.join(folder, f) for f in names}
-        mbytes = mbuf.numpy().tobytes()
-        try:
-            manifest = Manifest.from_json_bytes(mbytes, where=f"{folder}/{MANIFEST_NAME} "
-                                                f"(received)", require_crc=True)
-            if manifest.save_id != step.save_id:
-                raise ValueError(f"it is of save {manifest.save_id}, not {step.save_id}")
-        except ValueError as e:  # CheckpointCorruptError is one
-            raise _Rejected([Problem("header", MANIFEST_NAME, "", (),
-                                     f"host {step.host}'s part as received: the manifest is "
-                                     f"unusable: {e}")]) from None
         if not os.path.exists(os.path.join(folder, MANIFEST_NAME)):
             _write(os.path.join(folder, MANIFEST_NAME), mbytes)
-        problems = _check(folder, names, manifest, host=step.host)
-        if problems:
-            raise _Rejected(problems)
     except _Rejected as e:
         _remove(temps.values())
-        return TransferResult(nbytes=n, problems=e.problems)
+        return TransferResult(nbytes=n, problems=e.problems,
+                              transfer_s=time.perf_counter() - t0 - check_s, check_s=check_s)
     except BaseException:
         _remove(temps.values())
         raise
-    return TransferResult(nbytes=n)
+    total = time.perf_counter() - t0
+    logger.debug("received host %d's part of %s: %d bytes in %.3f s (%.3f s of it checking)",
+                 step.host, step.name, n, total, check_s)
+    return TransferResult(nbytes=n, transfer_s=total - check_s, check_s=check_s)
 
 
 class _Rejected(Exception):
     def __init__(self, problems: list[Problem]) -> None:
         super().__init__(len(problems))
         self.problems = problems
-
-
-def _check(folder: str, names: Sequence[str], manifest: Manifest, *,
-           host: int) -> list[Problem]:
-    """Every blob of the received files ``names`` against the manifest's crc32c."""
-    st = LocalStorage(folder)
-    try:
-        report = verify_checkpoint(st, manifest, files=set(names))
-    finally:
-        st.close()
-    return [dataclasses.replace(p, detail=f"host {host}'s part as received: {p.detail}")
-            for p in report.problems]
 
 
 @contextlib.contextmanager
@@ -274,7 +281,8 @@ def _mapped_for_receiving(path: str, n: int) -> Iterator[torch.Tensor]:
             # Reserve every page now: a full tmpfs fails here (ENOSPC), never as a SIGBUS
             # when a received byte lands on a page it cannot back.
             os.posix_fallocate(fd, 0, n)
-            mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | _POPULATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError:
         os.close(fd)
         _remove([path])
