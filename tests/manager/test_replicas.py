@@ -189,3 +189,27 @@ def test_transfer_checks_every_byte_on_arrival(pool, tmp_path, damage):
         "replica-1.commit.json"
     assert not marker.exists()
     assert json.loads(json.dumps(step.to_json()))["files"] == step.files
+
+
+def test_ls_and_gc_of_a_local_tier_show_and_keep_the_replicas(tmp_path, capsys):
+    from xla_ckpt.cli.local import collect_local, listing, print_listing
+
+    tier = LocalTier(str(tmp_path), "/runs/r", host=0)
+    own = put_part(tier, 5, host=0)
+    tier.commit(own, None)
+    tier.commit_replica(put_part(tier, 6, host=1))  # host 0 has no part of step 6
+    tier.commit_replica(LocalStep(**{**own.__dict__, "host": 1}))  # beside its own step 5
+    rows = {r["name"]: r for r in listing(tier)}
+    assert (rows["checkpoint_1_5"]["state"], rows["checkpoint_1_5"]["replicas"]) == \
+        ("committed", [1])
+    assert (rows["checkpoint_1_6"]["state"], rows["checkpoint_1_6"]["replicas"],
+            rows["checkpoint_1_6"]["step"]) == ("replica only", [1], 6)
+    print_listing(tier, list(rows.values()))
+    out = capsys.readouterr().out
+    assert "REPLICAS" in out and "replica only" in out and "host 1" in out
+    # keep-last 1: the newest own step (5) and the newest step held as a replica (6) stay.
+    assert collect_local(tier, keep_last=1, incomplete=True, dry_run=False) == []
+    put_part(tier, 7, host=0)  # an uncommitted leftover of this host
+    assert collect_local(tier, keep_last=1, incomplete=True, dry_run=False) == [
+        "checkpoint_1_7"]
+    assert sorted(os.listdir(tier.folder)) == ["checkpoint_1_5", "checkpoint_1_6"]

@@ -3,11 +3,14 @@
 
 * ``ls RUN --local-dir DIR``: each checkpoint folder of the run's local tier on this host:
   committed (this host's marker), untrusted (a check failed; never restored), files missing,
-  or uncommitted (no marker: a save that did not finish; never restored).
+  or uncommitted (no marker: a save that did not finish; never restored); and the replicas
+  of other hosts' parts it holds (``REPLICAS``: their hosts; ``replica only`` when this host
+  has no part of its own there).
 * ``verify RUN --local-dir DIR [--step N]``: every crc32c of this host's copy of the newest
   committed local step (or of step N), only of the files this host holds.
-* ``gc RUN --local-dir DIR --keep-last N``: keep the newest N committed local steps; delete
-  the rest, and uncommitted folders with ``--incomplete``.
+* ``gc RUN --local-dir DIR --keep-last N``: keep the newest N committed local steps (and the
+  newest N steps held as replicas); delete the rest, and uncommitted folders with
+  ``--incomplete``.
 
 ``--host H`` names this host's index (default 0; ``{host}`` in DIR becomes it, as in
 ``checkpoint.local_dir``).
@@ -52,23 +55,32 @@ def listing(tier: Any) -> list[dict[str, Any]]:
     from xla_ckpt.run.local_tier import marker_name, untrusted_name  # noqa: PLC0415 - start-up
 
     committed = {s.name: s for s in tier.inventory()}
+    held: dict[str, list[Any]] = {}
+    for r in tier.replicas():
+        held.setdefault(r.name, []).append(r)
     out = []
     for name in tier.folders():
         p = tier.path(name)
         size = sum(os.path.getsize(os.path.join(p, f)) for f in os.listdir(p)
                    if os.path.isfile(os.path.join(p, f)))
         s = committed.get(name)
+        reps = held.get(name, [])
+        row: dict[str, Any] = {"name": name, "nbytes": size,
+                               "replicas": [r.host for r in reps]}
         if s is not None:
             state = "committed" if not s.missing else f"missing {len(s.missing)} file(s)"
-            out.append({"name": name, "state": state, "step": s.num_updates,
-                        "save_id": s.save_id, "lease_epoch": s.lease_epoch, "nbytes": size,
-                        "complete": s.complete, "missing": list(s.missing)})
+            row.update(state=state, step=s.num_updates, save_id=s.save_id,
+                       lease_epoch=s.lease_epoch, complete=s.complete, missing=list(s.missing))
         elif os.path.exists(os.path.join(p, untrusted_name(tier.host))):
-            out.append({"name": name, "state": "untrusted", "nbytes": size})
+            row["state"] = "untrusted"
         elif os.path.exists(os.path.join(p, marker_name(tier.host))):
-            out.append({"name": name, "state": "unreadable marker", "nbytes": size})
+            row["state"] = "unreadable marker"
+        elif reps:
+            row.update(state="replica only", step=reps[0].num_updates, save_id=reps[0].save_id,
+                       lease_epoch=reps[0].lease_epoch)
         else:
-            out.append({"name": name, "state": "uncommitted", "nbytes": size})
+            row["state"] = "uncommitted"
+        out.append(row)
     return out
 
 
@@ -77,8 +89,10 @@ def print_listing(tier: Any, rows: list[dict[str, Any]]) -> None:
           f"{sum(r['state'] == 'committed' for r in rows)} committed, {len(rows)} folders")
     if rows:
         print(table([[r["name"], str(r.get("step", "-")), r.get("save_id", "-"),
-                      str(r.get("lease_epoch", "-")), human_bytes(r["nbytes"]), r["state"]]
-                     for r in rows], ["NAME", "STEP", "SAVE ID", "LEASE", "SIZE", "STATE"]))
+                      str(r.get("lease_epoch", "-")), human_bytes(r["nbytes"]), r["state"],
+                      ",".join(f"host {h}" for h in r["replicas"]) or "-"]
+                     for r in rows],
+                    ["NAME", "STEP", "SAVE ID", "LEASE", "SIZE", "STATE", "REPLICAS"]))
 
 
 def chosen_step(tier: Any, step: int | None) -> Any:
@@ -116,7 +130,7 @@ def verify_local(tier: Any, step: Any, *, progress: Any = None) -> Any:
 def collect_local(tier: Any, *, keep_last: int, incomplete: bool, dry_run: bool) -> list[str]:
     """Delete all but the newest ``keep_last`` committed local steps (and, with
     ``incomplete``, uncommitted folders); the folders deleted (or to delete)."""
-    keep = {s.name for s in tier.inventory()[-keep_last:]} if keep_last > 0 else set()
+    keep = tier.newest(keep_last)
     rows = listing(tier)
     gone = [r["name"] for r in rows
             if r["name"] not in keep and (r["state"] != "uncommitted" or incomplete)]

@@ -336,13 +336,13 @@ class LocalTier:
         ``keep_last - 1`` older steps: ``(fits, bytes those older steps hold)``."""
         if self.max_bytes <= 0:
             return True, 0
-        keep = self._newest(self.keep_last - 1, exclude=name)
+        keep = self.newest(self.keep_last - 1, exclude=name)
         files = {(s.name, f): n for s in [*self.inventory(), *self.replicas()]
                  if s.name in keep for f, n in s.files.items()}
         held = sum(files.values())
         return held + nbytes <= self.max_bytes, held
 
-    def _newest(self, k: int, exclude: str | None = None) -> set[str]:
+    def newest(self, k: int, exclude: str | None = None) -> set[str]:
         """Folder names of the newest ``k`` own steps and of the newest ``k`` steps held as
         replicas (other hosts' parts): what keep-last-K keeps."""
         if k <= 0:
@@ -363,7 +363,7 @@ class LocalTier:
         room for ``keep_last + 1`` steps would never commit again.  Returns the folders
         removed."""
         need = nbytes + ROOM_SLACK_BYTES
-        keep = self._newest(self.keep_last - 1) | self.protected
+        keep = self.newest(self.keep_last - 1) | self.protected
         gone = [name for name in self._folders() if name not in keep]
         # Over max_bytes: room_for found that it fits once only ``keep`` is left.
         if not (self.max_bytes > 0 and self.used_bytes() + need > self.max_bytes):
@@ -386,7 +386,7 @@ class LocalTier:
     def prune(self, *, protect: Sequence[str] = ()) -> list[str]:
         """Host leader: delete every folder but the newest ``keep_last`` committed steps and
         ``protect`` (a save in flight); uncommitted leftovers of earlier saves go too."""
-        keep = self._newest(self.keep_last) | set(protect) | self.protected
+        keep = self.newest(self.keep_last) | set(protect) | self.protected
         gone = []
         for name in self._folders():
             if name not in keep:
