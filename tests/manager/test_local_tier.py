@@ -137,9 +137,11 @@ def test_untrust_hides_the_step_on_this_host_only(tmp_path, caplog):
     other = LocalTier(str(tmp_path), "/runs/a", host=1)  # a second host sharing the folder
     s = put_step(tier, 1)
     other.commit(LocalStep(**{**s.__dict__, "host": 1}), None)
-    put_step(tier, 2)
+    s2 = put_step(tier, 2)
+    tier.untrust("checkpoint_1_2", s.save_id, "names another save")  # not this one's
+    assert [x.name for x in tier.inventory()] == ["checkpoint_1_1", "checkpoint_1_2"]
     with caplog.at_level("WARNING", logger="xla_ckpt.run.local_tier"):
-        tier.untrust("checkpoint_1_2", s.save_id, "crc32c mismatch in bytes [0, 8)")
+        tier.untrust("checkpoint_1_2", s2.save_id, "crc32c mismatch in bytes [0, 8)")
     assert "host 0: local copy of checkpoint_1_2" in caplog.text
     assert "crc32c mismatch in bytes [0, 8)" in caplog.text
     assert [x.name for x in tier.inventory()] == ["checkpoint_1_1"]

@@ -25,22 +25,41 @@ from xla_ckpt.testing.launcher import WorkerPool
 def test_placement_is_a_ring_outside_the_sources_domain():
     assert place_replicas([0, 1]) == {0: (1,), 1: (0,)}
     assert place_replicas([0, 1, 2, 3]) == {0: (1,), 1: (2,), 2: (3,), 3: (0,)}
-    assert place_replicas([0, 1, 2, 3], replicas=2) == {0: (1, 2), 1: (2, 3), 2: (3, 0),
-                                                        3: (0, 1)}
+    assert place_replicas([0, 1, 2, 3], replicas=2) == {0: (1, 2), 1: (3, 0), 2: (3, 0),
+                                                        3: (1, 2)}
     assert place_replicas([0, 1], replicas=0) == {0: (), 1: ()}
     assert place_replicas([0]) == {0: ()}  # one host: nowhere to put a replica
 
 
-def test_placement_never_shares_a_failure_domain_and_spreads_over_domains():
-    slices = {0: "a", 1: "a", 2: "b", 3: "b"}
-    assert place_replicas([0, 1, 2, 3], domains=slices) == {0: (2,), 1: (2,), 2: (0,),
-                                                            3: (0,)}
-    three = {0: "a", 1: "a", 2: "b", 3: "c"}
-    got = place_replicas([0, 1, 2, 3], replicas=2, domains=three)
-    assert got == {0: (2, 3), 1: (2, 3), 2: (3, 0), 3: (0, 2)}
+def _loads(placement: dict[int, tuple[int, ...]]) -> dict[int, int]:
+    out = dict.fromkeys(placement, 0)
+    for holders in placement.values():
+        for h in holders:
+            out[h] += 1
+    return out
+
+
+@pytest.mark.parametrize("hosts,replicas,domains", [
+    (8, 1, {h: "a" if h < 4 else "b" for h in range(8)}),      # 2 slices of 4 hosts
+    (32, 1, {h: f"s{h // 16}" for h in range(32)}),             # 2 slices of 16 hosts
+    (12, 2, {h: f"pool{h // 4}" for h in range(12)}),           # 3 node pools of 4
+    (6, 2, None),                                               # every host its own domain
+])
+def test_placement_never_shares_a_domain_and_spreads_the_load(hosts, replicas, domains):
+    got = place_replicas(range(hosts), replicas=replicas, domains=domains)
+    dom = domains or {h: str(h) for h in range(hosts)}
     for src, holders in got.items():
-        assert all(three[h] != three[src] for h in holders)
-        assert len({three[h] for h in holders}) == len(holders)  # distinct domains
+        assert len(holders) == replicas and src not in holders
+        assert all(dom[h] != dom[src] for h in holders)
+        assert len({dom[h] for h in holders}) == len(holders)  # distinct domains
+    # Every host holds exactly `replicas` other parts: never a whole slice's on one host.
+    assert set(_loads(got).values()) == {replicas}, _loads(got)
+
+
+def test_placement_with_unequal_or_too_few_domains():
+    slices = {0: "a", 1: "a", 2: "b", 3: "b"}
+    assert place_replicas([0, 1, 2, 3], domains=slices) == {0: (2,), 1: (3,), 2: (0,),
+                                                            3: (1,)}
     # More replicas than other domains: every host outside the source's domain, no more.
     assert place_replicas([0, 1, 2], replicas=3, domains={0: "a", 1: "a", 2: "b"}) == \
         {0: (2,), 1: (2,), 2: (0, 1)}
@@ -213,3 +232,38 @@ def test_ls_and_gc_of_a_local_tier_show_and_keep_the_replicas(tmp_path, capsys):
     assert collect_local(tier, keep_last=1, incomplete=True, dry_run=False) == [
         "checkpoint_1_7"]
     assert sorted(os.listdir(tier.folder)) == ["checkpoint_1_5", "checkpoint_1_6"]
+
+
+def test_an_untrusted_marker_condemns_only_the_save_it_names(tmp_path):
+    """A later save committed in the folder of a rejected one is trusted again (the marker
+    names the rejected save's id)."""
+    tier = LocalTier(str(tmp_path), "/runs/r", host=0)
+    old = put_part(tier, 10, host=1)
+    tier.commit_replica(old)
+    tier.untrust_replica("checkpoint_1_10", 1, old.save_id, "crc32c mismatch")
+    assert tier.replicas() == []
+    # A successor saves update 10 again (a new save id) and its replica commits there.
+    new = LocalStep(**{**old.__dict__, "save_id": "feedfacecafe"})
+    tier.commit_replica(new)
+    assert [(s.name, s.save_id) for s in tier.replicas()] == [("checkpoint_1_10",
+                                                               "feedfacecafe")]
+    own = LocalStep(**{**old.__dict__, "host": 0})
+    tier.commit(own, None)
+    tier.untrust("checkpoint_1_10", "another-save", "not this one")
+    assert [s.name for s in tier.inventory()] == ["checkpoint_1_10"]
+    with open(os.path.join(tier.path("checkpoint_1_10"), "untrusted-0.json"), "w") as f:
+        f.write("{not json")  # unreadable: condemns whatever is there
+    assert tier.inventory() == []
+
+
+def test_keep_last_counts_own_steps_and_lets_old_replicas_age_out(tmp_path):
+    tier = LocalTier(str(tmp_path), "/runs/r", host=0, keep_last=2)
+    for n in (1, 2):  # steps whose own part and replica both committed
+        tier.commit(put_part(tier, n, host=0), None)
+        tier.commit_replica(LocalStep(**{**put_part(tier, n, host=0).__dict__, "host": 1}))
+    for n in (3, 4, 5):  # later steps: own parts only (replication lagging or skipped)
+        tier.commit(put_part(tier, n, host=0), None)
+        tier.prune()
+    # The replicas of 1 and 2 did not pin their folders: keep-last 2 is 2 own steps.
+    assert sorted(os.listdir(tier.folder)) == ["checkpoint_1_4", "checkpoint_1_5"]
+    assert tier.replicas() == []

@@ -37,6 +37,9 @@ from xla_ckpt.run.replicas import place_replicas, transfer_part
 
 logger = logging.getLogger(__name__)
 
+STATUS_KEPT = 32
+"""Checkpoints :attr:`Replicator.status` remembers (the newest)."""
+
 
 class Replicator:
     """One host leader's background replication (see the module docstring).
@@ -75,6 +78,9 @@ class Replicator:
             self._queued.append(name)
             self.status[name] = {"state": "queued", "holders": {}, "bytes_sent": 0,
                                  "bytes_received": 0, "problems": []}
+            for old in list(self.status)[:-STATUS_KEPT]:  # a long run: the newest only
+                if old not in self._queued:
+                    del self.status[old]
         self._tier.protected.add(name)
         return self._pool.submit(self._round, name, own)
 

@@ -288,7 +288,7 @@ class LocalTier:
         for name in self._folders():
             p = os.path.join(self.folder, name)
             mp = os.path.join(p, marker)
-            if not os.path.exists(mp) or os.path.exists(os.path.join(p, untrusted)):
+            if not os.path.exists(mp):
                 continue
             try:
                 with open(mp, "rb") as f:
@@ -297,6 +297,8 @@ class LocalTier:
                     raise ValueError(f"{mp}: names host {step.host}, not {source}")
             except (OSError, ValueError) as e:
                 logger.warning("host %d: skipping local checkpoint %s: %s", self.host, p, e)
+                continue
+            if _untrusted(os.path.join(p, untrusted), step.save_id):
                 continue
             missing = []
             for fn, size in step.files.items():
@@ -343,16 +345,22 @@ class LocalTier:
         return held + nbytes <= self.max_bytes, held
 
     def newest(self, k: int, exclude: str | None = None) -> set[str]:
-        """Folder names of the newest ``k`` own steps and of the newest ``k`` steps held as
-        replicas (other hosts' parts): what keep-last-K keeps."""
+        """What keep-last-K keeps: the folders of this host's newest ``k`` own committed
+        steps (with any replicas they hold), and the folders holding only replicas (this
+        host has no part of that step) that are among the newest ``k`` steps here (by lease
+        epoch, then ``num_updates``).  So an older replica ages out as newer steps commit
+        and never pins the tier's room, and a host keeps ``k`` own steps, not more."""
         if k <= 0:
             return set()
-        own = [s.name for s in self.inventory() if s.name != exclude]
-        held: list[str] = []
-        for s in self.replicas():
-            if s.name != exclude and s.name not in held:
-                held.append(s.name)
-        return set(own[-k:]) | set(held[-k:])
+        own = [s for s in self.inventory() if s.name != exclude]
+        order: dict[str, tuple[int, int, str]] = {}
+        for s in [*own, *self.replicas()]:
+            if s.name != exclude:
+                order[s.name] = max(order.get(s.name, (0, 0, "")),
+                                    (s.lease_epoch, s.num_updates, s.name))
+        mine = {s.name for s in own}
+        top = sorted(order, key=order.__getitem__)[-k:]
+        return {s.name for s in own[-k:]} | {n for n in top if n not in mine}
 
     def make_room(self, nbytes: int) -> list[str]:
         """Host leader, before the writes of a new step of about ``nbytes``: when it would
@@ -458,6 +466,19 @@ class LocalTier:
             return sorted(e.name for e in os.scandir(self.folder) if e.is_dir())
         except FileNotFoundError:
             return []
+
+
+def _untrusted(path: str, save_id: str) -> bool:
+    """Whether the untrusted marker at ``path`` condemns save ``save_id``: it names that save
+    (a later save committed in the same folder is not condemned), or cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            named = json.loads(f.read()).get("save_id")
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, AttributeError):
+        return True
+    return not isinstance(named, str) or named == save_id
 
 
 def _write_file(path: str, data: bytes) -> None:

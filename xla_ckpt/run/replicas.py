@@ -12,8 +12,8 @@ restore then reads its own memory as after a crash: every other host reads its o
 
 Placement (:func:`place_replicas`): a replica never shares a failure domain with its source.
 Domains come from the topology (one TPU slice, one GKE node pool) or a user map; by default
-each host is its own domain.  Holders are taken in ring order from the source, so every host
-holds about ``replicas`` other parts.
+each host is its own domain.  Each source takes the least loaded allowed host, nearest in
+ring order, so every host holds about ``replicas`` other parts.
 
 Which rank calls what: the sending rank (a host's leader, local rank 0) and the receiving
 rank (another host's leader) call :func:`transfer_part` with the same arguments at the same
@@ -59,26 +59,31 @@ def place_replicas(hosts: Sequence[int], *, replicas: int = 1,
             from it (or ``None``) are each a domain of their own.
 
     A holder is never in the source's domain; holders of one source are in different
-    domains from each other where there are enough domains, and are taken in ring order
-    from the source (host ``h`` first asks ``h + 1``), so each host holds about ``replicas``
-    other parts.  A source with fewer eligible hosts than ``replicas`` gets what there is
-    (none on a one-domain job): the caller logs it.
+    domains from each other where there are enough domains; among the hosts allowed, each
+    source takes the one holding the fewest parts so far, the nearest in ring order from the
+    source on a tie (host ``h`` first asks ``h + 1``).  So every host holds about
+    ``replicas`` other parts (exactly that many when the domains are of equal size), never a
+    whole domain's parts on one host.  A source with fewer eligible hosts than ``replicas``
+    gets what there is (none on a one-domain job): the caller logs it.
     """
     order = sorted(set(hosts))
     dom = {h: (domains or {}).get(h, f"host-{h}") for h in order}
+    load = dict.fromkeys(order, 0)
     out: dict[int, tuple[int, ...]] = {}
     for i, src in enumerate(order):
         ring = [order[(i + k) % len(order)] for k in range(1, len(order))]
         eligible = [h for h in ring if dom[h] != dom[src]]
         picked: list[int] = []
         used = {dom[src]}
-        for h in eligible:  # distinct domains first
-            if len(picked) < replicas and dom[h] not in used:
-                picked.append(h)
-                used.add(dom[h])
-        for h in eligible:  # then any other host outside the source's domain
-            if len(picked) < replicas and h not in picked:
-                picked.append(h)
+        while len(picked) < replicas:
+            left = [h for h in eligible if h not in picked]
+            if not left:
+                break
+            fresh = [h for h in left if dom[h] not in used]  # a new domain first
+            h = min(fresh or left, key=lambda x: (load[x], ring.index(x)))
+            picked.append(h)
+            used.add(dom[h])
+            load[h] += 1
         out[src] = tuple(picked)
     return out
 
