@@ -319,11 +319,54 @@ def test_world_size_change():
     hosts = invs([mk(5, 0, world=4)], [mk(5, 1, world=4)])
     choice, why = decide(hosts, world_size=2)
     assert choice is None
-    assert why == ("checkpoint_1_5: saved by 4 ranks, the job has 2, and the durable tier "
-                   "does not hold this save")
+    assert why == ("checkpoint_1_5: saved by 4 ranks, the job has 2; no host of the job "
+                   "holds the part of saved ranks [2, 3] and the durable tier does not hold "
+                   "this save")
     # The same save in the durable tier: another mesh reads what its hosts lack from there.
     choice, _ = decide(hosts, world_size=2, durable=DurableLatest("checkpoint_1_5", "s5", 1, 5))
     assert choice is not None and (choice.name, choice.durable) == ("checkpoint_1_5", True)
+    assert choice.sources == {"data-s5-rank-00000": (0,), "data-s5-rank-00001": (1,)}
+
+
+def test_another_mesh_from_own_parts_and_replicas():
+    """Issue 26, resharding from the tiers: a step the durable tier lacks is restorable onto
+    another mesh when the job's hosts hold every saved rank's part, own or replica; each
+    file's sources list its own host first, then the replicas' holders."""
+    parts = [mk(5, g, world=4) for g in range(4)]
+    # 4 saved hosts; 2 remain (0 and 1), holding the replicas of 3 and 2.
+    hosts = {0: [parts[0]], 1: [parts[1]]}
+    reps = {0: [parts[3]], 1: [parts[2], parts[0]]}
+    choice, why = choose_local(hosts, world_size=2, lease_epoch=1, durable=None,
+                               durable_save_id=lambda n: None, replicas=reps)
+    assert choice is not None, why
+    assert (choice.name, choice.durable, choice.heal) == ("checkpoint_1_5", False, ())
+    assert choice.sources == {"data-s5-rank-00000": (0, 1), "data-s5-rank-00001": (1,),
+                              "data-s5-rank-00002": (1,), "data-s5-rank-00003": (0,)}
+    assert "saved by 4 ranks, restored onto 2" in choice.reason
+    # A host new to the job (2, empty) is no obstacle: it reads from its peers.
+    choice, _ = choose_local({**hosts, 2: []}, world_size=3, lease_epoch=1, durable=None,
+                             durable_save_id=lambda n: None, replicas=reps)
+    assert choice is not None and choice.sources is not None
+    # Without the replica of host 2's part: saved rank 2 is nowhere, nothing local.
+    choice, why = choose_local(hosts, world_size=2, lease_epoch=1, durable=None,
+                               durable_save_id=lambda n: None, replicas={0: [parts[3]]})
+    assert choice is None and "saved ranks [2]" in why
+    # A replica of another save, or of a stale lease epoch, does not count.
+    other = mk(5, 2, world=4, save="other")
+    choice, why = choose_local(hosts, world_size=2, lease_epoch=1, durable=None,
+                               durable_save_id=lambda n: None, replicas={0: [parts[3], other]})
+    assert choice is None and "saved ranks [2]" in why
+    stale = mk(5, 2, world=4, lease=0)
+    stale = LocalStep(**{**stale.__dict__, "save_id": "s5"})
+    choice, why = choose_local(hosts, world_size=2, lease_epoch=1, durable=None,
+                               durable_save_id=lambda n: None,
+                               replicas={0: [parts[3]], 1: [stale]})
+    assert choice is None and "saved ranks [2]" in why
+    # A replica with a file gone (missing) does not count either.
+    gone = LocalStep(**{**parts[2].__dict__, "missing": ("data-s5-rank-00002",)})
+    choice, why = choose_local(hosts, world_size=2, lease_epoch=1, durable=None,
+                               durable_save_id=lambda n: None, replicas={0: [parts[3]], 1: [gone]})
+    assert choice is None and "saved ranks [2]" in why
 
 
 def test_incomplete_host_needs_the_same_save_in_durable():

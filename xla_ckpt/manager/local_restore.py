@@ -12,11 +12,19 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
+import os
+import secrets
+import socket
 from typing import Any, Callable
 
 from xla_ckpt.comm.base import Dist
-from xla_ckpt.errors import CheckpointCorruptError, DistributedError
-from xla_ckpt.format.manifest import STATE_ITEM, Manifest
+from xla_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    DistributedError,
+    StorageError,
+)
+from xla_ckpt.format.manifest import MANIFEST_NAME, STATE_ITEM, Manifest
 from xla_ckpt.restore import RestoreConfig
 from xla_ckpt.restore.select import ALL_RANKS, PER_HOST
 from xla_ckpt.run.catalog import committed_markers
@@ -25,6 +33,8 @@ from xla_ckpt.run.local_tier import DurableLatest, LocalStep, LocalTier, choose_
 from xla_ckpt.run.replicas import transfer_part
 from xla_ckpt.run.resolve import committed_manifest
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
+from xla_ckpt.storage.base import SOURCE_ADDRESS_ENV
+from xla_ckpt.storage.peer import PeerServer, PeerStorage
 from xla_ckpt.storage.tiered import TierCounters, TieredStorage
 
 logger = logging.getLogger(__name__)
@@ -44,14 +54,51 @@ def host_leaders(every: list[Any]) -> dict[int, int]:
     return {h: r for r, (h, inv) in reversed(list(enumerate(every))) if inv is not None}
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalDecision:
+    """Rank 0's choice of a local step, sent to every rank.
+
+    Attributes:
+        name / save_id: the checkpoint folder and its save.
+        durable: the durable tier holds the same save (what a tier lacks or fails comes
+            from there).
+        reason: why (logged).
+        manifest: the manifest's bytes; None when rank 0's host holds none of the step (a
+            replaced host: :func:`manifest_after_heal`; a host new to the job: from a peer,
+            :class:`PeerSources`).
+        heal: ``(host, holder, that host's marker as JSON)`` for each host whose part
+            comes from a replica before the read (:func:`heal_hosts`; the same mesh).
+        sources: another mesh: ``{data file: hosts whose tier holds it}``
+            (:attr:`~xla_ckpt.run.local_tier.LocalChoice.sources`); None on the same mesh.
+    """
+
+    name: str
+    save_id: str
+    durable: bool
+    reason: str
+    manifest: bytes | None
+    heal: list[tuple[int, int, dict]]
+    sources: dict[str, tuple[int, ...]] | None = None
+    token: str = ""
+    """The secret every peer request of this restore carries (:class:`PeerServer`)."""
+
+    def to_message(self) -> list[Any]:
+        """What rank 0 sends (the typed encoding of an exchange holds plain values)."""
+        return [self.name, self.save_id, self.durable, self.reason, self.manifest,
+                list(self.heal), self.sources, self.token]
+
+    @classmethod
+    def from_message(cls, msg: list[Any]) -> LocalDecision:
+        name, save_id, durable, reason, manifest, heal, sources, token = msg
+        return cls(name, save_id, durable, reason, manifest, [tuple(h) for h in heal],
+                   None if sources is None else {f: tuple(h) for f, h in sources.items()},
+                   token)
+
+
 def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size: int
-                 ) -> tuple[str, str, bool, str, bytes | None, list[tuple[int, int, dict]]
-                            ] | None:
-    """Rank 0: ``(name, save id, durable holds it, reason, manifest bytes, heal)`` of the
-    local step to restore, or None (the caller then decides from the durable tier alone; the
-    reason is logged).  ``heal``: ``(host, holder, that host's marker as JSON)`` for each
-    host whose part comes from a replica (:func:`heal_hosts`); the manifest bytes are None
-    when rank 0's own host is one of them (:func:`manifest_after_heal`).
+                 ) -> LocalDecision | None:
+    """Rank 0: the local step to restore (:class:`LocalDecision`), or None (the caller then
+    decides from the durable tier alone; the reason is logged).
 
     ``every``: each rank's ``(host, inventory_message)``.  What the durable tier must say
     comes from two requests made at once, whatever the number of checkpoints: one read of
@@ -116,10 +163,16 @@ def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size:
             return None
         heal = [(g, h, next(r for r in held[h] if r.name == choice.name and r.host == g
                             ).to_json()) for g, h in choice.heal]
-        if tier.host in {g for g, _ in choice.heal}:
-            # This host was replaced: the manifest arrives with its part (heal_hosts), and
-            # every rank gets it from rank 0 after that (manifest_after_heal).
-            return choice.name, choice.save_id, choice.durable, choice.reason, None, heal
+        sources = dict(choice.sources) if choice.sources is not None else None
+        token = secrets.token_hex(16) if sources is not None else ""
+        if tier.host in {g for g, _ in choice.heal} or (
+                sources is not None and not os.path.exists(
+                    os.path.join(tier.path(choice.name), MANIFEST_NAME))):
+            # This host was replaced, or holds nothing of this step (a restore onto other
+            # hosts): the manifest arrives with its part (heal_hosts) or from a peer
+            # (PeerSources), and every rank gets it from rank 0 after that.
+            return LocalDecision(choice.name, choice.save_id, choice.durable, choice.reason,
+                                 None, heal, sources, token)
         # Every rank parses these bytes: a damaged manifest is this step's failure (never
         # trusted again, decide once more), not the restore's.
         try:
@@ -132,8 +185,10 @@ def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size:
         except (OSError, ValueError) as e:
             tier.untrust(choice.name, choice.save_id, f"unusable manifest: {e}")
             invs = {h: [s for s in inv if s.name != choice.name] for h, inv in invs.items()}
+            held = {h: [s for s in inv if s.name != choice.name] for h, inv in held.items()}
             continue
-        return choice.name, choice.save_id, choice.durable, choice.reason, mbytes, heal
+        return LocalDecision(choice.name, choice.save_id, choice.durable, choice.reason,
+                             mbytes, heal, sources, token)
 
 
 def tensors_in_range(manifest: Manifest) -> Callable[[str, int, int], list[str]]:
@@ -155,14 +210,25 @@ def tensors_in_range(manifest: Manifest) -> Callable[[str, int, int], list[str]]
 
 
 def tier_source(tier: LocalTier, run: Storage, *, name: str, save_id: str, durable: bool,
-                manifest: Manifest, counters: TierCounters
+                manifest: Manifest, counters: TierCounters, peers: PeerSources | None = None
                 ) -> Callable[[StorageConfig | None], Storage]:
-    """This rank's opener for the chosen local step: its host's copy first, the durable
-    folder behind it when it holds the same save; a failed check marks the host's copy
-    untrusted (:meth:`LocalTier.untrust`)."""
+    """This rank's opener for the chosen local step: its host's copy first, then (another
+    mesh, ``peers``) the tiers of the other hosts that hold a file, the durable folder
+    behind them when it holds the same save; a failed check marks the host's copy (or the
+    replica the file belongs to) untrusted (:meth:`LocalTier.untrust`,
+    :meth:`LocalTier.untrust_replica`)."""
     url = run.url(name)
     files = dict(manifest.files)
     tensors_at = tensors_in_range(manifest)
+    local_files = peers.local_files(tier.host) if peers is not None else None
+    owner = file_owners(tier, name, save_id) if peers is not None else {}
+
+    def file_failed(file: str, why: str) -> None:
+        source = owner.get(file, tier.host)
+        if source == tier.host:
+            tier.untrust(name, save_id, why)
+        else:
+            tier.untrust_replica(name, source, save_id, why)
 
     def open_(config: StorageConfig | None) -> Storage:
         def durable_storage() -> Storage:
@@ -171,8 +237,116 @@ def tier_source(tier: LocalTier, run: Storage, *, name: str, save_id: str, durab
                              files=files, host=tier.host, counters=counters,
                              tensors_at=tensors_at,
                              on_failure=lambda why: tier.untrust(name, save_id, why),
-                             config=config)
+                             config=config, local_files=local_files,
+                             peers=peers.storages(tier.host) if peers is not None else None,
+                             on_file_failure=file_failed if peers is not None else None)
     return open_
+
+
+def file_owners(tier: LocalTier, name: str, save_id: str) -> dict[str, int]:
+    """``{file: the host whose part it is}`` for the files of ``name`` this host's tier holds
+    as replicas of other hosts' parts (its own files are absent)."""
+    return {f: s.host for s in tier.replicas() if s.name == name and s.save_id == save_id
+            for f in s.files}
+
+
+#: Environment variable: the address this host's leader serves its tier on for peers (a
+#: restore onto another mesh); default :func:`peer_address`.
+PEER_ADDRESS_ENV = "XLA_CKPT_PEER_ADDRESS"
+
+
+def peer_address() -> str:
+    """The address other hosts reach this host's peer server on: ``$XLA_CKPT_PEER_ADDRESS``,
+    else the address this host's GCS connections leave from (``$XLA_CKPT_GCS_SOURCE_ADDRESS``,
+    :attr:`~xla_ckpt.storage.StorageConfig.source_address`), else 127.0.0.1 when the job's
+    rendezvous (``MASTER_ADDR``) is on this machine's loopback (one machine: emulated
+    hosts), else this machine's name resolved (a TPU VM's or a pod's own address)."""
+    env = os.environ.get(PEER_ADDRESS_ENV) or os.environ.get(SOURCE_ADDRESS_ENV)
+    if env:
+        return env
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if master in ("localhost", "::1") or master.startswith("127."):
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclasses.dataclass
+class PeerSources:
+    """A restore onto another mesh (issue 26, resharding from the tiers): which hosts' tiers
+    hold each data file, and where each host serves its own.
+
+    Which rank calls what: every host's leader whose tier holds a file of the step calls
+    :meth:`serve` (before the read); every rank exchanges the servers' addresses
+    (:attr:`urls`); each rank's :class:`~xla_ckpt.storage.tiered.TieredStorage` reads a
+    file it needs from its own host's tier when it holds it, else from the listed peers'
+    servers (:meth:`storages`), checked by the reader's crc32c, else from the durable tier.
+    The servers stop after the read (:meth:`close`).
+    """
+
+    name: str
+    save_id: str
+    sources: dict[str, tuple[int, ...]]
+    token: str
+    urls: dict[int, str] = dataclasses.field(default_factory=dict)
+    server: Any = None
+    timeout_s: float = 60.0
+
+    def local_files(self, host: int) -> set[str]:
+        return {f for f, hs in self.sources.items() if host in hs}
+
+    def serve(self, tier: LocalTier) -> str | None:
+        """This host's leader: start serving the files of the step its tier holds (and the
+        manifest); returns the server's URL, or None when it holds none."""
+        folder = tier.path(self.name)
+        files = {f: os.path.join(folder, f) for f in self.local_files(tier.host)}
+        if not files:
+            return None
+        if os.path.exists(os.path.join(folder, MANIFEST_NAME)):
+            files[MANIFEST_NAME] = os.path.join(folder, MANIFEST_NAME)
+        self.server = PeerServer(files, address=peer_address(), token=self.token)
+        return str(self.server.url)
+
+    def storages(self, host: int) -> dict[str, list[tuple[int, Storage]]]:
+        """``{file: [(peer host, its storage), ...]}``: the other hosts holding each file (for
+        a file ``host`` holds too, the ones it falls back to when its own copy fails a
+        check); one storage per peer, closed with the caller's TieredStorage."""
+        per: dict[int, Storage] = {}
+        out: dict[str, list[tuple[int, Storage]]] = {}
+        for f, hs in self.sources.items():
+            for h in hs:
+                if h != host and h in self.urls:
+                    if h not in per:
+                        per[h] = PeerStorage(self.urls[h], host=h, token=self.token,
+                                             timeout_s=self.timeout_s)
+                    out.setdefault(f, []).append((h, per[h]))
+        return out
+
+    def manifest_bytes(self) -> bytes:
+        """Rank 0, when its host holds none of the step: the manifest from the first peer
+        that serves it.
+
+        Raises:
+            CheckpointCorruptError: no peer's server returned it.
+        """
+        errors = []
+        for h, url in sorted(self.urls.items()):
+            st = PeerStorage(url, host=h, token=self.token, timeout_s=self.timeout_s)
+            try:
+                return st.read_bytes(MANIFEST_NAME)
+            except (StorageError, CheckpointNotFoundError) as e:
+                errors.append(f"host {h}: {e}")
+            finally:
+                st.close()
+        raise CheckpointCorruptError(f"no peer served the manifest of {self.name}: "
+                                     + "; ".join(errors))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
 
 def own_host_config(config: RestoreConfig) -> RestoreConfig:

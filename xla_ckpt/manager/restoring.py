@@ -259,7 +259,8 @@ class RestorePath(ManagerBase):
                                                            world_size=self.world_size)
                         best = best_read.result()
                 if local is not None:
-                    decision = ("ok", None, local[0], True, best, None, local)
+                    decision = ("ok", None, local.name, True, best, None,
+                                local.to_message())
                 else:
                     decision = ("ok", *self._resolve_restore(best), None)
             except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised below
@@ -270,20 +271,26 @@ class RestorePath(ManagerBase):
             rank0.raise_error(decision, own if self.rank == 0 else None,
                               world_size=self.world_size,
                               what="resolve the checkpoint to restore")
-        _, uri, name, in_run, best, mbytes, local = decision
+        _, uri, name, in_run, best, mbytes, message = decision
+        local = None if message is None else local_restore.LocalDecision.from_message(message)
         self._best = best
         decided_s = time.perf_counter() - t0
         counters = TierCounters()
         peer_bytes, healed_from, heal_s = 0, None, 0.0  # a replaced host's part, from a peer
         tier_used: str | None = "durable" if tiered else None
+        peers: local_restore.PeerSources | None = None
         if local is not None:
             assert self._tier is not None and every is not None
-            name, save_id, in_durable, why, mbytes, heal = local
+            name, save_id, in_durable, why = local.name, local.save_id, local.durable, \
+                local.reason
+            mbytes, heal = local.manifest, local.heal
             if heal:
                 th = time.perf_counter()
                 mbytes, peer_bytes = self._heal(name, heal, every, mbytes, durable=in_durable)
                 heal_s = time.perf_counter() - th
                 healed_from = next((h for g, h, _ in heal if g == self._host), None)
+            if local.sources is not None:
+                peers, mbytes = self._serve_peers(local, every, mbytes)
             uri, in_run, tier_used = self.run.url(name), True, "local"
             manifest = Manifest.from_json_bytes(mbytes, where=f"{self._tier.path(name)}/"
                                                 f"manifest.json", require_crc=True)
@@ -292,7 +299,8 @@ class RestorePath(ManagerBase):
                             name, why, "" if in_durable else " (not in the durable tier yet)")
             opener = local_restore.tier_source(self._tier, self.run, name=name,
                                                save_id=save_id, durable=in_durable,
-                                               manifest=manifest, counters=counters)
+                                               manifest=manifest, counters=counters,
+                                               peers=peers)
             self._parsed = (uri, manifest)
         if uri is None:
             if self.rank == 0:
@@ -310,8 +318,15 @@ class RestorePath(ManagerBase):
             source = dataclasses.replace(source, source=opener)
             config = local_restore.own_host_config(self.restore_config)
         try:
-            result = self._read_checkpoint(source, name, map_location, into=into,
-                                           rank_state_remap=rank_state_remap, config=config)
+            try:
+                result = self._read_checkpoint(source, name, map_location, into=into,
+                                               rank_state_remap=rank_state_remap,
+                                               config=config)
+                if peers is not None:
+                    self._end_peers(peers, counters)
+            finally:
+                if peers is not None:
+                    peers.close()
         except UncommittedCheckpointError as e:  # a named folder: not a fresh start here
             raise IncompleteCheckpointError(str(e)) from e
         except NothingCommittedError as e:
@@ -335,10 +350,65 @@ class RestorePath(ManagerBase):
                 "local_read_s": counters.local_seconds,
                 "durable_read_s": counters.durable_seconds if tier_used == "local" else None,
                 "fallbacks": list(counters.fallbacks), "decide_s": decided_s,
-                "peer_bytes": peer_bytes, "healed_from": healed_from, "heal_s": heal_s,
+                "peer_bytes": peer_bytes + counters.peer_bytes, "healed_from": healed_from,
+                "heal_s": heal_s, "peer_read_s": counters.peer_seconds,
+                "peer_bytes_by_host": dict(counters.peer_by_host),
                 "read_s": stats.seconds if stats is not None else 0.0,
                 "total_s": time.perf_counter() - t0}
         return result
+
+    def _serve_peers(self, local: local_restore.LocalDecision, every: list,
+                     mbytes: bytes | None) -> tuple[local_restore.PeerSources, bytes]:
+        """Every rank, a restore onto another mesh: each host leader whose tier holds files
+        of the step serves them to the other hosts for the read (one exchange of the
+        servers' addresses); the manifest every rank reads (from a peer, by rank 0, when
+        its host holds none of the step)."""
+        assert self._tier is not None and local.sources is not None
+        peers = local_restore.PeerSources(local.name, local.save_id, dict(local.sources),
+                                          local.token, timeout_s=self.dist.timeout_s)
+        try:
+            url = peers.serve(self._tier) if self._host_leader else None
+            got: Any = (self._host, url)
+            for host, u in self._exchange(got):
+                if u is not None:
+                    peers.urls[host] = u
+            if mbytes is None:
+                if self.rank == 0:
+                    try:
+                        got = ("ok", peers.manifest_bytes())
+                    except Exception as e:  # noqa: BLE001 - sent to every rank, raised below
+                        got = rank0.error_message(e)
+                        own = e
+                else:
+                    got = None
+                got = self._exchange(got)[0]
+                if got[0] == "error":
+                    rank0.raise_error(got, own if self.rank == 0 else None,
+                                      world_size=self.world_size,
+                                      what=f"read the manifest of {local.name} from a peer")
+                mbytes = got[1]
+        except BaseException:
+            peers.close()
+            raise
+        assert mbytes is not None
+        return peers, mbytes
+
+    def _end_peers(self, peers: local_restore.PeerSources, counters: TierCounters) -> None:
+        """Every rank, after a read from peers: one exchange (no server stops while a rank
+        still reads) of the peer copies that failed; each holder marks a failed copy
+        untrusted, so no later restore reads it again."""
+        assert self._tier is not None
+        failed = self._exchange([(h, f, why) for h, f, why in counters.peer_failures])
+        if not self._host_leader:
+            return
+        mine = [(f, why) for part in failed for h, f, why in part if h == self._host]
+        owner = local_restore.file_owners(self._tier, peers.name, peers.save_id)
+        for f, why in mine:
+            source = owner.get(f, self._host)
+            if source == self._host:
+                self._tier.untrust(peers.name, peers.save_id, why)
+            else:
+                self._tier.untrust_replica(peers.name, source, peers.save_id, why)
 
     def _heal(self, name: str, heal: list, every: list, mbytes: bytes | None, *,
               durable: bool) -> tuple[bytes, int]:

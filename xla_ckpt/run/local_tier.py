@@ -522,6 +522,12 @@ class LocalChoice:
     heal: tuple[tuple[int, int], ...] = ()
     """``(host, holder)`` pairs: ``host`` has no copy of its part (a replaced host), and the
     replica that ``holder`` keeps is sent to it over the data plane before the read."""
+    sources: Mapping[str, tuple[int, ...]] | None = None
+    """A restore onto another mesh (issue 26, resharding from the tiers): ``{data file:
+    hosts of the job whose tier holds it}`` (a part's own host first, then the holders of its
+    replicas), for every data file of the save the hosts hold; None on the same mesh.  A
+    rank reads a byte range from its own host's tier when its host is listed, else from a
+    listed peer's tier over the network, else from the durable tier."""
 
 
 def _listdir(path: str) -> list[str]:
@@ -540,7 +546,7 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
 
     Args:
         inventories: every host's :meth:`LocalTier.inventory`, by host index (every host of
-            the job must be there: a host without the step makes it unusable).
+            the job must be there, an empty list for a host without a tier or a step).
         world_size: the job's world size now.
         lease_epoch: the run folder's lease epoch now (0: none).
         durable: the newest committed durable checkpoint (None: none).
@@ -551,17 +557,22 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
 
     The rules (DESIGN "tiers"):
 
-    * lineage: only steps of the run folder's lease epoch (the newest incarnation that
-      saved).  A step of an older epoch is a fenced incarnation's (or one a successor has
-      since moved past), never chosen; a step of a newer epoch than the run folder's lease
+    * lineage: only parts of the run folder's lease epoch (the newest incarnation that
+      saved).  A part of an older epoch is a fenced incarnation's (or one a successor has
+      since moved past), never chosen; a part of a newer epoch than the run folder's lease
       (or of any epoch when it has none) is another job's, whose run folder at the same URI
       was deleted and made anew (a lease epoch never goes down), never chosen;
-    * every host committed the step, with the same save id, or a host of the job now holds
-      a committed replica of that host's part with every file there (issue 26: a replaced
-      host; the lowest such holder sends it, :attr:`LocalChoice.heal`);
-    * a host that lacks a file its ranks need, or another world size (a restore onto
-      another mesh on the same hosts), is acceptable only if the durable tier holds the
-      same save: what a host lacks comes from there, by byte range;
+    * the same mesh (the saved world size): every host committed the step, with the same
+      save id, or a host of the job now holds a committed replica of that host's part with
+      every file there (issue 26: a replaced host; the lowest such holder sends it,
+      :attr:`LocalChoice.heal`); a host that lacks a file its ranks need is acceptable only
+      if the durable tier holds the same save (what it lacks comes from there, by byte
+      range);
+    * another mesh (issue 26, resharding from the tiers: another world size, hosts gone or
+      new): the hosts of the job hold, as own parts or committed replicas, the part of every
+      saved rank with every file, or the durable tier holds the same save; each rank then
+      reads every box from its own host's tier, a peer's (:attr:`LocalChoice.sources`) or
+      the durable tier, in that order;
     * never older than the newest durable step (same step and save: the local tier).
     """
     if not inventories:
@@ -571,66 +582,93 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
     for host, inv in inventories.items():
         for s in inv:
             by_name.setdefault(s.name, {})[host] = s
-    held: dict[tuple[str, int], list[tuple[int, LocalStep]]] = {}  # (name, source): holders
+    held: dict[str, list[tuple[int, LocalStep]]] = {}  # name: (holder, replica)
     for holder, inv in (replicas or {}).items():
         for s in inv:
-            if holder in inventories and s.host in inventories and s.host != holder \
-                    and not s.missing:
-                held.setdefault((s.name, s.host), []).append((holder, s))
-    candidates = []
+            if holder in inventories and s.host != holder and not s.missing:
+                held.setdefault(s.name, []).append((holder, s))
+    candidates: list[tuple[int, str, LocalStep, bool, tuple[tuple[int, int], ...],
+                           dict[str, tuple[int, ...]] | None]] = []
     skipped: list[str] = []
-    for name in sorted(set(by_name) | {n for n, _ in held}):
-        hosts = dict(by_name.get(name, {}))
-        heal: list[tuple[int, int]] = []
-        for g in sorted(set(inventories) - set(hosts)):
-            ref = next(iter(hosts.values()), None)
-            ok = sorted(((h, s) for h, s in held.get((name, g), ())
-                         if ref is None or s.save_id == ref.save_id), key=lambda x: x[0])
-            if ok:
-                hosts[g] = ok[0][1]
-                heal.append((g, ok[0][0]))
-        ss = list(hosts.values())
-        first = ss[0]
-        if len(hosts) != len(inventories):
-            skipped.append(f"{name}: committed on hosts {sorted(hosts)} of "
-                           f"{sorted(inventories)}")
+    for name in sorted(set(by_name) | set(held)):
+        own = by_name.get(name, {})
+        # a replica of another lineage (a stale incarnation's, another job's) never counts
+        reps = [(h, r) for h, r in held.get(name, []) if r.lease_epoch == lineage]
+        if not own and not reps:
+            skipped.append(f"{name}: only replicas of another lease epoch than {lineage}")
             continue
-        if any(s.save_id != first.save_id for s in ss):
+        ref = next(iter(own.values()), None) or reps[0][1]
+        parts = list(own.values()) + [s for _, s in reps if s.save_id == ref.save_id]
+        if any(s.save_id != ref.save_id for s in own.values()):
             skipped.append(f"{name}: hosts hold different saves")
             continue
-        if any(s.lease_epoch > lineage for s in ss):
-            skipped.append(f"{name}: written by lease epoch {max(s.lease_epoch for s in ss)}, "
-                           f"the run folder's lease is at epoch {lineage} (the run folder was "
-                           "made anew: another job's copy)")
+        if any(s.lease_epoch > lineage for s in parts):
+            skipped.append(f"{name}: written by lease epoch {max(s.lease_epoch for s in parts)}"
+                           f", the run folder's lease is at epoch {lineage} (the run folder "
+                           "was made anew: another job's copy)")
             continue
-        if any(s.lease_epoch != lineage for s in ss):
-            skipped.append(f"{name}: written by lease epoch {first.lease_epoch}, the lineage "
+        if any(s.lease_epoch != lineage for s in parts):
+            skipped.append(f"{name}: written by lease epoch {ref.lease_epoch}, the lineage "
                            f"is epoch {lineage} (a stale incarnation's copy)")
             continue
-        in_durable = durable_save_id(name) == first.save_id
-        if first.world_size != world_size and not in_durable:
-            # Another mesh on the same hosts reads the saved boxes its ranks need by byte
-            # range: what its host holds locally, the rest from the durable copy.
-            skipped.append(f"{name}: saved by {first.world_size} ranks, the job has "
-                           f"{world_size}, and the durable tier does not hold this save")
+        in_durable = durable_save_id(name) == ref.save_id
+        if ref.world_size == world_size:
+            hosts = dict(own)
+            heal: list[tuple[int, int]] = []
+            for g in sorted(set(inventories) - set(hosts)):
+                ok = sorted(((h, s) for h, s in reps
+                             if s.host == g and s.save_id == ref.save_id), key=lambda x: x[0])
+                if ok:
+                    hosts[g] = ok[0][1]
+                    heal.append((g, ok[0][0]))
+            if len(hosts) != len(inventories):
+                skipped.append(f"{name}: committed on hosts {sorted(hosts)} of "
+                               f"{sorted(inventories)}")
+                continue
+            if not in_durable and not all(s.complete for s in hosts.values()):
+                bad = [s.host for s in hosts.values() if not s.complete]
+                skipped.append(f"{name}: hosts {bad} lack files and the durable tier does "
+                               "not hold this save")
+                continue
+            candidates.append((ref.num_updates, name, ref, in_durable, tuple(heal), None))
             continue
-        if not in_durable and not all(s.complete for s in ss):
-            bad = [s.host for s in ss if not s.complete]
-            skipped.append(f"{name}: hosts {bad} lack files and the durable tier does not "
-                           "hold this save")
+        # Another mesh: each saved part from whichever host of the job holds it.
+        holders: dict[str, list[int]] = {}
+        covered: set[int] = set()
+        for holder, s in sorted([(h, s) for h, s in own.items()] +
+                                [(h, s) for h, s in reps if s.save_id == ref.save_id],
+                                key=lambda x: (x[1].host != x[0], x[0])):
+            if s.missing:
+                continue
+            covered.update(s.ranks)
+            for f in s.files:
+                if holder not in holders.setdefault(f, []):
+                    holders[f].append(holder)
+        lacking = sorted(set(range(ref.world_size)) - covered)
+        if lacking and not in_durable:
+            skipped.append(f"{name}: saved by {ref.world_size} ranks, the job has "
+                           f"{world_size}; no host of the job holds the part of saved ranks "
+                           f"{lacking[:8]} and the durable tier does not hold this save")
             continue
-        candidates.append((first.num_updates, name, first, in_durable, tuple(heal)))
+        candidates.append((ref.num_updates, name, ref, in_durable, (),
+                           {f: tuple(h) for f, h in sorted(holders.items())}))
     if durable is not None and durable.lease_epoch > lineage:
         return None, (f"the durable {durable.name} is of a newer lease epoch "
                       f"({durable.lease_epoch})")
     if not candidates:
         return None, "; ".join(skipped) or "no committed local step"
     candidates.sort(key=lambda c: (c[0], c[1]))
-    n, name, first, in_durable, heals = candidates[-1]
+    n, name, first, in_durable, heals, sources = candidates[-1]
     if durable is not None and durable.num_updates > n and durable.lease_epoch >= lineage:
         return None, (f"the durable {durable.name} (update {durable.num_updates}) is newer "
                       f"than every local step (newest {name}, update {n})")
     via = "".join(f"; host {g}'s part from host {h}'s replica" for g, h in heals)
+    if sources is not None:
+        reason = (f"the hosts' tiers hold {name} (update {n}, lease epoch {lineage}, saved by "
+                  f"{first.world_size} ranks, restored onto {world_size}): each rank reads "
+                  "its boxes from its own host's tier, a peer's, or the durable tier")
+    else:
+        reason = (f"every host committed {name} (update {n}, lease epoch {lineage}) in its "
+                  f"local tier{via}")
     return LocalChoice(name=name, save_id=first.save_id, num_updates=n, durable=in_durable,
-                       reason=f"every host committed {name} (update {n}, lease epoch "
-                              f"{lineage}) in its local tier{via}", heal=heals), ""
+                       reason=reason, heal=heals, sources=sources), ""
