@@ -38,7 +38,7 @@ def _check(lines: list[dict], torchft: bool) -> None:
     assert rep["bitwise_ok"] and rep["tier"] == ["local"]
     assert rep["durable_mib_per_host"] == [0.0, 0.0]  # nothing from GCS
     assert rep["peer_mib_per_host"][0] == 0.0 and rep["peer_mib_per_host"][1] >= 8.0
-    assert rep["heal_s"] > 0 and rep["seconds"] > 0
+    assert rep["transfer_s"] > 0 and rep["seconds"] > 0
     gcs = by["gcs_restore"]
     assert gcs["bitwise_ok"] and sum(gcs["durable_mib_per_host"]) >= 8.0
     assert by["data_plane"]["bitwise_ok"]

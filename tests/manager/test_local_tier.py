@@ -339,7 +339,7 @@ def test_another_mesh_from_own_parts_and_replicas():
     choice, why = choose_local(hosts, world_size=2, lease_epoch=1, durable=None,
                                durable_save_id=lambda n: None, replicas=reps)
     assert choice is not None, why
-    assert (choice.name, choice.durable, choice.heal) == ("checkpoint_1_5", False, ())
+    assert (choice.name, choice.durable, choice.replaced) == ("checkpoint_1_5", False, ())
     assert choice.sources == {"data-s5-rank-00000": (0, 1), "data-s5-rank-00001": (1,),
                               "data-s5-rank-00002": (1,), "data-s5-rank-00003": (0,)}
     assert "saved by 4 ranks, restored onto 2" in choice.reason

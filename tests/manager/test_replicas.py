@@ -83,17 +83,19 @@ def decide(own: dict, held: dict, *, lease_epoch: int = 1, durable_saves: dict |
                         durable_save_id=saves.get, replicas=held)
 
 
-def test_a_replaced_host_is_healed_from_the_holder_of_its_replica():
+def test_a_replaced_host_reads_its_part_from_the_holder_of_its_replica():
     choice, why = decide({0: [mk(4, 0), mk(5, 0)], 1: []}, {0: [mk(4, 1), mk(5, 1)], 1: []})
     assert choice is not None and why == ""
-    assert (choice.name, choice.heal, choice.durable) == ("checkpoint_1_5", ((1, 0),), False)
+    assert (choice.name, choice.replaced, choice.durable) == ("checkpoint_1_5", ((1, 0),), False)
     assert "host 1's part from host 0's replica" in choice.reason
+    # Each data file's holders: host 0 holds its own and host 1's (its replica).
+    assert choice.sources == {"data-s5-rank-00000": (0,), "data-s5-rank-00001": (0,)}
     # Both hosts hold their own parts: no transfer, whatever replicas exist.
     choice, _ = decide({0: [mk(5, 0)], 1: [mk(5, 1)]}, {0: [mk(5, 1)], 1: [mk(5, 0)]})
-    assert choice is not None and choice.heal == ()
+    assert choice is not None and choice.replaced == () and choice.sources is None
     # Every host replaced but one holds everything: each empty host from that holder.
     choice, _ = decide({0: [], 1: [], 2: [mk(5, 2)]}, {2: [mk(5, 0), mk(5, 1)]})
-    assert choice is not None and choice.heal == ((0, 2), (1, 2))
+    assert choice is not None and choice.replaced == ((0, 2), (1, 2))
 
 
 @pytest.mark.parametrize("replica,why", [
@@ -112,7 +114,7 @@ def test_a_holder_not_in_the_job_and_the_newest_healable_step():
     assert choice is None and "committed on hosts [0] of [0, 1]" in reason
     # Step 6 lacks host 1 entirely; step 5 is healable: 5 wins.
     choice, _ = decide({0: [mk(5, 0), mk(6, 0)], 1: []}, {0: [mk(5, 1)]})
-    assert choice is not None and (choice.name, choice.heal) == ("checkpoint_1_5", ((1, 0),))
+    assert choice is not None and (choice.name, choice.replaced) == ("checkpoint_1_5", ((1, 0),))
 
 
 # ---- replica markers in a host's tier ----------------------------------------------------------

@@ -315,17 +315,30 @@ REPLICA_POINTS = {
     "replica-mid-send": "host 1's leader, the manifest sent, no data file yet",
     "replica-received": "host 0's leader, host 1's files received and checked, no marker",
     "replica-committed": "host 0's leader, right after host 1's replica marker",
-    "heal-mid-send": "a restore: host 0's leader sending host 1's part, the manifest sent",
+    "peer-mid-read": "a restore: host 0's leader serving host 1's ranks their first data "
+                     "range from its tier",
 }
 
 
 def _replica_kill_point(point: str, at: int, pause: Any) -> None:
-    from xla_ckpt.manager import local_restore, replication
+    from xla_ckpt.manager import replication
     from xla_ckpt.run import replicas
     from xla_ckpt.run.local_tier import LocalTier
 
-    if point in ("replica-send", "replica-mid-send", "heal-mid-send"):
-        where = local_restore if point == "heal-mid-send" else replication
+    if point == "peer-mid-read":
+        from xla_ckpt.storage import peer
+
+        real_send = peer._Handler._send_file
+
+        def send_file(self, f, name, start, end):
+            if name.startswith("data-"):
+                pause()
+            return real_send(self, f, name, start, end)
+
+        peer._Handler._send_file = send_file  # type: ignore[method-assign]  # on purpose
+        return
+    if point in ("replica-send", "replica-mid-send"):
+        where = replication
         real_transfer = where.transfer_part
         real_mapped = replicas._mapped_for_sending
         armed = threading.Event()

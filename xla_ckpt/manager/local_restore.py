@@ -1,10 +1,12 @@
 """The manager's restore across tiers: one decision from every host's local inventory and the
 durable catalog (:func:`xla_ckpt.run.local_tier.choose_local`), then one read through this
-host's copy with the durable copy behind it (:mod:`xla_ckpt.storage.tiered`).
+host's copy, the other hosts' copies (a replaced host, another mesh: :class:`PeerSources`)
+and the durable copy behind them (:mod:`xla_ckpt.storage.tiered`).
 
 Which rank calls what: every host's leader sends its inventory (one exchange, every rank);
-rank 0 decides (:func:`decide_local`) and sends the decision with the manager's; every rank
-opens its own host's copy (:func:`tier_source`).
+rank 0 decides (:func:`decide_local`) and sends the decision with the manager's; with peer
+sources, every host leader holding files of the step serves them for the read; every rank
+opens its own host's copy with the peers and the durable copy behind it (:func:`tier_source`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,9 @@ import secrets
 import socket
 from typing import Any, Callable
 
-from xla_ckpt.comm.base import Dist
 from xla_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
-    DistributedError,
     StorageError,
 )
 from xla_ckpt.format.manifest import MANIFEST_NAME, STATE_ITEM, Manifest
@@ -30,7 +30,6 @@ from xla_ckpt.restore.select import ALL_RANKS, PER_HOST
 from xla_ckpt.run.catalog import committed_markers
 from xla_ckpt.run.fencing import peek_lease
 from xla_ckpt.run.local_tier import DurableLatest, LocalStep, LocalTier, choose_local
-from xla_ckpt.run.replicas import transfer_part
 from xla_ckpt.run.resolve import committed_manifest
 from xla_ckpt.storage import Storage, StorageConfig, open_storage
 from xla_ckpt.storage.base import SOURCE_ADDRESS_ENV
@@ -64,12 +63,11 @@ class LocalDecision:
             from there).
         reason: why (logged).
         manifest: the manifest's bytes; None when rank 0's host holds none of the step (a
-            replaced host: :func:`manifest_after_heal`; a host new to the job: from a peer,
-            :class:`PeerSources`).
-        heal: ``(host, holder, that host's marker as JSON)`` for each host whose part
-            comes from a replica before the read (:func:`heal_hosts`; the same mesh).
-        sources: another mesh: ``{data file: hosts whose tier holds it}``
-            (:attr:`~xla_ckpt.run.local_tier.LocalChoice.sources`); None on the same mesh.
+            replaced host, a host new to the job): rank 0 then reads it from a peer
+            (:meth:`PeerSources.manifest_bytes`).
+        sources: a replaced host or another mesh: ``{data file: hosts whose tier holds
+            it}`` (:attr:`~xla_ckpt.run.local_tier.LocalChoice.sources`); None when every
+            host reads its own part.
     """
 
     name: str
@@ -77,7 +75,6 @@ class LocalDecision:
     durable: bool
     reason: str
     manifest: bytes | None
-    heal: list[tuple[int, int, dict]]
     sources: dict[str, tuple[int, ...]] | None = None
     token: str = ""
     """The secret every peer request of this restore carries (:class:`PeerServer`)."""
@@ -85,12 +82,12 @@ class LocalDecision:
     def to_message(self) -> list[Any]:
         """What rank 0 sends (the typed encoding of an exchange holds plain values)."""
         return [self.name, self.save_id, self.durable, self.reason, self.manifest,
-                list(self.heal), self.sources, self.token]
+                self.sources, self.token]
 
     @classmethod
     def from_message(cls, msg: list[Any]) -> LocalDecision:
-        name, save_id, durable, reason, manifest, heal, sources, token = msg
-        return cls(name, save_id, durable, reason, manifest, [tuple(h) for h in heal],
+        name, save_id, durable, reason, manifest, sources, token = msg
+        return cls(name, save_id, durable, reason, manifest,
                    None if sources is None else {f: tuple(h) for f, h in sources.items()},
                    token)
 
@@ -161,18 +158,14 @@ def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size:
         if choice is None:
             logger.info("rank 0: restoring from the durable tier: %s", why)
             return None
-        heal = [(g, h, next(r for r in held[h] if r.name == choice.name and r.host == g
-                            ).to_json()) for g, h in choice.heal]
         sources = dict(choice.sources) if choice.sources is not None else None
         token = secrets.token_hex(16) if sources is not None else ""
-        if tier.host in {g for g, _ in choice.heal} or (
-                sources is not None and not os.path.exists(
-                    os.path.join(tier.path(choice.name), MANIFEST_NAME))):
-            # This host was replaced, or holds nothing of this step (a restore onto other
-            # hosts): the manifest arrives with its part (heal_hosts) or from a peer
-            # (PeerSources), and every rank gets it from rank 0 after that.
+        if sources is not None and not os.path.exists(os.path.join(tier.path(choice.name),
+                                                                   MANIFEST_NAME)):
+            # This host was replaced, or is new to the job: rank 0 reads the manifest from
+            # a peer (PeerSources) and sends it to every rank.
             return LocalDecision(choice.name, choice.save_id, choice.durable, choice.reason,
-                                 None, heal, sources, token)
+                                 None, sources, token)
         # Every rank parses these bytes: a damaged manifest is this step's failure (never
         # trusted again, decide once more), not the restore's.
         try:
@@ -188,7 +181,7 @@ def decide_local(run: Storage, tier: LocalTier, every: list[Any], *, world_size:
             held = {h: [s for s in inv if s.name != choice.name] for h, inv in held.items()}
             continue
         return LocalDecision(choice.name, choice.save_id, choice.durable, choice.reason,
-                             mbytes, heal, sources, token)
+                             mbytes, sources, token)
 
 
 def tensors_in_range(manifest: Manifest) -> Callable[[str, int, int], list[str]]:
@@ -350,84 +343,11 @@ class PeerSources:
 
 
 def own_host_config(config: RestoreConfig) -> RestoreConfig:
-    """The restore config of a read from the local tier: each rank reads from its own host's
-    copy (``all_ranks``; with host shared memory, the host's leader reads the replicated
-    state once for its host), never another host's bytes over the network."""
+    """The restore config of a read from the local tier: each rank reads its own boxes
+    (``all_ranks``; with host shared memory, the host's leader reads the replicated state
+    once for its host) through its tiers, no plan's exchange over the data plane."""
     if config.strategy in (ALL_RANKS, PER_HOST):
         return config
     return dataclasses.replace(config, strategy=ALL_RANKS)
 
 
-def heal_hosts(dist: Dist, tier: LocalTier, name: str, heal: list[tuple[int, int, dict]],
-               leaders: dict[int, int], exchange: Callable[[Any], list[Any]]
-               ) -> tuple[dict[int, str], int]:
-    """Every rank, before the read: each replaced host's leader receives its part of ``name``
-    from the leader of the host holding its replica (issue 26; :func:`~xla_ckpt.run.replicas.
-    transfer_part`: each byte sent once, checked on arrival), then commits it as its own.
-
-    Returns ``({host: why}, bytes)``: the hosts whose part did not arrive intact, the same on
-    every rank (an exchange; the holder of each such replica marks it untrusted: their bytes
-    then come from the durable tier if it holds the save, or the caller decides again), and
-    the bytes this rank received from a peer.
-
-    Raises:
-        DistributedError: a peer died or timed out during a transfer (every rank, naming it).
-    """
-    failed: dict[int, str] = {}
-    received = 0
-    for g, h, doc in heal:
-        step = LocalStep.from_json(doc, where=f"host {h}'s replica of host {g}'s part")
-        src, dst = leaders[h], leaders[g]
-        if dist.rank not in (src, dst):
-            continue
-        try:
-            res = transfer_part(dist, tier, step, list(step.files), src=src, dst=dst)
-        except DistributedError:
-            raise
-        except (OSError, ValueError) as e:  # this rank's own files (a full tmpfs)
-            failed[g] = f"{type(e).__name__}: {e}"
-            continue
-        if dist.rank != dst:
-            continue
-        received += res.nbytes
-        if res.ok:
-            try:
-                tier.commit(step, None)
-            except OSError as e:
-                failed[g] = f"committing it failed: {e}"
-                continue
-            logger.info("host %d: received its part of %s (%d bytes) from host %d's replica, "
-                        "every crc32c checked", g, name, res.nbytes, h)
-        else:
-            failed[g] = "; ".join(f"{p.file} {list(p.keys)[:3]}: {p.detail}"
-                                  for p in res.problems[:5])
-    agreed: dict[int, str] = {}
-    for part in exchange(failed):
-        agreed.update(part)
-    for g, h, doc in heal:
-        if g in agreed:
-            if dist.rank == leaders[h]:
-                tier.untrust_replica(name, g, str(doc.get("save_id")), agreed[g])
-            if dist.rank == 0:
-                logger.warning("host %d's part of %s did not arrive intact from host %d's "
-                               "replica: %s", g, name, h, agreed[g])
-    return agreed, received
-
-
-def manifest_after_heal(tier: LocalTier, run: Storage, name: str, *, durable: bool) -> bytes:
-    """Rank 0, after :func:`heal_hosts` when its own host was replaced: the manifest of
-    ``name`` from its host's tier (the transfer wrote it), else from the durable copy.
-
-    Raises:
-        CheckpointCorruptError: neither holds it (the caller decides again).
-    """
-    try:
-        return tier.manifest_bytes(name)
-    except OSError as e:
-        if durable:
-            with run.child(name) as st:
-                found = committed_manifest(st)
-            if found is not None:
-                return found[1]
-        raise CheckpointCorruptError(f"host {tier.host}: no manifest of {name} arrived with "
-                                     f"its part ({e}) and the durable tier holds none") from e

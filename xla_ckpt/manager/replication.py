@@ -18,8 +18,8 @@ over a process group of the host leaders that nothing else uses
    which replicas committed, and a step counts as replicated only when all of them did.
 
 A restore reads the replica markers from every host's inventory
-(:func:`~xla_ckpt.manager.local_restore.decide_local`): a replaced host gets its part back
-from a holder before the read.  A failure of the group (a leader died, a timeout) stops
+(:func:`~xla_ckpt.manager.local_restore.decide_local`): a replaced host's ranks read their
+boxes from a holder's tier.  A failure of the group (a leader died, a timeout) stops
 replication for this manager with one WARNING; training and the local and durable saves go on.
 """
 

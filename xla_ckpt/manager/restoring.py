@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from xla_ckpt.comm.failures import describe_error
+from xla_ckpt.comm.failures import describe_error, is_broken_collective
 from xla_ckpt.errors import (
     CheckpointNotFoundError,
     CheckpointReplacedError,
@@ -115,11 +115,12 @@ class RestoreResult:
             bytes read, seconds); None otherwise.
         tier: with a local tier (``checkpoint.local_dir``): ``tier`` (``"local"`` or
             ``"durable"``), ``host``, ``local_bytes`` / ``durable_bytes`` this rank read from
-            each, ``peer_bytes`` it received from a peer's replica before the read (a
-            replaced host's leader) and ``healed_from`` (the host that sent this host's part,
-            or None), ``fallbacks``, and the phase times in seconds (``decide_s``, ``heal_s``:
-            the transfers from peers and their checks, ``read_s``, ``local_read_s`` /
-            ``durable_read_s``, ``total_s``); None without a local tier.
+            each, ``peer_bytes`` it read from other hosts' tiers (a replaced host, a restore
+            onto another mesh; ``peer_bytes_by_host``, ``healed_from``: the peer host that
+            served the most of them, or None), ``fallbacks``, and the phase times in seconds
+            (``decide_s``, ``read_s``, ``local_read_s`` / ``durable_read_s`` /
+            ``peer_read_s``: summed over the reading threads, ``total_s``); None without a
+            local tier.
     """
 
     state: Any
@@ -276,19 +277,13 @@ class RestorePath(ManagerBase):
         self._best = best
         decided_s = time.perf_counter() - t0
         counters = TierCounters()
-        peer_bytes, healed_from, heal_s = 0, None, 0.0  # a replaced host's part, from a peer
         tier_used: str | None = "durable" if tiered else None
         peers: local_restore.PeerSources | None = None
         if local is not None:
             assert self._tier is not None and every is not None
             name, save_id, in_durable, why = local.name, local.save_id, local.durable, \
                 local.reason
-            mbytes, heal = local.manifest, local.heal
-            if heal:
-                th = time.perf_counter()
-                mbytes, peer_bytes = self._heal(name, heal, every, mbytes, durable=in_durable)
-                heal_s = time.perf_counter() - th
-                healed_from = next((h for g, h, _ in heal if g == self._host), None)
+            mbytes = local.manifest
             if local.sources is not None:
                 peers, mbytes = self._serve_peers(local, every, mbytes)
             uri, in_run, tier_used = self.run.url(name), True, "local"
@@ -332,8 +327,10 @@ class RestorePath(ManagerBase):
         except NothingCommittedError as e:
             raise CheckpointNotFoundError(str(e)) from e
         except DistributedError as e:
-            if local is not None and not isinstance(e, CollectiveTimeoutError) and any(
-                    self._exchange(bool(counters.fallbacks))):
+            if local is not None and not isinstance(e, CollectiveTimeoutError) and \
+                    not is_broken_collective(e) and (
+                    self._end_peers(peers, counters) if peers is not None else
+                    any(self._exchange(bool(counters.fallbacks)))):
                 raise _LocalCopyFailed(name, e) from e
             self._note_recovery(e, name if in_run else None)
             raise
@@ -350,9 +347,10 @@ class RestorePath(ManagerBase):
                 "local_read_s": counters.local_seconds,
                 "durable_read_s": counters.durable_seconds if tier_used == "local" else None,
                 "fallbacks": list(counters.fallbacks), "decide_s": decided_s,
-                "peer_bytes": peer_bytes + counters.peer_bytes, "healed_from": healed_from,
-                "heal_s": heal_s, "peer_read_s": counters.peer_seconds,
+                "peer_bytes": counters.peer_bytes, "peer_read_s": counters.peer_seconds,
                 "peer_bytes_by_host": dict(counters.peer_by_host),
+                "healed_from": max(counters.peer_by_host, default=None,
+                                   key=lambda h: (counters.peer_by_host[h], -h)),
                 "read_s": stats.seconds if stats is not None else 0.0,
                 "total_s": time.perf_counter() - t0}
         return result
@@ -393,56 +391,27 @@ class RestorePath(ManagerBase):
         assert mbytes is not None
         return peers, mbytes
 
-    def _end_peers(self, peers: local_restore.PeerSources, counters: TierCounters) -> None:
-        """Every rank, after a read from peers: one exchange (no server stops while a rank
-        still reads) of the peer copies that failed; each holder marks a failed copy
-        untrusted, so no later restore reads it again."""
+    def _end_peers(self, peers: local_restore.PeerSources, counters: TierCounters) -> bool:
+        """Every rank, after a read from peers (or its failure): one exchange (no server
+        stops while a rank still reads) of the peer copies that failed; each holder marks a
+        failed copy untrusted, so no later restore reads it again.  Returns whether any rank
+        fell back from a copy (then a failed read decides again)."""
         assert self._tier is not None
-        failed = self._exchange([(h, f, why) for h, f, why in counters.peer_failures])
+        every = self._exchange([bool(counters.fallbacks),
+                                [[h, f, why] for h, f, why in counters.peer_failures]])
+        fell_back = any(part[0] for part in every)
         if not self._host_leader:
-            return
-        mine = [(f, why) for part in failed for h, f, why in part if h == self._host]
+            return fell_back
+        mine = [(f, why) for part in every for h, f, why in part[1] if h == self._host]
         owner = local_restore.file_owners(self._tier, peers.name, peers.save_id)
         for f, why in mine:
+            why = why if f in why else f"{f}: {why}"
             source = owner.get(f, self._host)
             if source == self._host:
                 self._tier.untrust(peers.name, peers.save_id, why)
             else:
                 self._tier.untrust_replica(peers.name, source, peers.save_id, why)
-
-    def _heal(self, name: str, heal: list, every: list, mbytes: bytes | None, *,
-              durable: bool) -> tuple[bytes, int]:
-        """Every rank: replaced hosts get their part of ``name`` from their replicas
-        (:func:`~xla_ckpt.manager.local_restore.heal_hosts`); the manifest bytes every rank
-        reads (from rank 0, when its own host was one of them), and the bytes this rank
-        received from a peer."""
-        assert self._tier is not None
-        leaders = local_restore.host_leaders(every)
-        failed, received = local_restore.heal_hosts(self.dist, self._tier, name, heal, leaders,
-                                                    self._exchange)
-        if failed and not durable:
-            raise _LocalCopyFailed(name, DistributedError(
-                f"restoring {name} from the local tier: a replaced host's part did not arrive "
-                "intact and the durable tier does not hold this save",
-                {leaders[g]: f"host {g}: {why}" for g, why in failed.items()}))
-        if mbytes is None:
-            if self.rank == 0:
-                try:
-                    mbytes = local_restore.manifest_after_heal(self._tier, self.run, name,
-                                                               durable=durable)
-                    got: Any = ("ok", mbytes)
-                except Exception as e:  # noqa: BLE001 - sent to every rank, re-raised below
-                    got = rank0.error_message(e)
-                    own = e
-            else:
-                got = None
-            got = self._exchange(got)[0]
-            if got[0] == "error":
-                rank0.raise_error(got, own if self.rank == 0 else None,
-                                  world_size=self.world_size,
-                                  what=f"read the manifest of {name} after healing")
-            mbytes = got[1]
-        return mbytes, received
+        return fell_back
 
     # ---- steps (Orbax / torch_xla CheckpointManager parity) -----------------------------
     def all_steps(self) -> list[int]:

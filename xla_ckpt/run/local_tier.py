@@ -519,14 +519,14 @@ class LocalChoice:
     num_updates: int
     durable: bool
     reason: str
-    heal: tuple[tuple[int, int], ...] = ()
-    """``(host, holder)`` pairs: ``host`` has no copy of its part (a replaced host), and the
-    replica that ``holder`` keeps is sent to it over the data plane before the read."""
+    replaced: tuple[tuple[int, int], ...] = ()
+    """``(host, holder)`` pairs: ``host`` has no copy of its part (a replaced host), and
+    ``holder`` keeps a replica of it (the first of them)."""
     sources: Mapping[str, tuple[int, ...]] | None = None
-    """A restore onto another mesh (issue 26, resharding from the tiers): ``{data file:
-    hosts of the job whose tier holds it}`` (a part's own host first, then the holders of its
-    replicas), for every data file of the save the hosts hold; None on the same mesh.  A
-    rank reads a byte range from its own host's tier when its host is listed, else from a
+    """A replaced host or a restore onto another mesh (issue 26): ``{data file: hosts of the
+    job whose tier holds it}`` (a part's own host first, then the holders of its replicas),
+    for every data file of the save the hosts hold; None when every host reads its own part.
+    A rank reads a byte range from its own host's tier when its host is listed, else from a
     listed peer's tier over the network, else from the durable tier."""
 
 
@@ -535,6 +535,25 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
+
+
+def _holders(own: Mapping[int, LocalStep], reps: Sequence[tuple[int, LocalStep]], save_id: str
+             ) -> tuple[dict[str, list[int]], set[int]]:
+    """``({data file: hosts holding it}, saved ranks covered)`` from the hosts' own parts and
+    the replicas they hold of ``save_id`` (a part's own host first, then holders by index);
+    a part with a file gone counts for nothing."""
+    holders: dict[str, list[int]] = {}
+    covered: set[int] = set()
+    for holder, s in sorted([(h, s) for h, s in own.items()] +
+                            [(h, s) for h, s in reps if s.save_id == save_id],
+                            key=lambda x: (x[1].host != x[0], x[0])):
+        if s.missing:
+            continue
+        covered.update(s.ranks)
+        for f in s.files:
+            if holder not in holders.setdefault(f, []):
+                holders[f].append(holder)
+    return holders, covered
 
 
 def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: int,
@@ -564,10 +583,10 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
       was deleted and made anew (a lease epoch never goes down), never chosen;
     * the same mesh (the saved world size): every host committed the step, with the same
       save id, or a host of the job now holds a committed replica of that host's part with
-      every file there (issue 26: a replaced host; the lowest such holder sends it,
-      :attr:`LocalChoice.heal`); a host that lacks a file its ranks need is acceptable only
-      if the durable tier holds the same save (what it lacks comes from there, by byte
-      range);
+      every file there (issue 26: a replaced host, whose ranks read their boxes from the
+      holders' tiers, :attr:`LocalChoice.sources`); a host that lacks a file its ranks
+      need is acceptable only if the durable tier holds the same save (what it lacks comes
+      from there, by byte range);
     * another mesh (issue 26, resharding from the tiers: another world size, hosts gone or
       new): the hosts of the job hold, as own parts or committed replicas, the part of every
       saved rank with every file, or the durable tier holds the same save; each rank then
@@ -614,13 +633,13 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
         in_durable = durable_save_id(name) == ref.save_id
         if ref.world_size == world_size:
             hosts = dict(own)
-            heal: list[tuple[int, int]] = []
+            via: list[tuple[int, int]] = []  # a replaced host: (host, holder of its replica)
             for g in sorted(set(inventories) - set(hosts)):
                 ok = sorted(((h, s) for h, s in reps
                              if s.host == g and s.save_id == ref.save_id), key=lambda x: x[0])
                 if ok:
                     hosts[g] = ok[0][1]
-                    heal.append((g, ok[0][0]))
+                    via.append((g, ok[0][0]))
             if len(hosts) != len(inventories):
                 skipped.append(f"{name}: committed on hosts {sorted(hosts)} of "
                                f"{sorted(inventories)}")
@@ -630,20 +649,14 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
                 skipped.append(f"{name}: hosts {bad} lack files and the durable tier does "
                                "not hold this save")
                 continue
-            candidates.append((ref.num_updates, name, ref, in_durable, tuple(heal), None))
+            sources = None
+            if via:  # a replaced host reads its boxes from the holders' tiers
+                holders, _ = _holders(own, reps, ref.save_id)
+                sources = {f: tuple(h) for f, h in sorted(holders.items())}
+            candidates.append((ref.num_updates, name, ref, in_durable, tuple(via), sources))
             continue
         # Another mesh: each saved part from whichever host of the job holds it.
-        holders: dict[str, list[int]] = {}
-        covered: set[int] = set()
-        for holder, s in sorted([(h, s) for h, s in own.items()] +
-                                [(h, s) for h, s in reps if s.save_id == ref.save_id],
-                                key=lambda x: (x[1].host != x[0], x[0])):
-            if s.missing:
-                continue
-            covered.update(s.ranks)
-            for f in s.files:
-                if holder not in holders.setdefault(f, []):
-                    holders[f].append(holder)
+        holders, covered = _holders(own, reps, ref.save_id)
         lacking = sorted(set(range(ref.world_size)) - covered)
         if lacking and not in_durable:
             skipped.append(f"{name}: saved by {ref.world_size} ranks, the job has "
@@ -658,17 +671,17 @@ def choose_local(inventories: Mapping[int, Sequence[LocalStep]], *, world_size: 
     if not candidates:
         return None, "; ".join(skipped) or "no committed local step"
     candidates.sort(key=lambda c: (c[0], c[1]))
-    n, name, first, in_durable, heals, sources = candidates[-1]
+    n, name, first, in_durable, replaced, sources = candidates[-1]
     if durable is not None and durable.num_updates > n and durable.lease_epoch >= lineage:
         return None, (f"the durable {durable.name} (update {durable.num_updates}) is newer "
                       f"than every local step (newest {name}, update {n})")
-    via = "".join(f"; host {g}'s part from host {h}'s replica" for g, h in heals)
-    if sources is not None:
+    from_replicas = "".join(f"; host {g}'s part from host {h}'s replica" for g, h in replaced)
+    if sources is not None and first.world_size != world_size:
         reason = (f"the hosts' tiers hold {name} (update {n}, lease epoch {lineage}, saved by "
                   f"{first.world_size} ranks, restored onto {world_size}): each rank reads "
                   "its boxes from its own host's tier, a peer's, or the durable tier")
     else:
         reason = (f"every host committed {name} (update {n}, lease epoch {lineage}) in its "
-                  f"local tier{via}")
+                  f"local tier{from_replicas}")
     return LocalChoice(name=name, save_id=first.save_id, num_updates=n, durable=in_durable,
-                       reason=reason, heal=heals, sources=sources), ""
+                       reason=reason, replaced=replaced, sources=sources), ""

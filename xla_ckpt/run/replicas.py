@@ -1,14 +1,14 @@
 """Replicas of each host's local-tier part on other hosts (issue 26), and the transfer that
-makes them and heals a replaced host from them, over the data plane.
+makes them, over the data plane.
 
 A host's *part* of a checkpoint is what its local tier holds of it
 (:class:`~xla_ckpt.run.local_tier.LocalStep`: its data files, listed with their sizes in its
 commit marker).  A *replica* of it is the same files in another host's step folder, with a
 ``replica-<g>.commit.json`` marker written last, only once every byte received was checked
 against the manifest's crc32c (:meth:`~xla_ckpt.run.local_tier.LocalTier.commit_replica`).
-A host that comes back empty (a preempted TPU VM, a rescheduled GKE node) gets its part back
-from a holder the same way (:func:`transfer_part`, then its own ``host-<g>`` marker), and the
-restore then reads its own memory as after a crash: every other host reads its own.
+A host that comes back empty (a preempted TPU VM, a rescheduled GKE node) reads its boxes
+from a holder's tier during the restore (:class:`~xla_ckpt.manager.local_restore.PeerSources`),
+and every other host reads its own.
 
 Placement (:func:`place_replicas`): a replica never shares a failure domain with its source.
 Domains come from the topology (one TPU slice, one GKE node pool) or a user map; by default
@@ -124,8 +124,8 @@ def transfer_part(dist: Dist, tier: LocalTier, step: LocalStep, files: Sequence[
     (:func:`~xla_ckpt.io.verify.check_file_bytes`: nothing is read back); only when every
     file is intact does it rename them to their names (no marker names them yet, so nothing
     counts them) and write the manifest when it has none there; otherwise it removes them
-    and returns the problems.  Committing (a replica marker, or a healed host's own marker)
-    is the caller's step, after a clean check.
+    and returns the problems.  Committing (the replica marker) is the caller's step, after a
+    clean check.
 
     Raises:
         DistributedError: the peer died or the transfer timed out (the receiver's partial

@@ -139,10 +139,15 @@ class TieredStorage(Storage):
                 self._durable = self._durable_factory()
             return self._durable
 
-    def _report(self, reason: str, file: str | None = None) -> None:
+    def _report(self, reason: str, file: str | None = None, local: bool = True) -> None:
+        """Record and log a failure; ``local``: of this host's own tier (then the caller's
+        ``on_failure`` / ``on_file_failure`` marks the copy untrusted), else of a peer's
+        (:attr:`TierCounters.peer_failures` carries it to the holder)."""
         with self.counters.lock:
             self.counters.fallbacks.append(reason)
         logger.warning("host %d: %s", self.host, reason)
+        if not local:
+            return
         if self._on_file_failure is not None and file is not None:
             try:
                 self._on_file_failure(file, reason)
@@ -156,12 +161,13 @@ class TieredStorage(Storage):
             except Exception as e:  # noqa: BLE001 - a report must not fail the read
                 logger.warning("host %d: could not record the failure: %s", self.host, e)
 
-    def _report_once(self, key: object, reason: str, file: str | None = None) -> None:
+    def _report_once(self, key: object, reason: str, file: str | None = None,
+                     local: bool = True) -> None:
         with self._lock:
             seen = key in self._reported
             self._reported.add(key)
         if not seen:
-            self._report(reason, file)
+            self._report(reason, file, local)
 
     def _local_allowed(self, name: str) -> bool:
         return self.local_files is None or name in self.local_files
@@ -190,7 +196,8 @@ class TieredStorage(Storage):
     def _other_tier(self, name: str) -> str:
         if self._live_peers(name):
             return "another host's tier" + (" or the durable tier" if self.has_durable else "")
-        return "the durable tier"
+        return "the durable tier" if self.has_durable else \
+            "nowhere else (no other tier holds this save: the read fails)"
 
     # ---- reads -------------------------------------------------------------------------
     def stat(self, name: str) -> ObjectInfo:
@@ -268,7 +275,7 @@ class TieredStorage(Storage):
                 self.counters.peer_failures.append((host, name, why))
             self._report(f"reading {name} from peer host {host}'s tier failed ({why}); it is "
                          f"not asked again in this restore, the bytes come from "
-                         f"{self._other_tier(name)}")
+                         f"{self._other_tier(name)}", local=False)
 
     def crc_mismatch(self, name: str, offset: int, n: int, tensors: Sequence[str]) -> bool:
         """The chunk reader: bytes ``[offset, offset + n)`` of ``name`` failed their crc32c.
@@ -305,15 +312,21 @@ class TieredStorage(Storage):
                 assert isinstance(source, int)
                 with self.counters.lock:
                     self.counters.peer_failures.append((source, name, reason))
-                self._report(reason)
+                self._report(reason, local=False)
             return True
         # Nothing to fall back to: the reader re-reads the same bytes, then raises its
         # IntegrityError naming the tensor (each range reported once, not per re-read).
+        if isinstance(source, int):
+            why = f"crc32c mismatch in bytes [{offset}, {offset + n}) (tensor {what})"
+            with self.counters.lock:
+                failures = self.counters.peer_failures
+                if not any(h == source and f == name for h, f, _ in failures):
+                    failures.append((source, name, why))
         self._report_once((name, offset, n), f"crc32c mismatch in {where} bytes [{offset}, "
                           f"{offset + n}) (tensor {what}), and the durable tier does not "
                           "hold this save" + (" (nor another peer)" if self.peers.get(name)
                                               else ""),
-                          name if source == "local" else None)
+                          name if source == "local" else None, local=source == "local")
         return False
 
     # ---- a restore only reads ------------------------------------------------------------
