@@ -266,10 +266,8 @@ def _mapped_for_sending(folder: str, name: str, want: int) -> Iterator[torch.Ten
     try:
         yield t
     finally:
-        del t
-        if mm is not None:
-            with contextlib.suppress(BufferError):
-                mm.close()
+        del t  # this frame's view of the mapping, before closing it
+        _close_mapping(mm)
 
 
 @contextlib.contextmanager
@@ -298,10 +296,16 @@ def _mapped_for_receiving(path: str, n: int) -> Iterator[torch.Tensor]:
     try:
         yield t
     finally:
-        del t
-        if mm is not None:
-            with contextlib.suppress(BufferError):
-                mm.close()
+        del t  # this frame's view of the mapping, before closing it
+        _close_mapping(mm)
+
+
+def _close_mapping(mm: mmap.mmap | None) -> None:
+    """Unmap ``mm`` now; a view of it still alive elsewhere (BufferError) keeps it mapped
+    until that view is collected."""
+    if mm is not None:
+        with contextlib.suppress(BufferError):
+            mm.close()
 
 
 def _write(path: str, data: bytes) -> None:
