@@ -358,7 +358,7 @@ def _replica_kill_point(point: str, at: int, pause: Any) -> None:
                 pause()
             return real_mapped(*a, **kw)
 
-        where.transfer_part = transfer_part  # type: ignore[attr-defined]  # on purpose
+        where.transfer_part = transfer_part  # the kill point, on purpose
         replicas._mapped_for_sending = mapped_for_sending  # the kill point, on purpose
     else:
         real_commit = LocalTier.commit_replica
