@@ -16,8 +16,10 @@ Run for real:
 * ``python``: a fresh ``python`` process runs the block; it must exit 0. Blocks assert what
   they claim with ``assert`` where a reader can see it.
 * ``python torchrun``: the block is a ``train.py`` for ``torchrun --nproc-per-node 2``: it runs
-  on 2 real gloo ranks started by :mod:`xla_ckpt.testing.launcher` (torchrun's variables,
-  loopback only, a hard timeout); every rank must finish.
+  on 2 real gloo ranks (torchrun's variables, loopback only, a hard timeout), 2 fresh processes
+  for each run, forked from one clean :mod:`xla_ckpt.testing.launcher` worker that has
+  imported torch and the library (``crash_harness.run_jobs``), so no run waits for
+  interpreters to start; every rank must finish.
 * ``twice`` (with either): the block runs again in the same folder, as a restarted job. The
   first run must log the manager's fresh start ("training starts from scratch") and the second
   must not: it resumed from what the first committed.
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import http.client
 import importlib.metadata
 import importlib.util
@@ -84,11 +87,12 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from tests.reliability import crash_harness
 from xla_ckpt.cli.main import build_parser
 from xla_ckpt.config import load_config
 from xla_ckpt.format import STATE_ITEM, rank_item
 from xla_ckpt.format.chunks import CHUNK_ITEM_PREFIX
-from xla_ckpt.testing.launcher import launch
+from xla_ckpt.testing.launcher import WorkerPool
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -208,6 +212,23 @@ def page_env(gcs_emulator: Any) -> Iterator[dict[str, str]]:
     _empty_buckets(gcs_emulator.host)
 
 
+@pytest.fixture(scope="module")
+def torchrun_zygote() -> Iterator[Callable[[], WorkerPool]]:
+    """The clean worker every ``python torchrun`` run is forked from, started on first use."""
+    made: list[WorkerPool] = []
+
+    def get() -> WorkerPool:
+        if not made:
+            made.append(WorkerPool(1, xla=False))
+            (ready,) = made[0].run(preload_torchrun)
+            ready.unwrap()
+        return made[0]
+
+    yield get
+    for p in made:
+        p.close()
+
+
 # ---- running blocks ---------------------------------------------------------------------------
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], where: str) -> str:
     try:
@@ -241,7 +262,29 @@ def run_block_on_rank(script: str, cwd: str) -> str:
     return "\n".join(grab.lines)
 
 
-def run_python(b: Block, cwd: Path, scripts: Path, env: dict[str, str]) -> None:
+def torchrun_rank(script: str, cwd: str, env: dict[str, str], rank: int) -> dict:
+    """One rank of a ``python torchrun`` block's job (forked, torchrun's variables set):
+    the block's environment, then the script; its log lines."""
+    os.environ.update(env)
+    return {"log": run_block_on_rank(script, cwd)}
+
+
+def preload_torchrun() -> None:
+    """In the zygote: what the ``torchrun`` blocks import (FSDP2 and DTensor pull in
+    ``torch._dynamo``, seconds), so that no forked rank imports it again."""
+    import torch._dynamo
+    import torch.distributed.checkpoint.state_dict
+    import torch.distributed.device_mesh
+    import torch.distributed.fsdp  # noqa: F401 - imported to warm the forks
+
+    import xla_ckpt.manager
+    import xla_ckpt.restore
+    import xla_ckpt.storage.gcs
+    import xla_ckpt.trainer  # noqa: F401 - imported to warm the forks
+
+
+def run_python(b: Block, cwd: Path, scripts: Path, env: dict[str, str],
+               zygote: Callable[[], WorkerPool]) -> None:
     script = scripts / f"block_{b.line}.py"
     script.write_text(b.text)
     runs = 2 if "twice" in b.words else 1
@@ -251,11 +294,14 @@ def run_python(b: Block, cwd: Path, scripts: Path, env: dict[str, str]) -> None:
         if "torchrun" in b.words:
             launch_env = {k: env[k] for k in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT",
                                               "XLA_CKPT_BUCKET", "PJRT_DEVICE")}
-            results = launch(run_block_on_rank, 2, args=(str(script), str(cwd)), env=launch_env,
-                             xla=False, timeout_s=RUN_TIMEOUT_S)
-            for r in results:
-                assert r.ok, f"{where}: rank {r.rank}: {r}"
-            outs.append("\n".join(str(r.value) for r in results))
+            body = functools.partial(torchrun_rank, str(script), str(cwd), launch_env)
+            (res,) = zygote().run(crash_harness.run_jobs, [(2, body)], RUN_TIMEOUT_S,
+                                  timeout_s=RUN_TIMEOUT_S + 60)
+            (ranks,) = res.unwrap()
+            for r in ranks:
+                assert not r["hang"] and r["exitcode"] == 0 and "log" in (r["value"] or {}), \
+                    f"{where}: rank {r['rank']}: {r}"
+            outs.append("\n".join(r["value"]["log"] for r in ranks))
         else:
             outs.append(_run([sys.executable, str(script)], cwd, env, where))
     if runs == 2:
@@ -624,7 +670,8 @@ def _multi_process(page: Path) -> bool:
     pytest.param(p, id=str(p.relative_to(ROOT)),
                  marks=[pytest.mark.slow] if _multi_process(p) else [])
     for p in PAGES if blocks_of(p)])
-def test_page_code_blocks_run(page: Path, tmp_path: Path, page_env: dict[str, str]) -> None:
+def test_page_code_blocks_run(page: Path, tmp_path: Path, page_env: dict[str, str],
+                              torchrun_zygote: Callable[[], WorkerPool]) -> None:
     cwd = tmp_path / "page"
     scripts = tmp_path / "scripts"
     cwd.mkdir()
@@ -634,7 +681,7 @@ def test_page_code_blocks_run(page: Path, tmp_path: Path, page_env: dict[str, st
         if "needs" in b.opts:
             NEEDS[b.opts["needs"]](cwd)
         if kind == "python":
-            run_python(b, cwd, scripts, page_env)
+            run_python(b, cwd, scripts, page_env, torchrun_zygote)
         elif kind == "sh":
             run_sh(b, cwd, page_env)
         elif kind == "yaml":

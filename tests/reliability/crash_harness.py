@@ -66,7 +66,12 @@ raised at once without a single mutating step.
 zygote saves DTensor state with the chunked ``save_distributed``; every rank is traced, one
 rank is SIGKILLed at each point of its own steps and then its peer; a fresh job verifies the
 run folder with restores into DTensor targets (:func:`check_sharded`).  :func:`run_job` forks
-such a job for the sharded rank-failure cases of ``rank_workers.py``.
+such a job for the sharded rank-failure cases of ``rank_workers.py``; :func:`run_jobs` many at
+once (the rank-failure batch of ``test_rank_failures.py``, the docs' ``torchrun`` blocks).
+
+Each campaign can run its points in ``lanes`` side by side (:func:`in_lanes`): every point has
+its own run folder, and a kill point is a place in the saver's own sequence of steps, not a
+moment, so two lanes keep both cores of a small machine busy without changing any point.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ import importlib
 import io
 import json
 import os
+import pickle
 import re
 import select
 import shutil
@@ -750,14 +756,67 @@ def preload(backend: str) -> None:
         import xla_ckpt.storage.gcs  # noqa: F401 - imported to warm the forks, not used here
 
 
+def in_lanes(points: list, one: Callable[[int, Any], dict], lanes: int) -> list[dict]:
+    """``[one(j, p) for j, p in enumerate(points)]``, run in ``lanes`` lanes side by side.
+
+    Lane ``i`` runs the points ``j`` with ``j % lanes == i``: lane 0 in this process (the
+    zygote), every other one in a fork of it made here, before any point (it forks its own
+    savers and verifiers as the zygote does).  Every point has its own run folder, and a kill
+    point is a place in the saver's own sequence of steps, not a moment, so lanes do not
+    meet; a point keeps about one process busy at a time, so on 2 cores two lanes take about
+    half the time.  Results come back in point order.
+    """
+    if lanes <= 1:
+        return [one(j, p) for j, p in enumerate(points)]
+    children: list[tuple[int, int]] = []
+    try:
+        for lane in range(1, lanes):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # a lane: its points, then its results (pickled) on the pipe
+                code = 0
+                try:
+                    os.close(r)
+                    data = pickle.dumps([(j, one(j, p)) for j, p in enumerate(points)
+                                         if j % lanes == lane])
+                except BaseException:  # noqa: BLE001 - reported to lane 0, which raises it
+                    data = pickle.dumps(traceback.format_exc()[-4000:])
+                    code = 1
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(w, view):]
+                finally:
+                    os._exit(code)
+            os.close(w)
+            children.append((pid, r))
+        out = {j: one(j, p) for j, p in enumerate(points) if j % lanes == 0}
+        for pid, r in children:
+            chunks = []
+            while chunk := os.read(r, 1 << 20):
+                chunks.append(chunk)
+            got = pickle.loads(b"".join(chunks)) if chunks else "a lane died"
+            if isinstance(got, str):
+                raise AssertionError(f"lane of pid {pid} failed: {got}")
+            out.update(got)
+        return [out[j] for j in range(len(points))]
+    finally:
+        for pid, r in children:
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            os.close(r)
+
+
 def campaign(base_uri: str, backend: str, mode: str, count: int, *, recover: bool = True,
-             emulator_host: str = "", bucket: str = "") -> dict:
+             emulator_host: str = "", bucket: str = "", lanes: int = 1) -> dict:
     """Dry run, choose ``count`` kill points, kill a saver at each, verify after each.
 
     Runs in a launcher worker (the zygote): every saver and verifier is a fork
     of it.  Returns ``{"steps": [...], "points": [...], "results": [...]}``
     (plain data; the test asserts on it).  Each run folder is removed after
-    its point was verified.
+    its point was verified.  ``lanes``: the points run in that many lanes side by
+    side (:func:`in_lanes`).
     """
     torch.set_num_threads(1)
     preload(backend)
@@ -769,8 +828,8 @@ def campaign(base_uri: str, backend: str, mode: str, count: int, *, recover: boo
     steps: list[Step] = dry["steps"]
     _wipe(dry_uri, backend, emulator_host)
     points = choose_points(steps, count)
-    results = []
-    for j, p in enumerate(points):
+
+    def one(j: int, p: KillPoint) -> dict:
         uri = f"{base_uri}/p{j:04d}"
         killed = run_saver(uri, backend, mode, p, bucket)
         res: dict[str, Any] = {"point": asdict(p), "label": p.label(steps),
@@ -779,8 +838,10 @@ def campaign(base_uri: str, backend: str, mode: str, count: int, *, recover: boo
                                "paused_at": killed["paused"]}
         res["trace_matches"] = same_place(killed["steps"] or [], steps, p)
         res["verify"] = run_verifier(uri, backend, recover, emulator_host)
-        results.append(res)
         _wipe(uri, backend, emulator_host)
+        return res
+
+    results = in_lanes(points, one, lanes)
     return {"steps": [asdict(s) for s in steps], "commit_step": commit_step(steps),
             "results": results, "seconds": time.perf_counter() - t0}
 
@@ -832,7 +893,8 @@ def check(result: dict) -> list[str]:
 S_NAME = "checkpoint_1_20"  # what the successor saves
 NEXT = "checkpoint_1_4"  # the predecessor's save after C
 P_EPOCH, S_EPOCH = 2, 3  # lease epochs: the set-up incarnation has 1
-BLOCK_WAIT_S = 5.0  # the successor made no progress for this long: it waits on P's folder lock
+# Without /proc/locks: the successor made no progress for this long, so it waits on P's lock
+BLOCK_WAIT_S = 5.0
 
 
 class _Lines:
@@ -857,6 +919,49 @@ class _Lines:
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return json.loads(line) if line else None
+
+
+def _waits_on_lock_of(waiter: int, holder: int) -> bool | None:
+    """Whether process ``waiter`` waits for a ``flock`` that process ``holder`` holds (in
+    ``/proc/locks`` a blocked request, ``->``, has the number of the lock it waits for);
+    None where the kernel gives no ``/proc/locks``.  (A wait on a lock another thread of
+    ``waiter`` holds, a moment's contention inside the successor, does not count.)"""
+    try:
+        with open("/proc/locks") as f:
+            rows = [w for w in map(str.split, f.read().splitlines()) if len(w) > 5]
+    except OSError:
+        return None
+    held = {w[0] for w in rows if w[1] != "->" and w[4] == str(holder)}
+    return any(w[1] == "->" and w[5] == str(waiter) and w[0] in held for w in rows)
+
+
+def _gone(pid: int) -> bool:
+    """Whether child ``pid`` has exited (a zombie not yet reaped, or no process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _next_unless_blocked(lines: _Lines, pid: int, holder: int) -> dict | None:
+    """The successor's (``pid``) next message, or None once it waits on a folder lock that
+    the paused predecessor (``holder``) holds: it waits for a ``flock`` of the holder's (it
+    stays waiting while the holder is paused), or, without ``/proc/locks``, it said nothing
+    for :data:`BLOCK_WAIT_S`.  None as well when it exited or said nothing for
+    :data:`SAVE_TIMEOUT_S`."""
+    start = time.monotonic()
+    while True:
+        m = lines.read(0.05)
+        if m is not None:
+            return m
+        waiting = _waits_on_lock_of(pid, holder)
+        quiet = time.monotonic() - start
+        if waiting or _gone(pid) or quiet > SAVE_TIMEOUT_S or (
+                waiting is None and quiet > BLOCK_WAIT_S):
+            # Blocked or gone, it sends nothing more; what it sent before is in the pipe
+            # already (it may have written it after the read above gave up).
+            return lines.read(0.05)
 
 
 def _send(fd: int, msg: dict) -> None:
@@ -1034,10 +1139,10 @@ def run_fencing_point(run_uri: str, backend: str, variant: str, point: KillPoint
             spid, sr = _fork(lambda w: _successor_main(run_uri, backend, w))
             pids.append(spid)
             ls = _Lines(sr)
-            wait = BLOCK_WAIT_S if backend == "local" else SAVE_TIMEOUT_S
             pending = ["restored", "saved", "done"]
             while pending:
-                m = ls.read(wait)
+                m = _next_unless_blocked(ls, spid, pid) if backend == "local" \
+                    else ls.read(SAVE_TIMEOUT_S)
                 if m is None:
                     break  # S waits on a folder lock P holds at its point
                 if "error" in m:
@@ -1120,10 +1225,10 @@ def pointer_step(steps: list[Step]) -> int:
 
 
 def fencing_campaign(base_uri: str, backend: str, variant: str, count: int, *,
-                     emulator_host: str = "", bucket: str = "") -> dict:
+                     emulator_host: str = "", bucket: str = "", lanes: int = 1) -> dict:
     """Dry run of P's save of C, ``count`` points chosen from it, one interleaving at each.
 
-    Runs in a launcher worker (the zygote), like :func:`campaign`.
+    Runs in a launcher worker (the zygote), like :func:`campaign` (``lanes`` too).
     """
     torch.set_num_threads(1)
     preload(backend)
@@ -1142,8 +1247,8 @@ def fencing_campaign(base_uri: str, backend: str, variant: str, count: int, *,
         # every other request until P goes on, so S could not run meanwhile (real GCS serves
         # both).  Those points are the kill variant's; here P pauses between requests.
         points = [p for p in points if p.at != "byte"]
-    results = []
-    for j, p in enumerate(points):
+
+    def one(j: int, p: KillPoint) -> dict:
         uri = f"{base_uri}/f{j:04d}"
         res = run_fencing_point(uri, backend, variant, p, bucket=bucket,
                                 emulator_host=emulator_host)
@@ -1154,8 +1259,10 @@ def fencing_campaign(base_uri: str, backend: str, variant: str, count: int, *,
                    before_pointer=p.step < pointer_step(steps),
                    trace_matches=same_place([Step(**x) for x in res.get("seen_steps") or []],
                                             steps, p))
-        results.append(res)
         _wipe(uri, backend, emulator_host)
+        return res
+
+    results = in_lanes(points, one, lanes)
     return {"steps": [asdict(s) for s in steps], "commit_step": commit_step(steps),
             "manifest_step": manifest_step(steps), "pointer_step": pointer_step(steps),
             "rotation_step": rotation_step(steps), "results": results,
@@ -1661,13 +1768,16 @@ def choose_rank_points(steps: list[Step], count: int) -> list[KillPoint]:
 
 def sharded_campaign(base_uri: str, backend: str, count: int, *, world: int = SHARDED_WORLD,
                      verify_world: int | None = None, victims: tuple[int, ...] | None = None,
-                     recover: bool = True, emulator_host: str = "", bucket: str = "") -> dict:
+                     recover: bool = True, emulator_host: str = "", bucket: str = "",
+                     lanes: int = 1) -> dict:
     """Dry run of the sharded save, ``count`` kill points spread over the victims' steps
     (rank 0 gets half, the commit marker's neighbours always among them), one killed job and
-    one verifying job at each.  Runs in a launcher worker (the zygote)."""
+    one verifying job at each.  Runs in a launcher worker (the zygote), like :func:`campaign`
+    (``lanes`` too)."""
     torch.set_num_threads(1)
     preload(backend)
-    for mod in ("torch.distributed.device_mesh", "torch.distributed.tensor"):
+    # (torch._dynamo: distribute_tensor imports it on its first call, seconds in every fork)
+    for mod in ("torch.distributed.device_mesh", "torch.distributed.tensor", "torch._dynamo"):
         importlib.import_module(mod)  # warms the forks
 
     t0 = time.perf_counter()
@@ -1689,8 +1799,9 @@ def sharded_campaign(base_uri: str, backend: str, count: int, *, world: int = SH
     points = [(v, p) for v in victims
               for p in (choose_points(steps[v], per[v]) if v == 0
                         else choose_rank_points(steps[v], per[v]))]
-    results = []
-    for j, (v, p) in enumerate(points):
+
+    def one(j: int, vp: tuple[int, KillPoint]) -> dict:
+        v, p = vp
         uri = f"{base_uri}/s{j:04d}"
         killed = run_sharded_saver(uri, backend, world, v, p, bucket)
         res: dict[str, Any] = {
@@ -1702,8 +1813,10 @@ def sharded_campaign(base_uri: str, backend: str, count: int, *, world: int = SH
         res["verify"] = run_sharded_verifier(uri, backend, verify_world or world, world,
                                              recover)
         res["strays"] = stray_objects(uri, backend, emulator_host)
-        results.append(res)
         _wipe(uri, backend, emulator_host)
+        return res
+
+    results = in_lanes(points, one, lanes)
     return {"steps": {v: [asdict(s) for s in st] for v, st in steps.items()},
             "commit_step": commit_step(steps[0]), "results": results, "world": world,
             "verify_world": verify_world or world, "seconds": time.perf_counter() - t0}
@@ -1757,39 +1870,81 @@ def run_job(world: int, body: Callable[[int], dict], timeout_s: float) -> list[d
     """Fork a gloo job of ``world`` ranks (see :class:`_Job`), each running ``body(rank)``;
     returns per rank ``{"rank", "exitcode", "value"}`` (``value`` None when the rank died,
     ``"hang"`` True when it was still running after ``timeout_s`` and was killed)."""
-    job = _Job(world)
+    return run_jobs([(world, body)], timeout_s)[0]
 
-    def child(rank: int, w: int) -> None:
-        _send(w, body(rank))
 
-    procs = job.fork(child)
-    out: list[dict] = []
-    deadline = time.monotonic() + timeout_s
+EXIT_GRACE_S = 5.0  # run_jobs: a rank that answered exits this soon after its last peer
+
+
+def run_jobs(jobs: list[tuple[int, Callable[[int], dict]]], timeout_s: float,
+             stagger_s: float = 0.0) -> list[list[dict]]:
+    """:func:`run_job` of several jobs at once, each with its own store: every rank of every
+    job is forked first (one :class:`ForkGate`), then job ``k`` starts ``k * stagger_s``
+    seconds after the gate opened and has ``timeout_s`` from its own start.  Jobs that
+    mostly wait (a rank stalled past a collective timeout, a dead rank's silence) so overlap;
+    the stagger keeps their busy starts apart.  Returns each job's rows, as :func:`run_job`.
+    """
+    stores = [_Job(world) for world, _body in jobs]
+    gate = ForkGate()
+    # A rank that answered stays alive, as in a real job, until every rank of its job answered
+    # or died: a peer still diagnosing a failure reads its heartbeat (an exited rank's
+    # heartbeat stands still: it would be named dead).
+    releases = [ForkGate() for _ in jobs]
+    procs: list[list[tuple[int, int]]] = []
+    outs: list[list[dict]] = []
     try:
-        for rank, (_pid, r) in enumerate(procs):
-            msg = _Lines(r).read(max(deadline - time.monotonic(), 0.1))
-            out.append({"rank": rank, "value": msg, "hang": False})
-        for row, (pid, _r) in zip(out, procs, strict=True):
-            # No answer: it died (an exit status now), or it hangs (still running at the
-            # deadline: killed, and marked).
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    row["exitcode"] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) \
-                        else os.WEXITSTATUS(status)
-                    break
-                if time.monotonic() > deadline:
-                    row["hang"] = True
-                    row["exitcode"] = _reap(pid, 0.0)
-                    break
+        try:
+            for k, ((_world, body), job) in enumerate(zip(jobs, stores, strict=True)):
+                def child(rank: int, w: int, body: Callable[[int], dict] = body,
+                          delay: float = k * stagger_s, mine: int = k) -> None:
+                    for j, g in enumerate(releases):
+                        if j != mine:  # only its own job's release may keep it waiting
+                            g.open()
+                    time.sleep(delay)
+                    _send(w, body(rank))
+                    releases[mine].wait()
+
+                procs.append(job.fork(child, gate))
+        finally:
+            gate.open()
+        start = time.monotonic()
+        for k, ps in enumerate(procs):
+            deadline = start + k * stagger_s + timeout_s
+            out: list[dict] = []
+            for rank, (_pid, r) in enumerate(ps):
+                msg = _Lines(r).read(max(deadline - time.monotonic(), 0.1))
+                out.append({"rank": rank, "value": msg, "hang": False})
+            releases[k].open()  # every rank answered, died or hangs: the job is over
+            # A rank that answered exits once every peer answered or died.  One with no
+            # answer died (an exit status now), or hangs: still running at the deadline, it
+            # is killed and marked, and then the ranks that answered (waiting for it) have
+            # EXIT_GRACE_S to exit before they are marked as well.
+            running = {rank: pid for rank, (pid, _r) in enumerate(ps)}
+            while running:
+                for rank, pid in list(running.items()):
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        out[rank]["exitcode"] = -os.WTERMSIG(status) if os.WIFSIGNALED(
+                            status) else os.WEXITSTATUS(status)
+                        del running[rank]
+                now = time.monotonic()
+                for rank in [q for q in running if now > deadline and (
+                        out[q]["value"] is None or now > deadline + EXIT_GRACE_S)]:
+                    out[rank]["hang"] = True
+                    out[rank]["exitcode"] = _reap(running.pop(rank), 0.0)
                 time.sleep(0.01)
+            outs.append(out)
     finally:
-        for pid, r in procs:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-            os.close(r)
-        job.close()
-    return out
+        for g in releases:
+            g.open()
+        for ps in procs:
+            for pid, r in ps:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+                os.close(r)
+        for job in stores:
+            job.close()
+    return outs

@@ -114,11 +114,16 @@ def _counter() -> _Counts:
     return _HANDLER
 
 
-def restore_round(uri: str, storage_kwargs: dict, timeout_s: float) -> dict:
-    """On every rank: restore ``uri`` (all_ranks), compare bitwise; never raises."""
+def restore_round(uri: str, storage_kwargs: dict, timeout_s: float, *,
+                  host_shared_memory: bool | None = None) -> dict:
+    """On every rank: restore ``uri`` (all_ranks), compare bitwise; never raises.
+
+    ``host_shared_memory``: None, the library's default (True: the ranks of a host share one
+    read, so on one host rank 0 alone reads); False: every rank reads the whole checkpoint
+    itself (8 readers: 8 times the requests of a round)."""
     from xla_ckpt.comm import DistConfig, get_dist
     from xla_ckpt.errors import XlaCkptError
-    from xla_ckpt.restore import restore
+    from xla_ckpt.restore import RestoreConfig, restore
     from xla_ckpt.storage import StorageConfig
     from xla_ckpt.testing.asserts import assert_state_identical
 
@@ -127,7 +132,9 @@ def restore_round(uri: str, storage_kwargs: dict, timeout_s: float) -> dict:
     t0 = time.monotonic()
     out: dict[str, Any] = {"rank": d.rank}
     try:
-        r = restore(uri, dist=d, strategy="all_ranks",
+        config = None if host_shared_memory is None else RestoreConfig(
+            host_shared_memory=host_shared_memory)
+        r = restore(uri, dist=d, strategy="all_ranks", config=config,
                     storage_config=StorageConfig(**storage_kwargs))
     except XlaCkptError as e:
         out.update(outcome="clean_error", error=type(e).__name__, message=str(e)[:2000],
@@ -141,6 +148,7 @@ def restore_round(uri: str, storage_kwargs: dict, timeout_s: float) -> dict:
         except AssertionError as e:
             out.update(outcome="silent_corruption", message=str(e)[:400])
         out["bytes_read"] = r.stats.bytes_read
+        out["plan"] = r.stats.plan  # per_host: the host shared one read; all_ranks: it did not
     out["seconds"] = time.monotonic() - t0
     out["counts"] = dict(counter.counts)
     return out
@@ -166,6 +174,7 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
                                       Fault.flip()],
                         match=downloads(), status_match=object_requests)
     outcomes: Counter = Counter()
+    plans: Counter = Counter()  # the plans the correct restores ran (where a round reports it)
     errors: Counter = Counter()
     counts: Counter = Counter()
     problems: list[str] = []
@@ -195,7 +204,9 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
                     named += bool(v.get("failed_ranks"))
                     if v["rank"] == 0 and len(samples) < 10:
                         samples.append(f"round {rounds}: {v['error']}: {v['message']}")
-                elif v["outcome"] != "correct":
+                elif v["outcome"] == "correct":
+                    plans.update([v["plan"]] if "plan" in v else [])
+                else:
                     problems.append(f"round {rounds}: rank {v['rank']}: {v['outcome']}: "
                                     f"{v.get('error', '')} {v['message']}")
             verdicts = {(r.value["outcome"], r.value.get("error"),
@@ -214,7 +225,8 @@ def run_rounds(pool, proxy, uri: str, *, min_faults: int, probability: float,
     one_request = {k: sum(1 for r in proxy.records() if r.fault == k and r.range is None)
                    for k in ("flip", "short")}
     return {"rounds": rounds, "restores": rounds * pool.world_size, "outcomes": dict(outcomes),
-            "clean_errors": dict(errors), "errors_naming_ranks": named, "faults": faults,
+            "plans": dict(plans), "clean_errors": dict(errors), "errors_naming_ranks": named,
+            "faults": faults,
             "faults_total": sum(snap.faults.values()), "requests": snap.requests,
             "retries": counts.get("retries", 0), "crc_rereads": counts.get("crc_rereads", 0),
             "fallbacks": counts.get("fallbacks", 0), "one_request_faults": one_request,

@@ -128,6 +128,32 @@ def restore_with_victim(uri: str, strategy: str, scenario: str, victim: int,
     return out
 
 
+def preload() -> None:
+    """Import in a zygote what its forked ranks use, so that no fork imports on its own
+    (``crash_harness.preload`` does the same for the crash campaigns; ``torch._dynamo``:
+    ``distribute_tensor`` imports it on its first call, seconds in every fork)."""
+    import crash_harness as H
+    import torch._dynamo
+    import torch.distributed.device_mesh
+    import torch.distributed.tensor  # noqa: F401 - imported to warm the forks
+
+    import xla_ckpt.comm
+    import xla_ckpt.storage.gcs  # noqa: F401 - imported to warm the forks
+
+    H.preload("local")
+
+
+def in_job(fn, args: tuple, rank: int, *, env: dict[str, str] | None = None) -> dict:
+    """A rank of a job forked from a zygote (``crash_harness.run_jobs``): ``fn(*args)``, with
+    ``env`` added to its environment (as ``WorkerPool.run(env=...)`` does).  The rank's
+    environment is the launcher's (``RANK``, ``WORLD_SIZE``, the job's store), so ``fn`` runs
+    as it does in a :class:`~xla_ckpt.testing.launcher.WorkerPool` worker."""
+    import os
+
+    os.environ.update(env or {})
+    return fn(*args)
+
+
 def exchange_cost(n: int) -> dict:
     """Seconds for ``n`` small control-plane exchanges with and without progress marks.
 

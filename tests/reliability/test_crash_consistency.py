@@ -49,6 +49,9 @@ CI_FENCING_POINTS = {("local", "resume"): 48, ("local", "kill"): 32, ("gcs", "re
                      ("gcs", "kill"): 16}
 
 
+LANES = 2  # each campaign's points run in 2 lanes side by side (crash_harness.in_lanes)
+
+
 @pytest.fixture(scope="module")
 def zygote(gcs_emulator):
     """One clean worker process; every saver and verifier is forked from it."""
@@ -58,7 +61,8 @@ def zygote(gcs_emulator):
 
 
 def _campaign(zygote, base_uri, backend, mode, count, **kw) -> dict:
-    (res,) = zygote.run(H.campaign, base_uri, backend, mode, count, timeout_s=540, **kw)
+    (res,) = zygote.run(H.campaign, base_uri, backend, mode, count, timeout_s=540,
+                        lanes=LANES, **kw)
     return res.unwrap()
 
 
@@ -131,7 +135,7 @@ def test_async_save_killed_mid_upload(zygote, tmp_path, gcs_emulator, backend):
 def _fencing(zygote, base_uri, backend, variant, **kw) -> dict:
     count = CI_FENCING_POINTS[(backend, variant)]
     (res,) = zygote.run(H.fencing_campaign, base_uri, backend, variant, count, timeout_s=540,
-                        **kw)
+                        lanes=LANES, **kw)
     out = res.unwrap()
     results = out["results"]
     orders = sorted({r["order"] for r in results})
@@ -179,7 +183,8 @@ CI_SHARDED_POINTS = {"local": 6, "gcs": 5}
 
 def _sharded(zygote, base_uri, backend, **kw) -> dict:
     count = CI_SHARDED_POINTS[backend]
-    (res,) = zygote.run(H.sharded_campaign, base_uri, backend, count, timeout_s=540, **kw)
+    (res,) = zygote.run(H.sharded_campaign, base_uri, backend, count, timeout_s=540,
+                        lanes=LANES, **kw)
     out = res.unwrap()
     results = out["results"]
     print(f"{backend} sharded: {len(results)} kill points over the steps of "

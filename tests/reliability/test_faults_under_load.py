@@ -11,6 +11,8 @@ CI injects a few hundred faults; the full count (``benchmarks/reliability.py --f
 
 from __future__ import annotations
 
+import functools
+
 import faults_harness as F
 import pytest
 
@@ -20,6 +22,7 @@ from xla_ckpt.testing.launcher import WorkerPool
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CI_FAULTS = 200
+CI_SHARED_FAULTS = 60  # the moderate rounds on the default read path (see READ_PATHS)
 CI_STORM_FAULTS = 100
 KiB = 1024
 # Fast retries for tests; the policy (capped exponential backoff, full jitter, deadline) is the
@@ -27,6 +30,17 @@ KiB = 1024
 MODERATE = dict(max_workers=4, slice_size_bytes=512 * KiB, initial_backoff_s=0.01,
                 max_backoff_s=0.2, max_attempts=8, retry_deadline_s=60.0)
 STORM = dict(MODERATE, max_attempts=3)
+# The moderate rounds on both read paths of all_ranks.  The library's default, host shared
+# memory: the ranks of a host share one read (rank 0 alone reads here, the other 7 map its
+# copy), so a round makes an eighth of the requests and reaches fewer faults (the storm below
+# keeps that path too).  And every rank reading the whole checkpoint itself (8 readers: 8
+# times the requests of a round), where the full CI count of faults comes quickest.
+READ_PATHS = {
+    "host_shared_memory": (F.restore_round, CI_SHARED_FAULTS),
+    "every_rank_reads": (functools.partial(F.restore_round, host_shared_memory=False),
+                         CI_FAULTS),
+}
+PLAN_OF = {"host_shared_memory": "per_host", "every_rank_reads": "all_ranks"}  # stats.plan
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +99,23 @@ def _retries_match_faults(t: dict, f: dict) -> None:
     assert f["reset"] <= broken <= f["reset"] + f["short"], (causes, f)
     assert t["retries"] == sum(causes.values()), causes
 
-def test_eight_readers_recover_from_every_fault(pool8, gcs_emulator, checkpoint):
+
+@pytest.mark.parametrize("read_path", list(READ_PATHS))
+def test_eight_readers_recover_from_every_fault(pool8, gcs_emulator, checkpoint, read_path):
+    round_fn, min_faults = READ_PATHS[read_path]
     with FaultProxy(gcs_emulator.host, seed=20261130) as proxy:
-        t = F.run_rounds(pool8, proxy, checkpoint, min_faults=CI_FAULTS, probability=0.12,
-                         storage_kwargs=MODERATE)
-    print(_report(t, "moderate"))
+        t = F.run_rounds(pool8, proxy, checkpoint, min_faults=min_faults, probability=0.12,
+                         storage_kwargs=MODERATE, round_fn=round_fn)
+    print(_report(t, f"moderate, {read_path}"))
     _nothing_silent(t)
-    assert t["faults_total"] >= CI_FAULTS
+    assert t["faults_total"] >= min_faults
     assert all(t["faults"][k] > 0 for k in F.FAULT_KINDS), t["faults"]
     # At this rate the retry budget absorbs nearly every fault.  A restore may still fail --
     # cleanly -- when one slice came back flipped on all 3 of its reads (p ~ 1e-3 per round):
     # then the same IntegrityError reaches every rank.
     assert t["outcomes"].get("correct", 0) >= 0.9 * t["restores"]
+    # ... on the read path asked for (no silent fall-back from host shared memory)
+    assert t["plans"] == {PLAN_OF[read_path]: t["outcomes"]["correct"]}, t["plans"]
     assert all("IntegrityError" in e and "after 3 reads" in e for e in t["error_samples"])
     # ... each 503/429/reset cost exactly one retry; each flipped byte of a ranged read one
     # crc32c re-read; a flipped or short answer to a small object's one-request read one
@@ -119,6 +138,8 @@ def test_fault_storm_gives_clean_errors_never_wrong_bytes(pool8, gcs_emulator, c
     assert t["outcomes"].get("clean_error", 0) > 0
     assert set(t["clean_errors"]) == {"DistributedError"}
     assert t["errors_naming_ranks"] == t["outcomes"]["clean_error"]
+    # the default path, host shared memory, in every round that restored
+    assert set(t["plans"]) == ({"per_host"} if t["outcomes"].get("correct") else set()), t["plans"]
 
 
 # ---- sharded: 3 ranks read only the byte ranges of their own shards (DTensor targets) ---------

@@ -15,12 +15,19 @@ chunked ``save_distributed`` or restore it into DTensor targets (both strategies
 rank raises, stalls or dies at the structure agreement, its chunk write, rank 0's commit, or
 its reads; every survivor names it in time, and a failed save commits nothing (but one
 window, documented in RELIABILITY.md).
+
+Every case with a job of its own (a rank that stalls or dies, a host's stream that stalls in a
+fault proxy of its own, the sharded cases) runs in a fresh job forked from one warm zygote, all
+in one staggered batch (``victim_jobs``): the cases mostly wait out timeouts, so they overlap.
+The cases that leave every process alive run one at a time on a shared pool.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from dataclasses import dataclass
 
 import crash_harness as H
 import pytest
@@ -37,6 +44,40 @@ TIMEOUT_S = 3.0
 MARGIN_S = DEAD_AFTER_S + 12.0  # diagnosing who failed, plus generous scheduling slack on 2 cores
 HARD_TIMEOUT_S = 60.0           # the launcher kills any rank still running after this
 STRATEGIES = ["all_ranks", "broadcast", "broadcast_host_memory"]
+STAGGER_S = 1.5  # between the starts of the forked jobs of one batch (see ``victim_jobs``)
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    """One clean worker process; every forked job (a rank that dies or stalls, the sharded
+    jobs) is forked from it (a death retires nothing)."""
+    p = WorkerPool(1, xla=False)
+    (ready,) = p.run(W.preload)  # each fork starts warm: no imports of its own
+    ready.unwrap()
+    yield p
+    p.close()
+
+
+@dataclass
+class _Forked:
+    """One rank of a forked job, read like the launcher's ``RankResult``."""
+
+    rank: int
+    value: dict | None
+    exitcode: int | None
+    timed_out: bool
+
+    def unwrap(self) -> dict:
+        assert self.value is not None and "outcome" in self.value, (self.rank, self.exitcode,
+                                                                    self.value)
+        return self.value
+
+
+def _fix_failures(rows: list[dict]) -> list[dict]:
+    for r in rows:  # (the ranks answered in JSON: rank keys came back as strings)
+        if r["value"] and "failures" in r["value"]:
+            r["value"]["failures"] = {int(k): v for k, v in r["value"]["failures"].items()}
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +109,89 @@ def gcs_ckpt(gcs_emulator):
         os.environ.update(saved)
     yield uri
     gcs_emulator.delete_prefix(uri.split("/", 3)[3] + "/")
+
+
+@pytest.fixture(scope="module")
+def sharded_saves(tmp_path_factory):
+    """The folder under which each sharded save case saves (``<phase>-<scenario>-<victim>``)."""
+    return tmp_path_factory.mktemp("sharded-saves")
+
+
+@dataclass
+class _Batch:
+    """What ``victim_jobs`` ran: each case's ranks (4-rank restores: :class:`_Forked` per
+    rank; sharded jobs: ``run_job`` rows), and each stream stall's proxy records."""
+
+    ranks: dict[tuple, list]
+    proxy_records: dict[str, list]
+
+
+@pytest.fixture(scope="module")
+def victim_jobs(zygote, local_ckpt, plan_local_ckpt, sharded_ckpt, sharded_saves, gcs_emulator,
+                plan_gcs_ckpt):
+    """The cases below with a job of their own (a rank stalls or dies, a host's stream stalls
+    in its own fault proxy; every sharded case), each job forked from the zygote, run as one
+    batch (``crash_harness.run_jobs``).  Such a case spends its seconds waiting (a stall of
+    ``TIMEOUT_S + STALL_EXTRA_S``, the collective timeout, a dead rank's silence for
+    ``DEAD_AFTER_S``), so the jobs overlap, started ``STAGGER_S`` apart so that their busy
+    starts do not; each test then asserts on its own job's ranks, as it did on a job run
+    alone.  (The emulator is never held by a stalled body: a proxy reads the whole answer
+    before it sends any of it.)"""
+    cases: dict[tuple, tuple[int, functools.partial]] = {}
+    scenario_of: dict[tuple, str] = {}
+
+    def job(key: tuple, scenario: str, fn, *args, env: dict | None = None) -> None:
+        cases[key] = (4, functools.partial(W.in_job, fn, args, env=env))
+        scenario_of[key] = scenario
+
+    for strategy in STRATEGIES:
+        job(("stall", strategy), "stall", W.restore_with_victim, local_ckpt, strategy, "stall", 2,
+            TIMEOUT_S)
+        for scenario, victim in RANK_DEATHS:
+            job(("dies", strategy, scenario, victim), scenario, W.restore_with_victim,
+                local_ckpt, strategy, scenario, victim, TIMEOUT_S)
+    for plan, victim in PLAN_STALLS:
+        job(("plan_stall", plan, victim), "stall", W.restore_plan_with_victim, plan_local_ckpt,
+            plan, "stall", victim, TIMEOUT_S)
+    for plan, scenario, victim in PLAN_DEATHS:
+        job(("plan_dies", plan, scenario, victim), scenario, W.restore_plan_with_victim,
+            plan_local_ckpt, plan, scenario, victim, TIMEOUT_S)
+    for phase, scenario, victim in SHARDED_CASES_SAVE:
+        key = ("sharded_save", phase, scenario, victim)
+        uri = str(sharded_saves / f"{phase}-{scenario}-{victim}")
+        cases[key] = (W.SHARDED_WORLD, functools.partial(
+            W.sharded_save_with_victim, uri=uri, phase=phase, scenario=scenario, victim=victim,
+            timeout_s=TIMEOUT_S))
+        scenario_of[key] = scenario
+    for strategy, scenario, victim in SHARDED_CASES_RESTORE:
+        key = ("sharded_restore", strategy, scenario, victim)
+        cases[key] = (W.SHARDED_WORLD, functools.partial(
+            W.sharded_restore_with_victim, uri=sharded_ckpt, strategy=strategy,
+            scenario=scenario, victim=victim, timeout_s=TIMEOUT_S))
+        scenario_of[key] = scenario
+    # The longest first (a stall, then the stalled rank's late collective; then a death, the
+    # survivors' DEAD_AFTER_S of silence; then a rank that raises): the batch ends sooner.
+    order = {"stall": 0, "kill": 1, "coordinator": 1, "kill_follow": 1, "raise": 2}
+    with contextlib.ExitStack() as stack:
+        proxies = {}
+        for plan in STREAM_STALLS:
+            # The first body sent to host 1 for the state's data file stops after 1 KiB for
+            # longer than the collective timeout (see test_plan_host_stream_stalls_mid_stripe).
+            proxy = proxies[plan] = stack.enter_context(FaultProxy(gcs_emulator.host))
+            proxy.inject(Fault.stall(TIMEOUT_S + W.STALL_EXTRA_S, after_bytes=1024),
+                         match=from_address(host_address(1), downloads("-state.safetensors")))
+            job(("stream_stall", plan), "stall", W.restore_plan_with_victim, plan_gcs_ckpt, plan,
+                "proxy", -1, TIMEOUT_S, env=proxy.env())
+        keys = sorted(cases, key=lambda k: order[scenario_of[k]])
+        (res,) = zygote.run(H.run_jobs, [cases[k] for k in keys], HARD_TIMEOUT_S, STAGGER_S,
+                            timeout_s=HARD_TIMEOUT_S + len(keys) * STAGGER_S + 60)
+        records = {plan: proxy.records() for plan, proxy in proxies.items()}
+    out: dict[tuple, list] = {}
+    for key, rows in zip(keys, res.unwrap(), strict=True):
+        rows = _fix_failures(rows)
+        out[key] = rows if key[0].startswith("sharded") else [
+            _Forked(r["rank"], r["value"], r["exitcode"], r["hang"]) for r in rows]
+    return _Batch(out, records)
 
 
 def _survivors_name(results, victim: int, what: str) -> float:
@@ -108,9 +232,8 @@ def test_rank_raises_during_read(pool, gcs_emulator, gcs_ckpt, strategy, victim)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_rank_stalls_past_the_timeout(pool, local_ckpt, strategy):
-    results = pool.run(W.restore_with_victim, local_ckpt, strategy, "stall", 2, TIMEOUT_S,
-                       timeout_s=HARD_TIMEOUT_S)
+def test_rank_stalls_past_the_timeout(victim_jobs, strategy):
+    results = victim_jobs.ranks["stall", strategy]  # restore_with_victim(local_ckpt, "stall", 2)
     _survivors_name(results, 2, f"{strategy}: rank 2 stalls")
     for r in results:  # alive, but never entered the collective the others waited in
         if r.rank != 2:
@@ -122,12 +245,14 @@ def test_rank_stalls_past_the_timeout(pool, local_ckpt, strategy):
     assert late["seconds"] <= TIMEOUT_S + W.STALL_EXTRA_S + MARGIN_S
 
 
+RANK_DEATHS = [("kill", 2), ("coordinator", 0)]
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("scenario,victim", [("kill", 2), ("coordinator", 0)])
-def test_rank_dies(local_ckpt, strategy, scenario, victim):
-    with WorkerPool(4, xla=False) as p:  # a death retires the pool
-        results = p.run(W.restore_with_victim, local_ckpt, strategy, scenario, victim, TIMEOUT_S,
-                        timeout_s=HARD_TIMEOUT_S)
+@pytest.mark.parametrize("scenario,victim", RANK_DEATHS)
+def test_rank_dies(victim_jobs, strategy, scenario, victim):
+    # restore_with_victim(local_ckpt, ...) in a job of its own (a death retires the job)
+    results = victim_jobs.ranks["dies", strategy, scenario, victim]
     assert results[victim].exitcode == -9
     _survivors_name(results, victim, f"{strategy}: rank {victim} ({scenario}) SIGKILLed")
     for r in results:
@@ -144,23 +269,10 @@ SHARDED_CASES_RESTORE = [("all_ranks", "kill", 1), ("broadcast", "stall", 2),
                          ("broadcast", "raise", 0)]
 
 
-@pytest.fixture(scope="module")
-def zygote():
-    """One clean worker process; every sharded job is forked from it (a death retires
-    nothing)."""
-    p = WorkerPool(1, xla=False)
-    yield p
-    p.close()
-
-
 def _job(zygote, body) -> list[dict]:
     (res,) = zygote.run(H.run_job, W.SHARDED_WORLD, body, HARD_TIMEOUT_S,
                         timeout_s=HARD_TIMEOUT_S + 60)
-    rows = res.unwrap()
-    for r in rows:  # (the ranks answered in JSON: rank keys came back as strings)
-        if r["value"] and "failures" in r["value"]:
-            r["value"]["failures"] = {int(k): v for k, v in r["value"]["failures"].items()}
-    return rows
+    return _fix_failures(res.unwrap())
 
 
 @pytest.fixture(scope="module")
@@ -192,11 +304,10 @@ def _sharded_survivors_name(rows: list[dict], victim: int, scenario: str, what: 
 
 
 @pytest.mark.parametrize("phase,scenario,victim", SHARDED_CASES_SAVE)
-def test_sharded_save_rank_fails(zygote, tmp_path, phase, scenario, victim):
-    uri = str(tmp_path / "ckpt")
-    rows = _job(zygote, functools.partial(W.sharded_save_with_victim, uri=uri, phase=phase,
-                                          scenario=scenario, victim=victim,
-                                          timeout_s=TIMEOUT_S))
+def test_sharded_save_rank_fails(zygote, victim_jobs, sharded_saves, phase, scenario, victim):
+    # sharded_save_with_victim(uri, phase, scenario, victim) in a job of its own
+    uri = str(sharded_saves / f"{phase}-{scenario}-{victim}")
+    rows = victim_jobs.ranks["sharded_save", phase, scenario, victim]
     _sharded_survivors_name(rows, victim, scenario, f"sharded save, {phase}: rank {victim} "
                                                     f"{scenario}")
     committed = os.path.exists(os.path.join(uri, "manifest.json"))
@@ -222,10 +333,9 @@ def test_sharded_save_rank_fails(zygote, tmp_path, phase, scenario, victim):
 
 
 @pytest.mark.parametrize("strategy,scenario,victim", SHARDED_CASES_RESTORE)
-def test_sharded_restore_rank_fails(zygote, sharded_ckpt, strategy, scenario, victim):
-    rows = _job(zygote, functools.partial(W.sharded_restore_with_victim, uri=sharded_ckpt,
-                                          strategy=strategy, scenario=scenario, victim=victim,
-                                          timeout_s=TIMEOUT_S))
+def test_sharded_restore_rank_fails(victim_jobs, strategy, scenario, victim):
+    # sharded_restore_with_victim(sharded_ckpt, strategy, scenario, victim) in a job of its own
+    rows = victim_jobs.ranks["sharded_restore", strategy, scenario, victim]
     _sharded_survivors_name(rows, victim, scenario, f"sharded restore, {strategy}: rank "
                                                     f"{victim} {scenario}")
     if scenario == "raise":
@@ -298,9 +408,9 @@ def _plan_survivors_name(results, victim: int, what: str, *, dead: bool = False)
 
 
 @pytest.mark.parametrize("plan,victim", PLAN_STALLS)
-def test_plan_reader_stalls_past_the_timeout(pool, plan_local_ckpt, plan, victim):
-    results = pool.run(W.restore_plan_with_victim, plan_local_ckpt, plan, "stall", victim,
-                       TIMEOUT_S, timeout_s=HARD_TIMEOUT_S)
+def test_plan_reader_stalls_past_the_timeout(victim_jobs, plan, victim):
+    # restore_plan_with_victim(plan_local_ckpt, plan, "stall", victim) in a job of its own
+    results = victim_jobs.ranks["plan_stall", plan, victim]
     _plan_survivors_name(results, victim, f"{plan}: rank {victim} stalls mid-read")
     late = results[victim].unwrap()  # the stalled rank does not hang either
     assert late["outcome"] == "error", late
@@ -308,10 +418,9 @@ def test_plan_reader_stalls_past_the_timeout(pool, plan_local_ckpt, plan, victim
 
 
 @pytest.mark.parametrize("plan,scenario,victim", PLAN_DEATHS)
-def test_plan_reader_dies(plan_local_ckpt, plan, scenario, victim):
-    with WorkerPool(4, xla=False) as p:  # a death retires the pool
-        results = p.run(W.restore_plan_with_victim, plan_local_ckpt, plan, scenario, victim,
-                        TIMEOUT_S, timeout_s=HARD_TIMEOUT_S)
+def test_plan_reader_dies(victim_jobs, plan, scenario, victim):
+    # restore_plan_with_victim(plan_local_ckpt, plan, scenario, victim) in a job of its own
+    results = victim_jobs.ranks["plan_dies", plan, scenario, victim]
     assert results[victim].exitcode == -9
     _plan_survivors_name(results, victim, f"{plan}: rank {victim} ({scenario}) SIGKILLed",
                          dead=True)
@@ -345,17 +454,18 @@ def test_plan_host_reads_fail(pool, gcs_emulator, plan_gcs_ckpt, plan):
     assert len({tuple(sorted(v["failures"].items())) for v in outs}) == 1  # one agreement
 
 
-@pytest.mark.parametrize("plan", ["striped", "per_host"])
-def test_plan_host_stream_stalls_mid_stripe(pool, gcs_emulator, plan_gcs_ckpt, plan):
+STREAM_STALLS = ["striped", "per_host"]
+
+
+@pytest.mark.parametrize("plan", STREAM_STALLS)
+def test_plan_host_stream_stalls_mid_stripe(victim_jobs, plan):
     # The first body sent to host 1 for the state's data file stops after 1 KiB for longer
     # than the collective timeout: the rank reading it stalls mid-stripe (striped: rank 2 or
     # 3; per_host: the leader, rank 2); every other rank raises in time naming it.
-    with FaultProxy(gcs_emulator.host) as proxy:
-        proxy.inject(Fault.stall(TIMEOUT_S + W.STALL_EXTRA_S, after_bytes=1024),
-                     match=from_address(host_address(1), downloads("-state.safetensors")))
-        results = pool.run(W.restore_plan_with_victim, plan_gcs_ckpt, plan, "proxy", -1, TIMEOUT_S,
-                        timeout_s=HARD_TIMEOUT_S, env=proxy.env())
-        stalled = [r for r in proxy.records() if r.fault == "stall"]
+    # (restore_plan_with_victim(plan_gcs_ckpt, plan, "proxy") through its own proxy, in a job
+    # of its own: see victim_jobs.)
+    results = victim_jobs.ranks["stream_stall", plan]
+    stalled = [r for r in victim_jobs.proxy_records[plan] if r.fault == "stall"]
     assert len(stalled) == 1 and stalled[0].client_address == host_address(1)
     assert not any(r.timed_out for r in results)
     outs = [r.unwrap() for r in results]
