@@ -4,9 +4,10 @@ Real parts only: the GCS emulator subprocess and the shaped fault proxy in front
 processes on 2 emulated hosts (each its own loopback source address) with gloo and their own XLA
 CPU devices, a real SIGTERM, two resumes (every-rank reads, rank-0 broadcast) and the
 restore-only plans (per_host, striped, auto), the bytes served to each host counted by the
-proxy; then the sharded leg: the same run with FSDP2, preempted, restored on 2 workers (and
-trained on) and resharded onto 1, each checked against the saved global tensors and DCP's
-restore of the same state.
+proxy.  Then the sharded leg on 2 emulated hosts x 2 workers: the same run with FSDP2 and a
+local tier with peer replicas, preempted, restored on 4 workers (and trained on) and resharded
+onto 2 from GCS, then resharded onto 2 workers (one per host) from the tiers, each checked
+against the saved global tensors and DCP's restore of the same state.
 """
 
 import json
@@ -24,7 +25,7 @@ def test_demo_tiny_resumes_bitwise_with_every_plan():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, "-m", "xla_ckpt.cli.main", "demo", "--model", "tiny", "--workers", "2",
-         "--legs", "ddp,fsdp",  # the local leg has a test of its own (below)
+         "--legs", "ddp",  # the fsdp and local legs have tests of their own (below)
          "--json", "train.max_updates=8", "checkpoint.save_interval_updates=2"],
         capture_output=True, text=True, env=env, timeout=580)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -33,7 +34,7 @@ def test_demo_tiny_resumes_bitwise_with_every_plan():
     # One verdict, last, naming every restore by leg; on stderr too (stdout is the JSON).
     assert report["verdict"].startswith(
         "PASS: every restore bitwise identical: ddp (all_ranks, broadcast, per_host, striped, "
-        "auto), fsdp (same_size, resharded); 7 restores in ")
+        "auto); 5 restores in ")
     err = proc.stderr.splitlines()
     assert [ln for ln in err if ln.startswith(("PASS", "FAIL"))] == [report["verdict"]]
     # Progress: one prefix on every line, a start and an end line for every leg and phase.
@@ -42,13 +43,11 @@ def test_demo_tiny_resumes_bitwise_with_every_plan():
     assert all(ln.startswith("xla-ckpt demo: [") for ln in progress)
     messages = [ln.split("] ", 1)[1] for ln in progress]
     for what in ("leg ddp", "phase reference", "phase train", "phase resume-all_ranks",
-                 "phase resume-broadcast", "leg fsdp", "phase fsdp-reference",
-                 "phase fsdp-train", "phase fsdp-same_size", "phase fsdp-resharded"):
+                 "phase resume-broadcast"):
         assert sum(m.startswith(f"{what}: started") for m in messages) == 1, what
         assert sum(m.startswith(f"{what}: done in ") for m in messages) == 1, what
     assert report["bitwise_identical"] == {
-        "all_ranks": True, "broadcast": True, "per_host": True, "striped": True, "auto": True,
-        "fsdp_same_size": True, "fsdp_resharded": True}
+        "all_ranks": True, "broadcast": True, "per_host": True, "striped": True, "auto": True}
     assert report["workers"] == 2 and report["updates"] == 8
     assert report["hosts"] == 2  # the default: 2 emulated hosts (here of 1 worker each)
     assert report["restore_link"]["stream_mib_s"] == 32.0
@@ -93,27 +92,95 @@ def test_demo_tiny_resumes_bitwise_with_every_plan():
     # auto ran the plan the cost model predicted fastest, and restored the same state.
     auto = by["auto"]
     assert auto["plan"] == min(auto["predictions"], key=auto["predictions"].get)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_tiny_fsdp_leg_reshards_from_the_tiers():
+    """`xla-ckpt demo --legs fsdp --workers 4`: FSDP2 on 2 emulated hosts x 2 workers with a
+    local tier (each host's part replicated to the other host), SIGTERM; restored on 4 workers
+    and trains on, resharded onto 2 from GCS, and resharded onto 2 (one per host) from the
+    tiers with no checkpoint byte from GCS; every restore bitwise like DCP's."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "xla_ckpt.cli.main", "demo", "--model", "tiny", "--workers", "4",
+         "--legs", "fsdp", "--json", "train.max_updates=8",
+         "checkpoint.save_interval_updates=2"],
+        capture_output=True, text=True, env=env, timeout=580)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["verdict"].startswith(
+        "PASS: every restore bitwise identical: fsdp (same_size, resharded, tier_resharded); "
+        "3 restores in ")
+    assert report["bitwise_identical"] == {
+        "fsdp_same_size": True, "fsdp_resharded": True, "fsdp_tier_resharded": True}
+    messages = [ln.split("] ", 1)[1] for ln in proc.stderr.splitlines()
+                if ln.startswith("xla-ckpt demo: [")]
+    for what in ("leg fsdp", "phase fsdp-reference", "phase fsdp-train", "phase fsdp-same_size",
+                 "phase fsdp-resharded", "phase fsdp-tier_resharded"):
+        assert sum(m.startswith(f"{what}: started") for m in messages) == 1, what
+        assert sum(m.startswith(f"{what}: done in ") for m in messages) == 1, what
     sh = report["sharded"]
-    assert sh["workers"] == 2 and sh["saved_shards_match"] is True
+    assert (sh["workers"], sh["hosts"], sh["local_replicas"]) == (4, 2, 1)
+    assert sh["saved_shards_match"] is True and "tier_resharded_skipped" not in sh
     assert 1 <= sh["preempted_at_update"] < 8
-    assert sh["checkpoint"].endswith(f"-fsdp/checkpoint_1_{sh['preempted_at_update']}")
-    same, half = sh["restores"]
-    assert (same["restore"], same["saved_workers"], same["workers"]) == ("same_size", 2, 2)
-    assert (half["restore"], half["saved_workers"], half["workers"]) == ("resharded", 2, 1)
-    for r in (same, half):
+    name = sh["checkpoint_name"]
+    assert name == f"checkpoint_1_{sh['preempted_at_update']}"
+    assert sh["checkpoint"].endswith(f"-fsdp/{name}")
+    assert sh["local_dir"].endswith("/fsdp-host-{host}")
+    assert not os.path.exists(sh["local_dir"].rsplit("/", 1)[0])  # removed at the end
+    # The preemption save's part of each host's leader (ranks 0 and 2) went to the other host.
+    for rank in ("0", "2"):
+        rep = sh["replication"][rank]
+        assert (rep["state"], rep["holders"], rep["problems"]) == (
+            "replicated", {"0": [1], "1": [0]}, [])
+        assert rep["bytes_sent"] > 0 and rep["bytes_received"] > 0
+    same, half, tier = sh["restores"]
+    assert (same["restore"], same["saved_workers"], same["workers"]) == ("same_size", 4, 4)
+    assert (half["restore"], half["saved_workers"], half["workers"]) == ("resharded", 4, 2)
+    assert (tier["restore"], tier["saved_workers"], tier["workers"]) == ("tier_resharded", 4, 2)
+    for r in (same, half, tier):
         assert r["resumed_at_update"] == sh["preempted_at_update"]
         assert r["shards_equal_saved"] and r["shards_equal_dcp"] and r["mismatched_shards"] == []
-        assert r["strategy"] == "all_ranks"
-        # Every rank reads its own shards' byte ranges (plus the small state item), no more.
+        assert r["strategy"] == "all_ranks" and r["verdict"] == "bitwise identical"
+        # Every rank reads at least its own shards' byte ranges (plus the small state item).
         for read, shard in zip(r["bytes_read_per_rank"], r["shard_bytes_per_rank"], strict=True):
-            assert shard <= read <= 1.05 * shard
-    # Two ranks each hold half of the state; the resharded single rank holds (and reads) it all.
-    # Only the replicated AdamW ``step`` scalars (4 bytes each) are held by both ranks.
-    extra = sum(same["shard_bytes_per_rank"]) - half["shard_bytes_per_rank"][0]
-    assert 0 < extra < 1024 and extra % 4 == 0
+            assert shard <= read
+    for read, shard in zip(same["bytes_read_per_rank"], same["shard_bytes_per_rank"],
+                           strict=True):
+        assert read <= 1.05 * shard  # the saved boxes: no more than its own
+    # Four ranks each hold a quarter of the state, two ranks a half; only the replicated AdamW
+    # ``step`` scalars (4 bytes each) are held by every rank.
+    extra = sum(same["shard_bytes_per_rank"]) - sum(half["shard_bytes_per_rank"])
+    assert 0 < extra < 2048 and extra % 4 == 0
     assert same["rank_state_kept"] is True and half["rank_state_kept"] is False
     assert same["losses_identical"] and same["shards_identical"]
     assert "losses_identical" not in half  # a resharded run has other batches: no resume check
+    # From the tiers: the same shards and bytes as the resharded restore from GCS.
+    assert tier["shard_bytes_per_rank"] == half["shard_bytes_per_rank"]
+    assert tier["bytes_read_per_rank"] == half["bytes_read_per_rank"]
+    assert tier["rank_state_kept"] is False and tier["restored"] == name
+    assert all(tier["checks"].values()) and tier["failed_checks"] == []
+    assert tier["tiers_per_rank"] == ["local", "local"] and tier["gcs_counted_by"] == "proxy"
+    assert tier["gcs_bytes_other"] == 0
+    assert tier["bytes_by_tier"] == {"local_bytes": sum(tier["bytes_read_per_rank"]),
+                                     "peer_bytes": 0, "durable_bytes": 0}
+    h0, h1 = tier["hosts"]
+    assert (h0["host"], h0["ranks"], h1["host"], h1["ranks"]) == (0, [0], 1, [1])
+    for h, read in zip((h0, h1), tier["bytes_read_per_rank"], strict=True):
+        assert (h["tier"], h["restored"], h["local_bytes"], h["peer_bytes"], h["durable_bytes"],
+                h["gcs_data_bytes"], h["fallbacks"]) == ("local", name, read, 0, 0, 0, [])
+    # Only rank 0's decision reads GCS (listing, lease, best pointer); host 1 reads nothing.
+    assert 0 < h0["gcs_bytes"] == h0["gcs_metadata_bytes"] < 16 * 1024
+    assert h1["gcs_bytes"] == 0
+    # Host 0's new shards lie in its own saved part; host 1's new rank starts one row before
+    # the saved boundary of the 30522-row embedding tensors: that row (weight, exp_avg,
+    # exp_avg_sq) is in host 0's part, read from the replica host 1 holds in its own folder.
+    shard = tier["shard_bytes_per_rank"][0]
+    assert h0["shard_bytes_by_saving_host"][1] == 0
+    assert 0 < h1["shard_bytes_by_saving_host"][0] < 4096
+    for h in (h0, h1):
+        assert shard - 1024 < sum(h["shard_bytes_by_saving_host"]) <= shard
 
 
 def _row(strategy, plan, kind, read, recv, mapped, served, predicted, seconds, verdict,
@@ -365,6 +432,26 @@ def _sharded_report():
                              "verdict": "MISMATCH"}]}}
 
 
+def _tier_host(host, *, local, peer=0, durable=0, gcs_data=0, gcs=0, fallbacks=()):
+    return {"host": host, "ranks": [host], "tier": "local", "restored": "checkpoint_1_7",
+            "local_bytes": local, "peer_bytes": peer, "durable_bytes": durable,
+            "gcs_bytes": gcs, "gcs_data_bytes": gcs_data, "fallbacks": list(fallbacks),
+            "shard_bytes_by_saving_host": [130 * 2**20, 0] if host == 0 else [2**19, 2**20]}
+
+
+def _tier_row(failed=()):
+    return {"restore": "tier_resharded", "saved_workers": 4, "workers": 2,
+            "bytes_read_per_rank": [130 * 2**20, 139 * 2**20],
+            "shard_bytes_per_rank": [130 * 2**20] * 2, "seconds": 0.5,
+            "shards_equal_saved": True, "shards_equal_dcp": True, "restored": "checkpoint_1_7",
+            "gcs_counted_by": "proxy", "failed_checks": list(failed),
+            "verdict": "MISMATCH" if failed else "bitwise identical",
+            "hosts": [_tier_host(0, local=130 * 2**20, gcs=2048),
+                      _tier_host(1, local=135 * 2**20, durable=4 * 2**20,
+                                 gcs_data=4 * 2**20, gcs=4 * 2**20 + 1024,
+                                 fallbacks=["x"])]}
+
+
 def test_demo_table_of_the_sharded_leg():
     from xla_ckpt.demo.report import format_table
 
@@ -378,6 +465,31 @@ def test_demo_table_of_the_sharded_leg():
                                 "yes", "yes", "bitwise", "bitwise", "identical"]
     assert table[5].split() == ["resharded", "4->2", "130/130", "130/130", "0.75", "yes", "NO",
                                 "-", "MISMATCH"]
+    assert len(table) == 6  # no restore from the tiers, nothing said about one
+
+    # The restore from the tiers: its row, then its bytes per host and tier.
+    report = _sharded_report()
+    sh = report["sharded"]
+    sh.update(local_dir="/dev/shm/x/fsdp-host-{host}", local_replicas=1)
+    sh["restores"].append(_tier_row(failed=["no_durable_bytes", "no_gcs_data_bytes"]))
+    table = format_table(report).splitlines()
+    assert table[6].split() == ["tier", "resharded", "4->2", "130/139", "130/130", "0.50", "yes",
+                                "yes", "-", "FAIL:", "no_durable_bytes,", "no_gcs_data_bytes"]
+    assert table[8] == ("tier resharded (4 workers on 2 emulated hosts -> 2 on 2; local tier "
+                        "/dev/shm/x/fsdp-host-{host}, local_replicas=1): restored "
+                        "checkpoint_1_7, GCS counted by proxy")
+    assert table[9].split() == ["host", "ranks", "tier", "MiB", "shards", "by", "saving", "host",
+                                "MiB", "local", "MiB", "peer", "MiB", "durable", "MiB", "GCS",
+                                "data", "KiB", "GCS", "all", "fallbacks"]
+    assert table[11].split() == ["0", "0", "local", "130.000/0.000", "130.0", "0.0", "0.0", "0.0",
+                                 "2", "0"]
+    assert table[12].split() == ["1", "1", "local", "0.500/1.000", "135.0", "0.0", "4.0", "4.0",
+                                 "4097", "1"]
+    assert len(table) == 13
+    # Not run (fewer than one worker per host after halving): the table says why.
+    report = _sharded_report()
+    report["sharded"]["tier_resharded_skipped"] = "why"
+    assert format_table(report).splitlines()[6] == "tier resharded: not run (why)"
 
 
 def _shard(t, offsets, sizes):
@@ -461,6 +573,60 @@ def test_sharded_verdict_names_every_wrong_shard_and_each_failed_check():
         (True, False, "MISMATCH")
 
 
+def test_tier_resharded_verdict_fails_each_broken_promise():
+    from xla_ckpt.demo.phase import PhaseResult
+    from xla_ckpt.demo.report import tier_resharded_verdict
+
+    row = {"restore": "tier_resharded", "workers": 2, "saved_workers": 4,
+           "resumed_at_update": 7, "shards_equal_saved": True, "shards_equal_dcp": True,
+           "bitwise_identical": True, "verdict": "bitwise identical"}
+
+    def run(*, tier=("local", "local"), durable=(0, 0), peer=(0, 0), fallbacks=((), ()),
+            name="checkpoint_1_7"):
+        reports = [{"restore": {
+            "checkpoint": f"gs://b/run/{name}", "checkpoint_name": name, "num_updates": 7,
+            "tier": {"tier": tier[r], "host": r, "local_bytes": 1000 + r,
+                     "durable_bytes": durable[r], "peer_bytes": peer[r],
+                     "fallbacks": list(fallbacks[r]), "decide_s": 0.25, "read_s": 0.5,
+                     "total_s": 1.0}}, "losses": {}} for r in range(2)]
+        return PhaseResult("reshard", reports, [0, 0], 9.0, started_unix=100.0)
+
+    def judge(res, gcs_data=(0, 0), served=True, **kw):
+        counts = {"served_bytes_per_host": [3000 + gcs_data[0], gcs_data[1]],
+                  "served_bytes_other": 0, "served_data_bytes_per_host": list(gcs_data)}
+        return tier_resharded_verdict(dict(row, **kw), res, hosts=2,
+                                      served=counts if served else None,
+                                      checkpoint_name="checkpoint_1_7", preempted_at=7)
+
+    ok = judge(run(peer=(0, 24)))
+    assert ok["bitwise_identical"] and ok["failed_checks"] == [], ok["checks"]
+    assert ok["verdict"] == "bitwise identical" and ok["restored"] == "checkpoint_1_7"
+    assert ok["tiers_per_rank"] == ["local", "local"] and ok["gcs_counted_by"] == "proxy"
+    assert ok["bytes_by_tier"] == {"local_bytes": 2001, "peer_bytes": 24, "durable_bytes": 0}
+    h0, h1 = ok["hosts"]
+    # Per host: its ranks, the bytes by tier, what GCS served (the decision's metadata allowed).
+    assert (h0["ranks"], h0["restored"], h0["local_bytes"], h0["gcs_metadata_bytes"]) == \
+        ([0], "checkpoint_1_7", 1000, 3000)
+    assert (h1["ranks"], h1["local_bytes"], h1["peer_bytes"], h1["gcs_bytes"]) == ([1], 1001,
+                                                                                  24, 0)
+    assert judge(run(tier=("local", "durable")))["failed_checks"] == [
+        "tier_local_on_every_rank"]
+    assert judge(run(durable=(0, 4096)), gcs_data=(0, 4096))["failed_checks"] == [
+        "no_durable_bytes", "no_gcs_data_bytes"]
+    assert judge(run(), gcs_data=(8, 0))["failed_checks"] == ["no_gcs_data_bytes"]
+    # Without a proxy the library's durable_bytes stand in for GCS's count.
+    assert judge(run(durable=(4096, 0)), served=False)["failed_checks"] == [
+        "no_durable_bytes", "no_gcs_data_bytes"]
+    assert judge(run(fallbacks=((), ("crc32c mismatch",))))["failed_checks"] == ["no_fallback"]
+    assert judge(run(name="checkpoint_1_4"))["failed_checks"] == ["resumed_at_preempted_update"]
+    assert judge(run(), resumed_at_update=4)["failed_checks"] == ["resumed_at_preempted_update"]
+    assert judge(run(), shards_equal_dcp=False)["failed_checks"] == ["shards_equal_dcp"]
+    assert judge(run(), shards_equal_saved=False)["failed_checks"] == ["shards_equal_saved"]
+    one = run()
+    one.reports[1]["restore"]["tier"]["host"] = 0  # both ranks on host 0: host 1 took no part
+    assert judge(one)["failed_checks"] == ["every_host_restored"]
+
+
 def test_demo_legs_option():
     import argparse
 
@@ -521,7 +687,8 @@ def test_demo_tiny_local_leg_restores_a_crash_from_host_memory():
     assert replaced["replaced_host"] == 1 and replaced["restored"] == "checkpoint_1_10"
     h0, h1 = replaced["hosts"]
     assert (h0["healed_from"], h0["peer_bytes"], h1["healed_from"]) == (None, 0, 0)
-    assert h1["peer_bytes"] > 0 and h1["local_bytes"] > 0
+    # Host 1 read every box from host 0's tier (its own part is gone), host 0 its own memory.
+    assert h1["peer_bytes"] > 0 and h1["local_bytes"] == 0 and h0["local_bytes"] > 0
     for h in (h0, h1):
         assert (h["tier"], h["gcs_data_bytes"], h["durable_bytes"], h["fallbacks"]) == \
             ("local", 0, 0, [])

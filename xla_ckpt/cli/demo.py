@@ -12,13 +12,17 @@ DTensor shard), preempts it the same way (every rank saves only its own shards),
 the same number of workers and resharded onto half as many (each rank reads only the byte
 ranges of its new shards), and checks every restored shard against the saved global tensors
 and against PyTorch DCP's restore of the same state; the same-size resume must also continue
-bit for bit like an uninterrupted FSDP2 run.
+bit for bit like an uninterrupted FSDP2 run.  Its preempted run also keeps a local tier per
+emulated host with a replica of the other host's part, and a third restore reshards it onto
+half as many workers from the tiers alone: no checkpoint byte from GCS, bitwise DCP's.
 
 The local leg saves the replicated run to a local tier in host memory (a folder per emulated
 host) after every update and to GCS every 4, kills every worker with SIGKILL mid-epoch, and
 relaunches: every host must restore the newest local step from its own folder with no
 checkpoint byte from GCS and train on bit for bit; then one byte of one host's local copy is
-flipped, and the next relaunch must read just that tensor's damaged chunk from GCS.
+flipped, and the next relaunch must read just that tensor's damaged chunk from GCS; then one
+host's folder is deleted (a replaced host), and the relaunch must read that host's boxes
+from the other host's replica, again with no checkpoint byte from GCS.
 Progress goes to stderr: a line when each leg, phase and step starts and ends, and a
 "still running, N s" line about every 15 s while one runs (every line prefixed by the time
 since the demo started).  The last line on stdout is the verdict: exactly one
@@ -69,9 +73,11 @@ def register(sub: Subparsers, parents: Parents) -> None:
                    help="comma-separated: ddp (replicated model on train.hosts emulated "
                         "hosts: all_ranks and broadcast resumes, per_host / striped / auto "
                         "restores), "
-                        "fsdp (FSDP2-sharded model, same-size and resharded restores), "
+                        "fsdp (FSDP2-sharded model, same-size and resharded restores, "
+                        "resharded from the tiers), "
                         "local (the local tier in host memory: SIGKILL, restore from it, a "
-                        "flipped byte read from GCS); default all three")
+                        "flipped byte read from GCS, a replaced host read from its peer); "
+                        "default all three")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--keep", action="store_true", help="keep worker logs (path is printed)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",

@@ -17,13 +17,20 @@ staged copies).  Phases:
 * ``train``: train with the config's save schedule; on SIGTERM the ranks agree at the next
   update boundary, save, and the same model and optimizer state is also saved with
   ``dcp.save`` into ``--dcp-dir`` (the reference the restores are checked against); exit 0.
+  With a local tier (``checkpoint.local_dir``) on several emulated hosts the save goes to
+  each host's folder first, then to durable storage, and each host's leader waits for its
+  part's replicas (:meth:`CheckpointManager.wait_for_replicas`, ``--replicas-timeout``)
+  before the ranks exit: every host then holds its own part and another host's.
 * ``resume``: ``restore_or_initialize(into=`` the live DTensors ``)`` of
   ``checkpoint.restore_file``: each rank reads only the byte ranges of its own shards, in place;
   then DCP restores ``--dcp-dir`` into a second model, compared shard by shard; then train on
   to ``U`` updates.
 * ``reshard``: the same restore onto however many workers this phase has (the orchestrator
   starts half as many; set ``restore.rank_state_on_resize=drop``: the per-rank RNG stream is
-  dropped with a warning); no training.
+  dropped with a warning); no training.  Restoring ``checkpoint_last`` with the train
+  phase's ``checkpoint.local_dir`` it reads from the tiers (``RestoreResult.tier`` in the
+  report: which tier, the bytes from each); ``--sync-restores`` holds every rank after the
+  manager's restore while the orchestrator counts the bytes storage served.
 
 Each rank writes ``<out>/rank<r>.json``: the global loss of every update (float hex), a digest
 of its final local shards, and for a save or a restore the crc32c of every local shard with
@@ -50,12 +57,14 @@ from xla_ckpt.comm import get_dist
 from xla_ckpt.config import load_config
 from xla_ckpt.demo import corpus
 from xla_ckpt.demo.model import ContrastiveLoss, build
-from xla_ckpt.demo.worker import ShardedBatches, _progress, _shut_down, _write
+from xla_ckpt.demo.worker import ShardedBatches, _progress, _shut_down, _sync, _write
 from xla_ckpt.manager import CheckpointManager
 
 logger = logging.getLogger("xla_ckpt.demo.fsdp")
 
 PHASES = ("reference", "train", "resume", "reshard")
+REPLICAS_TIMEOUT_S = 120.0
+"""How long a preempted host's leader waits for its part's replicas (``--replicas-timeout``)."""
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -68,6 +77,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dcp-dir", default="",
                    help="train: where the preemption save's DCP copy goes; resume/reshard: the "
                         "DCP checkpoint to compare with")
+    p.add_argument("--sync-restores", action="store_true",
+                   help="after the manager's restore, every rank waits while the orchestrator "
+                        "counts the bytes storage served (before DCP's restore; as "
+                        "python -m xla_ckpt.demo.worker --sync-restores)")
+    p.add_argument("--replicas-timeout", type=float, default=REPLICAS_TIMEOUT_S, metavar="S",
+                   help="train, with a local tier on several hosts: after the preemption save, "
+                        "each host's leader waits at most S seconds for its part's replicas "
+                        "(checkpoint.local_replicas) before the ranks exit")
     return p.parse_args(argv)
 
 
@@ -191,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                               "losses": {}, "restore": None, "preempted": False}
     num_updates, epoch, start_i = 0, 1, 0
     if args.phase in ("resume", "reshard"):
-        num_updates, epoch, start_i = _restore(args, mgr, model, optim, sched, report, world)
+        num_updates, epoch, start_i = _restore(args, mgr, model, optim, sched, report, world,
+                                               dist)
         if args.phase == "reshard":
             mgr.close()
             _write(args.out, rank, report)
@@ -236,9 +254,14 @@ def main(argv: list[str] | None = None) -> int:
             if step.preempted:
                 # Every rank saved its shards of this update's state; DCP saves the same
                 # model and optimizer state next to it (the restores are checked against it).
+                # With a local tier on several hosts, each host's leader first waits for its
+                # part's replicas (every host then holds its own part and another host's).
+                replication = mgr.wait_for_replicas(args.replicas_timeout) \
+                    if ck.local_dir else None
                 mgr.close()
                 sd = state_dicts(model, optim)
-                report["saved"] = {"num_updates": num_updates, "shards": shard_table(sd)}
+                report["saved"] = {"num_updates": num_updates, "shards": shard_table(sd),
+                                   "replication": replication}
                 if args.dcp_dir:
                     import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - the reference only
 
@@ -261,9 +284,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _restore(args: argparse.Namespace, mgr: CheckpointManager, model: nn.Module,
              optim: torch.optim.Optimizer, sched: Any, report: dict,
-             world: int) -> tuple[int, int, int]:
+             world: int, dist: Any) -> tuple[int, int, int]:
     """``restore_or_initialize(into=`` the live DTensors ``)`` of ``checkpoint.restore_file``;
-    then DCP's restore of the same state into a second model, for comparison.
+    then DCP's restore of the same state into a second model, for comparison.  With
+    ``--sync-restores`` every rank waits between the two while the orchestrator counts the
+    bytes storage served to the manager's restore.  With a local tier the report carries
+    ``RestoreResult.tier`` (``tier``, ``host``, ``local_bytes``, ``peer_bytes``,
+    ``durable_bytes``, ``fallbacks``, times).
 
     Returns (num_updates, epoch, iterations_in_epoch) to continue from.
     """
@@ -277,6 +304,7 @@ def _restore(args: argparse.Namespace, mgr: CheckpointManager, model: nn.Module,
     t0 = time.perf_counter()
     res = mgr.restore_or_initialize(into=into)
     seconds = time.perf_counter() - t0
+    count_wait = _sync(dist, args.out, 0) if args.sync_restores and res is not None else 0.0
     if res is None or res.restored is None:
         raise SystemExit(f"rank {report['rank']}: nothing to restore under "
                          f"{cfg.checkpoint.save_dir} ({cfg.checkpoint.restore_file})")
@@ -288,13 +316,14 @@ def _restore(args: argparse.Namespace, mgr: CheckpointManager, model: nn.Module,
     table = shard_table(into)
     r = res.restored
     report["restore"] = {
-        "checkpoint": res.uri, "strategy": r.strategy, "reason": r.reason, "world_size": world,
+        "checkpoint": res.uri, "checkpoint_name": res.checkpoint, "strategy": r.strategy,
+        "reason": r.reason, "world_size": world,
         "saved_world_size": r.manifest.world_size, "seconds": round(seconds, 3),
         "bytes_read": r.stats.bytes_read, "bytes_received": r.stats.bytes_received,
         "bytes_mapped": r.stats.bytes_mapped,
         "shard_bytes": sum(e["nbytes"] for e in table.values()),
         "rank_state_kept": res.rank_state is not None, "num_updates": int(st["num_updates"]),
-        "shards": table}
+        "tier": res.tier, "count_wait_s": round(count_wait, 3), "shards": table}
     if args.dcp_dir:
         report["restore"]["dcp_shards"] = _dcp_shards(tc.model, tc.seed, tc.lr, tc.weight_decay,
                                                       world, args.dcp_dir)

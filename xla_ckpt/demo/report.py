@@ -4,9 +4,10 @@ A restore of the replicated leg that trains on is judged by :func:`resume_verdic
 final parameters against the uninterrupted reference), one that only restores by
 :func:`restore_verdict`, and every row against the ``all_ranks`` resume's restored state by
 :func:`check_states`; a restore of the sharded leg by :func:`sharded_verdict` (local shards
-against the saved global tensors and DCP's restore).  :func:`format_table` renders the report
-that :func:`xla_ckpt.demo.run.run_demo` returns; :func:`verdict_line` and :func:`failure_line`
-give the one PASS/FAIL line the CLI ends with.
+against the saved global tensors and DCP's restore), its restore from the tiers also by
+:func:`tier_resharded_verdict` (tier, bytes by tier per host, nothing from GCS).
+:func:`format_table` renders the report that :func:`xla_ckpt.demo.run.run_demo` returns;
+:func:`verdict_line` and :func:`failure_line` give the one PASS/FAIL line the CLI ends with.
 """
 
 from __future__ import annotations
@@ -303,6 +304,88 @@ def local_verdict(kind: str, res: PhaseResult, ref: PhaseResult, *, served: dict
             "bitwise_identical": ok, "verdict": "bitwise identical" if ok else "MISMATCH"}
 
 
+def bytes_by_saving_host(table: dict, saved: list[dict], hosts: int) -> list[int]:
+    """The bytes of a restored shard table (:func:`xla_ckpt.demo.fsdp.shard_table`) that lie in
+    each emulated host's saved part: per host ``h``, the overlap of every restored box with the
+    boxes the ranks of host ``h`` saved (``saved``: every saving rank's table, in rank order;
+    rank ``r`` of ``n`` on host ``r * hosts // n``).  0-dim values (AdamW's replicated
+    ``step``) are left out: every rank holds them."""
+    n = len(saved)
+    out = [0] * hosts
+    for key, e in table.items():
+        if not e["sizes"]:
+            continue
+        numel = 1
+        for s in e["sizes"]:
+            numel *= s
+        item = e["nbytes"] // numel if numel else 0
+        for r, theirs in enumerate(saved):
+            b = theirs.get(key)
+            if b is None:
+                continue
+            overlap = 1
+            for o, s, bo, bs in zip(e["offsets"], e["sizes"], b["offsets"], b["sizes"],
+                                    strict=True):
+                overlap *= max(0, min(o + s, bo + bs) - max(o, bo))
+            out[r * hosts // n] += overlap * item
+    return out
+
+
+def tier_resharded_verdict(row: dict, res: PhaseResult, *, hosts: int, served: dict | None,
+                           checkpoint_name: str, preempted_at: int,
+                           saved: list[dict] | None = None) -> dict:
+    """The sharded leg's restore from the tiers onto half the workers (``tier_resharded``),
+    judged: ``row`` is its :func:`sharded_verdict` (shards against the saved global tensors
+    and DCP's restore), ``res`` the phase (every rank's report carries ``RestoreResult.tier``).
+
+    Every check must hold: the shards equal the saved global tensors and DCP's restore; every
+    rank restored from tier ``local`` with ``durable_bytes`` 0 and no fallback; no byte of a
+    checkpoint data file came from GCS (the proxy's count per host, ``served``; as in
+    :func:`local_verdict` the decision's reads of the listing, pointers, lease and manifest
+    are allowed; without a proxy the library's ``durable_bytes``); every one of the ``hosts``
+    hosts took part; the restore is ``checkpoint_name`` at the preempted update
+    ``preempted_at``.  Adds per host (:func:`local_hosts`) the bytes by tier (``local_bytes``,
+    ``peer_bytes``, ``durable_bytes``, ``gcs_data_bytes``...) and their totals
+    (``bytes_by_tier``); with ``saved`` (every saving rank's shard table) also
+    ``shard_bytes_by_saving_host``: of the host's restored shards, the bytes that lie in each
+    host's saved part (:func:`bytes_by_saving_host`; another host's: read from the replica it
+    holds, or from a peer or GCS)."""
+    restores = [r["restore"] for r in res.reports]
+    tiers = [r.get("tier") or {} for r in restores]
+    per_host = local_hosts(res, hosts, served)
+    for h in per_host:
+        h["restored"] = restores[h["ranks"][0]].get("checkpoint_name") or h["restored"]
+        if saved is not None:
+            parts = [bytes_by_saving_host(restores[rank]["shards"], saved, hosts)
+                     for rank in h["ranks"]]
+            h["shard_bytes_by_saving_host"] = [sum(p) for p in zip(*parts, strict=True)]
+    by_proxy = served is not None
+    checks = {
+        "shards_equal_saved": bool(row["shards_equal_saved"]),
+        "shards_equal_dcp": bool(row["shards_equal_dcp"]),
+        "tier_local_on_every_rank": all(t.get("tier") == "local" for t in tiers),
+        "no_durable_bytes": all(t.get("durable_bytes") == 0 for t in tiers),
+        "no_fallback": not any(t.get("fallbacks") for t in tiers),
+        "no_gcs_data_bytes": all((h["gcs_data_bytes"] if by_proxy else h["durable_bytes"]) == 0
+                                 for h in per_host),
+        "every_host_restored": [h["host"] for h in per_host] == list(range(hosts)),
+        "resumed_at_preempted_update": row["resumed_at_update"] == preempted_at and all(
+            r.get("checkpoint_name") == checkpoint_name for r in restores),
+    }
+    ok = all(checks.values())
+    out = dict(row)
+    out.update(
+        hosts=per_host, restored=checkpoint_name,
+        tiers_per_rank=[t.get("tier") or "none" for t in tiers],
+        bytes_by_tier={k: sum(int(h[k] or 0) for h in per_host)
+                       for k in ("local_bytes", "peer_bytes", "durable_bytes")},
+        gcs_counted_by="proxy" if by_proxy else "library (durable_bytes)",
+        gcs_bytes_other=served.get("served_bytes_other") if served else None,
+        checks=checks, failed_checks=[k for k, v in checks.items() if not v],
+        bitwise_identical=ok, verdict="bitwise identical" if ok else "MISMATCH")
+    return out
+
+
 def _grid(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
@@ -368,18 +451,49 @@ def format_table(report: dict) -> str:
             if "losses_identical" in r:
                 resume = ("bitwise" if r["losses_identical"] and r["shards_identical"]
                           else "DIFFERS")
+            verdict = r["verdict"]
+            if r.get("failed_checks"):
+                verdict = "FAIL: " + ", ".join(r["failed_checks"])
             rows.append((r["restore"].replace("_", " "),
                          f"{r['saved_workers']}->{r['workers']}",
                          _mib(r["bytes_read_per_rank"]), _mib(r["shard_bytes_per_rank"]),
                          f"{r['seconds']:.2f}", "yes" if r["shards_equal_saved"] else "NO",
-                         "yes" if r["shards_equal_dcp"] else "NO", resume, r["verdict"]))
+                         "yes" if r["shards_equal_dcp"] else "NO", resume, verdict))
         out += _grid(cols, rows)
+        tr = next((r for r in sh["restores"] if r.get("hosts")), None)
+        if tr is not None:
+            out += "\n\n" + _tier_table(sh, tr)
+        elif sh.get("tier_resharded_skipped"):
+            out += f"\ntier resharded: not run ({sh['tier_resharded_skipped']})"
     loc = report.get("local")
     if loc:
         if report.get("restores") or sh:
             out += "\n\n"
         out += _local_table(loc)
     return out
+
+
+def _tier_table(sh: dict, r: dict) -> str:
+    """The sharded leg's restore from the tiers, per emulated host: the tier, the bytes from
+    each (local, peer, durable: the library's counters) and what GCS served (the proxy's)."""
+    hosts = len(r["hosts"])
+    out = (f"tier resharded ({sh['workers']} workers on {hosts} emulated hosts -> "
+           f"{r['workers']} on {hosts}; local tier {sh.get('local_dir', '-')}, "
+           f"local_replicas={sh.get('local_replicas', '-')}): restored {r['restored']}, "
+           f"GCS counted by {r['gcs_counted_by']}\n")
+    cols = ("host", "ranks", "tier", "MiB shards by saving host", "MiB local", "MiB peer",
+            "MiB durable", "MiB GCS data", "KiB GCS all", "fallbacks")
+    rows = []
+    for h in r["hosts"]:
+        by = h.get("shard_bytes_by_saving_host")
+        rows.append((str(h["host"]), ",".join(map(str, h["ranks"])), h["tier"],
+                     "-" if by is None else "/".join(f"{b / 2**20:.3f}" for b in by),
+                     f"{h['local_bytes'] / 2**20:.1f}", f"{h['peer_bytes'] / 2**20:.1f}",
+                     f"{h['durable_bytes'] / 2**20:.1f}",
+                     "-" if h["gcs_data_bytes"] is None else f"{h['gcs_data_bytes'] / 2**20:.1f}",
+                     "-" if h["gcs_bytes"] is None else f"{h['gcs_bytes'] / 1024:.0f}",
+                     str(len(h["fallbacks"]))))
+    return out + _grid(cols, rows)
 
 
 def _local_table(loc: dict) -> str:

@@ -24,11 +24,17 @@
    parameters on every worker; every restore's state (digest of every tensor's bytes, the
    rank's own item included) equals the ``all_ranks`` resume's on the same rank.
 6. **The sharded leg** (:func:`run_sharded_leg`, workers :mod:`xla_ckpt.demo.fsdp`): the same
-   run with FSDP2 -- reference, preempted run (every rank saves only its own shards; DCP saves
-   the same state alongside), a restore on the same number of workers that trains on, and a
-   restore resharded onto half as many.  Verdict per restore: every restored local shard
-   equals its box of the saved global tensors and DCP's restore of the same state; the
-   same-size resume also reproduces the FSDP2 reference bit for bit.
+   run with FSDP2 -- reference, preempted run on ``train.hosts`` emulated hosts with a local
+   tier and peer replicas (every rank saves only its own shards, to its host's folder then
+   to GCS; each host's part is replicated to another host; DCP saves the same state
+   alongside), a restore on the same number of workers that trains on, a restore resharded
+   onto half as many (both of the named checkpoint, from GCS), and ``tier_resharded``:
+   ``checkpoint_last`` from the tiers onto half as many workers spread over the same hosts,
+   through the shaped proxy.  Verdict per restore: every restored local shard equals its box
+   of the saved global tensors and DCP's restore of the same state; the same-size resume also
+   reproduces the FSDP2 reference bit for bit; ``tier_resharded`` also restored the preempted
+   update from tier ``local`` on every rank with no durable byte and no data-file byte served
+   by GCS (:func:`~xla_ckpt.demo.report.tier_resharded_verdict`; bytes by tier per host).
 7. **The local-tier leg** (:mod:`xla_ckpt.demo.local_leg`): the replicated run with a local
    tier in host memory (a folder per emulated host), local saves every update and durable
    ones every 4; SIGKILL mid-epoch; the relaunch must restore the newest local step on every
@@ -71,6 +77,7 @@ from xla_ckpt.demo.report import (
     resume_verdict,
     shard_mismatches,
     sharded_verdict,
+    tier_resharded_verdict,
 )
 from xla_ckpt.run.catalog import resolve_latest
 from xla_ckpt.storage import open_storage
@@ -88,6 +95,9 @@ LEGS = ("ddp", "fsdp", "local")
 ``fsdp`` (FSDP2-sharded), ``local`` (the local tier: SIGKILL, restore from host memory, a
 flipped byte; :mod:`xla_ckpt.demo.local_leg`)."""
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+LOCAL_REPLICAS = 1
+"""``checkpoint.local_replicas`` of the fsdp leg's local tier (every host's part on one other
+host)."""
 
 
 def default_config_path() -> str:
@@ -123,14 +133,16 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
     ``legs``: ``"ddp"`` (the replicated run: every worker holds the whole model; resumed with
     ``all_ranks`` and ``broadcast``, then restored with ``per_host``, ``striped`` and
     ``auto``) and/or ``"fsdp"`` (the same run sharded with FSDP2; restored on the same
-    number of workers and resharded onto half as many, checked against DCP) and/or
+    number of workers and resharded onto half as many, checked against DCP, then resharded
+    from the local tier and its peer replicas, ``fsdp_tier_resharded``) and/or
     ``"local"`` (the local tier: a crash restored from host memory, then a flipped byte;
-    ``report["local"]``).  ``hosts``: emulated hosts of the ddp and local legs
-    (``train.hosts``; the demo config says 2); the fsdp leg runs on one host.
-    ``report["bitwise_identical"]`` has one entry per restore (``local_crash`` and
-    ``local_flipped``: true only when every check of
-    :func:`~xla_ckpt.demo.report.local_verdict` holds); the CLI exits 0 only when all are
-    true.  The local tiers live in
+    ``report["local"]``).  ``hosts``: emulated hosts of the legs (``train.hosts``; the demo
+    config says 2; the fsdp leg's reference and GCS restores run on one).
+    ``report["bitwise_identical"]`` has one entry per restore (``local_crash``,
+    ``local_flipped`` and ``fsdp_tier_resharded``: true only when every check of
+    :func:`~xla_ckpt.demo.report.local_verdict` /
+    :func:`~xla_ckpt.demo.report.tier_resharded_verdict` holds); the CLI exits 0 only when
+    all are true.  The local tiers live in
     ``/dev/shm/xla-ckpt-demo-*`` (else the work folder) and are removed at the end
     unless ``keep``.
 
@@ -181,10 +193,15 @@ def run_demo(*, config: str | None = None, overrides: list[str] | None = None,
             report["bitwise_identical"].update(
                 {r["strategy"]: r["bitwise_identical"] for r in report["restores"]})
         if "fsdp" in legs:
+            fsdp_root = local_leg.make_local_root(workdir)
+            if not keep:  # host memory: removed whatever the outcome
+                stack.callback(local_leg.remove_local_root, fsdp_root)
             with _leg("fsdp"):
                 sharded = run_sharded_leg(n, config=config, overrides=base, env=env,
                                           workdir=workdir, preempt=preempt,
-                                          save_dir=f"{uri.rstrip('/')}-fsdp")
+                                          save_dir=f"{uri.rstrip('/')}-fsdp", hosts=hosts,
+                                          restore_env=where.restore_env or env,
+                                          counter=where.counter, local_root=fsdp_root)
             report["sharded"] = sharded
             report["bitwise_identical"].update(
                 {f"fsdp_{r['restore']}": r["bitwise_identical"] for r in sharded["restores"]})
@@ -296,29 +313,58 @@ def _replicated_leg(n: int, config: str, base: list[str], env: dict, workdir: st
 
 # ---- the sharded leg (FSDP2) ---------------------------------------------------------------
 def run_sharded_leg(n: int, *, config: str, overrides: list[str], env: dict, workdir: str,
-                    preempt: int, save_dir: str) -> dict:
-    """The FSDP2 leg (:mod:`xla_ckpt.demo.fsdp`): reference, preempted run, two restores.
+                    preempt: int, save_dir: str, hosts: int = 1,
+                    restore_env: dict | None = None, counter: ServedCounter | None = None,
+                    local_root: str | None = None) -> dict:
+    """The FSDP2 leg (:mod:`xla_ckpt.demo.fsdp`): reference, preempted run, three restores.
 
     1. ``n`` workers train the sharded model without checkpoints (the reference);
-    2. ``n`` workers train it with the manager's save schedule into ``save_dir``; SIGTERM after
-       update ``preempt``; every rank saves its own shards (and DCP saves the same state into
-       the work folder) and exits 0;
-    3. restore the latest committed checkpoint on ``n`` workers and train on (``same_size``),
-       and on ``max(1, n // 2)`` workers (``resharded``; per-rank items dropped), each also
-       restored by DCP into a second model.
+    2. ``n`` workers on ``hosts`` emulated hosts train it with the manager's save schedule into
+       ``save_dir``, with a local tier (``local_root``: ``checkpoint.local_dir`` =
+       ``<local_root>/fsdp-host-{host}``, ``local_replicas=1``; only the scheduled and the
+       preemption saves go through it); SIGTERM after update ``preempt``; every rank saves its
+       own shards, locally then durably, each host's leader waits for its part's replicas (so
+       every host holds its own part and another host's), DCP saves the same state into the
+       work folder, and every rank exits 0;
+    3. restore the latest committed checkpoint (named, from ``save_dir``: the durable tier) on
+       ``n`` workers and train on (``same_size``), and on ``max(1, n // 2)`` workers
+       (``resharded``; per-rank items dropped), each also restored by DCP into a second
+       model;
+    4. ``tier_resharded``: ``checkpoint_last`` restored from the tiers on ``n // 2`` workers
+       spread over the same ``hosts`` hosts (per-rank items dropped), through ``restore_env``
+       (the shaped proxy, whose bytes per host ``counter`` counts; None: the library's
+       ``durable_bytes`` stand in), also restored by DCP.  Run only when ``n // 2`` is a
+       multiple of ``hosts`` (and ``hosts`` > 1, ``local_root`` given); else
+       ``tier_resharded_skipped`` says why.
 
     Verdicts (:func:`sharded_verdict`) check every restored local shard against the saved
     global tensors (read back whole by :func:`xla_ckpt.load`, itself checked against the
     shards every rank saved) and against DCP's restore of the same state; the same-size resume
-    must also reproduce the reference's losses and final shards bit for bit.
+    must also reproduce the reference's losses and final shards bit for bit;
+    ``tier_resharded`` must also have restored the preempted update from tier ``local`` on
+    every rank with no durable byte and no data-file byte served by GCS
+    (:func:`~xla_ckpt.demo.report.tier_resharded_verdict`; per host: the bytes by tier).
     """
     module = "xla_ckpt.demo.fsdp"
     dcp_dir = os.path.join(workdir, "fsdp-dcp")
     base = overrides + [f"checkpoint.save_dir={save_dir}"]
+    tier_workers = n // 2
+    skipped = None
+    if local_root is None:
+        skipped = "no local tier folder"
+    elif hosts < 2:
+        skipped = "one emulated host: no other host to hold a replica"
+    elif tier_workers < hosts or tier_workers % hosts:
+        skipped = (f"{tier_workers} workers (half of {n}) do not spread evenly over {hosts} "
+                   "hosts; run with train.workers = 2 x a multiple of train.hosts")
+    local_dir = os.path.join(local_root, "fsdp-host-{host}") if local_root else None
+    tier = [] if local_dir is None else [
+        f"checkpoint.local_dir={local_dir}", "checkpoint.local_interval_updates=0",
+        f"checkpoint.local_replicas={LOCAL_REPLICAS}", "checkpoint.local_max_bytes=0"]
     ref = run_phase("reference", workers=n, config=config, overrides=base, env=env,
                     workdir=workdir, module=module, label="fsdp-reference")
-    pre = run_phase("train", workers=n, config=config, overrides=base, env=env,
-                    workdir=workdir, module=module, label="fsdp-train",
+    pre = run_phase("train", workers=n, config=config, overrides=base + tier, env=env,
+                    workdir=workdir, module=module, label="fsdp-train", hosts=hosts,
                     preempt_after_update=preempt, args=["--dcp-dir", dcp_dir])
     with _env(env), open_storage(save_dir) as run_storage:
         name = resolve_latest(run_storage)
@@ -342,10 +388,48 @@ def run_sharded_leg(n: int, *, config: str, overrides: list[str], env: dict, wor
         restores.append(sharded_verdict(kind, res.reports, global_tensors, saved_bad,
                                         ref=ref.reports if kind == "same_size" else None,
                                         pre=pre.reports))
-    return {"workers": n, "checkpoint": checkpoint, "checkpoint_name": name,
-            "preempted_at_update": pre.reports[0]["num_updates"],
-            "reference_seconds": round(ref.seconds, 2), "saved_shards_match": saved_bad == [],
-            "restores": restores}
+    preempted_at = pre.reports[0]["num_updates"]
+    out: dict[str, Any] = {
+        "workers": n, "hosts": hosts, "checkpoint": checkpoint, "checkpoint_name": name,
+        "preempted_at_update": preempted_at, "reference_seconds": round(ref.seconds, 2),
+        "saved_shards_match": saved_bad == [], "local_dir": local_dir,
+        "local_replicas": LOCAL_REPLICAS if local_dir else 0,
+        "replication": _replication(pre.reports, name) if local_dir else None,
+        "restores": restores}
+    if skipped is not None:
+        logger.info("fsdp: no restore from the tiers: %s", skipped)
+        out["tier_resharded_skipped"] = skipped
+        return out
+    # From the tiers: checkpoint_last of the same run folder and local tier, resharded onto
+    # half the workers, one per host; each host holds its own part and another's replica.
+    renv = restore_env if restore_env is not None else env
+    ov = base + tier + ["checkpoint.restore_file=checkpoint_last",
+                        "restore.rank_state_on_resize=drop"]
+    if counter is not None:
+        counter.reset()
+    res = run_phase("reshard", workers=tier_workers, config=config, overrides=ov, env=renv,
+                    workdir=workdir, module=module, label="fsdp-tier_resharded", hosts=hosts,
+                    args=["--dcp-dir", dcp_dir]
+                    + (["--sync-restores"] if counter is not None else []),
+                    poll=counter.poll if counter is not None else None)
+    served = counter.served(0) if counter is not None else None
+    row = sharded_verdict("tier_resharded", res.reports, global_tensors, saved_bad, ref=None,
+                          pre=pre.reports)
+    restores.append(tier_resharded_verdict(row, res, hosts=hosts, served=served,
+                                           checkpoint_name=name, preempted_at=preempted_at,
+                                           saved=[r["saved"]["shards"] for r in pre.reports]))
+    return out
+
+
+def _replication(reports: list[dict], name: str) -> dict[str, Any]:
+    """How the preemption save's replicas went, as each host's leader reported it
+    (:attr:`CheckpointManager.replication` of ``name`` after ``wait_for_replicas``)."""
+    out: dict[str, Any] = {}
+    for r in reports:
+        status = (r.get("saved") or {}).get("replication")
+        if status is not None:
+            out[str(r["rank"])] = status.get(name)
+    return out
 
 
 def _saved_global_tensors(checkpoint: str, env: dict) -> dict[str, Any]:
