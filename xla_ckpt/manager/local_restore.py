@@ -336,6 +336,27 @@ class PeerSources:
         raise CheckpointCorruptError(f"no peer served the manifest of {self.name}: "
                                      + "; ".join(errors))
 
+    def end(self, exchange: Callable[[Any], list[Any]], tier: LocalTier,
+            counters: TierCounters, *, leader: bool) -> bool:
+        """Every rank, after a read from peers (or its failure): one exchange (no server
+        stops while a rank still reads) of the peer copies that failed; each holder's leader
+        marks a failed copy untrusted, so no later restore reads it again.  Returns whether
+        any rank fell back from a copy (then a failed read decides again)."""
+        every = exchange([bool(counters.fallbacks),
+                          [[h, f, why] for h, f, why in counters.peer_failures]])
+        fell_back = any(part[0] for part in every)
+        if not leader:
+            return fell_back
+        owner = file_owners(tier, self.name, self.save_id)
+        for f, why in [(f, why) for part in every for h, f, why in part[1] if h == tier.host]:
+            why = why if f in why else f"{f}: {why}"
+            source = owner.get(f, tier.host)
+            if source == tier.host:
+                tier.untrust(self.name, self.save_id, why)
+            else:
+                tier.untrust_replica(self.name, source, self.save_id, why)
+        return fell_back
+
     def close(self) -> None:
         if self.server is not None:
             self.server.close()

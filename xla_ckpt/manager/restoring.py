@@ -318,7 +318,8 @@ class RestorePath(ManagerBase):
                                                rank_state_remap=rank_state_remap,
                                                config=config)
                 if peers is not None:
-                    self._end_peers(peers, counters)
+                    assert self._tier is not None
+                    peers.end(self._exchange, self._tier, counters, leader=self._host_leader)
             finally:
                 if peers is not None:
                     peers.close()
@@ -329,7 +330,8 @@ class RestorePath(ManagerBase):
         except DistributedError as e:
             if local is not None and not isinstance(e, CollectiveTimeoutError) and \
                     not is_broken_collective(e) and (
-                    self._end_peers(peers, counters) if peers is not None else
+                    peers.end(self._exchange, self._tier, counters, leader=self._host_leader)
+                    if peers is not None and self._tier is not None else
                     any(self._exchange(bool(counters.fallbacks)))):
                 raise _LocalCopyFailed(name, e) from e
             self._note_recovery(e, name if in_run else None)
@@ -390,28 +392,6 @@ class RestorePath(ManagerBase):
             raise
         assert mbytes is not None
         return peers, mbytes
-
-    def _end_peers(self, peers: local_restore.PeerSources, counters: TierCounters) -> bool:
-        """Every rank, after a read from peers (or its failure): one exchange (no server
-        stops while a rank still reads) of the peer copies that failed; each holder marks a
-        failed copy untrusted, so no later restore reads it again.  Returns whether any rank
-        fell back from a copy (then a failed read decides again)."""
-        assert self._tier is not None
-        every = self._exchange([bool(counters.fallbacks),
-                                [[h, f, why] for h, f, why in counters.peer_failures]])
-        fell_back = any(part[0] for part in every)
-        if not self._host_leader:
-            return fell_back
-        mine = [(f, why) for part in every for h, f, why in part[1] if h == self._host]
-        owner = local_restore.file_owners(self._tier, peers.name, peers.save_id)
-        for f, why in mine:
-            why = why if f in why else f"{f}: {why}"
-            source = owner.get(f, self._host)
-            if source == self._host:
-                self._tier.untrust(peers.name, peers.save_id, why)
-            else:
-                self._tier.untrust_replica(peers.name, source, peers.save_id, why)
-        return fell_back
 
     # ---- steps (Orbax / torch_xla CheckpointManager parity) -----------------------------
     def all_steps(self) -> list[int]:
