@@ -804,3 +804,29 @@ def test_flip_one_byte_damages_one_chunk_of_the_biggest_tensor(tmp_path):
     assert lo < where["file_offset"] < hi and hi - lo == 4 * 2**20
     with pytest.raises(XlaCkptError, match=r"state\['model'\]\['w'\]"):
         xla_ckpt.load(str(folder))
+
+
+def test_a_phase_whose_rendezvous_port_was_taken_starts_again(tmp_path):
+    """The rendezvous port is picked below the ephemeral range (where outgoing connections
+    cannot take it), and a phase whose rank 0 could not listen on it before any update is
+    recognised (run_phase then starts it again on another port)."""
+    from xla_ckpt.demo.phase import _free_port, _port_taken
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    port = _free_port()
+    assert 20000 <= port < low if low > 20000 else port > 0
+    out = str(tmp_path)
+    with open(os.path.join(out, "log0.txt"), "w") as f:
+        f.write("torch.distributed.DistNetworkError: The server socket has failed to listen on "
+                "any local network address. port: 53071, useIpv6: false, code: -98, name: "
+                "EADDRINUSE, message: address already in use\n")
+    assert _port_taken(out, [1, -9, -9, -9])
+    assert not _port_taken(out, [0, 1])  # rank 0 did not fail there
+    with open(os.path.join(out, "progress0"), "w") as f:
+        f.write("3")
+    assert not _port_taken(out, [1, -9])  # updates ran: never started again
+    os.unlink(os.path.join(out, "progress0"))
+    with open(os.path.join(out, "log0.txt"), "w") as f:
+        f.write("RuntimeError: something else\n")
+    assert not _port_taken(out, [1, -9])

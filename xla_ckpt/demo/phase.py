@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -55,10 +56,44 @@ class DemoError(XlaCkptError, RuntimeError):
         self.leg = leg
 
 
+#: How often a phase is relaunched when its rendezvous port was taken before rank 0 bound it.
+PORT_RETRIES = 3
+
+
 def _free_port() -> int:
+    """A free port for a phase's rendezvous, below the kernel's ephemeral range when it can:
+    a port from that range (``bind(0)``) can be taken by any outgoing connection (the GCS
+    client's, gloo's) between this check and rank 0's bind (EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()
+    for _ in range(64 if low > 20000 else 0):
+        port = rng.randrange(20000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def _port_taken(out: str, codes: list[int | None]) -> bool:
+    """Rank 0 failed to listen on the rendezvous port (another process took it after
+    :func:`_free_port`) before any update: nothing ran, the phase can start again."""
+    if not codes or not codes[0] or os.path.exists(os.path.join(out, "progress0")):
+        return False
+    try:
+        with open(os.path.join(out, "log0.txt")) as f:
+            text = f.read()
+    except OSError:
+        return False
+    return "EADDRINUSE" in text and "failed to listen" in text
 
 
 def host_env(rank: int, workers: int, hosts: int) -> dict[str, str]:
@@ -87,7 +122,8 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
               timeout_s: float = 1200.0, module: str = "xla_ckpt.demo.worker",
               args: list[str] | None = None, label: str | None = None, hosts: int = 1,
               poll: Callable[[str], None] | None = None,
-              crash_when: Callable[[int | None], bool] | None = None) -> PhaseResult:
+              crash_when: Callable[[int | None], bool] | None = None,
+              _retries: int = 0) -> PhaseResult:
     """Launch ``workers`` worker processes (torchrun-style env) and collect their reports.
 
     ``module`` is the worker program (:mod:`xla_ckpt.demo.worker`, or :mod:`xla_ckpt.demo.fsdp`
@@ -100,7 +136,9 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
     is asked about every 50 ms; once it says True every worker gets SIGKILL (a crash: no
     save, no report) and the phase returns with no reports and ``crashed_after`` set (a
     phase that ends before that raises).  Raises :class:`DemoError` if a worker fails or the
-    phase outlives ``timeout_s``.
+    phase outlives ``timeout_s``.  A phase whose rendezvous port was taken before rank 0 bound
+    it (EADDRINUSE, before any update) starts again on another port, at most
+    :data:`PORT_RETRIES` times.
     """
     name = label or phase
     out = os.path.join(workdir, name)
@@ -180,6 +218,16 @@ def run_phase(phase: str, *, workers: int, config: str, overrides: list[str], en
         hb.done()
         return PhaseResult(name, [], codes, time.perf_counter() - t0, started_unix,
                            crashed_after)
+    if any(codes) and _port_taken(out, codes) and _retries < PORT_RETRIES:
+        logger.warning("phase %s: rank 0 could not listen on rendezvous port %d (taken by "
+                       "another process meanwhile); starting the phase again on another port",
+                       name, port)
+        hb.done()
+        return run_phase(phase, workers=workers, config=config, overrides=overrides, env=env,
+                         workdir=workdir, device=device,
+                         preempt_after_update=preempt_after_update, timeout_s=timeout_s,
+                         module=module, args=args, label=label, hosts=hosts, poll=poll,
+                         crash_when=crash_when, _retries=_retries + 1)
     if any(codes):
         bad = next(r for r, c in enumerate(codes) if c)
         raise DemoError(f"{name}: rank {bad} exited with {codes[bad]} ({_last_error(out, bad)}); "
