@@ -92,7 +92,7 @@ import time
 import traceback
 import types
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -581,6 +581,18 @@ def _read_line(fd: int, timeout_s: float) -> dict | None:
         buf += chunk
     line = buf.split(b"\n", 1)[0]
     return json.loads(line) if line else None
+
+
+def kill_all(procs: Iterable[tuple[int, int]]) -> None:
+    """SIGKILL every ``(pid, pipe fd)`` still running, reap it and close its pipe (a job's
+    teardown, whatever state it ended in)."""
+    for pid, r in procs:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(r)
 
 
 def _reap(pid: int, timeout_s: float = 30.0) -> int:
@@ -1654,13 +1666,7 @@ def run_sharded_saver(run_uri: str, backend: str, world: int, victim: int,
                     os.kill(pid, signal.SIGKILL)
             out["exitcodes"][rank] = _reap(pid)
     finally:
-        for pid, r in procs:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-            os.close(r)
+        kill_all(procs)
         job.close()
     return out
 
@@ -1734,13 +1740,7 @@ def run_sharded_verifier(run_uri: str, backend: str, world: int, saved_world: in
             outs.append(_Lines(r).read(SAVE_TIMEOUT_S))
         codes = [_reap(pid) for pid, _r in procs]
     finally:
-        for pid, r in procs:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-            os.close(r)
+        kill_all(procs)
         job.close()
     if any(o is None or "error" in o for o in outs) or any(codes):
         return {"error": f"verifier ranks gave {outs} (exit codes {codes})"}
@@ -1938,13 +1938,7 @@ def run_jobs(jobs: list[tuple[int, Callable[[int], dict]]], timeout_s: float,
         for g in releases:
             g.open()
         for ps in procs:
-            for pid, r in ps:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
-                os.close(r)
+            kill_all(ps)
         for job in stores:
             job.close()
     return outs

@@ -533,13 +533,7 @@ def run_jobs(specs: list[dict], timeout_s: float = 120.0) -> list[dict]:
                                    "hang": r in hang}
     finally:
         for ps in procs:
-            for pid, r in ps:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
-                os.close(r)
+            H.kill_all(ps)
         for job in jobs:
             job.close()
     return outs
