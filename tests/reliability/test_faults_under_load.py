@@ -122,7 +122,12 @@ def test_eight_readers_recover_from_every_fault(pool8, gcs_emulator, checkpoint,
     # fallback to ranged reads; other short bodies were resumed from their last byte.
     f, whole = t["faults"], t["one_request_faults"]
     _retries_match_faults(t, f)
-    assert t["crc_rereads"] == f["flip"] - whole["flip"]
+    # A slice flipped on all 3 reads is re-read twice, not 3 times (then IntegrityError); in
+    # that round the other ranks stop, and a flipped answer they abandoned is never checked.
+    # Without a failed round every flipped ranged answer cost exactly one re-read.
+    failed_rounds = t["outcomes"].get("clean_error", 0) // 8
+    unchecked = f["flip"] - whole["flip"] - t["crc_rereads"]
+    assert failed_rounds <= unchecked <= 8 * failed_rounds, (unchecked, failed_rounds)
     assert t["fallbacks"] == whole["flip"] + whole["short"]
 
 
