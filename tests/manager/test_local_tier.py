@@ -157,10 +157,23 @@ def test_prune_keeps_the_newest_k_and_a_protected_one(tmp_path):
         put_step(tier, n)
     put_step(tier, 5, marker=False)  # an uncommitted leftover
     os.makedirs(tier.path("checkpoint_1_6"))  # a save in flight (protected)
+    two = tier.inventory()[1]
+    held = {f: open(os.path.join(tier.path(two.name), f), "rb").read() for f in two.files}
     gone = tier.prune(protect=["checkpoint_1_6"])
     assert sorted(gone) == ["checkpoint_1_1", "checkpoint_1_2", "checkpoint_1_5"]
-    assert sorted(os.listdir(tier.folder)) == ["checkpoint_1_3", "checkpoint_1_4",
+    assert sorted(os.listdir(tier.folder)) == [".spare", "checkpoint_1_3", "checkpoint_1_4",
                                                "checkpoint_1_6"]
+    # The newest evicted step's own files wait as spares, under their names without the
+    # save id (the next save's file of that name recycles them); nothing else is kept.
+    spares = sorted(os.listdir(os.path.join(tier.folder, ".spare")))
+    assert spares == sorted(os.path.basename(tier.spare_path(f)) for f in held)
+    assert all(two.save_id not in f for f in spares)
+    for f, data in held.items():
+        assert open(tier.spare_path(f), "rb").read() == data
+    assert tier.spare_bytes() == two.nbytes
+    assert tier.used_bytes() == sum(s.nbytes for s in tier.inventory()) + \
+        sum(os.path.getsize(os.path.join(tier.path(s.name), f)) for s in tier.inventory()
+            for f in os.listdir(tier.path(s.name)) if f not in s.files)
     assert [s.name for s in tier.inventory()] == ["checkpoint_1_3", "checkpoint_1_4"]
     assert torch.equal(xla_ckpt.load(tier.path("checkpoint_1_4"))["w"], tensor_at(4))
     # keep_last=1 and a step of a newer lease epoch: the epoch orders before num_updates.
@@ -168,7 +181,7 @@ def test_prune_keeps_the_newest_k_and_a_protected_one(tmp_path):
     put_step(one, 2, lease_epoch=2)
     one.prune()
     assert [s.name for s in one.inventory()] == ["checkpoint_1_2"]
-    assert sorted(os.listdir(one.folder)) == ["checkpoint_1_2"]
+    assert sorted(os.listdir(one.folder)) == [".spare", "checkpoint_1_2"]
 
 
 def test_room_for_counts_what_keep_last_leaves(tmp_path):

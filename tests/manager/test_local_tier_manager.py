@@ -96,7 +96,7 @@ def tier_of(run: str, local: str) -> LocalTier:
 def local_steps(run: str, local: str) -> list[str]:
     """Checkpoint folders in the run's local folder (committed or not), sorted by update."""
     tier = tier_of(run, local)
-    names = [n for n in os.listdir(tier.folder)] if os.path.isdir(tier.folder) else []
+    names = tier.folders()
     return sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]))
 
 
@@ -678,3 +678,44 @@ def test_a_fenced_incarnation_on_the_same_host_never_commits_over_the_newer_one(
     assert got is not None and got.tier is not None
     assert got.checkpoint == "checkpoint_1_4" and got.tier["tier"] == "local"
     assert torch.equal(got.state["model"]["w"], w_at(104))
+
+
+def _file_inodes(tier: LocalTier, step) -> dict[str, int]:
+    """Each data file of ``step`` by its name without the save id, with its inode."""
+    return {f.split("-", 2)[2]: os.stat(os.path.join(tier.path(step.name), f)).st_ino
+            for f in step.files}
+
+
+@pytest.mark.parametrize("room", ["spare", "tight"])
+def test_steady_local_saves_recycle_the_evicted_steps_files(dirs, room):
+    """keep_local_checkpoints=2, a local save every update.  With room for a spare, from the
+    4th save on each save's data files are the files of the step the save before evicted
+    (their inodes: their pages, and this process's mapping of them, are reused, so the
+    save's one copy faults no page in), holding the new bytes; the spares stay one step's
+    worth.  With local_max_bytes for 2 steps only, no spare is kept (fresh files)."""
+    run, local = dirs
+    numel = 65536  # 256 KiB of w: the files' headers, manifest and markers are small beside it
+    extra = {"local_max_bytes": 5 * numel * 4 // 2} if room == "tight" else {}  # 2.5 steps
+    cfg = make_cfg(run, local_dir=local, local_interval_updates=1, save_interval_updates=0,
+                   keep_local_checkpoints=2, **extra)
+    tier = tier_of(run, local)
+    inodes = {}
+    with CheckpointManager(cfg) as mgr:
+        for n in range(1, 8):
+            train(mgr, n, n, numel=lambda _: numel)
+            mgr.wait()
+            steps = tier.inventory()
+            assert [s.name for s in steps] == [f"checkpoint_1_{k}" for k in (n - 1, n) if k]
+            inodes[n] = _file_inodes(tier, steps[-1])
+            assert len(inodes[n]) == 2  # the state's file and the rank state's
+            if room == "spare" and n >= 3:
+                assert 0 < tier.spare_bytes() <= max(s.nbytes for s in steps)
+            else:
+                assert tier.spare_bytes() == 0
+    assert mgr.local_committed == [f"checkpoint_1_{n}" for n in range(1, 8)]
+    if room == "spare":  # (a tight tier's fresh files may get freed inode numbers again)
+        for n in range(4, 8):
+            assert inodes[n] == inodes[n - 3]
+    res = restore(cfg)
+    assert_restored(res, 7, numel=numel)
+    assert res.tier["tier"] == "local"

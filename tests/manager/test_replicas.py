@@ -148,7 +148,7 @@ def test_replica_markers_are_listed_untrusted_and_kept_by_keep_last(tmp_path, ca
     assert "not trusted from now on: crc32c mismatch" in caplog.text
     assert [s.name for s in tier.replicas()] == ["checkpoint_1_1", "checkpoint_1_2"]
     tier.prune()  # the newest 2 trusted replicas stay, the rest goes
-    assert sorted(os.listdir(tier.folder)) == ["checkpoint_1_1", "checkpoint_1_2"]
+    assert tier.folders() == ["checkpoint_1_1", "checkpoint_1_2"]
     # A vanished file makes the replica incomplete (never chosen to heal).
     os.unlink(os.path.join(tier.path("checkpoint_1_2"), sorted(steps[1].files)[0]))
     (s2,) = [s for s in tier.replicas() if s.name == "checkpoint_1_2"]
@@ -170,7 +170,7 @@ def test_a_failed_own_save_in_a_folder_with_a_replica_keeps_the_replica(tmp_path
     # Another job's steps (a lease epoch this job has just taken) go, replicas too.
     tier.commit_replica(put_part(tier, 5, host=1, lease_epoch=3))
     assert tier.discard_foreign(3) == ["checkpoint_1_5"]
-    assert sorted(os.listdir(tier.folder)) == ["checkpoint_1_4"]
+    assert tier.folders() == ["checkpoint_1_4"]
 
 
 # ---- the transfer over real gloo ranks ----------------------------------------------------------
@@ -233,7 +233,7 @@ def test_ls_and_gc_of_a_local_tier_show_and_keep_the_replicas(tmp_path, capsys):
     put_part(tier, 7, host=0)  # an uncommitted leftover of this host
     assert collect_local(tier, keep_last=1, incomplete=True, dry_run=False) == [
         "checkpoint_1_7"]
-    assert sorted(os.listdir(tier.folder)) == ["checkpoint_1_5", "checkpoint_1_6"]
+    assert tier.folders() == ["checkpoint_1_5", "checkpoint_1_6"]
 
 
 def test_an_untrusted_marker_condemns_only_the_save_it_names(tmp_path):
@@ -267,5 +267,5 @@ def test_keep_last_counts_own_steps_and_lets_old_replicas_age_out(tmp_path):
         tier.commit(put_part(tier, n, host=0), None)
         tier.prune()
     # The replicas of 1 and 2 did not pin their folders: keep-last 2 is 2 own steps.
-    assert sorted(os.listdir(tier.folder)) == ["checkpoint_1_4", "checkpoint_1_5"]
+    assert tier.folders() == ["checkpoint_1_4", "checkpoint_1_5"]
     assert tier.replicas() == []

@@ -50,13 +50,14 @@ COLLECTIVE_TIMEOUT_S = 60.0   # inside a job; a job is killed by the harness lon
 RENDEZVOUS_TIMEOUT_S = 100.0  # the ranks' first meeting (under the tests' 120 s job timeout)
 MARKER_WAIT_S = 60.0          # a victim waiting for another host's marker gives up after this
 N = 16 * 1024                 # elements of the largest tensor (64 KiB of float32)
-TORN_AT_BYTES = 64 * 1024     # a torn data-file write stops after this much of its body
+TORN_AT_BYTES = 64 * 1024     # a torn data-file copy stops at the first blob past this
 
 #: Kill point -> where the victim pauses (``at``: the update whose save it is).
 POINTS = {
-    "local-write": "before its local data-file write",
-    "local-write-torn": "inside its local data-file write: the temporary file half written",
-    "local-written": "after its local data file is written, before the exchange of parts",
+    "local-write": "before its local data files are staged (the copy into their pages)",
+    "local-write-torn": "inside the copy into a local data file's pages: the temporary file "
+                        "half written",
+    "local-written": "after its local data files are published, before the exchange of parts",
     "host-manifest": "host leader: the host's manifest written, its marker not",
     "one-host-marker": "host 1's leader, once host 0's marker is there, before its own",
     "host-markers": "host 1's leader, after its marker (host 0's there too), before pruning",
@@ -180,25 +181,17 @@ def _wait_for(paths: list[str]) -> list[str]:
     return [p for p in paths if not os.path.exists(p)]
 
 
-class _Torn:
-    """The buffers of a data-file write, handed to the real writer one at a time (as it takes
-    them); ``stop()`` runs before the first buffer past :data:`TORN_AT_BYTES` is handed over
-    (the bytes before it went to the temporary file)."""
+class _PauseOnCopy(torch.Tensor):
+    """A blob's bytes whose copy into the data file's pages first calls ``stop`` (the blobs
+    before it are in the temporary file already: a torn local write)."""
 
-    def __init__(self, buffers: Any, stop: Any) -> None:
-        self.buffers = buffers
-        self.stop = stop
+    stop: Any = None
 
-    def __len__(self) -> int:
-        return len(self.buffers)
-
-    def __iter__(self) -> Any:
-        sent = 0
-        for b in self.buffers:
-            if sent >= TORN_AT_BYTES:
-                self.stop()
-            sent += memoryview(b).nbytes
-            yield b
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.copy_ and cls.stop is not None:
+            cls.stop()
+        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def install_kill_point(spec: dict, run_uri: str, wfd: int) -> None:
@@ -219,31 +212,41 @@ def install_kill_point(spec: dict, run_uri: str, wfd: int) -> None:
             _pause(wfd, point, **info)
 
     if point in ("local-write", "local-written"):
-        real_write = local_save.write_local
+        real_stage, real_finish = local_save.stage_local, local_save.finish_local
 
-        def write_local(tier, name, *a, **kw):
+        def stage_local(tier, name, *a, **kw):
             if name == target and point == "local-write":
                 pause(files=sorted(os.listdir(tier.path(name))) if os.path.isdir(
                     tier.path(name)) else [])
-            part = real_write(tier, name, *a, **kw)
+            return real_stage(tier, name, *a, **kw)
+
+        def finish_local(staged, tier, name, *a, **kw):
+            part = real_finish(staged, tier, name, *a, **kw)
             if name == target:
                 pause(files=sorted(f for p in part.parts for f in p.files), error=part.error)
             return part
 
-        local_save.write_local = write_local  # the kill point, on purpose
+        local_save.stage_local = stage_local  # the kill points, on purpose
+        local_save.finish_local = finish_local
     elif point == "local-write-torn":
-        from xla_ckpt.storage.local import LocalStorage
+        from dataclasses import replace
 
-        real_atomic = LocalStorage.write_atomic
+        real_file = local_save.stage_file
         host = int(os.environ["GROUP_RANK"])
         folder = os.path.join(tier_folder(spec["local"], host, run_uri), target)
 
-        def write_atomic(self, name, buffers, **kw):
-            if self.root.rstrip("/") == folder and name.startswith("data-"):
-                buffers = _Torn(buffers, lambda: pause(file=name))
-            return real_atomic(self, name, buffers, **kw)
+        def stage_file(storage, plan, *a, **kw):
+            if storage.root.rstrip("/") == folder and plan.fname.startswith("data-"):
+                k = next((i for i, off in enumerate(plan.offsets)
+                          if off - len(plan.header) >= TORN_AT_BYTES), None)
+                if k is not None:
+                    _PauseOnCopy.stop = staticmethod(lambda: pause(file=plan.fname))
+                    blobs = list(plan.labelled)
+                    blobs[k] = replace(blobs[k], data=blobs[k].data.as_subclass(_PauseOnCopy))
+                    plan = replace(plan, labelled=blobs)
+            return real_file(storage, plan, *a, **kw)
 
-        LocalStorage.write_atomic = write_atomic  # type: ignore[method-assign]  # on purpose
+        local_save.stage_file = stage_file  # the kill point, on purpose
     elif point in ("host-manifest", "one-host-marker", "host-markers"):
         real_commit = LocalTier.commit
 

@@ -83,8 +83,9 @@ class ItemPlan:
         return sum(b.data.numel() for b in self.blobs)
 
 
-def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Bring tensors to CPU, batching XLA transfers; CPU tensors are returned as they are."""
+def _to_host(tensors: list[torch.Tensor], *, xla_only: bool = False) -> list[torch.Tensor]:
+    """Bring tensors to CPU, batching XLA transfers; CPU tensors are returned as they are
+    (``xla_only``: every tensor but an XLA one is returned as it is)."""
     out = list(tensors)
     xla_idx = [i for i, t in enumerate(tensors) if t.device.type == "xla"]
     if xla_idx:
@@ -96,7 +97,7 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         for i, t in zip(xla_idx, cpu, strict=True):
             out[i] = t
     for i, t in enumerate(out):
-        if t.device.type != "cpu":
+        if t.device.type != "cpu" and not xla_only:
             out[i] = t.detach().to("cpu")
     return [t.detach() for t in out]
 
@@ -152,8 +153,10 @@ def check_storable(t: torch.Tensor, key: str) -> None:
             key=key, layout=f"quantized {t.dtype}")
 
 
-def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -> ItemPlan:
-    """Encode ``state`` and lay out its tensors as blobs in host memory.
+def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
+              to_host: bool = True) -> ItemPlan:
+    """Encode ``state`` and lay out its tensors as blobs in host memory (``to_host=False``:
+    blobs of CUDA and other non-XLA device tensors stay views of their device storage).
 
     Raises:
         MetaTensorError: a tensor lives on the meta device (names its key).
@@ -170,7 +173,7 @@ def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -
         return len(found) - 1
 
     encoded = typed.encode(state, hook)
-    host = _to_host([t for t, _ in found])
+    host = _to_host([t for t, _ in found], xla_only=not to_host)
     plan = ItemPlan(state=encoded)
 
     # Group by storage so aliasing survives and shared bytes are written once.
@@ -207,8 +210,9 @@ def plan_item(state: Any, *, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES) -
                 records[i] = _dense_blob(plan, host[i], found[i][1])
             continue
         t0 = host[members[0]]
-        raw = torch.empty(0, dtype=torch.uint8).set_(t0.untyped_storage(), lo, (hi - lo,), (1,)) \
-            if hi > lo else torch.empty(0, dtype=torch.uint8)
+        raw = torch.empty(0, dtype=torch.uint8, device=t0.device).set_(
+            t0.untyped_storage(), lo, (hi - lo,), (1,)) if hi > lo else \
+            torch.empty(0, dtype=torch.uint8)
         same = len(members) == 1 and host[members[0]].is_contiguous()
         dtype_code = _code(t0.dtype) if same else "U8"
         shape = tuple(t0.shape) if same and dtype_code != "U8" else (hi - lo,)
@@ -240,7 +244,7 @@ def _code(dtype: torch.dtype) -> str:
 def _dense_blob(plan: ItemPlan, t: torch.Tensor, key: str) -> TensorRecord:
     dense = t.contiguous()
     raw = (dense.reshape(-1).view(torch.uint8) if dense.numel()
-           else torch.empty(0, dtype=torch.uint8))
+           else torch.empty(0, dtype=torch.uint8))  # on t's device (plan_item's to_host)
     code = _code(t.dtype)
     shape = tuple(t.shape) if code != "U8" else (raw.numel(),)
     plan.blobs.append(PlannedBlob(key, raw, code, shape))

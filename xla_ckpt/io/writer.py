@@ -66,7 +66,7 @@ from xla_ckpt.format.manifest import (
     check_global_tensors,
     rank_item,
 )
-from xla_ckpt.format.plan import PlannedBlob, blob_pieces, blob_record, plan_item
+from xla_ckpt.format.plan import ItemPlan, PlannedBlob, blob_pieces, blob_record, plan_item
 from xla_ckpt.format.safetensors_layout import build_header
 from xla_ckpt.io.manifest_file import order_metadata
 from xla_ckpt.io.names import DATA_PREFIX
@@ -279,12 +279,87 @@ def write_items(storage: Storage, save_id: str, items: Sequence[tuple[str, Any]]
         MetaTensorError, UnsupportedTypeError: a state cannot be saved (names the key).
         StorageError: the backend failed.
     """
+    t0 = time.perf_counter()
+    fp = plan_file(save_id, items, chunk_size_bytes=chunk_size_bytes)
+    written = write_planned(storage, fp, progress=progress)
+    dt = time.perf_counter() - t0
+    size = written[0].files[fp.fname]
+    logger.debug("wrote %s (%d bytes, items %s) in %.3f s (%.1f MiB/s)", storage.url(fp.fname),
+                 size, fp.names, dt, size / max(dt, 1e-9) / 2**20)
+    return written
+
+
+@dataclass
+class FilePlan:
+    """One data file laid out before any byte is written: what :func:`plan_file` returns.
+
+    ``labelled``: every item's blobs in file order (``data``: the bytes to write, a
+    contiguous uint8 tensor; on a device when planned with ``to_host=False``); ``offsets``:
+    each blob's absolute byte offset in the file; ``header``: the safetensors header (with
+    its 8-byte length prefix) that opens the file.
+    """
+
+    fname: str
+    names: list[str]
+    plans: list[ItemPlan]
+    labelled: list[PlannedBlob]
+    header: bytes
+    offsets: list[int]
+    chunk_size_bytes: int
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole file."""
+        return len(self.header) + sum(b.data.numel() for b in self.labelled)
+
+    def pieces(self) -> tuple[list[memoryview], list[tuple[int, int]]]:
+        """The file's bytes in order (header, then each blob cut at its crc32c chunks), and
+        each blob's ``[first, stop)`` in that list.  The blobs' ``data`` must be on the host."""
+        pieces: list[memoryview] = [memoryview(self.header)]
+        spans: list[tuple[int, int]] = []
+        for b in self.labelled:
+            first = len(pieces)
+            pieces.extend(blob_pieces(b, self.chunk_size_bytes))
+            spans.append((first, len(pieces)))
+        return pieces, spans
+
+    def written(self, size: int, piece_crcs: Callable[[int, int], list[int]],
+                spans: Sequence[tuple[int, int]]) -> list[WrittenItem]:
+        """The :class:`WrittenItem` of each item once the file holds ``size`` bytes;
+        ``piece_crcs(lo, hi)``: the crc32c of pieces ``[lo, hi)`` of :meth:`pieces`."""
+        out: list[WrittenItem] = []
+        k = 0
+        with gc_paused():
+            for name, plan in zip(self.names, self.plans, strict=True):
+                blobs = []
+                for b in plan.blobs:
+                    lo, hi = spans[k]
+                    blobs.append(blob_record(b, self.fname, self.offsets[k],
+                                             self.chunk_size_bytes, piece_crcs=piece_crcs(lo, hi)))
+                    k += 1
+                out.append(WrittenItem(name, Item(state=plan.state, tensors=plan.tensors,
+                                                  blobs=blobs), {self.fname: size}))
+        return out
+
+
+def plan_file(save_id: str, items: Sequence[tuple[str, Any]], *,
+              chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES, to_host: bool = True) -> FilePlan:
+    """Lay out ``items`` (``(item name, state)`` pairs, names unique) as one data file named
+    after the first item; nothing is written.  The typed encoding of each state is done
+    here (non-tensor values are frozen now).  ``to_host=False`` leaves CUDA and CPU tensors
+    where they are (the blobs are views of their storage: a caller copies them into the
+    file's pages, :mod:`xla_ckpt.io.mapped_writer`); XLA tensors come to the host either way.
+
+    Raises:
+        ValueError: no items, or a name given twice.
+        MetaTensorError, UnsupportedTypeError: a state cannot be saved (names the key).
+    """
     names = [n for n, _ in items]
     if not names or len(set(names)) != len(names):
         raise ValueError(f"write_items needs at least one item and unique names, got {names}")
-    t0 = time.perf_counter()
     with gc_paused():  # CPU-bound planning; not held over the write (async saves run it)
-        plans = [plan_item(state, chunk_size_bytes=chunk_size_bytes) for _, state in items]
+        plans = [plan_item(state, chunk_size_bytes=chunk_size_bytes, to_host=to_host)
+                 for _, state in items]
         fname = data_file_name(save_id, names[0])
         labelled: list[PlannedBlob] = []
         for (name, _), plan in zip(items, plans, strict=True):
@@ -295,30 +370,21 @@ def write_items(storage: Storage, save_id: str, items: Sequence[tuple[str, Any]]
         if len(items) > 1:
             meta["xla_ckpt_items"] = ",".join(names)
         header, offsets = build_header(labelled, meta)
-        pieces: list[memoryview] = [memoryview(header)]
-        spans: list[tuple[int, int]] = []  # each blob's pieces in ``pieces``
-        for b in labelled:
-            first = len(pieces)
-            pieces.extend(blob_pieces(b, chunk_size_bytes))
-            spans.append((first, len(pieces)))
+    return FilePlan(fname, names, plans, labelled, header, offsets, chunk_size_bytes)
+
+
+def write_planned(storage: Storage, fp: FilePlan, *,
+                  progress: Callable[[int], object] | None = None) -> list[WrittenItem]:
+    """Write the data file ``fp`` (blobs on the host) atomically, each piece crc32c-checked
+    just ahead of the write (:class:`_ChecksummedPieces`); one :class:`WrittenItem` per item.
+
+    Raises:
+        StorageError: the backend failed.
+    """
+    pieces, spans = fp.pieces()
     stream = _ChecksummedPieces(pieces, [False] + [True] * (len(pieces) - 1), progress)
-    info = storage.write_atomic(fname, stream)
-    written: list[WrittenItem] = []
-    k = 0
-    with gc_paused():
-        for name, plan in zip(names, plans, strict=True):
-            blobs = []
-            for b in plan.blobs:
-                lo, hi = spans[k]
-                blobs.append(blob_record(b, fname, offsets[k], chunk_size_bytes,
-                                         piece_crcs=stream.crcs(lo, hi)))
-                k += 1
-            written.append(WrittenItem(name, Item(state=plan.state, tensors=plan.tensors,
-                                                  blobs=blobs), {fname: info.size}))
-    dt = time.perf_counter() - t0
-    logger.debug("wrote %s (%d bytes, items %s) in %.3f s (%.1f MiB/s)", storage.url(fname),
-                 info.size, names, dt, info.size / max(dt, 1e-9) / 2**20)
-    return written
+    info = storage.write_atomic(fp.fname, stream)
+    return fp.written(info.size, stream.crcs, spans)
 
 
 def write_item(storage: Storage, save_id: str, item_name: str, state: Any, *,

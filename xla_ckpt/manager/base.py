@@ -24,6 +24,7 @@ from xla_ckpt.errors import (
     DistributedError,
     FencedError,
 )
+from xla_ckpt.io.mapped_writer import MappedPages
 from xla_ckpt.manager import lockstep
 from xla_ckpt.manager.best import BestScore
 from xla_ckpt.manager.config import CheckpointConfig
@@ -87,6 +88,7 @@ class ManagerBase:
     _executor: cf.ThreadPoolExecutor  # the save thread: uploads, and commits on rank 0
     _inflight: InFlightSave | None
     _pool: StagingPool | None
+    _pages: MappedPages  # mappings of the local tier's files this rank staged into
     _notice: PreemptionNotice
     _preempt_agreed: bool
     _last_saved: tuple[str, int] | None  # (name, num_updates) of the newest save

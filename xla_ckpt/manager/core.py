@@ -77,6 +77,7 @@ import time
 from types import TracebackType
 
 from xla_ckpt.comm import Dist, get_dist
+from xla_ckpt.io.mapped_writer import MappedPages
 from xla_ckpt.manager.best import RESERVED_METADATA, BestFn, BestScore
 from xla_ckpt.manager.config import CheckpointConfig
 from xla_ckpt.manager.preemption import PreemptionNotice
@@ -177,6 +178,7 @@ class CheckpointManager(SaveSchedule, RestorePath):
         self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix=f"xla_ckpt-save-r{self.rank}")
         self._inflight = None
         self._pool = StagingPool() if config.reuse_staging_buffers else None
+        self._pages = MappedPages()  # the local tier's pages this rank staged into
         self._notice = PreemptionNotice()
         if config.handle_sigterm:
             self._notice.install()
@@ -269,6 +271,7 @@ class CheckpointManager(SaveSchedule, RestorePath):
             self._inflight.storage.close()
             self._inflight = None
         self._notice.uninstall()
+        self._pages.close()
         if self._own_run:
             self.run.close()
 

@@ -7,19 +7,24 @@ A save with a local tier runs these steps (``SavePath._save`` / ``_sync`` call t
    the bytes it will write; each host checks ``local_max_bytes`` against what keep-last-K
    leaves; when any host lacks room the local copy is skipped on every host with a
    WARNING naming the sizes (a durable save then writes to durable storage directly).
-2. **Local write** (every rank, the upload thread, :func:`write_local`): this rank's data
-   file into its host's tier, from the staged host copy (the one device-to-host copy of the
-   save).  On the plain (replicated) path rank 0 writes the replicated state as a file of
-   its own, and every other host's leader writes the same file from its own copy, so each
-   host holds every byte its ranks restore; a copy whose records differ from rank 0's (the
-   replicas were not equal) is dropped, and that host reads the state from durable storage.
+2. **Local write** (every rank): the training thread lays out this rank's data files and
+   copies the live tensors straight into their pages in the host's tier (:func:`stage_local`:
+   the one device-to-host copy of the save; no staging buffer, no second memcpy); the upload
+   thread checksums and publishes them (:func:`finish_local`).  Each file recycles the
+   pages of the file of the same name that keep-last-K evicted last, when the tier kept it
+   (:meth:`LocalTier.spare_path`).  On the plain (replicated) path rank 0 writes the
+   replicated state as a file of its own, and every other host's leader writes the same
+   file from its own copy, so each host holds every byte its ranks restore; a copy whose
+   records differ from rank 0's (the replicas were not equal) is dropped, and that host
+   reads the state from durable storage.
 3. **Host commit** (each host's leader, after every rank's write, :func:`commit_host`): the
    manifest, then the host's commit marker, then keep-last-K.
 4. **Durable upload** (every rank, when the durable schedule asks, :func:`copy_to_durable`):
    this rank's files, read from the local tier, never from the live state; then rank 0
    commits the durable manifest as without a local tier.
 
-Failures: a local write that fails (ENOSPC) removes what it wrote; a durable save then
+Failures: a local write that fails (ENOSPC when its pages are reserved, before the copy:
+never a SIGBUS) removes what it wrote; a durable save then
 writes its staged copy to durable storage directly, and a local-only save is dropped with
 a WARNING (the previous local step stays).  Training goes on either way.
 """
@@ -36,7 +41,8 @@ import torch
 
 from xla_ckpt.errors import FencedError
 from xla_ckpt.format.manifest import STATE_ITEM
-from xla_ckpt.io.writer import WrittenItem, writer_rank
+from xla_ckpt.io.mapped_writer import MappedPages, StagedFile, stage_file
+from xla_ckpt.io.writer import FilePlan, WrittenItem, plan_file, write_planned, writer_rank
 from xla_ckpt.restore import save_steps as steps
 from xla_ckpt.run.local_tier import LocalStep, LocalTier
 from xla_ckpt.storage import Storage
@@ -112,28 +118,111 @@ def agree_on_room(exchange: Callable[[Any], list[Any]], tier: LocalTier, *, host
 
 
 def write_local(tier: LocalTier, name: str, save_id: str, payload: steps.SavePayload,
-                rank: int, *, own_state: Any = None) -> LocalPart:
-    """One rank, the upload thread: write ``payload`` (staged host copies) into this host's
-    tier; rank 0's replicated ``state`` goes in a file of its own; ``own_state``: a host
-    leader's own staged copy of it (hosts other than rank 0's).  A failure (ENOSPC) removes
-    this rank's files and is returned, not raised."""
-    storage = tier.step_storage(name)
-    out = LocalPart()
+                rank: int, *, own_state: Any = None, pages: MappedPages | None = None,
+                direct: Storage | None = None) -> LocalPart:
+    """One rank, all at once (a blocking save, on the caller's thread):
+    :func:`stage_local` then :func:`finish_local`.  A failure (ENOSPC) removes this rank's
+    files and is returned, not raised; with ``direct`` (a durable save's storage) the live
+    ``payload`` is then written there instead."""
     try:
-        if payload.state is not None:
-            out.parts += steps.write_payload(storage, save_id,
-                                             steps.SavePayload(state=payload.state), rank)
-        rest = steps.SavePayload(None, payload.rank_state, payload.shards, payload.chunk_name,
-                                 payload.chunks)
-        out.parts += steps.write_payload(storage, save_id, rest, rank)
-        if own_state is not None:
-            out.own_state = steps.write_payload(storage, save_id,
-                                                steps.SavePayload(state=own_state), rank)
+        staged = stage_local(tier, name, save_id, payload, rank, own_state=own_state,
+                             pages=pages or MappedPages())
     except Exception as e:  # noqa: BLE001 - the local copy is best effort; reported, not raised
-        for p in [*out.parts, *out.own_state]:
-            for f in p.files:
-                _unlink(os.path.join(storage.root, f))
-        out = LocalPart(error=f"{type(e).__name__}: {e}")
+        out = failed(tier, name, rank, f"{type(e).__name__}: {e}", durable=direct is not None)
+        if direct is not None:
+            out.parts, out.direct = steps.write_payload(direct, save_id, payload, rank), True
+        return out
+    return finish_local(staged, tier, name, rank, direct=direct)
+
+
+def direct_part(error: str, storage: Storage, save_id: str, payload: steps.SavePayload,
+                rank: int) -> LocalPart:
+    """Upload thread: the local copy could not be staged (``error``); a durable save writes
+    its staged host copy (``payload``) to durable storage directly."""
+    return LocalPart(parts=steps.write_payload(storage, save_id, payload, rank), error=error,
+                     direct=True)
+
+
+def failed(tier: LocalTier, name: str, rank: int, error: str, *, durable: bool) -> LocalPart:
+    """A rank's local write of ``name`` that failed with ``error``: logged (WARNING), as a part."""
+    logger.warning("[rank %d] host %d: the local copy of %s failed (%s)%s", rank, tier.host,
+                   name, error, "; writing it to durable storage directly" if durable else
+                   "; the previous local step stays")
+    return LocalPart(error=error)
+
+
+@dataclass
+class StagedLocal:
+    """A rank's part of a save staged into its local files' pages (:func:`stage_local`):
+    ``files`` as ``(what, file)`` with ``what`` ``"parts"`` or ``"own"`` (a host leader's
+    own copy of the replicated state)."""
+
+    files: list[tuple[str, StagedFile]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.plan.size for _, f in self.files)
+
+    def payloads(self) -> list[FilePlan]:
+        """The staged files' plans whose bytes go to durable storage when the local write
+        fails on a durable save (their blobs are the pages: the snapshot)."""
+        return [f.plan for what, f in self.files if what == "parts"]
+
+
+def stage_local(tier: LocalTier, name: str, save_id: str, payload: steps.SavePayload,
+                rank: int, *, own_state: Any = None, pages: MappedPages) -> StagedLocal:
+    """One rank, the training thread: lay out this rank's data files of save ``name`` and copy
+    ``payload`` (live tensors) straight into their pages in this host's tier, each file
+    recycling the spare of the same name when the tier holds one
+    (:mod:`xla_ckpt.io.mapped_writer`).  Rank 0's replicated ``state`` goes in a file of
+    its own; ``own_state``: a host leader's own copy of it (hosts other than rank 0's).
+
+    Raises:
+        OSError: a file could not be made or its pages reserved (ENOSPC); nothing of this
+            save is left in the tier.
+        MetaTensorError / UnsupportedTypeError: a value cannot be saved (names its key).
+    """
+    storage = tier.step_storage(name)
+    groups = [("parts", steps.SavePayload(state=payload.state)),
+              ("parts", steps.SavePayload(None, payload.rank_state, payload.shards,
+                                          payload.chunk_name, payload.chunks)),
+              ("own", steps.SavePayload(state=own_state))]
+    out = StagedLocal([])
+    try:
+        for what, group in groups:
+            items = group.items(rank)
+            if items:
+                fp = plan_file(save_id, items, to_host=False)
+                out.files.append((what, stage_file(storage, fp, pages,
+                                                   spare=tier.spare_path(fp.fname))))
+    except BaseException:
+        for _, f in out.files:
+            f.discard()
+        raise
+    return out
+
+
+def finish_local(staged: StagedLocal, tier: LocalTier, name: str, rank: int, *,
+                 direct: Storage | None = None) -> LocalPart:
+    """One rank, the upload thread: checksum and publish the staged files.  A failure removes
+    this rank's files of the save and is returned, not raised; with ``direct`` (a durable
+    save's storage) the staged pages are then written there instead."""
+    out = LocalPart()
+    done: list[str] = []
+    try:
+        for what, f in staged.files:
+            written = f.finish()
+            done.append(os.path.join(f.storage.root, f.plan.fname))
+            (out.parts if what == "parts" else out.own_state).extend(written)
+    except Exception as e:  # noqa: BLE001 - the local copy is best effort; reported, not raised
+        for _, f in staged.files:
+            f.discard()
+        for path in done:
+            _unlink(path)
+        out = failed(tier, name, rank, f"{type(e).__name__}: {e}", durable=direct is not None)
+        if direct is not None:
+            out.parts = [w for fp in staged.payloads() for w in write_planned(direct, fp)]
+            out.direct = True
     return out
 
 

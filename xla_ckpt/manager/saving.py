@@ -50,6 +50,7 @@ import atexit
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -64,12 +65,11 @@ from xla_ckpt.manager.base import InFlightSave, ManagerBase, logger
 from xla_ckpt.manager.best import RESERVED_METADATA
 from xla_ckpt.manager.naming import preemption_name
 from xla_ckpt.manager.rotation import rotate
-from xla_ckpt.manager.staging import stage_dense, stage_to_host
+from xla_ckpt.manager.staging import stage_payload
 from xla_ckpt.restore import save_steps as steps
 from xla_ckpt.run.catalog import LEASE_EPOCH_KEY, epoch_of, read_pointer_doc, write_pointer
 from xla_ckpt.run.fencing import Lease, check_lease, fenced_error
-from xla_ckpt.run.local_tier import LocalStep, LocalTier
-from xla_ckpt.storage import Storage
+from xla_ckpt.run.local_tier import LocalStep
 
 StateArg = Any  # a state, or a zero-argument callable returning it
 MetricValues = Mapping[str, SupportsFloat]  # numbers, numpy scalars, one-element tensors
@@ -444,35 +444,40 @@ class SavePath(ManagerBase):
                 mine = steps.payload(inputs, agreed, plan, self.rank)
                 if block and local:
                     assert tier is not None
-                    upload = _done_future(self._write_local(
-                        tier, storage, name, save_id, mine, durable,
-                        inputs.state if own_copy else None))
+                    upload = _done_future(local_save.write_local(
+                        tier, name, save_id, mine, self.rank, pages=self._pages,
+                        own_state=inputs.state if own_copy else None,
+                        direct=storage if durable else None))
                 elif block:
                     # The caller waits anyway: write the live state from this thread, no copy.
                     upload = _done_future(steps.write_payload(storage, save_id, mine, self.rank))
                 else:
-                    staged = [stage_to_host(p, self._pool) if p is not None else None
-                              for p in (mine.state, mine.rank_state, mine.shards)]
-                    chunks = (stage_dense(mine.chunks, self._pool)
-                              if mine.chunks is not None else None)
-                    for sg in [*staged, chunks]:
-                        if sg is not None:
-                            buffers += sg.buffers
-                            nbytes += sg.nbytes
-                    st, rs, sh = [sg.state if sg else None for sg in staged]
-                    host = steps.SavePayload(st, rs, sh, mine.chunk_name,
-                                             chunks.state if chunks is not None else None)
+                    staged_local, local_error = None, ""
                     if local:
                         assert tier is not None
-                        own = stage_to_host(inputs.state, self._pool) if own_copy else None
-                        if own is not None:
-                            buffers += own.buffers
-                            nbytes += own.nbytes
-                        fn: Any = self._write_local
-                        args: tuple = (tier, storage, name, save_id, host, durable,
-                                       own.state if own is not None else None)
+                        try:  # straight into the tier's pages: the save's one copy
+                            staged_local = local_save.stage_local(
+                                tier, name, save_id, mine, self.rank, pages=self._pages,
+                                own_state=inputs.state if own_copy else None)
+                            nbytes = staged_local.nbytes
+                        except OSError as e:
+                            local_error = repr(e)
+                            local_save.failed(tier, name, self.rank, local_error,
+                                              durable=durable)
+                    fn: Any
+                    args: tuple
+                    if staged_local is not None:
+                        fn, args = local_save.finish_local, (staged_local, tier, name, self.rank)
+                        if durable:
+                            fn = functools.partial(fn, direct=storage)
+                    elif local and not durable:  # dropped; the previous local step stays
+                        fn, args = local_save.LocalPart, ([], [], local_error)
                     else:
+                        host, buffers, nbytes = stage_payload(mine, self._pool)
                         fn, args = steps.write_payload, (storage, save_id, host, self.rank)
+                        if local:  # the local copy failed: a durable save goes direct
+                            fn, args = local_save.direct_part, (local_error, *args)
+                        del host
                     if not self._exit_hook:  # a save handed off is never lost unsaid
                         _register_exit_hook(_report_at_exit, weakref.ref(self))
                         self._exit_hook = True
@@ -482,7 +487,7 @@ class SavePath(ManagerBase):
                                                    fn, *args, started=started)
                     else:
                         upload = self._executor.submit(fn, *args)
-                    del staged, chunks, host
+                    del staged_local, args
                 del mine
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks in _sync
             upload = _failed_future(e)
@@ -511,23 +516,6 @@ class SavePath(ManagerBase):
         if block:
             committed += self._sync(block=True)
         return committed
-
-    def _write_local(self, tier: LocalTier, storage: Storage, name: str, save_id: str,
-                     payload: steps.SavePayload, durable: bool,
-                     own_state: Any) -> local_save.LocalPart:
-        """This rank's local write (upload thread, or the caller's on a blocking save); when
-        it fails and the save is durable, the payload goes straight to durable storage."""
-        part = local_save.write_local(tier, name, save_id, payload, self.rank,
-                                      own_state=own_state)
-        if part.error is not None:
-            logger.warning("[rank %d] host %d: the local copy of %s failed (%s)%s", self.rank,
-                           self._host, name, part.error,
-                           "; writing it to durable storage directly" if durable else
-                           "; the previous local step stays")
-            if durable:
-                part.parts = steps.write_payload(storage, save_id, payload, self.rank)
-                part.direct = True
-        return part
 
     def _commit_local(self, fl: InFlightSave, parts: list, errors: dict[int, str],
                       own_state: list) -> LocalStep | None:

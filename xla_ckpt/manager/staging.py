@@ -33,6 +33,7 @@ import torch
 from xla_ckpt.errors import MetaTensorError
 from xla_ckpt.format import typed
 from xla_ckpt.format.plan import SPAN_MAX_FACTOR, check_storable
+from xla_ckpt.restore.save_steps import SavePayload
 
 
 class StagingPool:
@@ -209,3 +210,21 @@ def _copy_shared(views: list[torch.Tensor], pool: StagingPool,
         out.append(torch.empty(0, dtype=t.dtype).set_(storage, (start - lo) // isz, t.shape,
                                                        t.stride()))
     return out
+
+
+def stage_payload(payload: SavePayload, pool: StagingPool | None
+                  ) -> tuple[SavePayload, list[torch.Tensor], int]:
+    """Host snapshot of a rank's save payload (:func:`stage_to_host` for its trees,
+    :func:`stage_dense` for its chunks): ``(host payload, pooled buffers, bytes staged)``."""
+    staged = [stage_to_host(p, pool) if p is not None else None
+              for p in (payload.state, payload.rank_state, payload.shards)]
+    chunks = stage_dense(payload.chunks, pool) if payload.chunks is not None else None
+    buffers: list[torch.Tensor] = []
+    nbytes = 0
+    for sg in [*staged, chunks]:
+        if sg is not None:
+            buffers += sg.buffers
+            nbytes += sg.nbytes
+    st, rs, sh = [sg.state if sg else None for sg in staged]
+    return (SavePayload(st, rs, sh, payload.chunk_name,
+                        chunks.state if chunks is not None else None), buffers, nbytes)

@@ -16,6 +16,9 @@ Layout, under ``local_dir`` (the same path on every host; each host sees its own
                                              here too), written LAST once every byte of
                                              them was received and checked (issue 26)
             untrusted-replica-<g>.json       a check of that replica failed: never chosen
+        .spare/<file key>                    data files of the step keep-last-K evicted last,
+                                             recycled as the next save's pages (no faults on
+                                             the save's copy: :mod:`xla_ckpt.io.mapped_writer`)
 
 The format is the durable one (:mod:`xla_ckpt.io.writer`): every blob has its crc32c
 chunks in the manifest, so every local byte is checked when read.  A host's part of a step
@@ -54,6 +57,9 @@ MARKER_VERSION = 1
 _MARKER_RE = re.compile(r"^host-(\d+)\.commit\.json$")
 _REPLICA_RE = re.compile(r"^replica-(\d+)\.commit\.json$")
 _TMP_MARK = ".tmp-"
+SPARE_FOLDER = ".spare"
+"""Where pruned data files wait to be recycled (a dot name: never a checkpoint's)."""
+_DATA_FILE_RE = re.compile(r"^data-[0-9a-f]+-(?P<key>.+)$")
 #: What a step takes beyond its tensor bytes, as :meth:`LocalTier.make_room` counts it (file
 #: headers, the manifest and marker, filesystem pages).
 ROOM_SLACK_BYTES = 64 * 1024
@@ -192,6 +198,44 @@ class LocalTier:
         p = self.path(name)
         os.makedirs(p, exist_ok=True)
         return LocalStorage(p)
+
+    # ---- spare pages -------------------------------------------------------------------
+    def spare_path(self, fname: str) -> str:
+        """Where a data file named like ``fname`` (any save id) waits to be recycled: the
+        rank that writes such a file takes it (:func:`~xla_ckpt.io.mapped_writer.stage_file`
+        renames it into its new step's folder; a miss makes a fresh file)."""
+        m = _DATA_FILE_RE.match(fname)
+        return os.path.join(self.folder, SPARE_FOLDER, m.group("key") if m else fname)
+
+    def spare_bytes(self) -> int:
+        """Bytes of the spare files held now (outside :meth:`used_bytes`)."""
+        return _folder_bytes(os.path.join(self.folder, SPARE_FOLDER))
+
+    def drop_spares(self) -> int:
+        """Delete every spare file (room is short); returns the bytes freed."""
+        n = self.spare_bytes()
+        shutil.rmtree(os.path.join(self.folder, SPARE_FOLDER), ignore_errors=True)
+        return n
+
+    def _keep_spares(self, step: LocalStep) -> None:
+        """Host leader, pruning: keep ``step``'s own data files as the spares (replacing the
+        spares kept before) when ``max_bytes`` leaves room for them next to what stays."""
+        folder = os.path.join(self.folder, SPARE_FOLDER)
+        nbytes = sum(step.files.values())
+        if self.max_bytes > 0 and self.used_bytes(exclude=[step.name]) + nbytes > self.max_bytes:
+            self.drop_spares()
+            return
+        os.makedirs(folder, exist_ok=True)
+        keep = set()
+        for fn in step.files:
+            dst = self.spare_path(fn)
+            with contextlib.suppress(OSError):
+                os.replace(os.path.join(self.path(step.name), fn), dst)
+                keep.add(os.path.basename(dst))
+        for fn in _listdir(folder):  # spares of files no save writes any more
+            if fn not in keep:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, fn))
 
     # ---- commit ------------------------------------------------------------------------
     def commit(self, step: LocalStep, manifest_bytes: bytes | None) -> None:
@@ -373,6 +417,10 @@ class LocalTier:
         need = nbytes + ROOM_SLACK_BYTES
         keep = self.newest(self.keep_last - 1) | self.protected
         gone = [name for name in self._folders() if name not in keep]
+        spare = self.spare_bytes()  # the new step's files recycle them: they count once
+        if spare and self.max_bytes > 0 and self.used_bytes() + max(spare, need) > \
+                self.max_bytes:
+            spare -= self.drop_spares()  # the spares go first
         # Over max_bytes: room_for found that it fits once only ``keep`` is left.
         if not (self.max_bytes > 0 and self.used_bytes() + need > self.max_bytes):
             try:
@@ -381,8 +429,14 @@ class LocalTier:
                 return []
             free = st.f_bavail * st.f_frsize
             # Nothing is removed unless that makes the room (a step larger than the whole
-            # filesystem fails its write with ENOSPC, and the kept steps stay).
-            if free >= need or free + self.used_bytes(exclude=keep) < need:
+            # filesystem fails its write with ENOSPC, and the kept steps stay).  The spares
+            # go first: a save recycles at most its own files' worth of them.
+            if free + min(spare, need) >= need:  # recycled pages need no free ones
+                return []
+            if free + spare + self.used_bytes(exclude=keep) < need:
+                return []
+            free += self.drop_spares()
+            if free >= need:
                 return []
         for name in gone:
             shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
@@ -395,6 +449,9 @@ class LocalTier:
         """Host leader: delete every folder but the newest ``keep_last`` committed steps and
         ``protect`` (a save in flight); uncommitted leftovers of earlier saves go too."""
         keep = self.newest(self.keep_last) | set(protect) | self.protected
+        evicted = [s for s in self.inventory() if s.name not in keep and not s.missing]
+        if evicted:
+            self._keep_spares(evicted[-1])
         gone = []
         for name in self._folders():
             if name not in keep:
@@ -463,7 +520,8 @@ class LocalTier:
 
     def _folders(self) -> list[str]:
         try:
-            return sorted(e.name for e in os.scandir(self.folder) if e.is_dir())
+            return sorted(e.name for e in os.scandir(self.folder)
+                          if e.is_dir() and not e.name.startswith("."))
         except FileNotFoundError:
             return []
 
@@ -479,6 +537,14 @@ def _untrusted(path: str, save_id: str) -> bool:
     except (OSError, ValueError, AttributeError):
         return True
     return not isinstance(named, str) or named == save_id
+
+
+def _folder_bytes(folder: str) -> int:
+    total = 0
+    for fn in _listdir(folder):
+        with contextlib.suppress(OSError):
+            total += os.stat(os.path.join(folder, fn)).st_size
+    return total
 
 
 def _write_file(path: str, data: bytes) -> None:

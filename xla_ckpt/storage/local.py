@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -221,6 +222,36 @@ class LocalStorage(Storage):
                 raise StoragePermissionError(f"{path}: {e.strerror}") from None
             if isinstance(e, OSError) and not isinstance(e, StorageError):
                 raise StorageError(f"{path}: write failed: {e}") from e
+            raise
+        return ObjectInfo(name=name, size=size, generation=gen)
+
+    def publish(self, tmp: str, name: str) -> ObjectInfo:
+        """Give the finished file ``tmp`` (in ``name``'s folder, written by the caller, e.g.
+        through a mapping: :mod:`xla_ckpt.io.mapped_writer`) the name ``name``, as
+        :meth:`write_atomic` ends: fsynced, a generation later than a file it replaces,
+        renamed, the folder fsynced.
+
+        Raises:
+            StorageError: it failed; ``tmp`` is removed.
+        """
+        path = self._object_path(name)
+        folder = os.path.dirname(path)
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            with folder_lock(folder, required=False):
+                gen = stamp(tmp, live_generation(path))
+                os.replace(tmp, path)
+            _fsync_dir(folder)
+        except BaseException as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if isinstance(e, OSError) and not isinstance(e, StorageError):
+                raise StorageError(f"{path}: publishing {tmp} failed: {e}") from e
             raise
         return ObjectInfo(name=name, size=size, generation=gen)
 
