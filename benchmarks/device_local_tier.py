@@ -6,12 +6,12 @@ a minute on an H200 host).  It has two halves and prints which ran:
 
 device half (only with CUDA; state: ``--size-mib`` MiB of fp32 tensors in CUDA memory)
   cuda_local_save_stall         ``mgr.after_update`` starting a local save (tmpfs local tier,
-                                durable schedule off, warmed up so the staging buffers are
-                                reused): the device-to-host copy into the manager's pageable
-                                host buffers, on the training thread
-  cuda_local_save_stall_pinned  the same with the manager's staging pool handing out pinned
-                                buffers (a patch of ``StagingPool.take`` made here: pinned
-                                staging is not a library option today)
+                                durable schedule off, warmed up so the evicted step's files
+                                are recycled): the device-to-host copy straight into the
+                                local data files' pages (pageable), on the training thread
+  cuda_local_save_stall_pinned  the same with those pages registered with CUDA
+                                (``cudaHostRegister``, once per mapping: a patch of
+                                ``MappedPages.open`` made here; not a library option today)
   cuda_d2h_pageable             torch: ``copy_`` of each tensor into preallocated pageable host
                                 tensors, then ``synchronize``
   cuda_d2h_pinned               torch: the same into pinned host tensors
@@ -38,7 +38,6 @@ is ``{"summary": ...}`` with the ratios and which halves ran.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -47,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -56,7 +55,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402 - after the sys.path insert above
 
 from benchmarks.gcs_restore import state_layout  # noqa: E402 - as above
-from xla_ckpt.manager import CheckpointConfig, CheckpointManager, staging  # noqa: E402 - as above
+from xla_ckpt.io import mapped_writer  # noqa: E402 - as above
+from xla_ckpt.manager import CheckpointConfig, CheckpointManager  # noqa: E402 - as above
 
 GiB = 1024**3
 DEVICE = "cuda"  # the device half's device
@@ -91,23 +91,35 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-@contextlib.contextmanager
-def pinned_staging() -> Iterator[None]:
-    """The manager's staging pool hands out pinned host buffers while inside."""
-    plain = staging.StagingPool.take
+def pin_pages(pages: mapped_writer.MappedPages) -> Callable[[], None]:
+    """From now on each mapping of the local tier's pages that ``pages`` (one manager's)
+    hands out is registered with CUDA once (``cudaHostRegister``: page-locked, so the save's
+    device-to-host copy is DMA straight into the data files' pages).  Returns the function
+    that unregisters them.  A benchmark-only patch of that one object's ``open``: pinned
+    pages are not a library option today."""
+    plain = pages.open
+    registered: dict[int, int] = {}
 
-    def take(self: staging.StagingPool, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            bufs = self._free.get(nbytes)
-            if bufs:
-                return bufs.pop()
-        return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    def open_pages(path: str, size: int) -> torch.Tensor:
+        view = plain(path, size)
+        storage = view.untyped_storage()
+        base, n = storage.data_ptr(), storage.nbytes()
+        if registered.get(base) != n:
+            if base in registered:
+                torch.cuda.cudart().cudaHostUnregister(base)
+            rc = torch.cuda.cudart().cudaHostRegister(base, n, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of {n} bytes of {path} failed: {rc}")
+            registered[base] = n
+        return view
 
-    staging.StagingPool.take = take  # type: ignore[method-assign]  # benchmark-only patch
-    try:
-        yield
-    finally:
-        staging.StagingPool.take = plain  # type: ignore[method-assign]  # restored
+    pages.open = open_pages  # type: ignore[method-assign]  # benchmark-only, this object only
+
+    def unpin() -> None:
+        for base in registered:
+            torch.cuda.cudart().cudaHostUnregister(base)
+        registered.clear()
+    return unpin
 
 
 class Saver:
@@ -214,13 +226,16 @@ def device_half(a: argparse.Namespace, work: str) -> dict[str, float]:
     host_pageable = copies(state)
     host_pinned = copies(state, pin=True)
     on_dev = copies(state, device=dev)
-    saver = Saver(work, "local_cuda", state, a.warmup)
-    with pinned_staging():
-        saver_pinned = Saver(work, "local_cuda_pinned", state, a.warmup)
+    saver = Saver(work, "local_cuda", state, 0)
+    saver_pinned = Saver(work, "local_cuda_pinned", state, 0)
+    unpin = pin_pages(saver_pinned.mgr._pages)
     try:
+        for _ in range(a.warmup):
+            saver()
+            saver_pinned()
+
         def stall_pinned() -> float:
-            with pinned_staging():
-                return saver_pinned()
+            return saver_pinned()
 
         def restore_to_device() -> float:
             secs, got = saver.restore(map_location=dev)
@@ -251,6 +266,7 @@ def device_half(a: argparse.Namespace, work: str) -> dict[str, float]:
         }, a.repeat, "device", size)
     finally:
         saver.close()
+        unpin()  # before the manager unmaps the pages
         saver_pinned.close()
 
 
@@ -258,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mib", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2, help="saves before the timed ones")
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="saves before the timed ones (keep-last-K + 2: evicted files recycled)")
     ap.add_argument("--shm", default="/dev/shm", help="tmpfs of the local tier")
     a = ap.parse_args(argv)
     torch.set_num_threads(min(4, os.cpu_count() or 1))

@@ -28,7 +28,7 @@ restore (one checkpoint saved once by a manager with ``local_dir``, so both tier
                           preallocated tensors (no process group); ``dcp_save`` (no target)
                           wrote it there
 stall (managers with ``local_interval_updates=1``, durable schedule off; warmed up first so
-the staging buffers are reused)
+the files of the step keep-last-K evicts are recycled: the save copies into their pages)
   local_save_stall        ``mgr.after_update(...)`` that starts a local save, on the calling
                           thread (the save is waited for outside the clock)
   copy_preallocated       ``dst.copy_(src)`` per tensor into preallocated host tensors
@@ -671,7 +671,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, default=512, help="state of the restore and stall")
     ap.add_argument("--repeat", type=int, default=3, help="runs per method (median reported)")
     ap.add_argument("--parts", default="restore,stall,steps")
-    ap.add_argument("--stall-warmup", type=int, default=2, help="saves before the timed ones")
+    ap.add_argument("--stall-warmup", type=int, default=4,
+                    help="saves before the timed ones (keep-last-K + 2: evicted files recycled)")
     ap.add_argument("--model", default=None, choices=("minilm", "tiny", "synthetic"),
                     help="the steps part's model (default: the demo's MiniLM; --quick: a "
                          "synthetic MLP 128 wide)")
