@@ -125,6 +125,9 @@ def test_a_recycled_file_keeps_its_inode_and_this_process_mapping(tmp_path):
         # The mapping of the unlinked spare was closed at that open: only the new file's left.
         (name,) = parts[0].files
         assert pages.nbytes == os.path.getsize(os.path.join(storage.root, name))
+        os.unlink(os.path.join(storage.root, name))  # pruned: its pages go once unmapped
+        pages.forget_unlinked()
+        assert pages.nbytes == 0
     finally:
         pages.close()
     assert pages.nbytes == 0

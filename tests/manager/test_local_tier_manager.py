@@ -712,6 +712,9 @@ def test_steady_local_saves_recycle_the_evicted_steps_files(dirs, room):
                 assert 0 < tier.spare_bytes() <= max(s.nbytes for s in steps)
             else:
                 assert tier.spare_bytes() == 0
+            # This process maps what it wrote and what waits to be recycled, nothing pruned
+            # (an unlinked file's pages would stay allocated while it is mapped).
+            assert mgr._pages.nbytes == sum(s.nbytes for s in steps) + tier.spare_bytes()
     assert mgr.local_committed == [f"checkpoint_1_{n}" for n in range(1, 8)]
     if room == "spare":  # (a tight tier's fresh files may get freed inode numbers again)
         for n in range(4, 8):

@@ -413,6 +413,7 @@ class SavePath(ManagerBase):
                     and not agreed.input_errors)  # this host's own copy of the replicated state
         local, host_ranks = False, dict[int, list[int]]()
         if tier is not None:
+            self._pages.forget_unlinked()  # pruned files' pages freed before the room check
             chunk = plan.chunk_item() if plan is not None else None
             est = local_save.nbytes_of([inputs.state if plan is None and (
                 self.rank == 0 or own_copy) else None, inputs.rank_state, inputs.flat,
@@ -707,6 +708,7 @@ class SavePath(ManagerBase):
         parts = steps.parts_from_json([b for b, _ in every], fl.save_id)
         self._replicate(fl.name, self._commit_local(fl, parts, errors, part.own_state),
                         fl.host_ranks)
+        self._pages.forget_unlinked()  # what this commit's pruning removed
         self._recycle(fl)  # the durable upload reads the local files, not the staged copy
         if not fl.durable:
             self._inflight = None
