@@ -687,7 +687,7 @@ def _file_inodes(tier: LocalTier, step) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("room", ["spare", "tight"])
-def test_steady_local_saves_recycle_the_evicted_steps_files(dirs, room):
+def test_steady_local_saves_recycle_the_evicted_steps_files(dirs, room, capsys):
     """keep_local_checkpoints=2, a local save every update.  With room for a spare, from the
     4th save on each save's data files are the files of the step the save before evicted
     (their inodes: their pages, and this process's mapping of them, are reused, so the
@@ -722,3 +722,15 @@ def test_steady_local_saves_recycle_the_evicted_steps_files(dirs, room):
     res = restore(cfg)
     assert_restored(res, 7, numel=numel)
     assert res.tier["tier"] == "local"
+    if room == "spare":  # the tools show the spares and gc deletes them, never a step
+        from xla_ckpt.cli.main import main
+
+        spare = tier.spare_bytes()
+        assert main(["ls", run, "--local-dir", local]) == 0
+        assert "of spare files (the next save recycles them)" in capsys.readouterr().out
+        assert main(["gc", run, "--keep-last", "2", "--local-dir", local]) == 0
+        assert f"deleted 0 folder(s); and {spare} bytes of spare files" in \
+            capsys.readouterr().out
+        assert tier.spare_bytes() == 0 and not os.path.exists(os.path.join(tier.folder, ".spare"))
+        assert [s.name for s in tier.inventory()] == ["checkpoint_1_6", "checkpoint_1_7"]
+        assert_restored(restore(cfg), 7, numel=numel)

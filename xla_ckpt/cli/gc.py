@@ -82,7 +82,11 @@ def run(args: argparse.Namespace) -> int:
     if tier is not None:
         gone = collect_local(tier, keep_last=keep_last if keep_last >= 0 else 1 << 30,
                              incomplete=args.incomplete, dry_run=args.dry_run)
+        spare = tier.spare_bytes()  # files kept for the next save to recycle: no checkpoint
+        if spare and not args.dry_run:
+            tier.drop_spares()
         print(f"local tier of host {tier.host} ({tier.folder}): "
               f"{'would delete' if args.dry_run else 'deleted'} {len(gone)} folder(s)"
-              + (f": {', '.join(gone)}" if gone else ""))
+              + (f": {', '.join(gone)}" if gone else "")
+              + (f"; and {spare} bytes of spare files" if spare else ""))
     return EXIT_OK

@@ -9,8 +9,8 @@
 * ``verify RUN --local-dir DIR [--step N]``: every crc32c of this host's copy of the newest
   committed local step (or of step N), only of the files this host holds.
 * ``gc RUN --local-dir DIR --keep-last N``: keep the newest N committed local steps (and the
-  newest N steps held as replicas); delete the rest, and uncommitted folders with
-  ``--incomplete``.
+  newest N steps held as replicas); delete the rest, the spare files kept for the next save
+  to recycle (``.spare/``), and uncommitted folders with ``--incomplete``.
 
 ``--host H`` names this host's index (default 0; ``{host}`` in DIR becomes it, as in
 ``checkpoint.local_dir``).
@@ -85,8 +85,11 @@ def listing(tier: Any) -> list[dict[str, Any]]:
 
 
 def print_listing(tier: Any, rows: list[dict[str, Any]]) -> None:
+    spare = tier.spare_bytes()
     print(f"local tier of host {tier.host}: {tier.folder}: "
-          f"{sum(r['state'] == 'committed' for r in rows)} committed, {len(rows)} folders")
+          f"{sum(r['state'] == 'committed' for r in rows)} committed, {len(rows)} folders"
+          + (f", {human_bytes(spare)} of spare files (the next save recycles them)"
+             if spare else ""))
     if rows:
         print(table([[r["name"], str(r.get("step", "-")), r.get("save_id", "-"),
                       str(r.get("lease_epoch", "-")), human_bytes(r["nbytes"]), r["state"],
