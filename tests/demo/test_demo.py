@@ -4,10 +4,12 @@ Real parts only: the GCS emulator subprocess and the shaped fault proxy in front
 processes on 2 emulated hosts (each its own loopback source address) with gloo and their own XLA
 CPU devices, a real SIGTERM, two resumes (every-rank reads, rank-0 broadcast) and the
 restore-only plans (per_host, striped, auto), the bytes served to each host counted by the
-proxy.  Then the sharded leg on 2 emulated hosts x 2 workers: the same run with FSDP2 and a
-local tier with peer replicas, preempted, restored on 4 workers (and trained on) and resharded
-onto 2 from GCS, then resharded onto 2 workers (one per host) from the tiers, each checked
-against the saved global tensors and DCP's restore of the same state.
+proxy; the same run goes on with the local-tier leg (SIGKILL, relaunches from host memory, a
+flipped byte, a replaced host), judged against the same reference.  Then the sharded leg on 2
+emulated hosts x 2 workers: the same run with FSDP2 and a local tier with peer replicas,
+preempted, restored on 4 workers (and trained on) and resharded onto 2 from GCS, then
+resharded onto 2 workers (one per host) from the tiers, each checked against the saved global
+tensors and DCP's restore of the same state.
 """
 
 import json
@@ -18,23 +20,39 @@ from typing import Any
 
 import pytest
 
+UPDATES = 10
+"""``train.max_updates`` of the replicated demo run: the local leg's crash at update 5, its
+relaunch to the durable step 8 and the flipped-byte relaunch to 10 need that many."""
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_demo_tiny_resumes_bitwise_with_every_plan():
+
+@pytest.fixture(scope="module")
+def replicated_demo() -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
+    """One `xla-ckpt demo --legs ddp,local --workers 2` run, shared by the ddp and local tests
+    below (the README's order: the local leg reuses the ddp leg's uninterrupted reference
+    rather than training one of its own).  Returns the finished process and its --json report
+    (empty when it failed: each test then fails on the exit code with the log's tail)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, "-m", "xla_ckpt.cli.main", "demo", "--model", "tiny", "--workers", "2",
-         "--legs", "ddp",  # the fsdp and local legs have tests of their own (below)
-         "--json", "train.max_updates=8", "checkpoint.save_interval_updates=2"],
-        capture_output=True, text=True, env=env, timeout=580)
+         "--legs", "ddp,local",  # the fsdp leg (4 workers) has a test of its own (below)
+         "--json", f"train.max_updates={UPDATES}", "checkpoint.save_interval_updates=2"],
+        capture_output=True, text=True, env=env, timeout=1100)
+    report = json.loads(proc.stdout) if proc.returncode == 0 else {}
+    return proc, report
+
+
+VERDICT = ("PASS: every restore bitwise identical: ddp (all_ranks, broadcast, per_host, striped, "
+           "auto), local (crash, flipped, replaced); 8 restores in ")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_demo_tiny_resumes_bitwise_with_every_plan(replicated_demo):
+    proc, report = replicated_demo
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(proc.stdout.strip().splitlines()) == 1  # --json: one object on stdout
-    report = json.loads(proc.stdout)
     # One verdict, last, naming every restore by leg; on stderr too (stdout is the JSON).
-    assert report["verdict"].startswith(
-        "PASS: every restore bitwise identical: ddp (all_ranks, broadcast, per_host, striped, "
-        "auto); 5 restores in ")
+    assert report["verdict"].startswith(VERDICT)
     err = proc.stderr.splitlines()
     assert [ln for ln in err if ln.startswith(("PASS", "FAIL"))] == [report["verdict"]]
     # Progress: one prefix on every line, a start and an end line for every leg and phase.
@@ -43,15 +61,19 @@ def test_demo_tiny_resumes_bitwise_with_every_plan():
     assert all(ln.startswith("xla-ckpt demo: [") for ln in progress)
     messages = [ln.split("] ", 1)[1] for ln in progress]
     for what in ("leg ddp", "phase reference", "phase train", "phase resume-all_ranks",
-                 "phase resume-broadcast"):
+                 "phase resume-broadcast", "leg local", "phase local-train",
+                 "phase local-crash", "phase local-flipped", "phase local-replaced"):
         assert sum(m.startswith(f"{what}: started") for m in messages) == 1, what
         assert sum(m.startswith(f"{what}: done in ") for m in messages) == 1, what
+    # The local leg judged its relaunches against the ddp leg's reference: none of its own.
+    assert not any(m.startswith("phase local-reference") for m in messages)
     assert report["bitwise_identical"] == {
-        "all_ranks": True, "broadcast": True, "per_host": True, "striped": True, "auto": True}
-    assert report["workers"] == 2 and report["updates"] == 8
+        "all_ranks": True, "broadcast": True, "per_host": True, "striped": True, "auto": True,
+        "local_crash": True, "local_flipped": True, "local_replaced": True}
+    assert report["workers"] == 2 and report["updates"] == UPDATES
     assert report["hosts"] == 2  # the default: 2 emulated hosts (here of 1 worker each)
     assert report["restore_link"]["stream_mib_s"] == 32.0
-    assert 1 <= report["preempted_at_update"] < 8
+    assert 1 <= report["preempted_at_update"] < UPDATES
     assert report["checkpoint"].endswith(f"_{report['preempted_at_update']}")
     assert [r["strategy"] for r in report["restores"]] == [
         "all_ranks", "broadcast", "per_host", "striped", "auto"]
@@ -94,6 +116,12 @@ def test_demo_tiny_resumes_bitwise_with_every_plan():
     assert auto["plan"] == min(auto["predictions"], key=auto["predictions"].get)
 
 
+FSDP_UPDATES = 6
+"""``train.max_updates`` of the fsdp leg's run: SIGTERM once update 3 is done, after the
+scheduled save of update 2 (its phases' time is mostly the 4 workers' start-up; more updates
+add nothing the assertions look at)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_tiny_fsdp_leg_reshards_from_the_tiers():
@@ -104,7 +132,7 @@ def test_demo_tiny_fsdp_leg_reshards_from_the_tiers():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, "-m", "xla_ckpt.cli.main", "demo", "--model", "tiny", "--workers", "4",
-         "--legs", "fsdp", "--json", "train.max_updates=8",
+         "--legs", "fsdp", "--json", f"train.max_updates={FSDP_UPDATES}",
          "checkpoint.save_interval_updates=2"],
         capture_output=True, text=True, env=env, timeout=580)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -123,7 +151,7 @@ def test_demo_tiny_fsdp_leg_reshards_from_the_tiers():
     sh = report["sharded"]
     assert (sh["workers"], sh["hosts"], sh["local_replicas"]) == (4, 2, 1)
     assert sh["saved_shards_match"] is True and "tier_resharded_skipped" not in sh
-    assert 1 <= sh["preempted_at_update"] < 8
+    assert 1 <= sh["preempted_at_update"] < FSDP_UPDATES
     name = sh["checkpoint_name"]
     assert name == f"checkpoint_1_{sh['preempted_at_update']}"
     assert sh["checkpoint"].endswith(f"-fsdp/{name}")
@@ -643,21 +671,15 @@ def test_demo_legs_option():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_demo_tiny_local_leg_restores_a_crash_from_host_memory():
-    """`xla-ckpt demo --legs local`: SIGKILL, a relaunch from every host's local folder with no
-    checkpoint byte from GCS, then a flipped byte whose tensor alone comes from GCS, then a
-    replaced host whose part comes from its peer's replica, again with no byte from GCS."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "xla_ckpt.cli.main", "demo", "--model", "tiny", "--workers", "2",
-         "--legs", "local", "--json", "train.max_updates=10"],
-        capture_output=True, text=True, env=env, timeout=580)
+@pytest.mark.timeout(1200)
+def test_demo_tiny_local_leg_restores_a_crash_from_host_memory(replicated_demo):
+    """The local leg of the shared `--legs ddp,local` run: SIGKILL, a relaunch from every
+    host's local folder with no checkpoint byte from GCS, then a flipped byte whose tensor
+    alone comes from GCS, then a replaced host whose part comes from its peer's replica, again
+    with no byte from GCS."""
+    proc, report = replicated_demo
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
-    assert report["verdict"].startswith(
-        "PASS: every restore bitwise identical: local (crash, flipped, replaced); 3 restores "
-        "in ")
+    assert report["verdict"].startswith(VERDICT)
     loc = report["local"]
     assert (loc["hosts"], loc["local_interval_updates"], loc["save_interval_updates"]) == (2, 1, 4)
     assert not os.path.exists(loc["local_dir"].rsplit("/", 1)[0])  # removed at the end
