@@ -43,7 +43,9 @@ class CheckpointConfig:
             writes the live state itself and waits for the commit.)
         reuse_staging_buffers: keep the host buffers of the last async save for the next
             one (one copy of the state stays in host memory; saves the page faults of
-            fresh allocations, several times the copy itself).
+            fresh allocations, several times the copy itself).  Saves with a local copy
+            use no staging buffer: they copy into the local data files' pages, recycling
+            the files keep-last-K evicts (:mod:`xla_ckpt.io.mapped_writer`).
         handle_sigterm: install a SIGTERM handler that asks for a save at the next
             update boundary (preemption on Cloud TPU / GKE spot).
         exit_on_preemption: after the preemption save commits, raise ``SystemExit(0)``.

@@ -17,7 +17,9 @@ tensors (DTensor, XLA SPMD) takes the chunked path:
 :func:`~xla_ckpt.restore.owners.plan_chunked_save` (collective, on the training thread)
 decides who writes which box; each rank's boxes go into its one data file as item
 ``chunks/<r>`` with its ``rank/<r>`` and ``shard/<r>`` items (an async save first copies
-them to reused host buffers, :func:`~xla_ckpt.manager.staging.stage_dense`); rank 0 commits
+them to reused host buffers, :func:`~xla_ckpt.manager.staging.stage_payload`, or, with a
+local tier, straight into the pages of its local data file,
+:func:`~xla_ckpt.manager.local_save.stage_local`); rank 0 commits
 the state tree as a chunked item plus the global tensors' chunk tables
 (:func:`~xla_ckpt.restore.save_steps.commit_save`).
 
