@@ -118,7 +118,7 @@ def agree_on_room(exchange: Callable[[Any], list[Any]], tier: LocalTier, *, host
 
 
 def write_local(tier: LocalTier, name: str, save_id: str, payload: steps.SavePayload,
-                rank: int, *, own_state: Any = None, pages: MappedPages | None = None,
+                rank: int, *, pages: MappedPages, own_state: Any = None,
                 direct: Storage | None = None) -> LocalPart:
     """One rank, all at once (a blocking save, on the caller's thread):
     :func:`stage_local` then :func:`finish_local`.  A failure (ENOSPC) removes this rank's
@@ -126,7 +126,7 @@ def write_local(tier: LocalTier, name: str, save_id: str, payload: steps.SavePay
     ``payload`` is then written there instead."""
     try:
         staged = stage_local(tier, name, save_id, payload, rank, own_state=own_state,
-                             pages=pages or MappedPages())
+                             pages=pages)
     except Exception as e:  # noqa: BLE001 - the local copy is best effort; reported, not raised
         out = failed(tier, name, rank, f"{type(e).__name__}: {e}", durable=direct is not None)
         if direct is not None:
