@@ -583,15 +583,20 @@ def _read_line(fd: int, timeout_s: float) -> dict | None:
     return json.loads(line) if line else None
 
 
+def kill_and_reap(pid: int) -> None:
+    """SIGKILL ``pid`` if it still runs and reap it (a teardown, whatever state it ended in)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
 def kill_all(procs: Iterable[tuple[int, int]]) -> None:
     """SIGKILL every ``(pid, pipe fd)`` still running, reap it and close its pipe (a job's
     teardown, whatever state it ended in)."""
     for pid, r in procs:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        kill_and_reap(pid)
         os.close(r)
 
 
@@ -1200,11 +1205,7 @@ def run_fencing_point(run_uri: str, backend: str, variant: str, point: KillPoint
         return out
     finally:
         for p in pids:  # nothing is left running, whatever went wrong
-            try:
-                os.kill(p, signal.SIGKILL)
-                os.waitpid(p, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
+            kill_and_reap(p)
         os.close(r)
         if resume is not None:
             os.close(resume)
